@@ -1,0 +1,120 @@
+// Package v1 holds the wire types of the tokenbroker HTTP API, version 1.
+//
+// These types are the Go side of api/openapi.yaml and are shared by the
+// server, the agent, the CLI and the tests, so that every side of the wire
+// agrees on field names by construction. They carry no behaviour beyond
+// syntactic validation of what a client sends.
+package v1
+
+import "time"
+
+// Media types used by the API.
+const (
+	MediaTypeJSON    = "application/json"
+	MediaTypeYAML    = "application/yaml"
+	MediaTypeProblem = "application/problem+json"
+)
+
+// Credential kinds a caller can ask for.
+const (
+	CredentialToken             = "token"
+	CredentialClientCertificate = "clientCertificate"
+)
+
+// KubeconfigRequest is the body of POST /v1/kubeconfigs.
+type KubeconfigRequest struct {
+	// Namespace of the ServiceAccount in the target cluster.
+	Namespace string `json:"namespace"`
+	// ServiceAccount is the name of the ServiceAccount to mint a credential for.
+	ServiceAccount string `json:"serviceAccount"`
+	// TTL is the lifetime the caller asks for, as a Go duration ("2h").
+	// Empty means the policy default.
+	TTL string `json:"ttl,omitempty"`
+	// MinTTL, if set, is the shortest lifetime the caller accepts; a shorter
+	// grant is refused with 422 instead of being returned.
+	MinTTL string `json:"minTTL,omitempty"`
+	// Audiences for the token; empty means the API server's default audience.
+	Audiences []string `json:"audiences,omitempty"`
+	// Credential is the kind of credential; empty means "token".
+	Credential string `json:"credential,omitempty"`
+}
+
+// KubeconfigResponse is the 201 answer of POST /v1/kubeconfigs.
+type KubeconfigResponse struct {
+	LeaseID      string    `json:"leaseId"`
+	Kubeconfig   string    `json:"kubeconfig"`
+	Token        string    `json:"token,omitempty"`
+	ExpiresAt    time.Time `json:"expiresAt"`
+	RequestedTTL string    `json:"requestedTTL"`
+	GrantedTTL   string    `json:"grantedTTL"`
+	// ClampedBy says why the granted TTL is shorter (or longer) than the
+	// requested one: "grant.maxTTL", "policy.maxTTL", "tokenrequest.minimum"
+	// or "apiserver". Empty when the request was granted as asked.
+	ClampedBy string `json:"clampedBy,omitempty"`
+}
+
+// Lease describes one issued credential. The credential itself is never
+// part of a lease.
+type Lease struct {
+	ID             string    `json:"id"`
+	Peer           string    `json:"peer"`
+	Namespace      string    `json:"namespace"`
+	ServiceAccount string    `json:"serviceAccount"`
+	Credential     string    `json:"credential"`
+	CreatedAt      time.Time `json:"createdAt"`
+	ExpiresAt      time.Time `json:"expiresAt"`
+}
+
+// LeaseList is the answer of GET /v1/leases.
+type LeaseList struct {
+	Items []Lease `json:"items"`
+}
+
+// Grant is one grant of the policy as it applies to a peer.
+type Grant struct {
+	Namespaces      []string `json:"namespaces"`
+	ServiceAccounts []string `json:"serviceAccounts"`
+	MaxTTL          string   `json:"maxTTL"`
+	Credential      string   `json:"credential"`
+}
+
+// WhoAmI is the answer of GET /v1/whoami.
+type WhoAmI struct {
+	// Identity is the SPIFFE ID from the caller's client certificate.
+	Identity string `json:"identity"`
+	// Peer is the policy name of the peer with that identity; empty if the
+	// policy does not know it.
+	Peer string `json:"peer,omitempty"`
+	// Grants that apply to the caller; empty means every request is denied.
+	Grants []Grant `json:"grants"`
+	// Certificate describes the presented client certificate.
+	Certificate CertificateInfo `json:"certificate"`
+}
+
+// CertificateInfo is a short description of an X.509 certificate.
+type CertificateInfo struct {
+	Subject      string    `json:"subject"`
+	SerialNumber string    `json:"serialNumber"`
+	NotBefore    time.Time `json:"notBefore"`
+	NotAfter     time.Time `json:"notAfter"`
+	SHA256       string    `json:"sha256"`
+}
+
+// Problem is an RFC 9457 problem details object.
+type Problem struct {
+	Type     string `json:"type"`
+	Title    string `json:"title"`
+	Status   int    `json:"status"`
+	Detail   string `json:"detail,omitempty"`
+	Instance string `json:"instance,omitempty"`
+	// RequestID lets an operator find the log line of this request.
+	RequestID string `json:"requestId,omitempty"`
+	// Errors lists field-level validation errors.
+	Errors []FieldError `json:"errors,omitempty"`
+}
+
+// FieldError is one invalid field of a request.
+type FieldError struct {
+	Field  string `json:"field"`
+	Detail string `json:"detail"`
+}
