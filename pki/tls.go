@@ -1,0 +1,44 @@
+package pki
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+)
+
+// ServerTLSConfig is the mTLS server profile, the only server TLS settings in
+// tokenbroker: TLS 1.3 only, a client certificate is required and verified
+// against clientCAs (for client authentication) before any handler runs, and
+// the server certificate comes from certs on every handshake, so rotating the
+// files rotates the certificate without a restart.
+//
+// The profile checks the chain, not the peer's identity: the caller maps the
+// verified leaf to a cluster with IdentityFromCert. NextProtos is left empty
+// so that net/http can fill in its own ("h2", "http/1.1"). certs must not be
+// nil.
+func ServerTLSConfig(certs *CertReloader, clientCAs *x509.CertPool) *tls.Config {
+	return &tls.Config{
+		MinVersion:     tls.VersionTLS13,
+		MaxVersion:     tls.VersionTLS13,
+		ClientAuth:     tls.RequireAndVerifyClientCert,
+		ClientCAs:      clientCAs,
+		GetCertificate: certs.GetCertificate,
+	}
+}
+
+// ClientTLSConfig is the mTLS client profile: TLS 1.3 only, the server must
+// chain to rootCAs, and the client certificate comes from cert on every
+// handshake. cert may be nil for a client with no certificate yet (enrollment
+// with a join token). rootCAs should not be nil: nil means the system roots,
+// which are never right for tokenbroker peers. The caller sets ServerName when
+// it differs from the dialled host.
+func ClientTLSConfig(rootCAs *x509.CertPool, cert *CertReloader) *tls.Config {
+	cfg := &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		MaxVersion: tls.VersionTLS13,
+		RootCAs:    rootCAs,
+	}
+	if cert != nil {
+		cfg.GetClientCertificate = cert.GetClientCertificate
+	}
+	return cfg
+}
