@@ -1,0 +1,364 @@
+package broker
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/issuers"
+)
+
+// Issuer mints one kind of credential. Errors are returned unclassified;
+// the broker classifies Kubernetes API errors itself.
+type Issuer interface {
+	Issue(ctx context.Context, req issuers.Request) (issuers.Credential, error)
+}
+
+// Labels, annotations and the Secret type of a lease Secret.
+const (
+	LabelManagedBy      = "app.kubernetes.io/managed-by"
+	ManagedByValue      = "tokenbroker"
+	LabelLeaseID        = "tokenbroker.io/lease-id"
+	LabelPeer           = "tokenbroker.io/peer"
+	AnnotationExpiresAt = "tokenbroker.io/expires-at"
+	AnnotationIdentity  = "tokenbroker.io/identity"
+	AnnotationSA        = "tokenbroker.io/service-account"
+	AnnotationCred      = "tokenbroker.io/credential"
+	SecretTypeLease     = corev1.SecretType("tokenbroker.io/lease")
+	leaseSecretPrefix   = "tokenbroker-lease-"
+)
+
+// leaseIDEncoding makes 26-character lowercase ids from 16 random bytes;
+// they are valid label values and Secret name suffixes.
+var leaseIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+// ValidLeaseID reports whether id has the shape of a lease id, so that
+// lookups of anything else never reach the API server.
+func ValidLeaseID(id string) bool {
+	if len(id) != 26 {
+		return false
+	}
+	for _, c := range id {
+		if (c < 'a' || c > 'z') && (c < '2' || c > '7') {
+			return false
+		}
+	}
+	return true
+}
+
+// Config is what a Broker needs. Secrets, Issuers, Policy and Logger are
+// required.
+type Config struct {
+	// Secrets is where lease Secrets are kept.
+	Secrets corev1client.SecretsGetter
+	// Issuers by credential kind (apiv1.CredentialToken, ...). A kind
+	// missing here is refused even if the policy grants it.
+	Issuers map[string]Issuer
+	Policy  *PolicyStore
+	Logger  *zap.Logger
+	// APIServerReady reports whether the API server answers; used by Ready.
+	APIServerReady func(ctx context.Context) error
+	// Metrics, if set, records issuance outcomes and API call time.
+	Metrics *Metrics
+	// Now and Rand default to time.Now and crypto/rand.
+	Now  func() time.Time
+	Rand io.Reader
+	// CleanupTimeout bounds the deletion of a lease after a failed
+	// request; default 10s.
+	CleanupTimeout time.Duration
+}
+
+// Broker is the domain core. It is safe for concurrent use.
+type Broker struct {
+	cfg Config
+}
+
+// New checks cfg and returns a Broker.
+func New(cfg Config) (*Broker, error) {
+	if cfg.Secrets == nil || cfg.Policy == nil || cfg.Logger == nil {
+		return nil, errors.New("broker: Secrets, Policy and Logger are required")
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Rand == nil {
+		cfg.Rand = rand.Reader
+	}
+	if cfg.CleanupTimeout == 0 {
+		cfg.CleanupTimeout = 10 * time.Second
+	}
+	return &Broker{cfg: cfg}, nil
+}
+
+func (b *Broker) policy() (*Policy, error) {
+	p := b.cfg.Policy.Load()
+	if p == nil {
+		return nil, Errorf(KindUnavailable, "no policy is loaded")
+	}
+	return p, nil
+}
+
+// IssueKubeconfig authorizes req for caller, creates a lease Secret, mints
+// a credential bound to it and returns the kubeconfig. On any failure the
+// lease Secret is deleted again. req must have passed syntactic validation;
+// the TTL strings are parsed again here so that the broker never trusts its
+// caller.
+func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+	start := b.cfg.Now()
+	resp, outcome, err := b.issue(ctx, c, req)
+	b.cfg.Metrics.observeIssue(outcome, b.cfg.Now().Sub(start))
+	return resp, err
+}
+
+func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, string, error) {
+	log := b.cfg.Logger.With(
+		zap.String("identity", c.Identity),
+		zap.String("namespace", req.Namespace),
+		zap.String("service_account", req.ServiceAccount),
+		zap.String("requested_ttl", req.TTL),
+	)
+	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
+	if err != nil {
+		return nil, outcomeInvalid, err
+	}
+	p, err := b.policy()
+	if err != nil {
+		return nil, outcomeError, err
+	}
+	d, err := p.Decide(c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
+	if err != nil {
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
+		if KindOf(err) == KindForbidden {
+			return nil, outcomeDenied, err
+		}
+		return nil, outcomeUnprocessable, err
+	}
+	issuer := b.cfg.Issuers[d.Credential]
+	if issuer == nil {
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
+		return nil, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
+	}
+
+	id, err := b.newLeaseID()
+	if err != nil {
+		return nil, outcomeError, err
+	}
+	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
+	now := b.cfg.Now()
+	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
+	t0 := time.Now()
+	created, err := b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
+	b.cfg.Metrics.observeAPI("create_lease", time.Since(t0))
+	if err != nil {
+		err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
+		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
+		return nil, outcomeFor(err), err
+	}
+	// From here on, every failure must delete the lease: no orphans.
+	fail := func(outcome string, err error) (*apiv1.KubeconfigResponse, string, error) {
+		b.deleteLease(ctx, created, log)
+		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "issuance failed"), zap.Error(err))
+		return nil, outcome, err
+	}
+
+	issueStart := b.cfg.Now()
+	t0 = time.Now()
+	cred, err := issuer.Issue(ctx, issuers.Request{
+		Namespace:      req.Namespace,
+		ServiceAccount: req.ServiceAccount,
+		TTL:            d.TTL,
+		Audiences:      req.Audiences,
+		Lease:          issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID},
+	})
+	b.cfg.Metrics.observeAPI("issue_"+d.Credential, time.Since(t0))
+	if err != nil {
+		err = classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
+		return fail(outcomeFor(err), err)
+	}
+
+	granted, clampedBy := d.TTL, d.ClampedBy
+	expected := now.Add(d.TTL)
+	if cred.ExpiresAt.Before(expected.Add(-5 * time.Second)) {
+		// The API server shortened the lifetime (its
+		// --service-account-max-token-expiration): report what it granted.
+		// Token expiries are whole seconds, so round up what is left
+		// since the call started: "1h", not "59m59s".
+		left := cred.ExpiresAt.Sub(issueStart)
+		granted = left.Truncate(time.Second)
+		if left > granted {
+			granted += time.Second
+		}
+		clampedBy = ClampedByAPIServer
+	}
+	if minTTL > 0 && granted < minTTL {
+		return fail(outcomeUnprocessable, Errorf(KindUnprocessable,
+			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
+	}
+	if clampedBy == ClampedByAPIServer {
+		// Keep the lease's recorded expiry true for listings and the GC.
+		if err := b.setExpiry(ctx, created, cred.ExpiresAt); err != nil {
+			return fail(outcomeFor(err), err)
+		}
+	}
+
+	kc, err := buildKubeconfig(p.Cluster, req.Namespace, req.ServiceAccount, cred.Token)
+	if err != nil {
+		return fail(outcomeError, fmt.Errorf("build kubeconfig: %w", err))
+	}
+	log.Info("decision", zap.Bool("allowed", true),
+		zap.String("granted_ttl", granted.String()),
+		zap.String("clamped_by", clampedBy),
+		zap.Time("expires_at", cred.ExpiresAt),
+		zap.String("token_jti", tokenJTI(cred.Token)))
+	reqTTL := ""
+	if requested != 0 {
+		reqTTL = requested.String()
+	}
+	return &apiv1.KubeconfigResponse{
+		LeaseID:      id,
+		Kubeconfig:   string(kc),
+		Token:        cred.Token,
+		ExpiresAt:    cred.ExpiresAt.UTC(),
+		RequestedTTL: reqTTL,
+		GrantedTTL:   granted.String(),
+		ClampedBy:    clampedBy,
+	}, outcomeGranted, nil
+}
+
+// parseTTLs parses the request's durations; empty means zero.
+func parseTTLs(ttl, minTTL string) (time.Duration, time.Duration, error) {
+	var fields []apiv1.FieldError
+	parse := func(name, s string) time.Duration {
+		if s == "" {
+			return 0
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d <= 0 {
+			fields = append(fields, apiv1.FieldError{Field: name, Detail: `must be a positive Go duration such as "1h"`})
+			return 0
+		}
+		return d
+	}
+	t, m := parse("ttl", ttl), parse("minTTL", minTTL)
+	if len(fields) > 0 {
+		return 0, 0, Invalid(fields...)
+	}
+	return t, m, nil
+}
+
+func (b *Broker) newLeaseID() (string, error) {
+	var buf [16]byte
+	if _, err := io.ReadFull(b.cfg.Rand, buf[:]); err != nil {
+		return "", fmt.Errorf("generate lease id: %w", err)
+	}
+	return leaseIDEncoding.EncodeToString(buf[:]), nil
+}
+
+func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
+	return &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      leaseSecretPrefix + id,
+			Namespace: req.Namespace,
+			Labels: map[string]string{
+				LabelManagedBy: ManagedByValue,
+				LabelLeaseID:   id,
+				LabelPeer:      d.Peer,
+			},
+			Annotations: map[string]string{
+				AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+				AnnotationIdentity:  c.Identity,
+				AnnotationSA:        req.ServiceAccount,
+				AnnotationCred:      d.Credential,
+			},
+		},
+		Type: SecretTypeLease,
+	}
+}
+
+// setExpiry records a new expiry on a lease Secret.
+func (b *Broker) setExpiry(ctx context.Context, s *corev1.Secret, at time.Time) error {
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, AnnotationExpiresAt, at.UTC().Format(time.RFC3339))
+	t0 := time.Now()
+	_, err := b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	b.cfg.Metrics.observeAPI("patch_lease", time.Since(t0))
+	if err != nil {
+		return classify(err, "record lease expiry", "lease Secret vanished")
+	}
+	return nil
+}
+
+// deleteLease removes a lease Secret after a failed request. It runs even
+// when the request's context is done (the client may have gone away), with
+// its own timeout; if it fails, the GC removes the Secret once it expires.
+func (b *Broker) deleteLease(ctx context.Context, s *corev1.Secret, log *zap.Logger) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.CleanupTimeout)
+	defer cancel()
+	if err := b.deleteSecret(ctx, s); err != nil {
+		log.Error("delete lease after failed request", zap.String("secret", s.Namespace+"/"+s.Name), zap.Error(err))
+	}
+}
+
+func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
+	uid := s.UID
+	t0 := time.Now()
+	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{
+		Preconditions: &metav1.Preconditions{UID: &uid},
+	})
+	b.cfg.Metrics.observeAPI("delete_lease", time.Since(t0))
+	if err != nil && !isNotFound(err) {
+		return fmt.Errorf("delete lease Secret %s/%s: %w", s.Namespace, s.Name, err)
+	}
+	return nil
+}
+
+// WhoAmI returns the policy name of the caller and the grants that apply.
+func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
+	p := b.cfg.Policy.Load()
+	if p == nil {
+		return "", []apiv1.Grant{}
+	}
+	return p.Grants(c.Identity)
+}
+
+// Ready reports whether a policy is loaded and the API server answers.
+func (b *Broker) Ready(ctx context.Context) error {
+	if b.cfg.Policy.Load() == nil {
+		return errors.New("no policy loaded")
+	}
+	if b.cfg.APIServerReady != nil {
+		if err := b.cfg.APIServerReady(ctx); err != nil {
+			return fmt.Errorf("API server not ready: %w", err)
+		}
+	}
+	return nil
+}
+
+func errDetail(err error) string {
+	var be *Error
+	if errors.As(err, &be) && be.Detail != "" {
+		return be.Detail
+	}
+	return err.Error()
+}
+
+// tokenJTI returns the jti claim of a JWT without verifying it, for the
+// audit log; the token itself is never logged.
+func tokenJTI(token string) string {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return ""
+	}
+	return jtiFromPayload(parts[1])
+}

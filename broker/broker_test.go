@@ -1,0 +1,261 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/tools/clientcmd"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/issuers"
+)
+
+// fakeIssuer stands in for the API server's TokenRequest in pure-logic
+// tests; what the API server decides is tested in test/integration.
+type fakeIssuer struct {
+	mu      sync.Mutex
+	err     error
+	shorten time.Duration // grant this much less than asked
+	got     []issuers.Request
+}
+
+const secretToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJqdGktNDIifQ.c2lnbmF0dXJlLXRoYXQtbXVzdC1uZXZlci1iZS1sb2dnZWQ"
+
+func (f *fakeIssuer) Issue(_ context.Context, req issuers.Request) (issuers.Credential, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.got = append(f.got, req)
+	if f.err != nil {
+		return issuers.Credential{}, f.err
+	}
+	// Whole seconds, like a JWT exp.
+	return issuers.Credential{Token: secretToken, ExpiresAt: time.Now().Add(req.TTL - f.shorten).Truncate(time.Second)}, nil
+}
+
+type env struct {
+	b      *Broker
+	client *fake.Clientset
+	iss    *fakeIssuer
+	logs   *observer.ObservedLogs
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	core, logs := observer.New(zap.DebugLevel)
+	client := fake.NewClientset()
+	iss := &fakeIssuer{}
+	b, err := New(Config{
+		Secrets: client.CoreV1(),
+		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
+		Policy:  NewPolicyStore(mustPolicy(t, testPolicy)),
+		Logger:  zap.New(core),
+	})
+	require.NoError(t, err)
+	return &env{b: b, client: client, iss: iss, logs: logs}
+}
+
+var west = Caller{Identity: "spiffe://oc.example/cluster/west"}
+
+func (e *env) leaseCount(t *testing.T) int {
+	t.Helper()
+	l, err := e.client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{})
+	require.NoError(t, err)
+	return len(l.Items)
+}
+
+func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{
+		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h", Audiences: []string{"aud"},
+	})
+	require.NoError(t, err)
+	require.True(t, ValidLeaseID(resp.LeaseID), resp.LeaseID)
+	require.Equal(t, "2h0m0s", resp.GrantedTTL)
+	require.Empty(t, resp.ClampedBy)
+
+	cfg, err := clientcmd.Load([]byte(resp.Kubeconfig))
+	require.NoError(t, err)
+	rc, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
+	require.NoError(t, err)
+	require.Equal(t, "https://east.example.com:6443", rc.Host)
+	require.Equal(t, secretToken, rc.BearerToken)
+	ns, _, err := clientcmd.NewDefaultClientConfig(*cfg, nil).Namespace()
+	require.NoError(t, err)
+	require.Equal(t, "argo", ns)
+
+	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, "west", s.Labels[LabelPeer])
+	require.Equal(t, resp.LeaseID, s.Labels[LabelLeaseID])
+	require.NotEmpty(t, s.Annotations[AnnotationExpiresAt])
+	require.Len(t, e.iss.got, 1)
+	require.Equal(t, "Secret", e.iss.got[0].Lease.Kind)
+	require.Equal(t, s.Name, e.iss.got[0].Lease.Name)
+	require.Equal(t, []string{"aud"}, e.iss.got[0].Audiences)
+}
+
+func TestFailedIssuanceLeavesNoLease(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.iss.err = errors.New("connection refused")
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Zero(t, e.leaseCount(t))
+}
+
+func TestCancelledRequestStillDeletesItsLease(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	e.iss.err = context.Canceled
+	cancel()
+	// The fake clientset ignores ctx for Create, so the lease is created; the
+	// cleanup must not use the cancelled context.
+	_, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.Error(t, err)
+	require.Zero(t, e.leaseCount(t))
+}
+
+func TestAShortenedGrantBelowMinTTLIsRefusedAndLeavesNoLease(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.iss.shorten = time.Hour
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{
+		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h", MinTTL: "90m",
+	})
+	require.Equal(t, KindUnprocessable, KindOf(err))
+	require.Zero(t, e.leaseCount(t))
+}
+
+func TestAShortenedGrantIsReportedAndRecorded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.iss.shorten = time.Hour
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{
+		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h",
+	})
+	require.NoError(t, err)
+	require.Equal(t, ClampedByAPIServer, resp.ClampedBy)
+	require.Equal(t, "1h0m0s", resp.GrantedTTL)
+	l, err := e.b.GetLease(context.Background(), west, resp.LeaseID)
+	require.NoError(t, err)
+	require.WithinDuration(t, resp.ExpiresAt, l.ExpiresAt, 2*time.Second)
+}
+
+func TestTheTokenIsNeverLogged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+	require.NoError(t, e.b.RevokeLease(context.Background(), west, resp.LeaseID))
+	require.NotZero(t, e.logs.Len())
+	var sawJTI bool
+	for _, entry := range e.logs.All() {
+		for k, v := range entry.ContextMap() {
+			s, _ := v.(string)
+			require.NotContains(t, s, "c2lnbmF0dXJl", "field %s holds the token", k)
+			if k == "token_jti" && s == "jti-42" {
+				sawJTI = true
+			}
+		}
+		require.NotContains(t, entry.Message, "c2lnbmF0dXJl")
+	}
+	require.True(t, sawJTI, "the decision log names the token's jti")
+}
+
+func TestDeniedRequestsCreateNothingAndAreLogged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "kube-system", ServiceAccount: "admin"})
+	require.Equal(t, KindForbidden, KindOf(err))
+	require.Zero(t, e.leaseCount(t))
+	require.Empty(t, e.iss.got)
+	denied := e.logs.FilterMessage("decision").FilterField(zap.Bool("allowed", false))
+	require.Equal(t, 1, denied.Len())
+}
+
+func TestInvalidTTLIsRejectedBeforeAnythingHappens(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	for _, ttl := range []string{"-1h", "0s", "1d", "1e9h", "soon"} {
+		_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: ttl})
+		require.Equal(t, KindInvalid, KindOf(err), ttl)
+	}
+	require.Zero(t, e.leaseCount(t))
+}
+
+func TestAPeerSeesAndRevokesOnlyItsOwnLeases(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	mine, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+	// A second peer with a token grant for the same ServiceAccount.
+	p := mustPolicy(t, testPolicy+`
+  - name: south
+    identity: spiffe://oc.example/cluster/south
+    grants:
+      - {namespaces: [argo], serviceAccounts: [admiralty-source]}
+`)
+	e.b.cfg.Policy.Store(p)
+	south := Caller{Identity: "spiffe://oc.example/cluster/south"}
+	theirs, err := e.b.IssueKubeconfig(ctx, south, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+
+	list, err := e.b.ListLeases(ctx, west)
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, mine.LeaseID, list[0].ID)
+
+	_, err = e.b.GetLease(ctx, west, theirs.LeaseID)
+	require.Equal(t, KindNotFound, KindOf(err))
+	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(ctx, west, theirs.LeaseID)))
+	require.Equal(t, 2, e.leaseCount(t))
+
+	require.NoError(t, e.b.RevokeLease(ctx, west, mine.LeaseID))
+	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(ctx, west, mine.LeaseID)))
+	require.Equal(t, 1, e.leaseCount(t))
+}
+
+func TestLeaseIDsOfAnyOtherShapeAreNotLookedUp(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	for _, id := range []string{"", "../../etc/passwd", strings.Repeat("a", 27), "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxy1", "a,b"} {
+		_, err := e.b.GetLease(context.Background(), west, id)
+		require.Equal(t, KindNotFound, KindOf(err), id)
+	}
+	require.Empty(t, e.client.Actions())
+}
+
+func TestGarbageCollectionDeletesOnlyExpiredLeases(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	_, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "10m"})
+	require.NoError(t, err)
+	keep, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h"})
+	require.NoError(t, err)
+
+	n, err := e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+
+	e.b.cfg.Now = func() time.Time { return time.Now().Add(11 * time.Minute) }
+	n, err = e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	list, err := e.b.ListLeases(ctx, west)
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, keep.LeaseID, list[0].ID)
+}

@@ -1,0 +1,77 @@
+package broker
+
+import (
+	"errors"
+	"fmt"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// Kind classifies a failure by what the caller can do about it. The server
+// turns a Kind into an HTTP status in exactly one place.
+type Kind int
+
+// The kinds of failure. The zero value is KindInternal so that an error
+// nobody classified is never shown to a client as its own fault.
+const (
+	KindInternal             Kind = iota // a bug or an unexpected failure: 500
+	KindInvalid                          // the request is malformed or invalid: 400
+	KindUnauthenticated                  // no usable identity: 401
+	KindForbidden                        // policy denies it: 403
+	KindNotFound                         // no such thing, or not the caller's: 404
+	KindTooLarge                         // body over the limit: 413
+	KindUnsupportedMediaType             // wrong Content-Type: 415
+	KindUnprocessable                    // well-formed, but cannot be granted as asked: 422
+	KindUnavailable                      // the API server cannot be reached; retryable: 503
+)
+
+// Error is a classified failure. Detail and Fields are meant for the caller
+// and must never hold a credential; Err is the cause, for the log only.
+type Error struct {
+	Kind   Kind
+	Detail string
+	Fields []apiv1.FieldError
+	Err    error
+}
+
+func (e *Error) Error() string {
+	switch {
+	case e.Err != nil && e.Detail != "":
+		return fmt.Sprintf("%s: %v", e.Detail, e.Err)
+	case e.Err != nil:
+		return e.Err.Error()
+	default:
+		return e.Detail
+	}
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// KindOf returns the Kind of the first *Error in err's chain, and
+// KindInternal if there is none.
+func KindOf(err error) Kind {
+	var be *Error
+	if errors.As(err, &be) {
+		return be.Kind
+	}
+	return KindInternal
+}
+
+// Retryable reports whether the same request may succeed later unchanged.
+func Retryable(err error) bool { return KindOf(err) == KindUnavailable }
+
+// Errorf returns an *Error of the given kind whose detail is the formatted
+// message. The message is shown to the caller.
+func Errorf(kind Kind, format string, args ...any) *Error {
+	return &Error{Kind: kind, Detail: fmt.Sprintf(format, args...)}
+}
+
+// Invalid returns a KindInvalid error listing the invalid fields.
+func Invalid(fields ...apiv1.FieldError) *Error {
+	return &Error{Kind: KindInvalid, Detail: "the request is invalid", Fields: fields}
+}
+
+// Wrap classifies cause as kind with a caller-safe detail.
+func Wrap(kind Kind, detail string, cause error) *Error {
+	return &Error{Kind: kind, Detail: detail, Err: cause}
+}

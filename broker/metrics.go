@@ -1,0 +1,75 @@
+package broker
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the broker's domain metrics:
+//
+//	tokenbroker_issuances_total{outcome}                   kubeconfig requests by outcome
+//	tokenbroker_issuance_duration_seconds{outcome}         time to decide and issue, API calls included
+//	tokenbroker_apiserver_call_duration_seconds{call}      time spent waiting on the API server per call
+//	tokenbroker_leases_deleted_total{reason}               leases revoked on request or collected on expiry
+//
+// A nil *Metrics records nothing.
+type Metrics struct {
+	issuances *prometheus.CounterVec
+	issueDur  *prometheus.HistogramVec
+	apiCall   *prometheus.HistogramVec
+	deleted   *prometheus.CounterVec
+}
+
+// NewMetrics creates the broker metrics and registers them with reg.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	buckets := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+	m := &Metrics{
+		issuances: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_issuances_total",
+			Help: "Kubeconfig requests by outcome.",
+		}, []string{"outcome"}),
+		issueDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tokenbroker_issuance_duration_seconds",
+			Help:    "Time to decide and issue a kubeconfig, API server calls included.",
+			Buckets: buckets,
+		}, []string{"outcome"}),
+		apiCall: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tokenbroker_apiserver_call_duration_seconds",
+			Help:    "Time spent waiting on the Kubernetes API server, by call.",
+			Buckets: buckets,
+		}, []string{"call"}),
+		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_leases_deleted_total",
+			Help: "Lease Secrets deleted, by reason (revoked, expired).",
+		}, []string{"reason"}),
+	}
+	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.apiCall, m.deleted} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func (m *Metrics) observeIssue(outcome string, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.issuances.WithLabelValues(outcome).Inc()
+	m.issueDur.WithLabelValues(outcome).Observe(d.Seconds())
+}
+
+func (m *Metrics) observeAPI(call string, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.apiCall.WithLabelValues(call).Observe(d.Seconds())
+}
+
+func (m *Metrics) leaseDeleted(reason string, n int) {
+	if m == nil || n == 0 {
+		return
+	}
+	m.deleted.WithLabelValues(reason).Add(float64(n))
+}

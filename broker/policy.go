@@ -1,0 +1,350 @@
+package broker
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+	"sigs.k8s.io/yaml"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// MinTokenTTL is the shortest lifetime the TokenRequest API accepts.
+const MinTokenTTL = 10 * time.Minute
+
+// maxPolicyBytes bounds the policy file; a policy is small.
+const maxPolicyBytes = 1 << 20
+
+// Duration is a time.Duration written as a Go duration string ("1h") in
+// YAML and JSON.
+type Duration time.Duration
+
+// UnmarshalJSON accepts a Go duration string.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return errors.New(`must be a duration string such as "1h"`)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("must be a duration such as \"1h\": %w", err)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalJSON writes the duration as a Go duration string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+// Policy says which peers may obtain which credentials. The zero Policy
+// denies everything.
+type Policy struct {
+	Cluster ClusterSpec `json:"cluster"`
+	TTL     TTLSpec     `json:"ttl"`
+	Peers   []PeerSpec  `json:"peers"`
+}
+
+// ClusterSpec describes the target cluster as the peers reach it: the
+// kubeconfigs the broker hands out point there.
+type ClusterSpec struct {
+	// Name of the cluster, used for the kubeconfig's cluster and context.
+	Name string `json:"name"`
+	// Server is the external URL of the API server.
+	Server string `json:"server"`
+	// CAFile is the PEM bundle that verifies Server; read by the loader.
+	CAFile string `json:"caFile,omitempty"`
+	// CAData is the PEM bundle inline; takes the place of CAFile.
+	CAData string `json:"caData,omitempty"`
+}
+
+// TTLSpec holds the lifetimes that apply when a grant says nothing.
+type TTLSpec struct {
+	Default Duration `json:"default"`
+	Max     Duration `json:"max"`
+}
+
+// PeerSpec is a cluster allowed to talk to the broker.
+type PeerSpec struct {
+	Name     string      `json:"name"`
+	Identity string      `json:"identity"`
+	Grants   []GrantSpec `json:"grants"`
+}
+
+// GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
+// in the listed namespaces (every combination).
+type GrantSpec struct {
+	Namespaces      []string `json:"namespaces"`
+	ServiceAccounts []string `json:"serviceAccounts"`
+	MaxTTL          Duration `json:"maxTTL,omitempty"`
+	Credential      string   `json:"credential,omitempty"`
+}
+
+// ValidationError lists every problem found in a policy, each with the
+// path of the field it is about.
+type ValidationError struct {
+	Problems []apiv1.FieldError
+}
+
+func (e *ValidationError) Error() string {
+	parts := make([]string, len(e.Problems))
+	for i, p := range e.Problems {
+		parts[i] = p.Field + ": " + p.Detail
+	}
+	return "invalid policy: " + strings.Join(parts, "; ")
+}
+
+// ParsePolicy decodes and validates a policy document (YAML or JSON).
+// Unknown fields are errors, so that a misspelt key never silently widens
+// or narrows what is granted. CAFile is not read here.
+func ParsePolicy(data []byte) (*Policy, error) {
+	if len(data) > maxPolicyBytes {
+		return nil, fmt.Errorf("policy is %d bytes, over the limit of %d", len(data), maxPolicyBytes)
+	}
+	js, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return nil, fmt.Errorf("parse policy: %w", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	var p Policy
+	if err := dec.Decode(&p); err != nil {
+		return nil, fmt.Errorf("parse policy: %w", err)
+	}
+	p.defaults()
+	if err := p.Validate(); err != nil {
+		return nil, err
+	}
+	return &p, nil
+}
+
+func (p *Policy) defaults() {
+	if p.TTL.Default == 0 {
+		p.TTL.Default = Duration(time.Hour)
+	}
+	if p.TTL.Max == 0 {
+		p.TTL.Max = Duration(24 * time.Hour)
+	}
+	for i := range p.Peers {
+		for j := range p.Peers[i].Grants {
+			if p.Peers[i].Grants[j].Credential == "" {
+				p.Peers[i].Grants[j].Credential = apiv1.CredentialToken
+			}
+		}
+	}
+}
+
+// Validate reports every problem in the policy at once.
+func (p *Policy) Validate() error {
+	var probs []apiv1.FieldError
+	add := func(field, format string, args ...any) {
+		probs = append(probs, apiv1.FieldError{Field: field, Detail: fmt.Sprintf(format, args...)})
+	}
+	if p.Cluster.Name == "" {
+		add("cluster.name", "is required")
+	} else if errs := validation.IsDNS1123Label(p.Cluster.Name); len(errs) > 0 {
+		add("cluster.name", "%s", strings.Join(errs, "; "))
+	}
+	if u, err := url.Parse(p.Cluster.Server); p.Cluster.Server == "" {
+		add("cluster.server", "is required")
+	} else if err != nil || u.Scheme != "https" || u.Host == "" {
+		add("cluster.server", "must be an https:// URL")
+	}
+	if p.Cluster.CAFile == "" && p.Cluster.CAData == "" {
+		add("cluster.caFile", "is required (or cluster.caData)")
+	}
+	if p.Cluster.CAFile != "" && p.Cluster.CAData != "" {
+		add("cluster.caData", "give caFile or caData, not both")
+	}
+	maxTTL := time.Duration(p.TTL.Max)
+	if maxTTL < MinTokenTTL {
+		add("ttl.max", "must be at least %s", MinTokenTTL)
+	}
+	if d := time.Duration(p.TTL.Default); d < MinTokenTTL || d > maxTTL {
+		add("ttl.default", "must be between %s and ttl.max", MinTokenTTL)
+	}
+	names := map[string]bool{}
+	ids := map[string]bool{}
+	for i, peer := range p.Peers {
+		path := fmt.Sprintf("peers[%d]", i)
+		if errs := validation.IsDNS1123Label(peer.Name); len(errs) > 0 {
+			add(path+".name", "%s", strings.Join(errs, "; "))
+		} else if names[peer.Name] {
+			add(path+".name", "duplicate peer name %q", peer.Name)
+		}
+		names[peer.Name] = true
+		if err := validSPIFFEID(peer.Identity); err != nil {
+			add(path+".identity", "%v", err)
+		} else if ids[peer.Identity] {
+			add(path+".identity", "duplicate identity %q", peer.Identity)
+		}
+		ids[peer.Identity] = true
+		for j, g := range peer.Grants {
+			gpath := fmt.Sprintf("%s.grants[%d]", path, j)
+			if len(g.Namespaces) == 0 {
+				add(gpath+".namespaces", "must list at least one namespace")
+			}
+			for k, ns := range g.Namespaces {
+				if errs := validation.IsDNS1123Label(ns); len(errs) > 0 {
+					add(fmt.Sprintf("%s.namespaces[%d]", gpath, k), "%s", strings.Join(errs, "; "))
+				}
+			}
+			if len(g.ServiceAccounts) == 0 {
+				add(gpath+".serviceAccounts", "must list at least one ServiceAccount")
+			}
+			for k, sa := range g.ServiceAccounts {
+				if errs := validation.IsDNS1123Subdomain(sa); len(errs) > 0 {
+					add(fmt.Sprintf("%s.serviceAccounts[%d]", gpath, k), "%s", strings.Join(errs, "; "))
+				}
+			}
+			if g.MaxTTL != 0 && (time.Duration(g.MaxTTL) < MinTokenTTL || time.Duration(g.MaxTTL) > maxTTL) {
+				add(gpath+".maxTTL", "must be between %s and ttl.max (%s)", MinTokenTTL, maxTTL)
+			}
+			if g.Credential != apiv1.CredentialToken && g.Credential != apiv1.CredentialClientCertificate {
+				add(gpath+".credential", "must be %q or %q", apiv1.CredentialToken, apiv1.CredentialClientCertificate)
+			}
+		}
+	}
+	if len(probs) > 0 {
+		return &ValidationError{Problems: probs}
+	}
+	return nil
+}
+
+// validSPIFFEID checks the form spiffe://<trust-domain>/<path>.
+func validSPIFFEID(id string) error {
+	if id == "" {
+		return errors.New("is required")
+	}
+	u, err := url.Parse(id)
+	if err != nil || u.Scheme != "spiffe" || u.Host == "" || u.Path == "" || u.Path == "/" ||
+		u.User != nil || u.Port() != "" || u.RawQuery != "" || u.Fragment != "" || u.String() != id {
+		return fmt.Errorf("%q is not a SPIFFE ID of the form spiffe://<trust-domain>/<path>", id)
+	}
+	if strings.ToLower(u.Host) != u.Host {
+		return errors.New("the trust domain must be lower case")
+	}
+	return nil
+}
+
+// peer returns the peer with the given identity, or nil.
+func (p *Policy) peer(identity string) *PeerSpec {
+	for i := range p.Peers {
+		if p.Peers[i].Identity == identity {
+			return &p.Peers[i]
+		}
+	}
+	return nil
+}
+
+// Decision is the outcome of an allowed request: who asked, under which
+// grant, and with which lifetime.
+type Decision struct {
+	Peer         string
+	Credential   string
+	RequestedTTL time.Duration
+	TTL          time.Duration
+	// ClampedBy names the limit that changed the requested TTL, or "".
+	ClampedBy string
+}
+
+// Clamp reasons, as reported in clampedBy.
+const (
+	ClampedByGrant        = "grant.maxTTL"
+	ClampedByPolicy       = "policy.maxTTL"
+	ClampedByTokenMinimum = "tokenrequest.minimum"
+	ClampedByAPIServer    = "apiserver"
+)
+
+// Decide authorizes a request and chooses its TTL. requested and minTTL
+// are zero when the caller gave none. It fails with KindForbidden when no
+// grant allows the request (the same error whatever the reason, so a peer
+// cannot probe the policy), and with KindUnprocessable when the grant
+// cannot give at least minTTL.
+func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
+	if credential == "" {
+		credential = apiv1.CredentialToken
+	}
+	peer := p.peer(identity)
+	if peer == nil {
+		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
+	}
+	var grant *GrantSpec
+	for i := range peer.Grants {
+		g := &peer.Grants[i]
+		if g.Credential == credential && slices.Contains(g.Namespaces, namespace) && slices.Contains(g.ServiceAccounts, serviceAccount) {
+			// The most generous matching grant wins, so that adding a grant
+			// never takes anything away.
+			if grant == nil || p.grantMax(g) > p.grantMax(grant) {
+				grant = g
+			}
+		}
+	}
+	if grant == nil {
+		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
+	}
+	d := Decision{Peer: peer.Name, Credential: credential, RequestedTTL: requested}
+	if requested == 0 {
+		requested = time.Duration(p.TTL.Default)
+	}
+	d.TTL, d.ClampedBy = p.clamp(grant, requested)
+	if minTTL > 0 && d.TTL < minTTL {
+		return Decision{}, Errorf(KindUnprocessable,
+			"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, orDefault(d.ClampedBy, "requested ttl"))
+	}
+	return d, nil
+}
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}
+
+func (p *Policy) grantMax(g *GrantSpec) time.Duration {
+	if g.MaxTTL != 0 {
+		return time.Duration(g.MaxTTL)
+	}
+	return time.Duration(p.TTL.Max)
+}
+
+// clamp bounds ttl by the grant's maximum (or the policy's) and raises it
+// to the TokenRequest minimum.
+func (p *Policy) clamp(g *GrantSpec, ttl time.Duration) (time.Duration, string) {
+	switch {
+	case g.MaxTTL != 0 && ttl > time.Duration(g.MaxTTL):
+		return time.Duration(g.MaxTTL), ClampedByGrant
+	case ttl > time.Duration(p.TTL.Max):
+		return time.Duration(p.TTL.Max), ClampedByPolicy
+	case ttl < MinTokenTTL:
+		return MinTokenTTL, ClampedByTokenMinimum
+	}
+	return ttl, ""
+}
+
+// Grants returns the peer name and grants that apply to identity; an
+// unknown identity gets "" and an empty (non-nil) list.
+func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
+	peer := p.peer(identity)
+	if peer == nil {
+		return "", []apiv1.Grant{}
+	}
+	out := make([]apiv1.Grant, 0, len(peer.Grants))
+	for i := range peer.Grants {
+		g := &peer.Grants[i]
+		out = append(out, apiv1.Grant{
+			Namespaces:      slices.Clone(g.Namespaces),
+			ServiceAccounts: slices.Clone(g.ServiceAccounts),
+			MaxTTL:          p.grantMax(g).String(),
+			Credential:      g.Credential,
+		})
+	}
+	return peer.Name, out
+}

@@ -1,0 +1,100 @@
+package broker
+
+import (
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// LoadPolicyFile reads, parses and validates the policy at path and the CA
+// bundle it names. A relative caFile is taken relative to the policy file.
+func LoadPolicyFile(path string) (*Policy, error) {
+	data, err := readBounded(path, maxPolicyBytes)
+	if err != nil {
+		return nil, fmt.Errorf("read policy: %w", err)
+	}
+	p, err := ParsePolicy(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if p.Cluster.CAFile != "" {
+		caFile := p.Cluster.CAFile
+		if !filepath.IsAbs(caFile) {
+			caFile = filepath.Join(filepath.Dir(path), caFile)
+		}
+		ca, err := readBounded(caFile, maxPolicyBytes)
+		if err != nil {
+			return nil, fmt.Errorf("%s: cluster.caFile: %w", path, err)
+		}
+		p.Cluster.CAData = string(ca)
+	}
+	if err := checkCABundle([]byte(p.Cluster.CAData)); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, &ValidationError{Problems: []apiv1.FieldError{{Field: "cluster.caFile", Detail: err.Error()}}})
+	}
+	return p, nil
+}
+
+// checkCABundle makes sure the bundle holds at least one PEM certificate and
+// nothing else, so that a broken file is caught at load, not by a peer's
+// kubectl.
+func checkCABundle(data []byte) error {
+	n := 0
+	for {
+		var block *pem.Block
+		block, data = pem.Decode(data)
+		if block == nil {
+			break
+		}
+		if block.Type != "CERTIFICATE" {
+			return fmt.Errorf("unexpected PEM block %q in CA bundle", block.Type)
+		}
+		n++
+	}
+	if n == 0 {
+		return errors.New("no PEM certificate in CA bundle")
+	}
+	return nil
+}
+
+func readBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if st.Size() > limit {
+		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, st.Size(), limit)
+	}
+	return os.ReadFile(path)
+}
+
+// PolicyStore holds the policy in force. Readers never block; a reload
+// swaps the whole policy at once.
+type PolicyStore struct {
+	p atomic.Pointer[Policy]
+}
+
+// NewPolicyStore returns a store holding p (which may be nil: then every
+// request is denied and the broker is not ready).
+func NewPolicyStore(p *Policy) *PolicyStore {
+	s := &PolicyStore{}
+	if p != nil {
+		s.p.Store(p)
+	}
+	return s
+}
+
+// Load returns the policy in force, or nil.
+func (s *PolicyStore) Load() *Policy { return s.p.Load() }
+
+// Store replaces the policy in force. p must be valid.
+func (s *PolicyStore) Store(p *Policy) { s.p.Store(p) }
