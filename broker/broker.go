@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/rest"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -361,4 +362,12 @@ func tokenJTI(token string) string {
 		return ""
 	}
 	return jtiFromPayload(parts[1])
+}
+
+// APIServerReadyz returns a readiness check that asks the API server's
+// /readyz through c (a discovery client's RESTClient), for Config.APIServerReady.
+func APIServerReadyz(c rest.Interface) func(context.Context) error {
+	return func(ctx context.Context) error {
+		return c.Get().AbsPath("/readyz").Do(ctx).Error()
+	}
 }

@@ -6,7 +6,7 @@ type Caller struct {
 	// Identity is the SPIFFE ID from the certificate's URI SAN,
 	// e.g. spiffe://oc.example/cluster/west.
 	Identity string
-	// CertSHA256 is the hex SHA-256 fingerprint of the client certificate,
+	// CertSHA256 is the "sha256:<hex>" fingerprint of the client certificate,
 	// for audit logs.
 	CertSHA256 string
 }

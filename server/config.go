@@ -1,0 +1,209 @@
+package server
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+// Broker is what the HTTP layer needs from the domain core. Errors are
+// *broker.Error (their Kind chooses the status; KindUnavailable is the
+// retryable one, answered 503 with Retry-After) or unclassified (500).
+// Contexts are request contexts: they end when the client goes away or the
+// shutdown grace period is over.
+type Broker interface {
+	// IssueKubeconfig mints a credential for the caller and wraps it in a
+	// kubeconfig. req has passed validateKubeconfigRequest (well-formed
+	// names, durations in (0, 8760h], bounded audiences, known credential
+	// kind); authorization and TTL clamping are the broker's. A cancelled
+	// ctx must not leave a partial lease behind.
+	IssueKubeconfig(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+	// ListLeases returns the caller's own leases.
+	ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
+	// GetLease returns one of the caller's leases. id has passed
+	// broker.ValidLeaseID; a lease that does not exist and one that is not
+	// the caller's must both be KindNotFound with the same detail.
+	GetLease(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error)
+	// RevokeLease revokes one of the caller's leases; id as for GetLease.
+	RevokeLease(ctx context.Context, c broker.Caller, id string) error
+	// WhoAmI returns the policy name of the caller and the grants that
+	// apply to it.
+	WhoAmI(c broker.Caller) (peer string, grants []apiv1.Grant)
+	// Ready reports whether the API server is reachable and a policy is
+	// loaded; a non-nil error makes /readyz answer 503.
+	Ready(ctx context.Context) error
+}
+
+// The broker package's core is what the composition root passes as Broker.
+var _ Broker = (*broker.Broker)(nil)
+
+// Defaults applied by New to zero fields of Config.
+const (
+	// DefaultMaxBodyBytes bounds a request body; API bodies are small.
+	DefaultMaxBodyBytes = 64 << 10
+	// DefaultMaxHeaderBytes bounds the request line and headers; the
+	// client certificate travels in TLS, not in a header.
+	DefaultMaxHeaderBytes = 16 << 10
+	// DefaultReadHeaderTimeout stops slow-header (slowloris) clients.
+	DefaultReadHeaderTimeout = 5 * time.Second
+	// DefaultReadTimeout bounds reading a whole request, body included.
+	DefaultReadTimeout = 15 * time.Second
+	// DefaultWriteTimeout leaves room for a TokenRequest round trip to the
+	// API server.
+	DefaultWriteTimeout = 30 * time.Second
+	// DefaultIdleTimeout closes idle keep-alive connections.
+	DefaultIdleTimeout = 90 * time.Second
+	// DefaultShutdownGrace fits inside Kubernetes' default 30s
+	// terminationGracePeriodSeconds.
+	DefaultShutdownGrace = 20 * time.Second
+	// DefaultReadyTimeout bounds one readiness check.
+	DefaultReadyTimeout = 2 * time.Second
+)
+
+// Config is the typed configuration of a Server. Zero durations and sizes
+// take the Default values; negative ones are an error.
+type Config struct {
+	// Addr is the address of the mutual-TLS API listener, e.g. ":8443".
+	// Ignored when Listener is set.
+	Addr string
+	// Listener, if set, is used for the API instead of listening on Addr
+	// (tests pass a 127.0.0.1:0 listener). It is a plain TCP listener; the
+	// server wraps it in TLS. Run closes it.
+	Listener net.Listener
+	// OpsAddr is the address of the plain-HTTP operations listener
+	// (/healthz, /readyz, /metrics). Ignored when OpsListener is set.
+	OpsAddr string
+	// OpsListener, if set, is used instead of listening on OpsAddr. Run
+	// closes it.
+	OpsListener net.Listener
+	// TLSConfig is the server TLS configuration, built by the pki package.
+	// It must require and verify client certificates.
+	TLSConfig *tls.Config
+
+	// MaxBodyBytes bounds every request body; a larger one is answered 413.
+	MaxBodyBytes int64
+	// MaxHeaderBytes bounds the request line and headers.
+	MaxHeaderBytes int
+	// ReadHeaderTimeout, ReadTimeout, WriteTimeout and IdleTimeout are the
+	// http.Server timeouts; they are always set.
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration
+	WriteTimeout      time.Duration
+	IdleTimeout       time.Duration
+	// ShutdownGrace is how long Run waits for in-flight requests after its
+	// context is cancelled before closing connections.
+	ShutdownGrace time.Duration
+	// ReadyTimeout bounds the Broker.Ready call of /readyz.
+	ReadyTimeout time.Duration
+
+	// Logger receives the access log and the causes of errors. Nil means
+	// no logging.
+	Logger *zap.Logger
+	// Registerer and Gatherer are the metrics registry (normally one
+	// *prometheus.Registry given as both). When both are nil the server
+	// makes a private registry; setting only one is an error.
+	Registerer prometheus.Registerer
+	Gatherer   prometheus.Gatherer
+	// Broker is the domain core. Required.
+	Broker Broker
+	// Now is the clock used for request durations and for checking that a
+	// client certificate is still valid on a long-lived connection. Nil
+	// means time.Now.
+	Now func() time.Time
+}
+
+// withDefaults returns a copy of c with defaults filled in, or an error if c
+// cannot work.
+func (c Config) withDefaults() (Config, error) {
+	var errs []error
+	if c.Broker == nil {
+		errs = append(errs, errors.New("Broker is required"))
+	}
+	if c.TLSConfig == nil {
+		errs = append(errs, errors.New("TLSConfig is required"))
+	} else if err := checkTLSConfig(c.TLSConfig); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Listener == nil && c.Addr == "" {
+		errs = append(errs, errors.New("Addr or Listener is required"))
+	}
+	if c.OpsListener == nil && c.OpsAddr == "" {
+		errs = append(errs, errors.New("OpsAddr or OpsListener is required"))
+	}
+	if (c.Registerer == nil) != (c.Gatherer == nil) {
+		errs = append(errs, errors.New("Registerer and Gatherer must be set together"))
+	}
+
+	positive := func(name string, v *time.Duration, def time.Duration) {
+		switch {
+		case *v < 0:
+			errs = append(errs, fmt.Errorf("%s must not be negative", name))
+		case *v == 0:
+			*v = def
+		}
+	}
+	positive("ReadHeaderTimeout", &c.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	positive("ReadTimeout", &c.ReadTimeout, DefaultReadTimeout)
+	positive("WriteTimeout", &c.WriteTimeout, DefaultWriteTimeout)
+	positive("IdleTimeout", &c.IdleTimeout, DefaultIdleTimeout)
+	positive("ShutdownGrace", &c.ShutdownGrace, DefaultShutdownGrace)
+	positive("ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout)
+
+	switch {
+	case c.MaxBodyBytes < 0:
+		errs = append(errs, errors.New("MaxBodyBytes must not be negative"))
+	case c.MaxBodyBytes == 0:
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	switch {
+	case c.MaxHeaderBytes < 0:
+		errs = append(errs, errors.New("MaxHeaderBytes must not be negative"))
+	case c.MaxHeaderBytes == 0:
+		c.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Registerer == nil && c.Gatherer == nil {
+		reg := prometheus.NewRegistry()
+		c.Registerer, c.Gatherer = reg, reg
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	if err := errors.Join(errs...); err != nil {
+		return Config{}, fmt.Errorf("server config: %w", err)
+	}
+	return c, nil
+}
+
+// checkTLSConfig refuses a configuration that would let a request reach a
+// handler without a verified client certificate. A configuration that
+// chooses per connection (GetConfigForClient) cannot be checked here; the
+// authentication middleware still refuses requests without a verified chain.
+func checkTLSConfig(c *tls.Config) error {
+	if c.GetConfigForClient != nil {
+		return nil
+	}
+	var errs []error
+	if c.ClientAuth != tls.RequireAndVerifyClientCert {
+		errs = append(errs, errors.New("TLSConfig must require and verify client certificates"))
+	}
+	if c.MinVersion < tls.VersionTLS13 {
+		errs = append(errs, errors.New("TLSConfig must require TLS 1.3"))
+	}
+	if len(c.Certificates) == 0 && c.GetCertificate == nil {
+		errs = append(errs, errors.New("TLSConfig has no server certificate"))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,239 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+func TestNegotiate(t *testing.T) {
+	t.Parallel()
+	const j, y = apiv1.MediaTypeJSON, apiv1.MediaTypeYAML
+	tests := []struct {
+		name   string
+		accept string
+		want   string
+		ok     bool
+	}{
+		{name: "A missing header means JSON.", accept: "", want: j, ok: true},
+		{name: "A header of only commas means JSON.", accept: " , ,", want: j, ok: true},
+		{name: "An unparsable header means JSON.", accept: "garbage", want: j, ok: true},
+		{name: "*/* means JSON.", accept: "*/*", want: j, ok: true},
+		{name: "application/* means JSON.", accept: "application/*", want: j, ok: true},
+		{name: "application/yaml means YAML.", accept: "application/yaml", want: y, ok: true},
+		{name: "Media types are case-insensitive.", accept: "Application/YAML", want: y, ok: true},
+		{name: "An explicit YAML beats a wildcard of equal q.", accept: "application/yaml, */*", want: y, ok: true},
+		{name: "An explicit JSON beats a wildcard of equal q.", accept: "*/*, application/json", want: j, ok: true},
+		{name: "Both named with equal q means JSON.", accept: "application/yaml, application/json", want: j, ok: true},
+		{name: "The higher q wins over specificity.", accept: "application/yaml;q=0.4, */*;q=0.5", want: j, ok: true},
+		{name: "q-values with three decimals are compared.", accept: "application/json;q=0.501, application/yaml;q=0.502", want: y, ok: true},
+		{name: "A specific q=0 excludes a type a wildcard allows.", accept: "application/yaml;q=0, */*", want: j, ok: true},
+		{name: "Excluding both types is not acceptable.", accept: "application/json;q=0, application/yaml;q=0, */*", ok: false},
+		{name: "text/html only is not acceptable.", accept: "text/html", ok: false},
+		{name: "*/*;q=0 is not acceptable.", accept: "*/*;q=0", ok: false},
+		{name: "An invalid q drops only its range.", accept: "application/json;q=2, application/yaml", want: y, ok: true},
+		{name: "A NaN q drops its range.", accept: "application/yaml;q=NaN", want: j, ok: true},
+		{name: "A q with four decimals drops its range.", accept: "application/yaml;q=0.1234, text/plain", ok: false},
+		{name: "Parameters other than q are ignored.", accept: "application/yaml;charset=utf-8;q=0.9, application/json;q=0.1", want: y, ok: true},
+		{name: "A subtype wildcard on any type is not a full wildcard.", accept: "*/yaml", want: j, ok: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got, ok := negotiate(tt.accept, j, y)
+			require.Equal(t, tt.ok, ok)
+			if tt.ok {
+				require.Equal(t, tt.want, got)
+			}
+		})
+	}
+}
+
+func TestDecodeStrict(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name   string
+		body   string
+		want   apiv1.KubeconfigRequest
+		detail string
+		fields []apiv1.FieldError
+	}{
+		{name: "A complete object decodes.", body: validBody, want: apiv1.KubeconfigRequest{
+			Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h", MinTTL: "30m",
+			Audiences: []string{"https://kubernetes.default.svc"}, Credential: "token",
+		}},
+		{name: "Surrounding whitespace is fine.", body: "\n {\"namespace\":\"a\"} \n", want: apiv1.KubeconfigRequest{Namespace: "a"}},
+		{name: "An escaped known key is the known key.", body: `{"n\u0061mespace":"a"}`, want: apiv1.KubeconfigRequest{Namespace: "a"}},
+		{name: "Null leaves a field empty.", body: `{"namespace":null}`, want: apiv1.KubeconfigRequest{}},
+		{name: "An empty object decodes to the zero request.", body: `{}`, want: apiv1.KubeconfigRequest{}},
+		{name: "An empty body is refused.", body: "", detail: "The request body is empty."},
+		{name: "null is not an object.", body: "null", detail: "The request body must be a JSON object."},
+		{name: "A string is not an object.", body: `"x"`, detail: "The request body must be a JSON object."},
+		{name: "A syntax error is refused with its offset.", body: `{"namespace" "a"}`, detail: "The request body is not valid JSON (at byte 13)."},
+		{name: "A truncated object is refused.", body: `{"namespace":"a"`, detail: "The request body is truncated JSON."},
+		{name: "A trailing comma is refused.", body: `{"namespace":"a",}`, detail: "The request body is not valid JSON (at byte 17)."},
+		{name: "Trailing data is refused.", body: `{"namespace":"a"} x`, detail: "The request body has data after the JSON object."},
+		{name: "A second value is refused.", body: `{"namespace":"a"} {"namespace":"b"}`, detail: "The request body has data after the JSON object."},
+		{name: "A key differing by case is unknown.", body: `{"NAMESPACE":"a"}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: "NAMESPACE", Detail: "unknown field"}}},
+		{name: "A key matching only under Unicode folding is unknown.", body: `{"ſerviceAccount":"a"}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: "ſerviceAccount", Detail: "unknown field"}}},
+		{name: "A long unknown key is shortened when echoed.", body: `{"` + strings.Repeat("k", 100) + `":1}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: strings.Repeat("k", 64) + "…", Detail: "unknown field"}}},
+		{name: "An unknown key with a nested value is refused.", body: `{"namespace":"a","x":{"y":[1,{"z":2}]}}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: "x", Detail: "unknown field"}}},
+		{name: "A duplicate key is refused.", body: `{"ttl":"1h","ttl":"2h"}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: "ttl", Detail: "duplicate field"}}},
+		{name: "A duplicate key spelled with an escape is refused.", body: `{"ttl":"1h","\u0074tl":"2h"}`, detail: "the request is invalid",
+			fields: []apiv1.FieldError{{Field: "ttl", Detail: "duplicate field"}}},
+		{name: "A number where a string belongs is refused.", body: `{"ttl":3600}`, detail: "The request is invalid.",
+			fields: []apiv1.FieldError{{Field: "ttl", Detail: "must be a string"}}},
+		{name: "An object where an array belongs is refused.", body: `{"audiences":{}}`, detail: "The request is invalid.",
+			fields: []apiv1.FieldError{{Field: "audiences", Detail: "must be an array of strings"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var got apiv1.KubeconfigRequest
+			err := decodeStrict([]byte(tt.body), &got)
+			if tt.detail == "" {
+				require.NoError(t, err)
+				require.Equal(t, tt.want, got)
+				return
+			}
+			var be *broker.Error
+			require.ErrorAs(t, err, &be)
+			require.Equal(t, broker.KindInvalid, be.Kind)
+			require.Equal(t, tt.detail, be.Detail)
+			require.Equal(t, tt.fields, be.Fields)
+		})
+	}
+}
+
+func TestValidateKubeconfigRequest(t *testing.T) {
+	t.Parallel()
+	valid := func() apiv1.KubeconfigRequest {
+		return apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"}
+	}
+	tests := []struct {
+		name   string
+		mutate func(*apiv1.KubeconfigRequest)
+		fields []string // the fields reported, in order
+	}{
+		{name: "Namespace and service account alone are valid.", mutate: func(*apiv1.KubeconfigRequest) {}},
+		{name: "Every optional field set within bounds is valid.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.TTL, r.MinTTL, r.Credential = "8760h", "10m", apiv1.CredentialClientCertificate
+			r.Audiences = []string{"a", strings.Repeat("b", 256)}
+		}},
+		{name: "A service account name with dots is a valid subdomain.", mutate: func(r *apiv1.KubeconfigRequest) { r.ServiceAccount = "a.b-c" }},
+		{name: "A missing namespace is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.Namespace = "" }, fields: []string{"namespace"}},
+		{name: "A namespace with a dot is not a label.", mutate: func(r *apiv1.KubeconfigRequest) { r.Namespace = "a.b" }, fields: []string{"namespace"}},
+		{name: "A 64-character namespace is too long.", mutate: func(r *apiv1.KubeconfigRequest) { r.Namespace = strings.Repeat("a", 64) }, fields: []string{"namespace"}},
+		{name: "A missing service account is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.ServiceAccount = "" }, fields: []string{"serviceAccount"}},
+		{name: "A 254-character service account is too long.", mutate: func(r *apiv1.KubeconfigRequest) { r.ServiceAccount = strings.Repeat("a", 254) }, fields: []string{"serviceAccount"}},
+		{name: "A service account with a slash is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.ServiceAccount = "../admin" }, fields: []string{"serviceAccount"}},
+		{name: "A TTL that is not a duration is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = "1 day" }, fields: []string{"ttl"}},
+		{name: "A TTL without a unit is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = "3600" }, fields: []string{"ttl"}},
+		{name: "A zero TTL is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = "0s" }, fields: []string{"ttl"}},
+		{name: "A negative TTL is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = "-1h" }, fields: []string{"ttl"}},
+		{name: "A TTL over a year is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = "8761h" }, fields: []string{"ttl"}},
+		{name: "A TTL string over 32 characters is invalid.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL = strings.Repeat("0", 31) + "1h" }, fields: []string{"ttl"}},
+		{name: "An invalid minTTL is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.MinTTL = "soon" }, fields: []string{"minTTL"}},
+		{name: "A minTTL longer than the TTL is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.TTL, r.MinTTL = "1h", "2h" }, fields: []string{"minTTL"}},
+		{name: "A minTTL without a TTL is left to the policy default.", mutate: func(r *apiv1.KubeconfigRequest) { r.MinTTL = "2h" }},
+		{name: "Seventeen audiences are too many.", mutate: func(r *apiv1.KubeconfigRequest) { r.Audiences = make([]string, 17) }, fields: []string{"audiences"}},
+		{name: "An empty audience is reported by index.", mutate: func(r *apiv1.KubeconfigRequest) { r.Audiences = []string{"a", " "} }, fields: []string{"audiences[1]"}},
+		{name: "An audience over 256 characters is reported by index.", mutate: func(r *apiv1.KubeconfigRequest) { r.Audiences = []string{strings.Repeat("a", 257)} }, fields: []string{"audiences[0]"}},
+		{name: "An unknown credential kind is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.Credential = "password" }, fields: []string{"credential"}},
+		{name: "Credential kinds are case-sensitive.", mutate: func(r *apiv1.KubeconfigRequest) { r.Credential = "Token" }, fields: []string{"credential"}},
+		{name: "Several problems are all reported.", mutate: func(r *apiv1.KubeconfigRequest) {
+			*r = apiv1.KubeconfigRequest{TTL: "x", MinTTL: "y", Credential: "z", Audiences: []string{""}}
+		}, fields: []string{"namespace", "serviceAccount", "ttl", "minTTL", "audiences[0]", "credential"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			req := valid()
+			tt.mutate(&req)
+			var got []string
+			for _, fe := range validateKubeconfigRequest(req) {
+				require.NotEmpty(t, fe.Detail)
+				got = append(got, fe.Field)
+			}
+			require.Equal(t, tt.fields, got)
+		})
+	}
+}
+
+// FuzzDecodeKubeconfigRequest feeds arbitrary bodies through the decoder and
+// the validator. It must never panic, and a body it accepts must be one JSON
+// object whose keys are exactly, and once each, the wire names.
+func FuzzDecodeKubeconfigRequest(f *testing.F) {
+	for _, seed := range []string{
+		validBody,
+		`{"namespace":"argo","serviceAccount":"sa"}`,
+		`{"namespace":"argo","serviceAccount":"sa","ttl":"1h","minTTL":"2h"}`,
+		`{"namespace":"argo","NameSpace":"kube-system"}`,
+		`{"namespace":"a","namespace":"b"}`,
+		`{"ſerviceAccount":"sa"}`,
+		`{"audiences":[{"a":1}],"x":[[[]]]}`,
+		`{"namespace":"a"}{"namespace":"b"}`,
+		`{"ttl":"9223372036854775807ns"}`,
+		`[]`, `null`, ``, `{`, `{"a":1e999}`, "{\"namespace\":\"\xff\"}",
+	} {
+		f.Add([]byte(seed))
+	}
+	known := jsonFieldNames(&apiv1.KubeconfigRequest{})
+	f.Fuzz(func(t *testing.T, body []byte) {
+		r := httptest.NewRequest(http.MethodPost, "/v1/kubeconfigs", bytes.NewReader(body))
+		r.Header.Set("Content-Type", "application/json")
+		r.Body = http.MaxBytesReader(httptest.NewRecorder(), r.Body, DefaultMaxBodyBytes)
+		var req apiv1.KubeconfigRequest
+		err := decodeJSONBody(r, DefaultMaxBodyBytes, &req)
+		if err != nil {
+			var be *broker.Error
+			require.ErrorAs(t, err, &be)
+			require.Contains(t, []broker.Kind{broker.KindInvalid, broker.KindTooLarge}, be.Kind)
+			return
+		}
+		fields := validateKubeconfigRequest(req)
+		for _, fe := range fields {
+			require.NotEmpty(t, fe.Field)
+			require.NotEmpty(t, fe.Detail)
+		}
+
+		// Accepted: independently, the body is one object with only known,
+		// unique keys.
+		dec := json.NewDecoder(bytes.NewReader(body))
+		tok, err := dec.Token()
+		require.NoError(t, err)
+		require.Equal(t, json.Delim('{'), tok)
+		seen := map[string]bool{}
+		for dec.More() {
+			tok, err := dec.Token()
+			require.NoError(t, err)
+			key := tok.(string)
+			require.True(t, known[key], "accepted unknown field %q", key)
+			require.False(t, seen[key], "accepted duplicate field %q", key)
+			seen[key] = true
+			var skip json.RawMessage
+			require.NoError(t, dec.Decode(&skip))
+		}
+		_, err = dec.Token()
+		require.NoError(t, err)
+		require.False(t, dec.More())
+
+		if len(fields) == 0 {
+			require.NotEmpty(t, req.Namespace)
+			require.NotEmpty(t, req.ServiceAccount)
+		}
+	})
+}

@@ -1,0 +1,204 @@
+package server
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/go-chi/chi/v5/middleware"
+	"go.uber.org/zap"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// headerRequestID carries the request id in both directions.
+const headerRequestID = "X-Request-Id"
+
+// maxRequestIDLen bounds a client-supplied request id.
+const maxRequestIDLen = 64
+
+// errPanic is what writeError sees for a recovered panic; the panic value
+// itself is logged once, with the stack, by recoverPanics.
+var errPanic = errors.New("handler panicked")
+
+// apiChain wraps the router in the API middleware, outermost first:
+// security headers, body limit, request id, access log and metrics, panic
+// recovery, authentication.
+func (s *Server) apiChain(router http.Handler) http.Handler {
+	return chi.Chain(
+		securityHeaders,
+		s.limitBody,
+		s.requestID,
+		s.observe,
+		s.recoverPanics,
+		s.authenticate,
+	).Handler(router)
+}
+
+// securityHeaders sets headers that keep answers out of caches and stop
+// browsers from interpreting them, on every response.
+func securityHeaders(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := w.Header()
+		h.Set("Cache-Control", "no-store")
+		h.Set("X-Content-Type-Options", "nosniff")
+		h.Set("X-Frame-Options", "DENY")
+		h.Set("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
+		h.Set("Referrer-Policy", "no-referrer")
+		next.ServeHTTP(w, r)
+	})
+}
+
+// limitBody bounds every request body. It wraps the body with the server's
+// own ResponseWriter so that net/http closes the connection after an
+// oversized body; the decoder turns the read error into 413.
+func (s *Server) limitBody(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
+		next.ServeHTTP(w, r)
+	})
+}
+
+// requestID gives the request an id, echoed as X-Request-Id. A client's id
+// is kept only if it is short and made of [A-Za-z0-9-], so it cannot inject
+// anything into logs or headers.
+func (s *Server) requestID(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		id := r.Header.Get(headerRequestID)
+		if !validRequestID(id) {
+			id = rand.Text()
+		}
+		w.Header().Set(headerRequestID, id)
+		info := &requestInfo{id: id, log: s.log.With(zap.String("request_id", id))}
+		next.ServeHTTP(w, r.WithContext(withRequestInfo(r.Context(), info)))
+	})
+}
+
+func validRequestID(id string) bool {
+	if id == "" || len(id) > maxRequestIDLen {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// observe writes the access-log line and the metrics of a request. The
+// log line has a constant message and constant keys, and never a header
+// value or a body.
+func (s *Server) observe(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := s.cfg.Now()
+		info := requestInfoFrom(r.Context())
+		info.route = s.routeLabel(r)
+		ww := middleware.NewWrapResponseWriter(w, r.ProtoMajor)
+
+		next.ServeHTTP(ww, r)
+
+		status := ww.Status()
+		if status == 0 {
+			status = http.StatusOK // net/http's answer when a handler writes nothing
+		}
+		d := s.cfg.Now().Sub(start)
+		method := methodLabel(r.Method)
+		s.metrics.observe(info.route, method, status, d)
+		s.log.Info("request",
+			zap.String("request_id", info.id),
+			zap.String("method", method),
+			zap.String("route", info.route),
+			zap.Int("status", status),
+			zap.Int("bytes", ww.BytesWritten()),
+			zap.Duration("duration", d),
+			zap.String("identity", info.identity),
+			zap.String("remote", r.RemoteAddr),
+		)
+	})
+}
+
+// routeLabel returns the chi pattern the request matches, or
+// routeUnmatched. It is computed up front because authentication may refuse
+// the request before the router runs.
+func (s *Server) routeLabel(r *http.Request) string {
+	path := r.URL.RawPath
+	if path == "" {
+		path = r.URL.Path
+	}
+	if p := s.router.Find(chi.NewRouteContext(), r.Method, path); p != "" {
+		return p
+	}
+	return routeUnmatched
+}
+
+// recoverPanics turns a panic into a logged 500 so that one bad request
+// never takes the process down.
+func (s *Server) recoverPanics(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			v := recover()
+			if v == nil {
+				return
+			}
+			loggerFrom(r.Context()).Error("handler panicked",
+				zap.String("panic", fmt.Sprint(v)),
+				zap.Stack("stack"),
+			)
+			if ww, ok := w.(middleware.WrapResponseWriter); ok && ww.Status() != 0 {
+				return // the answer has begun; the client sees a truncated one
+			}
+			writeError(w, r, errPanic)
+		}()
+		next.ServeHTTP(w, r)
+	})
+}
+
+// authenticate puts the caller, taken from the verified client certificate,
+// in the request context. Every failure gets the same 401; the reason is
+// only logged.
+func (s *Server) authenticate(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p, err := s.authenticatePeer(r)
+		if err != nil {
+			writeError(w, r, &broker.Error{Kind: broker.KindUnauthenticated, Err: err})
+			return
+		}
+		if info := requestInfoFrom(r.Context()); info != nil {
+			info.identity = p.caller.Identity
+		}
+		next.ServeHTTP(w, r.WithContext(withPeer(r.Context(), p)))
+	})
+}
+
+func (s *Server) authenticatePeer(r *http.Request) (peer, error) {
+	st := r.TLS
+	if st == nil {
+		return peer{}, errors.New("not a TLS connection")
+	}
+	// VerifiedChains is set only when the TLS stack verified the chain; a
+	// configuration that merely requests a certificate leaves it empty.
+	if len(st.VerifiedChains) == 0 || len(st.PeerCertificates) == 0 {
+		return peer{}, errors.New("no verified client certificate")
+	}
+	cert := st.PeerCertificates[0]
+	// A keep-alive connection can outlive the certificate it was opened
+	// with.
+	if now := s.cfg.Now(); now.Before(cert.NotBefore) || now.After(cert.NotAfter) {
+		return peer{}, fmt.Errorf("client certificate is not valid at %s (valid %s to %s)",
+			now.UTC().Format("2006-01-02T15:04:05Z"), cert.NotBefore.UTC().Format("2006-01-02T15:04:05Z"),
+			cert.NotAfter.UTC().Format("2006-01-02T15:04:05Z"))
+	}
+	id, err := pki.IdentityFromCert(cert)
+	if err != nil {
+		return peer{}, fmt.Errorf("client certificate identity: %w", err)
+	}
+	return peer{
+		caller: broker.Caller{Identity: id, CertSHA256: pki.Fingerprint(cert)},
+		cert:   cert,
+	}, nil
+}
