@@ -1,0 +1,114 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"github.com/spf13/viper"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func newRootCommand() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "tokenbroker",
+		Short: "Hand out short-lived kubeconfigs between Kubernetes clusters over mutual TLS",
+		Long: `tokenbroker lets one Kubernetes cluster hand another a short-lived kubeconfig
+over mutual TLS. The broker runs in the target cluster and mints tokens with
+the TokenRequest API; peers authenticate with client certificates from a small
+PKI (see "tokenbroker pki").`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newServeCommand(), newDevCommand(), newPKICommand(), newVersionCommand())
+	return root
+}
+
+func newVersionCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			_, err := fmt.Fprintln(cmd.OutOrStdout(), "tokenbroker", version)
+			return err
+		},
+	}
+}
+
+// newViper binds a command's flags to a fresh viper instance that also
+// reads TOKENBROKER_<FLAG> environment variables (dashes become
+// underscores) and, when --config is given, a YAML config file whose keys
+// are the flag names. Precedence: flag, environment, file, default.
+func newViper(cmd *cobra.Command) (*viper.Viper, error) {
+	v := viper.New()
+	v.SetEnvPrefix("TOKENBROKER")
+	v.SetEnvKeyReplacer(strings.NewReplacer("-", "_"))
+	v.AutomaticEnv()
+	var bindErr error
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if f.Name == "help" || f.Name == "config" {
+			return
+		}
+		bindErr = errors.Join(bindErr, v.BindPFlag(f.Name, f))
+	})
+	if bindErr != nil {
+		return nil, bindErr
+	}
+	if file, _ := cmd.Flags().GetString("config"); file != "" {
+		v.SetConfigFile(file)
+		if err := v.ReadInConfig(); err != nil {
+			return nil, fmt.Errorf("read config file: %w", err)
+		}
+		known := map[string]bool{}
+		cmd.Flags().VisitAll(func(f *pflag.Flag) { known[f.Name] = true })
+		for _, k := range v.AllKeys() {
+			if !known[k] {
+				return nil, fmt.Errorf("config file %s: unknown key %q", file, k)
+			}
+		}
+	}
+	return v, nil
+}
+
+// logConfig is the logging part of every long-running command.
+type logConfig struct {
+	Level  string
+	Format string
+}
+
+func addLogFlags(fs *pflag.FlagSet, defaultFormat string) {
+	fs.String("log-level", "info", "log level: debug, info, warn or error")
+	fs.String("log-format", defaultFormat, "log format: json or console")
+}
+
+func logConfigFrom(v *viper.Viper) logConfig {
+	return logConfig{Level: v.GetString("log-level"), Format: v.GetString("log-format")}
+}
+
+func newLogger(c logConfig) (*zap.Logger, error) {
+	level, err := zapcore.ParseLevel(c.Level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	var zc zap.Config
+	switch c.Format {
+	case "json":
+		zc = zap.NewProductionConfig()
+		zc.EncoderConfig.TimeKey = "time"
+		zc.EncoderConfig.EncodeTime = zapcore.RFC3339NanoTimeEncoder
+	case "console":
+		zc = zap.NewDevelopmentConfig()
+		zc.DisableStacktrace = true
+	default:
+		return nil, fmt.Errorf("--log-format must be json or console, not %q", c.Format)
+	}
+	zc.Level = zap.NewAtomicLevelAt(level)
+	return zc.Build()
+}

@@ -1,0 +1,101 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/stretchr/testify/require"
+)
+
+// serveConfigOf parses args like "tokenbroker serve" would, without running.
+func serveConfigOf(t *testing.T, args ...string) (serveConfig, error) {
+	t.Helper()
+	var got serveConfig
+	var gotErr error
+	cmd := newServeCommand()
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		v, err := newViper(cmd)
+		if err != nil {
+			gotErr = err
+			return nil
+		}
+		got, gotErr = serveConfigFrom(v)
+		return nil
+	}
+	cmd.SetArgs(args)
+	cmd.SetOut(new(strings.Builder))
+	cmd.SetErr(new(strings.Builder))
+	require.NoError(t, cmd.Execute())
+	return got, gotErr
+}
+
+var required = []string{"--tls-cert-file", "c", "--tls-key-file", "k", "--client-ca-file", "ca", "--policy-file", "p"}
+
+func TestServeDefaultsSuitABroker(t *testing.T) {
+	cfg, err := serveConfigOf(t, required...)
+	require.NoError(t, err)
+	require.Equal(t, ":8443", cfg.ListenAddress)
+	require.Equal(t, ":9090", cfg.OpsAddress)
+	// Far above client-go's 5 QPS / burst 10, which would cap issuance.
+	require.Equal(t, float32(200), cfg.KubeQPS)
+	require.Equal(t, 400, cfg.KubeBurst)
+	require.Equal(t, time.Minute, cfg.GCInterval)
+	require.Equal(t, []string{"token"}, cfg.Credentials)
+	require.Equal(t, "json", cfg.Log.Format)
+
+	rc, err := kubeRESTConfig(writeKubeconfig(t), cfg.KubeQPS, cfg.KubeBurst)
+	require.NoError(t, err)
+	require.Equal(t, float32(200), rc.QPS)
+	require.Equal(t, 400, rc.Burst)
+}
+
+func TestServeReportsEveryMissingFlag(t *testing.T) {
+	_, err := serveConfigOf(t)
+	require.Error(t, err)
+	for _, f := range []string{"--tls-cert-file", "--tls-key-file", "--client-ca-file", "--policy-file"} {
+		require.Contains(t, err.Error(), f)
+	}
+}
+
+func TestFlagsBeatEnvironmentWhichBeatsTheConfigFile(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "serve.yaml")
+	require.NoError(t, os.WriteFile(file, []byte("kube-qps: 50\nkube-burst: 60\nops-address: 127.0.0.1:1\n"), 0o600))
+	t.Setenv("TOKENBROKER_KUBE_BURST", "70")
+	t.Setenv("TOKENBROKER_OPS_ADDRESS", "127.0.0.1:2")
+	cfg, err := serveConfigOf(t, append(required, "--config", file, "--ops-address", "127.0.0.1:3")...)
+	require.NoError(t, err)
+	require.Equal(t, float32(50), cfg.KubeQPS, "from the file")
+	require.Equal(t, 70, cfg.KubeBurst, "environment over file")
+	require.Equal(t, "127.0.0.1:3", cfg.OpsAddress, "flag over environment")
+}
+
+func TestAConfigFileWithAnUnknownKeyIsRejected(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "serve.yaml")
+	require.NoError(t, os.WriteFile(file, []byte("kube-qsp: 50\n"), 0o600))
+	_, err := serveConfigOf(t, append(required, "--config", file)...)
+	require.ErrorContains(t, err, `unknown key "kube-qsp"`)
+}
+
+func TestBadValuesAreRefused(t *testing.T) {
+	for _, args := range [][]string{{"--kube-qps", "0"}, {"--gc-interval", "1ms"}, {"--max-body-bytes", "-1"}} {
+		_, err := serveConfigOf(t, append(required, args...)...)
+		require.Error(t, err, args)
+	}
+}
+
+func writeKubeconfig(t *testing.T) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "kubeconfig")
+	require.NoError(t, os.WriteFile(p, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: x}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+`), 0o600))
+	return p
+}
