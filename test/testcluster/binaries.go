@@ -1,0 +1,352 @@
+package testcluster
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// BinDirEnv names the environment variable that points the harness at a
+// directory holding (or to receive) the kube binaries.
+const BinDirEnv = "TOKENBROKER_BIN_DIR"
+
+// Names of the binaries the harness can build. They are pinned in
+// test/hack/tools.go.
+const (
+	KubeAPIServer         = "kube-apiserver"
+	KubeControllerManager = "kube-controller-manager"
+	Kubectl               = "kubectl"
+)
+
+// AllBinaries returns the names of every binary the harness can build.
+func AllBinaries() []string {
+	return []string{KubeAPIServer, KubeControllerManager, Kubectl}
+}
+
+const (
+	buildLockFile     = ".build.lock"
+	stampSuffix       = ".stamp"
+	lockPollInterval  = 200 * time.Millisecond
+	buildOutputLimit  = 8192
+	kubernetesModule  = "k8s.io/kubernetes"
+	kubernetesCmdPath = kubernetesModule + "/cmd/"
+)
+
+// Binary returns the path of one of the pinned kube binaries (KubeAPIServer,
+// KubeControllerManager or Kubectl), building it with `go build` from the
+// test module only if it is missing: a present binary is trusted, so that a
+// test never pays for a rebuild (EnsureBinaries, run by the Makefile, is what
+// replaces stale ones). binDir may be empty: then $TOKENBROKER_BIN_DIR is
+// used if set, else bin/ at the repository root. Parallel callers, also in
+// other processes, build a binary only once: builds hold a flock on a lock
+// file in the binary directory. The first build of kube-apiserver takes
+// minutes; ctx bounds the wait for the lock and the build.
+func Binary(ctx context.Context, binDir, name string) (string, error) {
+	if err := checkNames(name); err != nil {
+		return "", err
+	}
+	dir, err := resolveBinDir(binDir)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, name)
+	if isExecutable(path) {
+		return path, nil
+	}
+	err = withBuildLock(ctx, dir, func() error {
+		// Another process may have built it while we waited for the lock.
+		if isExecutable(path) {
+			return nil
+		}
+		return build(ctx, dir, []string{name})
+	})
+	if err != nil {
+		return "", err
+	}
+	return path, nil
+}
+
+// EnsureBinaries builds the named binaries (all of them when names is empty)
+// into binDir (resolved as for Binary) unless each is present and was built
+// from the current test/go.mod, test/go.sum and Go toolchain. Make targets
+// call it (through test/cmd/kubebins) once per run, so that tests find fresh
+// binaries; when nothing changed it costs a second, not a relink.
+func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
+	if len(names) == 0 {
+		names = AllBinaries()
+	}
+	if err := checkNames(names...); err != nil {
+		return err
+	}
+	dir, err := resolveBinDir(binDir)
+	if err != nil {
+		return err
+	}
+	return withBuildLock(ctx, dir, func() error {
+		inputs, err := buildInputs(ctx)
+		if err != nil {
+			return err
+		}
+		var stale []string
+		for _, name := range names {
+			stamp, err := os.ReadFile(filepath.Join(dir, "."+name+stampSuffix))
+			if err != nil || string(stamp) != inputs.stamp || !isExecutable(filepath.Join(dir, name)) {
+				stale = append(stale, name)
+			}
+		}
+		if len(stale) == 0 {
+			return nil
+		}
+		return buildWith(ctx, dir, stale, inputs)
+	})
+}
+
+func checkNames(names ...string) error {
+	for _, name := range names {
+		switch name {
+		case KubeAPIServer, KubeControllerManager, Kubectl:
+		default:
+			return fmt.Errorf("unknown kube binary %q (want one of %s)", name, strings.Join(AllBinaries(), ", "))
+		}
+	}
+	return nil
+}
+
+// resolveBinDir applies the precedence explicit > $TOKENBROKER_BIN_DIR >
+// <repository root>/bin.
+func resolveBinDir(binDir string) (string, error) {
+	if binDir == "" {
+		binDir = os.Getenv(BinDirEnv)
+	}
+	if binDir == "" {
+		root, err := repoRoot()
+		if err != nil {
+			return "", fmt.Errorf("find binary directory (set %s to override): %w", BinDirEnv, err)
+		}
+		binDir = filepath.Join(root, "bin")
+	}
+	abs, err := filepath.Abs(binDir)
+	if err != nil {
+		return "", fmt.Errorf("resolve binary directory: %w", err)
+	}
+	return abs, nil
+}
+
+// repoRoot walks up from the working directory to the directory that holds
+// both go.mod and test/go.mod: the tokenbroker repository root.
+func repoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("get working directory: %w", err)
+	}
+	for {
+		if isFile(filepath.Join(dir, "go.mod")) && isFile(filepath.Join(dir, "test", "go.mod")) {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("no directory containing go.mod and test/go.mod above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// inputs is what a build depends on beyond the Go build cache's own
+// tracking: where the module is, which kube version, and a stamp that
+// changes whenever the result would.
+type inputs struct {
+	moduleDir   string
+	kubeVersion string // e.g. v1.34.4
+	ldflags     string
+	stamp       string
+}
+
+func buildInputs(ctx context.Context) (*inputs, error) {
+	root, err := repoRoot()
+	if err != nil {
+		return nil, fmt.Errorf("locate the test module to build from: %w", err)
+	}
+	moduleDir := filepath.Join(root, "test")
+	version, err := goOutput(ctx, moduleDir, "list", "-m", "-f", "{{.Version}}", kubernetesModule)
+	if err != nil {
+		return nil, err
+	}
+	goVersion, err := goOutput(ctx, moduleDir, "env", "GOVERSION")
+	if err != nil {
+		return nil, err
+	}
+	ldflags, err := versionLDFlags(version)
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	for _, f := range []string{"go.mod", "go.sum"} {
+		data, err := os.ReadFile(filepath.Join(moduleDir, f))
+		if err != nil {
+			return nil, fmt.Errorf("read test/%s: %w", f, err)
+		}
+		h.Write(data)
+	}
+	fmt.Fprintf(h, "\x00%s\x00%s", goVersion, ldflags)
+	return &inputs{
+		moduleDir:   moduleDir,
+		kubeVersion: version,
+		ldflags:     ldflags,
+		stamp:       hex.EncodeToString(h.Sum(nil)) + "\n",
+	}, nil
+}
+
+// versionLDFlags stamps the binaries with the real Kubernetes version, as the
+// Kubernetes release build does: a plain `go build` reports
+// v0.0.0-master+$Format:%H$, which kubectl and version-checking clients
+// cannot parse.
+func versionLDFlags(version string) (string, error) {
+	parts := strings.SplitN(strings.TrimPrefix(version, "v"), ".", 3)
+	if len(parts) < 2 {
+		return "", fmt.Errorf("unexpected %s version %q", kubernetesModule, version)
+	}
+	vars := []struct{ key, value string }{
+		{"gitVersion", version},
+		{"gitMajor", parts[0]},
+		{"gitMinor", parts[1]},
+		{"gitTreeState", "clean"},
+	}
+	var flags []string
+	for _, pkg := range []string{"k8s.io/component-base/version", "k8s.io/client-go/pkg/version"} {
+		for _, v := range vars {
+			flags = append(flags, "-X "+pkg+"."+v.key+"="+v.value)
+		}
+	}
+	return strings.Join(flags, " "), nil
+}
+
+// build compiles names into dir; the caller holds the build lock.
+func build(ctx context.Context, dir string, names []string) error {
+	in, err := buildInputs(ctx)
+	if err != nil {
+		return err
+	}
+	return buildWith(ctx, dir, names, in)
+}
+
+// buildWith compiles k8s.io/kubernetes/cmd/<name> for each name in one
+// `go build` (so the packages they share compile once), into a scratch
+// directory first so that nobody ever runs a half-written binary, then
+// moves them into dir and records their stamps.
+func buildWith(ctx context.Context, dir string, names []string, in *inputs) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("create binary directory: %w", err)
+	}
+	scratch, err := os.MkdirTemp(dir, ".build-")
+	if err != nil {
+		return fmt.Errorf("create build directory: %w", err)
+	}
+	defer func() { _ = os.RemoveAll(scratch) }()
+
+	args := []string{"build", "-ldflags", in.ldflags, "-o", scratch + string(os.PathSeparator)}
+	for _, name := range names {
+		args = append(args, kubernetesCmdPath+name)
+	}
+	cmd := exec.CommandContext(ctx, "go", args...)
+	cmd.Dir = in.moduleDir
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("go build %s (%s): %w\n%s", strings.Join(names, " "), in.kubeVersion, err, tail(out.Bytes(), buildOutputLimit))
+	}
+	for _, name := range names {
+		if err := os.Rename(filepath.Join(scratch, name), filepath.Join(dir, name)); err != nil {
+			return fmt.Errorf("install %s: %w", name, err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "."+name+stampSuffix), []byte(in.stamp), 0o644); err != nil {
+			return fmt.Errorf("write build stamp of %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// goOutput runs the go command in dir and returns its trimmed output.
+func goOutput(ctx context.Context, dir string, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, "go", args...)
+	cmd.Dir = dir
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("go %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+// withBuildLock runs fn while holding an exclusive flock on the lock file in
+// dir, polling so that ctx can end the wait. The lock dies with the process,
+// so a crashed build never wedges it.
+func withBuildLock(ctx context.Context, dir string, fn func() error) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("create binary directory: %w", err)
+	}
+	unlock, err := lockFile(ctx, filepath.Join(dir, buildLockFile))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return fn()
+}
+
+func lockFile(ctx context.Context, path string) (unlock func(), err error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("open build lock: %w", err)
+	}
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return func() {
+				_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+				_ = f.Close()
+			}, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) && !errors.Is(err, syscall.EINTR) {
+			_ = f.Close()
+			return nil, fmt.Errorf("lock %s: %w", path, err)
+		}
+		select {
+		case <-ctx.Done():
+			_ = f.Close()
+			return nil, fmt.Errorf("wait for build lock %s: %w", path, ctx.Err())
+		case <-time.After(lockPollInterval):
+		}
+	}
+}
+
+func isExecutable(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0
+}
+
+func isFile(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode().IsRegular()
+}
+
+// tail returns at most the last n bytes of b, cut at a line start.
+func tail(b []byte, n int) []byte {
+	if len(b) <= n {
+		return b
+	}
+	b = b[len(b)-n:]
+	if i := bytes.IndexByte(b, '\n'); i >= 0 {
+		b = b[i+1:]
+	}
+	return b
+}

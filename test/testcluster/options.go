@@ -1,0 +1,125 @@
+package testcluster
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// DefaultServiceAccountIssuer is the --service-account-issuer of a cluster
+// unless WithServiceAccountIssuer says otherwise. It is also the default API
+// audience, as on most real clusters.
+const DefaultServiceAccountIssuer = "https://kubernetes.default.svc.cluster.local"
+
+// DefaultControllers returns the kube-controller-manager controllers started
+// by WithControllerManager when it is given none: the ones that sign, approve
+// and clean up CertificateSigningRequests.
+func DefaultControllers() []string {
+	return []string{"csrsigning", "csrapproving", "csrcleaner"}
+}
+
+const (
+	defaultStartTimeout = 60 * time.Second
+	defaultStopTimeout  = 15 * time.Second
+)
+
+// Option changes how a cluster is started.
+type Option func(*options)
+
+type options struct {
+	binDir             string
+	maxTokenExpiration time.Duration
+	issuer             string
+	audiences          []string
+	controllerManager  bool
+	controllers        []string
+	apiServerArgs      []string
+	startTimeout       time.Duration
+	stopTimeout        time.Duration
+}
+
+// minMaxTokenExpiration is the smallest --service-account-max-token-expiration
+// the API server starts with.
+const minMaxTokenExpiration = time.Hour
+
+func (o *options) validate() error {
+	if o.maxTokenExpiration != 0 && o.maxTokenExpiration < minMaxTokenExpiration {
+		return fmt.Errorf("max token expiration %s is below the API server's minimum of %s", o.maxTokenExpiration, minMaxTokenExpiration)
+	}
+	if o.startTimeout <= 0 || o.stopTimeout <= 0 {
+		return errors.New("start and stop timeouts must be positive")
+	}
+	return nil
+}
+
+func newOptions(opts []Option) options {
+	o := options{
+		issuer:       DefaultServiceAccountIssuer,
+		startTimeout: defaultStartTimeout,
+		stopTimeout:  defaultStopTimeout,
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if len(o.audiences) == 0 {
+		o.audiences = []string{o.issuer}
+	}
+	return o
+}
+
+// WithBinDir makes the cluster take (and, if missing, build) its binaries in
+// dir instead of $TOKENBROKER_BIN_DIR or the repository's bin/ directory.
+func WithBinDir(dir string) Option {
+	return func(o *options) { o.binDir = dir }
+}
+
+// WithMaxTokenExpiration sets --service-account-max-token-expiration, the cap
+// the API server applies to the expirationSeconds of a TokenRequest. Tests
+// use it to see the API server shorten a token (e.g. a 1h cap). The API
+// server accepts only 1h to 2^32s; Run rejects other values up front. (The
+// API server's other bound, a 10 minute minimum per TokenRequest, applies
+// whatever this says.)
+func WithMaxTokenExpiration(d time.Duration) Option {
+	return func(o *options) { o.maxTokenExpiration = d }
+}
+
+// WithServiceAccountIssuer sets --service-account-issuer (the iss claim of
+// service account tokens). The default is DefaultServiceAccountIssuer.
+func WithServiceAccountIssuer(issuer string) Option {
+	return func(o *options) { o.issuer = issuer }
+}
+
+// WithAPIAudiences sets --api-audiences, the audiences the API server accepts
+// and puts in tokens requested without audiences. The default is the issuer.
+func WithAPIAudiences(audiences ...string) Option {
+	return func(o *options) { o.audiences = append([]string(nil), audiences...) }
+}
+
+// WithControllerManager also starts a kube-controller-manager that runs the
+// given controllers, DefaultControllers() (CSR signing, approving and
+// cleanup) when none are given. It signs CertificateSigningRequests with the cluster
+// CA, so the client certificates it issues authenticate to the cluster.
+func WithControllerManager(controllers ...string) Option {
+	return func(o *options) {
+		o.controllerManager = true
+		o.controllers = append([]string(nil), controllers...)
+	}
+}
+
+// WithAPIServerArgs appends flags to the kube-apiserver command line. They
+// come after the harness's own flags, so for single-valued flags they win.
+func WithAPIServerArgs(args ...string) Option {
+	return func(o *options) { o.apiServerArgs = append(o.apiServerArgs, args...) }
+}
+
+// WithStartTimeout bounds how long Run waits for the cluster to become ready
+// (60s by default). It does not include building missing binaries.
+func WithStartTimeout(d time.Duration) Option {
+	return func(o *options) { o.startTimeout = d }
+}
+
+// WithStopTimeout bounds how long a child process is given to exit after
+// SIGTERM before it is killed (15s by default).
+func WithStopTimeout(d time.Duration) Option {
+	return func(o *options) { o.stopTimeout = d }
+}
