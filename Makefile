@@ -3,7 +3,6 @@ SHELL := /bin/bash
 GO ?= go
 BIN := $(CURDIR)/bin
 export TOKENBROKER_BIN_DIR := $(BIN)
-KUBE_CMDS := k8s.io/kubernetes/cmd/kube-apiserver
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
 # Time per fuzz target for `make fuzz`.
@@ -19,9 +18,8 @@ help: ## list the targets
 build: ## build bin/tokenbroker
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/tokenbroker ./cmd/tokenbroker
 
-kube: ## build kube-apiserver (and kubectl if the one on PATH is missing or older than 1.28) from the pinned k8s.io/kubernetes
-	cd test && $(GO) build -o $(BIN)/ $(KUBE_CMDS)
-	@if ! ./test/hack/kubectl-ok.sh; then echo "building kubectl from the pinned module"; cd test && $(GO) build -o $(BIN)/ k8s.io/kubernetes/cmd/kubectl; fi
+kube: ## build kube-apiserver, kube-controller-manager and kubectl from the pinned k8s.io/kubernetes (minutes the first time, then cached)
+	cd test && $(GO) run ./cmd/kubebins
 
 localcluster: ## build bin/localcluster, the harness as a command
 	cd test && $(GO) build -o $(BIN)/localcluster ./cmd/localcluster

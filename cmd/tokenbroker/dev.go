@@ -295,7 +295,7 @@ func printDevCommands(out io.Writer, dir string, f devFiles, api, ops, kubectl s
 	var b strings.Builder
 	fmt.Fprintf(&b, "\ntokenbroker dev is ready: the broker listens on https://%s (ops on http://%s).\n\n", api, ops)
 	fmt.Fprintf(&b, "Ask it for a kubeconfig (as the peer %q):\n\n", devPeer)
-	fmt.Fprintf(&b, "  curl -sS --fail-with-body --cert %s --key %s --cacert %s -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '%s' https://%s/v1/kubeconfigs --create-file-mode 0600 -o %s\n\n",
+	fmt.Fprintf(&b, "  curl -sS --fail-with-body --cert %s --key %s --cacert %s -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '%s' https://%s/v1/kubeconfigs -o %s\n\n",
 		f.clientCert, f.clientKey, f.caCert, body, api, kc)
 	fmt.Fprintf(&b, "Use it:\n\n  %s --kubeconfig %s get configmaps\n\n", kubectl, kc)
 	fmt.Fprintf(&b, "See who you are to the broker:\n\n  curl -sS --cert %s --key %s --cacert %s https://%s/v1/whoami\n\n", f.clientCert, f.clientKey, f.caCert, api)

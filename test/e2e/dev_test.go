@@ -1,0 +1,101 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestMakeDevCommandsWorkAsPrinted runs what `make dev` runs — localcluster
+// around `tokenbroker dev` — then pastes the printed curl and kubectl
+// commands into a shell exactly as printed, and stops everything with
+// Ctrl-C (SIGINT).
+func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
+	bin := filepath.Dir(tokenbrokerBinary(t))
+	localcluster := filepath.Join(bin, "localcluster")
+	if _, err := os.Stat(localcluster); err != nil {
+		build := exec.Command("go", "build", "-o", localcluster, "./cmd/localcluster")
+		build.Dir = filepath.Join(repoRoot(t), "test")
+		out, err := build.CombinedOutput()
+		require.NoError(t, err, string(out))
+	}
+	dir := t.TempDir()
+	cmd := exec.Command(localcluster, "--kubeconfig-out", filepath.Join(dir, "admin.kubeconfig"), "--",
+		filepath.Join(bin, "tokenbroker"), "dev", "--dir", filepath.Join(dir, "dev"),
+		"--listen-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		"--ops-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	logs := &syncBuffer{}
+	cmd.Stderr = logs
+	require.NoError(t, cmd.Start())
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		if t.Failed() {
+			t.Logf("dev logs:\n%s", logs.String())
+		}
+	})
+
+	// Read the banner up to its last line, keeping the indented commands.
+	var commands []string
+	lines := make(chan string)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	timeout := time.After(90 * time.Second)
+read:
+	for {
+		select {
+		case line, ok := <-lines:
+			require.True(t, ok, "tokenbroker dev ended before it was ready")
+			if strings.HasPrefix(line, "  ") {
+				commands = append(commands, strings.TrimSpace(line))
+			}
+			if strings.HasPrefix(line, "Ctrl-C stops") {
+				break read
+			}
+		case <-timeout:
+			t.Fatal("tokenbroker dev printed no commands within 90s")
+		}
+	}
+	go func() {
+		for range lines { // keep the pipe drained
+		}
+	}()
+	require.Len(t, commands, 3, "curl for a kubeconfig, kubectl, curl for whoami")
+
+	for i, c := range commands {
+		out, err := exec.Command("bash", "-c", c).CombinedOutput()
+		require.NoError(t, err, "command %d as printed: %s\n%s", i+1, c, out)
+		switch i {
+		case 1:
+			require.Contains(t, string(out), "hello", "kubectl lists the demo ConfigMap")
+		case 2:
+			require.Contains(t, string(out), `"peer":"west"`)
+		}
+	}
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Ctrl-C did not stop make dev within 30s")
+	}
+	_, err = os.Stat(filepath.Join(dir, "admin.kubeconfig"))
+	require.ErrorIs(t, err, os.ErrNotExist, "the admin kubeconfig is removed on exit")
+}
