@@ -118,3 +118,41 @@ type FieldError struct {
 	Field  string `json:"field"`
 	Detail string `json:"detail"`
 }
+
+// MediaTypePEM is the media type of a bare PEM bundle (GET /v1/trust-bundle
+// with Accept: application/x-pem-file).
+const MediaTypePEM = "application/x-pem-file"
+
+// CertificateRequest is the body of POST /v1/certificates, for enrollment
+// (with a join token as the bearer token, on the enrollment listener) and
+// for renewal (with the still-valid client certificate, on the mTLS
+// listener).
+type CertificateRequest struct {
+	// CSR is a PEM "CERTIFICATE REQUEST" whose only URI SAN is the identity
+	// the caller enrolls or renews, spiffe://<trust-domain>/cluster/<name>.
+	// The key pair is made by the caller and never leaves it.
+	CSR string `json:"csr"`
+}
+
+// CertificateResponse is the 201 answer of POST /v1/certificates.
+type CertificateResponse struct {
+	Identity string `json:"identity"`
+	// Certificate is the PEM chain: the client certificate first, then any
+	// intermediate CA certificates.
+	Certificate  string    `json:"certificate"`
+	SerialNumber string    `json:"serialNumber"`
+	NotBefore    time.Time `json:"notBefore"`
+	NotAfter     time.Time `json:"notAfter"`
+	// CABundle is the PEM trust bundle that verifies the broker and the
+	// peers (all CAs in force, old and new during a rotation).
+	CABundle string `json:"caBundle"`
+}
+
+// TrustBundle is the answer of GET /v1/trust-bundle.
+type TrustBundle struct {
+	// CABundle is the PEM bundle of the CA certificates in force.
+	CABundle string `json:"caBundle"`
+	// Fingerprints are the "sha256:<hex>" fingerprints of the bundle's
+	// certificates, in the same order, for pinning.
+	Fingerprints []string `json:"fingerprints"`
+}
