@@ -1,6 +1,7 @@
 package pki
 
 import (
+	"bytes"
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -58,6 +59,11 @@ type CAOptions struct {
 	// Now is the clock; nil means time.Now. It is also the clock the CA uses
 	// later when it issues certificates.
 	Now func() time.Time
+	// PathLen is how many intermediate CAs may sit below this CA: 0 (the
+	// default) makes a CA that signs leaf certificates only, 1 a root that
+	// may sign one level of intermediates (see NewIntermediate). Negative
+	// values are refused. Only NewCA uses it.
+	PathLen int
 	// Rand is the source of serial numbers; nil means crypto/rand.Reader.
 	// It must be safe for concurrent use if the CA is. It is also handed to
 	// x509.CreateCertificate, but since Go 1.26 key generation and ECDSA
@@ -69,16 +75,30 @@ type CAOptions struct {
 // CA is a certificate authority: its certificate and signing key, plus the
 // clock and randomness it issues with. It is safe for concurrent use when its
 // Rand is (the default is).
+//
+// A CA is either a self-signed root or an intermediate. An intermediate
+// knows its chain (Chain: itself first, then any CAs between it and the
+// root) and, when it was made or loaded with it, its root (BundlePEM). Every
+// KeyPair it issues carries the leaf followed by Chain, so a TLS peer that
+// trusts only the root can verify it.
 type CA struct {
-	cert    *x509.Certificate
+	cert *x509.Certificate
+	// chain is the signing CA's certificate and its issuers up to, not
+	// including, the root; empty for a root CA.
+	chain []*x509.Certificate
+	// roots are the trust anchors: the CA itself for a root, the root for
+	// an intermediate when it is known, else empty.
+	roots   []*x509.Certificate
 	certPEM []byte
 	signer  crypto.Signer
 	now     func() time.Time
 	rand    io.Reader
 }
 
-// NewCA makes a self-signed root CA with a new ECDSA P-256 key. The CA may
-// sign leaf certificates only (path length 0).
+// NewCA makes a self-signed root CA with a new ECDSA P-256 key. With the
+// default opts.PathLen of 0 it may sign leaf certificates only; with 1 it may
+// also sign intermediates (NewIntermediate), which themselves sign leaves
+// only.
 func NewCA(opts CAOptions) (*CA, error) {
 	now, rnd := clockAndRand(opts.Now, opts.Rand)
 	lifetime := opts.Lifetime
@@ -88,44 +108,135 @@ func NewCA(opts CAOptions) (*CA, error) {
 	if lifetime < 0 {
 		return nil, fmt.Errorf("new CA: negative lifetime %s", lifetime)
 	}
-	cn := opts.CommonName
-	if cn == "" {
-		cn = DefaultCACommonName
+	if opts.PathLen < 0 {
+		return nil, fmt.Errorf("new CA: negative path length %d", opts.PathLen)
 	}
 	key, err := newKey(rnd)
 	if err != nil {
 		return nil, fmt.Errorf("new CA: %w", err)
 	}
-	serial, err := newSerial(rnd)
+	t := now()
+	tmpl := caTemplate(opts.CommonName, opts.PathLen, t, t.Add(lifetime))
+	cert, err := createCert(rnd, tmpl, nil, key.Public(), key)
 	if err != nil {
 		return nil, fmt.Errorf("new CA: %w", err)
 	}
+	return &CA{
+		cert:    cert,
+		roots:   []*x509.Certificate{cert},
+		certPEM: encodeCert(cert.Raw),
+		signer:  key,
+		now:     now,
+		rand:    rnd,
+	}, nil
+}
+
+// NewIntermediate makes an intermediate CA with a new ECDSA P-256 key, signed
+// by ca, which must allow a path length of at least 1 (a root made with
+// CAOptions.PathLen 1). The intermediate signs leaf certificates only (path
+// length 0), so it cannot make further CAs.
+//
+// opts.CommonName names it (default DefaultCACommonName + " intermediate").
+// A zero opts.Lifetime makes it expire with ca; a longer lifetime than ca's
+// remaining validity fails with ErrLifetimeExceedsCA. opts.Now and opts.Rand
+// default to ca's; opts.PathLen must be 0.
+func (ca *CA) NewIntermediate(opts CAOptions) (*CA, error) {
+	if opts.PathLen != 0 {
+		return nil, errors.New("new intermediate CA: an intermediate signs leaf certificates only (path length 0)")
+	}
+	// A parsed certificate has MaxPathLen -1 when it sets no limit.
+	if ca.cert.MaxPathLen == 0 {
+		return nil, errors.New("new intermediate CA: the parent CA's path length does not allow intermediates")
+	}
+	now, rnd := ca.now, ca.rand
+	if opts.Now != nil {
+		now = opts.Now
+	}
+	if opts.Rand != nil {
+		rnd = opts.Rand
+	}
+	if opts.Lifetime < 0 {
+		return nil, fmt.Errorf("new intermediate CA: negative lifetime %s", opts.Lifetime)
+	}
+	cn := opts.CommonName
+	if cn == "" {
+		cn = DefaultCACommonName + " intermediate"
+	}
 	t := now()
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial,
+	notAfter := ca.cert.NotAfter
+	if opts.Lifetime != 0 {
+		notAfter = t.Add(opts.Lifetime)
+	}
+	if err := ca.checkValidity(t, notAfter); err != nil {
+		return nil, fmt.Errorf("new intermediate CA: %w", err)
+	}
+	key, err := newKey(rnd)
+	if err != nil {
+		return nil, fmt.Errorf("new intermediate CA: %w", err)
+	}
+	cert, err := createCert(rnd, caTemplate(cn, 0, t, notAfter), ca.cert, key.Public(), ca.signer)
+	if err != nil {
+		return nil, fmt.Errorf("new intermediate CA: %w", err)
+	}
+	chain := append([]*x509.Certificate{cert}, ca.chain...)
+	return &CA{
+		cert:    cert,
+		chain:   chain,
+		roots:   append([]*x509.Certificate(nil), ca.roots...),
+		certPEM: encodeCerts(chain),
+		signer:  key,
+		now:     now,
+		rand:    rnd,
+	}, nil
+}
+
+// caTemplate is the template of every CA certificate this package makes.
+// The serial number is filled in by createCert.
+func caTemplate(cn string, pathLen int, now, notAfter time.Time) *x509.Certificate {
+	if cn == "" {
+		cn = DefaultCACommonName
+	}
+	return &x509.Certificate{
 		Subject:               pkix.Name{CommonName: cn},
-		NotBefore:             t.Add(-Backdate),
-		NotAfter:              t.Add(lifetime),
+		NotBefore:             now.Add(-Backdate),
+		NotAfter:              notAfter,
 		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
 		BasicConstraintsValid: true,
 		IsCA:                  true,
-		MaxPathLen:            0,
-		MaxPathLenZero:        true,
+		MaxPathLen:            pathLen,
+		MaxPathLenZero:        pathLen == 0,
 	}
-	der, err := x509.CreateCertificate(rnd, tmpl, tmpl, key.Public(), key)
+}
+
+// createCert draws a serial, signs tmpl with signer as parent (self-signed
+// when parent is nil) and parses the result.
+func createCert(rnd io.Reader, tmpl, parent *x509.Certificate, pub crypto.PublicKey, signer crypto.Signer) (*x509.Certificate, error) {
+	serial, err := newSerial(rnd)
 	if err != nil {
-		return nil, fmt.Errorf("new CA: create certificate: %w", err)
+		return nil, err
+	}
+	tmpl.SerialNumber = serial
+	if parent == nil {
+		parent = tmpl
+	}
+	der, err := x509.CreateCertificate(rnd, tmpl, parent, pub, signer)
+	if err != nil {
+		return nil, fmt.Errorf("create certificate: %w", err)
 	}
 	cert, err := x509.ParseCertificate(der)
 	if err != nil {
-		return nil, fmt.Errorf("new CA: parse certificate: %w", err)
+		return nil, fmt.Errorf("parse certificate: %w", err)
 	}
-	return &CA{cert: cert, certPEM: encodeCert(der), signer: key, now: now, rand: rnd}, nil
+	return cert, nil
 }
 
-// LoadCA reads a CA from a PEM certificate file (exactly one certificate) and
-// a PEM private key file (PKCS#8, SEC1 or PKCS#1). The CA issues with the
-// system clock and crypto/rand; LoadCAWithOptions injects them.
+// LoadCA reads a CA from a PEM certificate file and a PEM private key file
+// (PKCS#8, SEC1 or PKCS#1). The certificate file holds the signing CA's
+// certificate first, then, for an intermediate, its issuers in order up to
+// the root, which may be left out (see ParseCA). Without the root the CA's
+// trust anchors are unknown; LoadCAChain takes them from a bundle file. The
+// CA issues with the system clock and crypto/rand; LoadCAWithOptions injects
+// them.
 func LoadCA(certFile, keyFile string) (*CA, error) {
 	return LoadCAWithOptions(certFile, keyFile, CAOptions{})
 }
@@ -133,6 +244,15 @@ func LoadCA(certFile, keyFile string) (*CA, error) {
 // LoadCAWithOptions is LoadCA with a clock and randomness; only opts.Now and
 // opts.Rand are used.
 func LoadCAWithOptions(certFile, keyFile string, opts CAOptions) (*CA, error) {
+	return LoadCAChain(certFile, keyFile, "", opts)
+}
+
+// LoadCAChain is LoadCAWithOptions that also reads the trust bundle
+// (bundle.crt as `pki init` writes it) and requires the CA to chain to one
+// of its certificates, which becomes the CA's root (BundlePEM). It is how an
+// intermediate whose certificate file leaves the root out is loaded. An empty
+// bundleFile means no bundle, as LoadCAWithOptions.
+func LoadCAChain(certFile, keyFile, bundleFile string, opts CAOptions) (*CA, error) {
 	certPEM, err := readFileLimited(certFile, MaxCertificatesPEMSize)
 	if err != nil {
 		return nil, fmt.Errorf("load CA certificate: %w", err)
@@ -145,43 +265,125 @@ func LoadCAWithOptions(certFile, keyFile string, opts CAOptions) (*CA, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load CA from %s: %w", certFile, err)
 	}
+	if bundleFile == "" {
+		return ca, nil
+	}
+	bundlePEM, err := readFileLimited(bundleFile, MaxCertificatesPEMSize)
+	if err != nil {
+		return nil, fmt.Errorf("load CA trust bundle: %w", err)
+	}
+	bundle, err := ParseCertificatesPEM(bundlePEM)
+	if err != nil {
+		return nil, fmt.Errorf("load CA trust bundle from %s: %w", bundleFile, err)
+	}
+	if err := ca.setRootFrom(bundle); err != nil {
+		return nil, fmt.Errorf("load CA from %s with bundle %s: %w", certFile, bundleFile, err)
+	}
 	return ca, nil
 }
 
-// ParseCA builds a CA from PEM. Only opts.Now and opts.Rand are used. The
-// certificate must be a CA allowed to sign certificates and the key must match
-// it.
+// ParseCA builds a CA from PEM. Only opts.Now and opts.Rand are used.
+//
+// certPEM holds the signing CA's certificate first. For an intermediate CA it
+// is followed by the certificates that issued it, in order, up to the root;
+// the self-signed root may end the list or be left out. Each certificate must
+// be a CA allowed to sign certificates and must be signed by the next one.
+// The key must match the first certificate.
 func ParseCA(certPEM, keyPEM []byte, opts CAOptions) (*CA, error) {
 	certs, err := ParseCertificatesPEM(certPEM)
 	if err != nil {
 		return nil, fmt.Errorf("parse CA certificate: %w", err)
 	}
-	if len(certs) != 1 {
-		return nil, fmt.Errorf("parse CA certificate: want exactly 1 certificate, got %d", len(certs))
-	}
-	cert := certs[0]
-	if !cert.BasicConstraintsValid || !cert.IsCA {
-		return nil, errors.New("parse CA certificate: not a CA certificate")
-	}
-	if cert.KeyUsage&x509.KeyUsageCertSign == 0 {
-		return nil, errors.New("parse CA certificate: key usage does not allow signing certificates")
+	for i, cert := range certs {
+		if !cert.BasicConstraintsValid || !cert.IsCA {
+			return nil, fmt.Errorf("parse CA certificate: certificate %d is not a CA certificate", i+1)
+		}
+		if cert.KeyUsage&x509.KeyUsageCertSign == 0 {
+			return nil, fmt.Errorf("parse CA certificate: certificate %d: key usage does not allow signing certificates", i+1)
+		}
+		if i > 0 {
+			if err := certs[i-1].CheckSignatureFrom(cert); err != nil {
+				return nil, fmt.Errorf("parse CA certificate: certificate %d is not signed by certificate %d, want the CA followed by its issuers in order: %w", i, i+1, err)
+			}
+		}
 	}
 	signer, err := ParsePrivateKeyPEM(keyPEM)
 	if err != nil {
 		return nil, fmt.Errorf("parse CA key: %w", err)
 	}
-	if err := matchKey(cert, signer); err != nil {
+	if err := matchKey(certs[0], signer); err != nil {
 		return nil, fmt.Errorf("parse CA: %w", err)
 	}
 	now, rnd := clockAndRand(opts.Now, opts.Rand)
-	return &CA{cert: cert, certPEM: encodeCert(cert.Raw), signer: signer, now: now, rand: rnd}, nil
+	ca := &CA{cert: certs[0], signer: signer, now: now, rand: rnd}
+	chain := certs
+	if last := certs[len(certs)-1]; isSelfSigned(last) {
+		ca.roots = []*x509.Certificate{last}
+		chain = certs[:len(certs)-1]
+	}
+	ca.chain = chain
+	ca.certPEM = encodeCerts(certs[:max(len(chain), 1)])
+	return ca, nil
 }
 
-// Certificate returns the CA certificate. Callers must not modify it.
+// setRootFrom finds the root among bundle that the CA's chain ends at.
+func (ca *CA) setRootFrom(bundle []*x509.Certificate) error {
+	top := ca.cert
+	if len(ca.chain) > 0 {
+		top = ca.chain[len(ca.chain)-1]
+	}
+	for _, b := range bundle {
+		if !b.IsCA {
+			continue
+		}
+		if b.Equal(top) && isSelfSigned(b) {
+			ca.roots = []*x509.Certificate{b}
+			return nil
+		}
+		if top.CheckSignatureFrom(b) == nil && bytes.Equal(top.RawIssuer, b.RawSubject) {
+			ca.roots = []*x509.Certificate{b}
+			return nil
+		}
+	}
+	return errors.New("the CA does not chain to any certificate of the trust bundle")
+}
+
+// isSelfSigned reports whether cert is signed by its own key under its own
+// name, that is, a root.
+func isSelfSigned(cert *x509.Certificate) bool {
+	return bytes.Equal(cert.RawIssuer, cert.RawSubject) && cert.CheckSignatureFrom(cert) == nil
+}
+
+// Certificate returns the signing CA's certificate (for an intermediate CA,
+// the intermediate). Callers must not modify it.
 func (ca *CA) Certificate() *x509.Certificate { return ca.cert }
 
-// CertPEM returns the CA certificate as PEM, the trust bundle peers need.
+// CertPEM returns what the CA's certificate file holds: for a root CA its
+// certificate (which is also its trust bundle), for an intermediate CA the
+// PEM of Chain. WriteFiles writes it. Peers trust BundlePEM, not this.
 func (ca *CA) CertPEM() []byte { return append([]byte(nil), ca.certPEM...) }
+
+// Chain returns the intermediate CA certificates that leaves issued by ca
+// need to reach the root: the signing CA first, then its issuers, the root
+// excluded. It is empty for a root CA. Callers must not modify the
+// certificates.
+func (ca *CA) Chain() []*x509.Certificate { return append([]*x509.Certificate(nil), ca.chain...) }
+
+// BundlePEM returns the trust anchors peers should trust to verify what ca
+// issues: the root certificate (for a root CA, its own certificate). If the
+// root is unknown (an intermediate loaded without it, see LoadCAChain), it
+// falls back to the topmost certificate of the chain, which Go and curl
+// accept as an anchor but strict OpenSSL clients do not.
+func (ca *CA) BundlePEM() []byte { return encodeCerts(ca.anchors()) }
+
+// anchors returns the roots, or the topmost known CA when the root is
+// unknown.
+func (ca *CA) anchors() []*x509.Certificate {
+	if len(ca.roots) > 0 {
+		return ca.roots
+	}
+	return ca.chain[len(ca.chain)-1:]
+}
 
 // KeyPEM returns the CA private key as a PKCS#8 "PRIVATE KEY" PEM block.
 // Handle it as a secret: never log it.
@@ -189,10 +391,14 @@ func (ca *CA) KeyPEM() ([]byte, error) {
 	return encodeKey(ca.signer)
 }
 
-// CertPool returns a new pool holding only the CA certificate.
+// CertPool returns a new pool holding only the trust anchors of BundlePEM:
+// the pool that verifies what ca issues (give it the leaf's chain as
+// intermediates; TLS does).
 func (ca *CA) CertPool() *x509.CertPool {
 	p := x509.NewCertPool()
-	p.AddCert(ca.cert)
+	for _, c := range ca.anchors() {
+		p.AddCert(c)
+	}
 	return p
 }
 
@@ -245,10 +451,12 @@ type ClientOptions struct {
 type KeyPair struct {
 	// Cert is the parsed certificate.
 	Cert *x509.Certificate
-	// CertPEM is the certificate as a PEM "CERTIFICATE" block.
+	// CertPEM is the certificate as a PEM "CERTIFICATE" block followed, when
+	// the issuing CA is an intermediate, by the CA's Chain, so that a TLS
+	// peer trusting only the root can verify it.
 	CertPEM []byte
 	// KeyPEM is the private key as a PKCS#8 "PRIVATE KEY" PEM block. It is a
-	// secret: never log it.
+	// secret: never log it. It is empty for a certificate signed from a CSR.
 	KeyPEM []byte
 }
 
@@ -296,26 +504,114 @@ func (ca *CA) IssueServer(opts ServerOptions) (*KeyPair, error) {
 // ParseIdentity). It fails with ErrLifetimeExceedsCA if the certificate would
 // outlive the CA.
 func (ca *CA) IssueClient(opts ClientOptions) (*KeyPair, error) {
-	if _, _, err := ParseIdentity(opts.Identity); err != nil {
-		return nil, fmt.Errorf("issue client certificate: %w", err)
-	}
-	u, err := url.Parse(opts.Identity)
+	tmpl, err := clientTemplate(opts.Identity)
 	if err != nil {
 		return nil, fmt.Errorf("issue client certificate: %w", err)
 	}
-	kp, err := ca.issue(&x509.Certificate{
-		Subject:     pkix.Name{CommonName: opts.Identity},
-		URIs:        []*url.URL{u},
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}, opts.Lifetime, DefaultClientLifetime)
+	kp, err := ca.issue(tmpl, opts.Lifetime, DefaultClientLifetime)
 	if err != nil {
 		return nil, fmt.Errorf("issue client certificate: %w", err)
 	}
 	return kp, nil
 }
 
-// issue fills in the fields every leaf shares, makes a key and signs.
+// SignClient issues a client-authentication certificate for identity with
+// the public key of csr, for enrollment and renewal. The CSR is untrusted
+// and contributes its public key only: the subject (common name identity),
+// the single URI SAN (identity), key usages, lifetime and every extension
+// come from this package and the arguments, whatever else the CSR asks for.
+// csr should come from ParseCSRPEM; its signature and key are checked again
+// here all the same. Choosing identity (from a verified join token or the
+// renewing client certificate, and comparing it with the CSR's) is the
+// caller's job.
+//
+// lifetime zero means DefaultClientLifetime. It fails with
+// ErrLifetimeExceedsCA if the certificate would outlive the CA. The returned
+// KeyPair has an empty KeyPEM (the key stays with the requester) and CertPEM
+// holds the leaf followed by Chain. Errors are not retryable.
+func (ca *CA) SignClient(csr *x509.CertificateRequest, identity string, lifetime time.Duration) (*KeyPair, error) {
+	if csr == nil {
+		return nil, fmt.Errorf("sign client certificate: %w: no CSR", ErrInvalidCSR)
+	}
+	if err := checkPublicKey(csr.PublicKey); err != nil {
+		return nil, fmt.Errorf("sign client certificate: %w: %w", ErrInvalidCSR, err)
+	}
+	if err := csr.CheckSignature(); err != nil {
+		return nil, fmt.Errorf("sign client certificate: %w: signature: %w", ErrInvalidCSR, err)
+	}
+	tmpl, err := clientTemplate(identity)
+	if err != nil {
+		return nil, fmt.Errorf("sign client certificate: %w", err)
+	}
+	cert, err := ca.sign(tmpl, csr.PublicKey, lifetime, DefaultClientLifetime)
+	if err != nil {
+		return nil, fmt.Errorf("sign client certificate: %w", err)
+	}
+	return &KeyPair{Cert: cert, CertPEM: ca.chainPEM(cert)}, nil
+}
+
+func clientTemplate(identity string) (*x509.Certificate, error) {
+	if _, _, err := ParseIdentity(identity); err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(identity)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidIdentity, err)
+	}
+	return &x509.Certificate{
+		Subject:     pkix.Name{CommonName: identity},
+		URIs:        []*url.URL{u},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}, nil
+}
+
+// issue makes a key and signs a leaf for it.
 func (ca *CA) issue(tmpl *x509.Certificate, lifetime, def time.Duration) (*KeyPair, error) {
+	// Check the lifetime before spending a key on a request that fails.
+	if err := ca.checkLifetime(lifetime, def); err != nil {
+		return nil, err
+	}
+	key, err := newKey(ca.rand)
+	if err != nil {
+		return nil, err
+	}
+	cert, err := ca.sign(tmpl, key.Public(), lifetime, def)
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := encodeKey(key)
+	if err != nil {
+		return nil, err
+	}
+	return &KeyPair{Cert: cert, CertPEM: ca.chainPEM(cert), KeyPEM: keyPEM}, nil
+}
+
+func (ca *CA) checkLifetime(lifetime, def time.Duration) error {
+	if lifetime == 0 {
+		lifetime = def
+	}
+	if lifetime < 0 {
+		return fmt.Errorf("negative lifetime %s", lifetime)
+	}
+	t := ca.now()
+	return ca.checkValidity(t, t.Add(lifetime))
+}
+
+// checkValidity refuses a certificate issued at t until notAfter that the
+// CA cannot back.
+func (ca *CA) checkValidity(t, notAfter time.Time) error {
+	if t.After(ca.cert.NotAfter) {
+		return fmt.Errorf("CA expired at %s", ca.cert.NotAfter.UTC().Format(time.RFC3339))
+	}
+	if notAfter.After(ca.cert.NotAfter) {
+		return fmt.Errorf("%w: requested until %s, CA valid until %s", ErrLifetimeExceedsCA,
+			notAfter.UTC().Format(time.RFC3339), ca.cert.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// sign fills in the fields every leaf shares and signs tmpl for pub.
+func (ca *CA) sign(tmpl *x509.Certificate, pub crypto.PublicKey, lifetime, def time.Duration) (*x509.Certificate, error) {
 	if lifetime == 0 {
 		lifetime = def
 	}
@@ -323,41 +619,21 @@ func (ca *CA) issue(tmpl *x509.Certificate, lifetime, def time.Duration) (*KeyPa
 		return nil, fmt.Errorf("negative lifetime %s", lifetime)
 	}
 	t := ca.now()
-	if t.After(ca.cert.NotAfter) {
-		return nil, fmt.Errorf("CA expired at %s", ca.cert.NotAfter.UTC().Format(time.RFC3339))
-	}
 	notAfter := t.Add(lifetime)
-	if notAfter.After(ca.cert.NotAfter) {
-		return nil, fmt.Errorf("%w: requested until %s, CA valid until %s", ErrLifetimeExceedsCA,
-			notAfter.UTC().Format(time.RFC3339), ca.cert.NotAfter.UTC().Format(time.RFC3339))
-	}
-	key, err := newKey(ca.rand)
-	if err != nil {
+	if err := ca.checkValidity(t, notAfter); err != nil {
 		return nil, err
 	}
-	serial, err := newSerial(ca.rand)
-	if err != nil {
-		return nil, err
-	}
-	tmpl.SerialNumber = serial
 	tmpl.NotBefore = t.Add(-Backdate)
 	tmpl.NotAfter = notAfter
 	tmpl.KeyUsage = x509.KeyUsageDigitalSignature
 	tmpl.BasicConstraintsValid = true
 	tmpl.IsCA = false
-	der, err := x509.CreateCertificate(ca.rand, tmpl, ca.cert, key.Public(), ca.signer)
-	if err != nil {
-		return nil, fmt.Errorf("create certificate: %w", err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		return nil, fmt.Errorf("parse certificate: %w", err)
-	}
-	keyPEM, err := encodeKey(key)
-	if err != nil {
-		return nil, err
-	}
-	return &KeyPair{Cert: cert, CertPEM: encodeCert(der), KeyPEM: keyPEM}, nil
+	return createCert(ca.rand, tmpl, ca.cert, pub, ca.signer)
+}
+
+// chainPEM is the PEM of leaf followed by the CA's chain.
+func (ca *CA) chainPEM(leaf *x509.Certificate) []byte {
+	return encodeCerts(append([]*x509.Certificate{leaf}, ca.chain...))
 }
 
 // WriteFiles writes the certificate (mode 0644) and key (mode 0600), each
@@ -428,6 +704,14 @@ func newSerial(rnd io.Reader) (*big.Int, error) {
 
 func encodeCert(der []byte) []byte {
 	return pem.EncodeToMemory(&pem.Block{Type: pemTypeCertificate, Bytes: der})
+}
+
+func encodeCerts(certs []*x509.Certificate) []byte {
+	var out []byte
+	for _, c := range certs {
+		out = append(out, encodeCert(c.Raw)...)
+	}
+	return out
 }
 
 func encodeKey(key crypto.Signer) ([]byte, error) {

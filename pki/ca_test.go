@@ -473,7 +473,7 @@ func TestParseCA(t *testing.T) {
 		{name: "A CA with its SEC1 key, as openssl writes it, loads.", cert: ca.CertPEM(), key: sec1},
 		{name: "A CA with another CA's key is refused.", cert: ca.CertPEM(), key: otherKey, wantErr: "does not match"},
 		{name: "A leaf certificate is refused as a CA.", cert: leaf.CertPEM, key: leaf.KeyPEM, wantErr: "not a CA"},
-		{name: "Two certificates are refused.", cert: append(ca.CertPEM(), other.CertPEM()...), key: caKey, wantErr: "exactly 1"},
+		{name: "Two unrelated CA certificates are refused as a chain.", cert: append(ca.CertPEM(), other.CertPEM()...), key: caKey, wantErr: "not signed by certificate 2"},
 		{name: "A missing key is refused.", cert: ca.CertPEM(), key: nil, wantErr: "parse CA key"},
 	}
 	for _, tt := range tests {

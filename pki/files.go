@@ -103,3 +103,17 @@ func syncDir(dir string) {
 	_ = d.Sync()
 	_ = d.Close()
 }
+
+// WriteCertificatesFile writes PEM certificates (a trust bundle or a chain)
+// to name with mode 0644, atomically (temporary file and rename), so that a
+// PoolReloader watching it sees the old bundle or the new one, never a part.
+// Without overwrite it refuses, wrapping fs.ErrExist, if name exists.
+func WriteCertificatesFile(name string, certPEM []byte, overwrite bool) error {
+	if name == "" {
+		return errors.New("write certificates: file name is required")
+	}
+	if err := writeFileAtomic(name, certPEM, certFileMode, overwrite); err != nil {
+		return fmt.Errorf("write certificates: %w", err)
+	}
+	return nil
+}

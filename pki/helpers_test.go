@@ -44,6 +44,17 @@ func newTestCA(t *testing.T) *CA {
 	return ca
 }
 
+// newTestIntermediate makes a root that allows one intermediate and an
+// intermediate signed by it, both issuing at testNow.
+func newTestIntermediate(t *testing.T) (root, inter *CA) {
+	t.Helper()
+	root, err := NewCA(CAOptions{CommonName: "test root", PathLen: 1, Now: fixedNow})
+	require.NoError(t, err)
+	inter, err = root.NewIntermediate(CAOptions{CommonName: "test intermediate"})
+	require.NoError(t, err)
+	return root, inter
+}
+
 func issueServer(t *testing.T, ca *CA, names ...string) *KeyPair {
 	t.Helper()
 	kp, err := ca.IssueServer(ServerOptions{DNSNames: names})

@@ -28,10 +28,8 @@ const DefaultReloadInterval = time.Second
 //
 // A CertReloader is safe for concurrent use.
 type CertReloader struct {
+	reloadSettings
 	certFile, keyFile string
-	now               func() time.Time
-	interval          time.Duration
-	onReload          func(error)
 
 	current atomic.Pointer[tls.Certificate]
 
@@ -40,8 +38,33 @@ type CertReloader struct {
 	lastSum   [sha256.Size]byte
 }
 
-// ReloaderOption configures NewCertReloader.
-type ReloaderOption func(*CertReloader)
+// reloadSettings are what ReloaderOptions set, shared by CertReloader and
+// PoolReloader.
+type reloadSettings struct {
+	now      func() time.Time
+	interval time.Duration
+	onReload func(error)
+}
+
+func newReloadSettings(opts []ReloaderOption) reloadSettings {
+	s := reloadSettings{now: time.Now, interval: DefaultReloadInterval}
+	for _, o := range opts {
+		o(&s)
+	}
+	if s.now == nil {
+		s.now = time.Now
+	}
+	return s
+}
+
+func (s *reloadSettings) report(err error) {
+	if s.onReload != nil {
+		s.onReload(err)
+	}
+}
+
+// ReloaderOption configures NewCertReloader and NewPoolReloader.
+type ReloaderOption func(*reloadSettings)
 
 // WithReloadCallback sets a function called after each reload attempt that saw
 // changed files: with nil when a new pair went into service, with the error
@@ -49,32 +72,27 @@ type ReloaderOption func(*CertReloader)
 // content. It runs on the handshake goroutine, so keep it quick; it must not
 // call Reload.
 func WithReloadCallback(fn func(err error)) ReloaderOption {
-	return func(r *CertReloader) { r.onReload = fn }
+	return func(r *reloadSettings) { r.onReload = fn }
 }
 
 // WithReloadInterval sets how often, at most, the files are read again;
 // zero checks on every handshake. The default is DefaultReloadInterval.
 func WithReloadInterval(d time.Duration) ReloaderOption {
-	return func(r *CertReloader) { r.interval = d }
+	return func(r *reloadSettings) { r.interval = d }
 }
 
 // WithReloadClock sets the clock used for the interval and for refusing
 // expired certificates; the default is time.Now.
 func WithReloadClock(now func() time.Time) ReloaderOption {
-	return func(r *CertReloader) { r.now = now }
+	return func(r *reloadSettings) { r.now = now }
 }
 
 // NewCertReloader loads the pair now and fails if it is bad; later bad files
 // are reported to the callback instead. The certificate file may hold the leaf
-// followed by intermediates.
+// followed by intermediates (as KeyPair.CertPEM does for an intermediate CA);
+// TLS then sends the whole chain.
 func NewCertReloader(certFile, keyFile string, opts ...ReloaderOption) (*CertReloader, error) {
-	r := &CertReloader{certFile: certFile, keyFile: keyFile, now: time.Now, interval: DefaultReloadInterval}
-	for _, o := range opts {
-		o(r)
-	}
-	if r.now == nil {
-		r.now = time.Now
-	}
+	r := &CertReloader{reloadSettings: newReloadSettings(opts), certFile: certFile, keyFile: keyFile}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, err := r.reloadLocked(); err != nil {
@@ -130,12 +148,6 @@ func (r *CertReloader) maybeReload() {
 	r.mu.Unlock()
 	if changed {
 		r.report(err)
-	}
-}
-
-func (r *CertReloader) report(err error) {
-	if r.onReload != nil {
-		r.onReload(err)
 	}
 }
 

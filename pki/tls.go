@@ -42,3 +42,38 @@ func ClientTLSConfig(rootCAs *x509.CertPool, cert *CertReloader) *tls.Config {
 	}
 	return cfg
 }
+
+// ServerTLSConfigReloading is ServerTLSConfig whose client CA pool follows
+// clientCAs, so that a CA added to or removed from the trust bundle file
+// (during a CA rotation) is trusted or distrusted without a restart. Each
+// handshake gets, through GetConfigForClient, a config with the pool in
+// force; everything else is the ServerTLSConfig profile (TLS 1.3 only,
+// RequireAndVerifyClientCert).
+//
+// Session tickets are off: a resumed TLS 1.3 session is not verified against
+// the client CA pool again, so it would let a client whose CA was just removed
+// keep coming back. Clients keep connections alive instead.
+func ServerTLSConfigReloading(certs *CertReloader, clientCAs *PoolReloader) *tls.Config {
+	cfg := ServerTLSConfig(certs, clientCAs.Pool())
+	cfg.SessionTicketsDisabled = true
+	cfg.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		c := ServerTLSConfig(certs, clientCAs.Pool())
+		c.SessionTicketsDisabled = true
+		return c, nil
+	}
+	return cfg
+}
+
+// EnrollmentTLSConfig is the profile of the enrollment listener, where a
+// cluster without a certificate yet presents a join token (POST
+// /v1/certificates) or fetches the trust bundle: TLS 1.3 only, the server
+// certificate from certs, and no client certificate requested. Authentication
+// on this listener is the handler's job. certs must not be nil.
+func EnrollmentTLSConfig(certs *CertReloader) *tls.Config {
+	return &tls.Config{
+		MinVersion:     tls.VersionTLS13,
+		MaxVersion:     tls.VersionTLS13,
+		ClientAuth:     tls.NoClientCert,
+		GetCertificate: certs.GetCertificate,
+	}
+}

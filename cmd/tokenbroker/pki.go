@@ -1,7 +1,17 @@
 package main
 
 import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/ed25519"
 	"crypto/rand"
+	"crypto/rsa"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/asn1"
+	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -27,6 +37,9 @@ const (
 	cliClientLifetime = 30 * 24 * time.Hour
 	caCertName        = "ca.crt"
 	caKeyName         = "ca.key"
+	rootCertName      = "root.crt"
+	rootKeyName       = "root.key"
+	bundleName        = "bundle.crt"
 	maxLifetimeDays   = 100 * 365
 )
 
@@ -37,8 +50,13 @@ type pkiEnv struct {
 	rand io.Reader
 }
 
-// newPKICommand returns `tokenbroker pki`: make a CA and issue certificates
-// from it by hand, for bootstrapping and for tests.
+// newPKICommand returns `tokenbroker pki`: the offline side of the PKI. Make
+// a CA, issue certificates and join tokens from it by hand, inspect files and
+// build trust bundles for a CA rotation.
+//
+// Output conventions: anything a script captures (a join token, a bundle
+// without --out, inspect's description) goes to stdout; progress and
+// descriptions of what was written go to stderr; no key is ever printed.
 func newPKICommand() *cobra.Command {
 	return newPKICommandWith(pkiEnv{now: time.Now, rand: rand.Reader})
 }
@@ -46,32 +64,56 @@ func newPKICommand() *cobra.Command {
 func newPKICommandWith(env pkiEnv) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "pki",
-		Short: "Create a CA and issue broker and cluster certificates",
-		Long: `Create the certificate authority that brokers and agents trust, and issue
-certificates from it by hand. Private keys are written with mode 0600 and are
-never printed; certificates are identified by their SHA-256 fingerprint.
+		Short: "Create a CA, issue certificates and join tokens, inspect and bundle certificates",
+		Long: `Create the certificate authority that brokers and agents trust, issue
+certificates and single-use join tokens from it by hand, describe certificate
+and CSR files, and build the trust bundle for a CA rotation. Private keys are
+written with mode 0600 and are never printed; certificates are identified by
+their SHA-256 fingerprint.
 
 Lifetimes accept Go durations ("720h", "90m") and days ("90d").`,
 		Args: cobra.NoArgs,
 	}
-	cmd.AddCommand(newPKIInitCommand(env), newPKIIssueCommand(env))
+	cmd.AddCommand(
+		newPKIInitCommand(env),
+		newPKIIssueCommand(env),
+		newPKIInspectCommand(env),
+		newPKIJoinTokenCommand(env),
+		newPKIBundleCommand(),
+	)
+	cmd.AddCommand(newPKIRevokeCommand())
 	return cmd
 }
 
 func newPKIInitCommand(env pkiEnv) *cobra.Command {
 	var (
-		dir        string
-		commonName string
-		force      bool
-		lifetime   = durationFlag(cliCALifetime)
+		dir          string
+		commonName   string
+		force        bool
+		intermediate bool
+		lifetime     = durationFlag(cliCALifetime)
 	)
 	cmd := &cobra.Command{
-		Use:   "init --dir DIR",
-		Short: "Create a new self-signed CA in DIR/ca.crt and DIR/ca.key",
-		Long: `Create a new self-signed ECDSA P-256 CA that may sign leaf certificates only.
-Writes DIR/ca.crt (mode 0644) and DIR/ca.key (mode 0600), creating DIR with
-mode 0700 if it is missing. Existing files are not overwritten unless --force
-is given.
+		Use:   "init --dir DIR [--intermediate]",
+		Short: "Create a new CA in DIR: ca.crt, ca.key and the trust bundle bundle.crt",
+		Long: `Create a new ECDSA P-256 certificate authority in DIR, creating DIR with mode
+0700 if it is missing. Keys are written with mode 0600, certificates with
+0644. Existing files are not overwritten unless --force is given.
+
+Without --intermediate: a self-signed CA that signs leaf certificates only.
+  DIR/ca.crt, DIR/ca.key   the CA
+  DIR/bundle.crt           the trust bundle (= ca.crt)
+
+With --intermediate: a root that may sign one intermediate (path length 1)
+and an intermediate signed by it that signs leaf certificates only (path
+length 0). Brokers and "pki issue" use the intermediate; certificates they
+issue carry it, so peers trust the root alone.
+  DIR/root.crt, DIR/root.key   the root ("<common name> root"); move
+                               root.key offline, it is only needed to make
+                               a new intermediate
+  DIR/ca.crt, DIR/ca.key       the intermediate ("<common name> intermediate"),
+                               which expires with the root
+  DIR/bundle.crt               the trust bundle (= root.crt)
 
 Default lifetime: 5 years (1825d).`,
 		Args: cobra.NoArgs,
@@ -80,35 +122,78 @@ Default lifetime: 5 years (1825d).`,
 			if err := os.MkdirAll(dir, 0o700); err != nil {
 				return fmt.Errorf("create CA directory: %w", err)
 			}
-			certFile, keyFile := filepath.Join(dir, caCertName), filepath.Join(dir, caKeyName)
-			ca, err := pki.NewCA(pki.CAOptions{
-				CommonName: commonName,
-				Lifetime:   time.Duration(lifetime),
-				Now:        env.now,
-				Rand:       env.rand,
-			})
+			path := func(name string) string { return filepath.Join(dir, name) }
+			files := []string{caCertName, caKeyName, bundleName}
+			if intermediate {
+				files = append(files, rootCertName, rootKeyName)
+			}
+			if !force {
+				// Refuse before writing anything, so that a refusal leaves
+				// no half-made CA behind.
+				for _, f := range files {
+					if _, err := os.Lstat(path(f)); err == nil {
+						return withForceHint(fmt.Errorf("%s: %w (refusing to overwrite)", path(f), fs.ErrExist))
+					}
+				}
+			}
+			opts := pki.CAOptions{CommonName: commonName, Lifetime: time.Duration(lifetime), Now: env.now, Rand: env.rand}
+			if intermediate {
+				opts.PathLen = 1
+				opts.CommonName = commonName + " root"
+			}
+			root, err := pki.NewCA(opts)
 			if err != nil {
 				return err
 			}
-			write := ca.WriteFiles
-			if force {
-				write = ca.ReplaceFiles
+			ca := root
+			if intermediate {
+				ca, err = root.NewIntermediate(pki.CAOptions{CommonName: commonName + " intermediate"})
+				if err != nil {
+					return err
+				}
 			}
-			if err := write(certFile, keyFile); err != nil {
+			write := func(c *pki.CA, certFile, keyFile string) error {
+				if force {
+					return c.ReplaceFiles(certFile, keyFile)
+				}
+				return c.WriteFiles(certFile, keyFile)
+			}
+			out := cmd.ErrOrStderr()
+			if intermediate {
+				if err := write(root, path(rootCertName), path(rootKeyName)); err != nil {
+					return withForceHint(err)
+				}
+				fmt.Fprintf(out, "root certificate:         %s\n", path(rootCertName))
+				fmt.Fprintf(out, "root key:                 %s (mode 0600; move it offline)\n", path(rootKeyName))
+			}
+			if err := write(ca, path(caCertName), path(caKeyName)); err != nil {
 				return withForceHint(err)
 			}
-			out := cmd.OutOrStdout()
-			fmt.Fprintf(out, "CA certificate: %s\n", certFile)
-			fmt.Fprintf(out, "CA key:         %s (mode 0600, keep it secret)\n", keyFile)
+			if err := pki.WriteCertificatesFile(path(bundleName), root.BundlePEM(), force); err != nil {
+				return withForceHint(err)
+			}
+			label := "CA"
+			if intermediate {
+				label = "intermediate"
+			}
+			fmt.Fprintf(out, "%-26s%s\n", label+" certificate:", path(caCertName))
+			fmt.Fprintf(out, "%-26s%s (mode 0600, keep it secret)\n", label+" key:", path(caKeyName))
+			fmt.Fprintf(out, "%-26s%s (what brokers and agents trust)\n", "trust bundle:", path(bundleName))
+			if intermediate {
+				fmt.Fprintln(out, "root:")
+				printCert(out, root.Certificate().Subject.CommonName, root.Certificate().NotAfter, pki.Fingerprint(root.Certificate()))
+				fmt.Fprintln(out, "intermediate:")
+			}
 			printCert(out, ca.Certificate().Subject.CommonName, ca.Certificate().NotAfter, pki.Fingerprint(ca.Certificate()))
 			return nil
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&dir, "dir", "", "directory for ca.crt and ca.key (required)")
-	f.StringVar(&commonName, "common-name", pki.DefaultCACommonName, "subject common name of the CA")
+	f.StringVar(&dir, "dir", "", "directory for the CA files (required)")
+	f.StringVar(&commonName, "common-name", pki.DefaultCACommonName, "subject common name of the CA (with --intermediate, the root and intermediate get \" root\" and \" intermediate\" appended)")
 	f.Var(&lifetime, "lifetime", "validity of the CA, e.g. 1825d or 43800h")
 	f.BoolVar(&force, "force", false, "overwrite existing CA files")
+	f.BoolVar(&intermediate, "intermediate", false, "make a root and an intermediate CA; the intermediate signs")
 	_ = cmd.MarkFlagRequired("dir")
 	return cmd
 }
@@ -166,7 +251,7 @@ func (fl *issueFlags) run(cmd *cobra.Command, env pkiEnv, name string, issue fun
 	if err := write(certFile, keyFile); err != nil {
 		return withForceHint(err)
 	}
-	out := cmd.OutOrStdout()
+	out := cmd.ErrOrStderr()
 	fmt.Fprintf(out, "certificate: %s\n", certFile)
 	fmt.Fprintf(out, "key:         %s (mode 0600, keep it secret)\n", keyFile)
 	return nil
@@ -211,7 +296,7 @@ CA-DIR/server.key (mode 0600); existing files are not overwritten unless
 			for _, ip := range kp.Cert.IPAddresses {
 				names = append(names, ip.String())
 			}
-			printCert(cmd.OutOrStdout(), strings.Join(names, ", "), kp.Cert.NotAfter, pki.Fingerprint(kp.Cert))
+			printCert(cmd.ErrOrStderr(), strings.Join(names, ", "), kp.Cert.NotAfter, pki.Fingerprint(kp.Cert))
 			return nil
 		},
 	}
@@ -251,7 +336,7 @@ and CA-DIR/NAME.key (mode 0600); existing files are not overwritten unless
 			if err != nil {
 				return err
 			}
-			printCert(cmd.OutOrStdout(), id, kp.Cert.NotAfter, pki.Fingerprint(kp.Cert))
+			printCert(cmd.ErrOrStderr(), id, kp.Cert.NotAfter, pki.Fingerprint(kp.Cert))
 			return nil
 		},
 	}
@@ -263,9 +348,16 @@ and CA-DIR/NAME.key (mode 0600); existing files are not overwritten unless
 	return cmd
 }
 
+// loadCAWith loads the signing CA of a directory made by `pki init`, with
+// its root from bundle.crt when the directory has one (directories made
+// before bundle.crt existed hold a root CA in ca.crt alone).
 func loadCAWith(dir string, env pkiEnv) (*pki.CA, error) {
-	return pki.LoadCAWithOptions(filepath.Join(dir, caCertName), filepath.Join(dir, caKeyName),
-		pki.CAOptions{Now: env.now, Rand: env.rand})
+	opts := pki.CAOptions{Now: env.now, Rand: env.rand}
+	certFile, keyFile, bundleFile := filepath.Join(dir, caCertName), filepath.Join(dir, caKeyName), filepath.Join(dir, bundleName)
+	if _, err := os.Stat(bundleFile); errors.Is(err, fs.ErrNotExist) {
+		return pki.LoadCAWithOptions(certFile, keyFile, opts)
+	}
+	return pki.LoadCAChain(certFile, keyFile, bundleFile, opts)
 }
 
 func printCert(out io.Writer, subject string, notAfter time.Time, fingerprint string) {
@@ -321,3 +413,502 @@ func (d *durationValue) Set(s string) error {
 
 // Type implements pflag.Value.
 func (d *durationValue) Type() string { return "duration" }
+
+// --- pki inspect ---
+
+// certDescription is what `pki inspect` says about one certificate or CSR;
+// it is also the JSON form (-o json prints a list of them).
+type certDescription struct {
+	// Type is "certificate" or "certificateRequest".
+	Type           string     `json:"type"`
+	Subject        string     `json:"subject"`
+	Issuer         string     `json:"issuer,omitempty"`
+	Identity       string     `json:"identity,omitempty"`
+	IdentityError  string     `json:"identityError,omitempty"`
+	DNSNames       []string   `json:"dnsNames,omitempty"`
+	IPAddresses    []string   `json:"ipAddresses,omitempty"`
+	URIs           []string   `json:"uris,omitempty"`
+	EmailAddresses []string   `json:"emailAddresses,omitempty"`
+	SerialNumber   string     `json:"serialNumber,omitempty"`
+	NotBefore      *time.Time `json:"notBefore,omitempty"`
+	NotAfter       *time.Time `json:"notAfter,omitempty"`
+	// ExpiresIn is NotAfter minus now in seconds, negative once expired.
+	ExpiresIn   *int64   `json:"expiresInSeconds,omitempty"`
+	KeyType     string   `json:"keyType"`
+	KeyUsage    []string `json:"keyUsage,omitempty"`
+	ExtKeyUsage []string `json:"extKeyUsage,omitempty"`
+	IsCA        bool     `json:"isCA"`
+	// MaxPathLen is set for a CA with a path length constraint.
+	MaxPathLen *int `json:"maxPathLen,omitempty"`
+	SelfSigned bool `json:"selfSigned,omitempty"`
+	// Fingerprint is "sha256:<hex>" of the DER encoding.
+	Fingerprint string `json:"fingerprint"`
+	// EnrollmentError, for a CSR, says why a broker would refuse it; empty
+	// when it would be accepted.
+	EnrollmentError string `json:"enrollmentError,omitempty"`
+}
+
+func newPKIInspectCommand(env pkiEnv) *cobra.Command {
+	var output string
+	cmd := &cobra.Command{
+		Use:   "inspect FILE",
+		Short: "Describe a certificate, a certificate chain or a CSR",
+		Long: `Describe the PEM certificates (a leaf, a chain or a bundle) or the PEM
+certificate signing request in FILE: subject, issuer, SANs, cluster identity,
+serial number, validity, key type, key usages, CA constraints and SHA-256
+fingerprint. For a CSR it also says whether a broker would accept it for
+enrollment. "-" reads standard input. Nothing secret is printed; a key file is
+refused.
+
+-o json prints a JSON list with one object per certificate.`,
+		Example: `  tokenbroker pki inspect ca/west.crt
+  tokenbroker pki inspect -o json ca/bundle.crt | jq -r '.[].fingerprint'`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if output != "text" && output != "json" {
+				return fmt.Errorf("-o must be text or json, not %q", output)
+			}
+			data, err := readInput(args[0], cmd.InOrStdin())
+			if err != nil {
+				return err
+			}
+			descs, err := describePEM(data, env.now())
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if output == "json" {
+				enc := json.NewEncoder(out)
+				enc.SetIndent("", "  ")
+				return enc.Encode(descs)
+			}
+			for i, d := range descs {
+				if i > 0 {
+					fmt.Fprintln(out)
+				}
+				writeDescription(out, d, i, len(descs), env.now())
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVarP(&output, "output", "o", "text", "output format: text or json")
+	return cmd
+}
+
+// readInput reads a certificate file, or stdin for "-", bounded like every
+// PEM input.
+func readInput(name string, stdin io.Reader) ([]byte, error) {
+	r := stdin
+	if name != "-" {
+		f, err := os.Open(name)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		r = f
+	}
+	data, err := io.ReadAll(io.LimitReader(r, pki.MaxCertificatesPEMSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	if len(data) > pki.MaxCertificatesPEMSize {
+		return nil, fmt.Errorf("read %s: %w", name, pki.ErrPEMTooLarge)
+	}
+	return data, nil
+}
+
+// describePEM describes the certificates or the CSR in data.
+func describePEM(data []byte, now time.Time) ([]certDescription, error) {
+	trimmed := bytes.TrimLeft(data, " \t\r\n")
+	if bytes.Contains(trimmed, []byte("PRIVATE KEY-----")) {
+		return nil, errors.New("this is a private key file; inspect describes certificates and CSRs only")
+	}
+	if bytes.HasPrefix(trimmed, []byte("-----BEGIN CERTIFICATE REQUEST-----")) {
+		d, err := describeCSR(data)
+		if err != nil {
+			return nil, err
+		}
+		return []certDescription{d}, nil
+	}
+	certs, err := pki.ParseCertificatesPEM(data)
+	if err != nil {
+		return nil, err
+	}
+	descs := make([]certDescription, 0, len(certs))
+	for _, c := range certs {
+		descs = append(descs, describeCert(c, now))
+	}
+	return descs, nil
+}
+
+func describeCert(c *x509.Certificate, now time.Time) certDescription {
+	notBefore, notAfter := c.NotBefore.UTC(), c.NotAfter.UTC()
+	expiresIn := int64(notAfter.Sub(now) / time.Second)
+	d := certDescription{
+		Type:           "certificate",
+		Subject:        c.Subject.String(),
+		Issuer:         c.Issuer.String(),
+		DNSNames:       c.DNSNames,
+		EmailAddresses: c.EmailAddresses,
+		SerialNumber:   c.SerialNumber.Text(16),
+		NotBefore:      &notBefore,
+		NotAfter:       &notAfter,
+		ExpiresIn:      &expiresIn,
+		KeyType:        keyType(c.PublicKey),
+		KeyUsage:       keyUsageNames(c.KeyUsage),
+		ExtKeyUsage:    extKeyUsageNames(c.ExtKeyUsage, c.UnknownExtKeyUsage),
+		IsCA:           c.BasicConstraintsValid && c.IsCA,
+		SelfSigned:     bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignatureFrom(c) == nil,
+		Fingerprint:    pki.Fingerprint(c),
+	}
+	for _, ip := range c.IPAddresses {
+		d.IPAddresses = append(d.IPAddresses, ip.String())
+	}
+	for _, u := range c.URIs {
+		d.URIs = append(d.URIs, u.String())
+	}
+	if d.IsCA && (c.MaxPathLen > 0 || c.MaxPathLenZero) {
+		n := c.MaxPathLen
+		d.MaxPathLen = &n
+	}
+	if !d.IsCA {
+		if id, err := pki.IdentityFromCert(c); err == nil {
+			d.Identity = id
+		} else if len(c.URIs) > 0 {
+			d.IdentityError = err.Error()
+		}
+	}
+	return d
+}
+
+func describeCSR(data []byte) (certDescription, error) {
+	block, _ := pem.Decode(bytes.TrimLeft(data, " \t\r\n"))
+	if block == nil {
+		return certDescription{}, errors.New("malformed PEM certificate request")
+	}
+	csr, err := x509.ParseCertificateRequest(block.Bytes)
+	if err != nil {
+		return certDescription{}, fmt.Errorf("parse certificate request: %w", err)
+	}
+	sum := sha256.Sum256(csr.Raw)
+	d := certDescription{
+		Type:           "certificateRequest",
+		Subject:        csr.Subject.String(),
+		DNSNames:       csr.DNSNames,
+		EmailAddresses: csr.EmailAddresses,
+		KeyType:        keyType(csr.PublicKey),
+		Fingerprint:    "sha256:" + hex.EncodeToString(sum[:]),
+	}
+	for _, ip := range csr.IPAddresses {
+		d.IPAddresses = append(d.IPAddresses, ip.String())
+	}
+	for _, u := range csr.URIs {
+		d.URIs = append(d.URIs, u.String())
+	}
+	// The broker's verdict, with the broker's parser.
+	if _, id, err := pki.ParseCSRPEM(data); err != nil {
+		d.EnrollmentError = err.Error()
+	} else {
+		d.Identity = id
+	}
+	return d, nil
+}
+
+func writeDescription(out io.Writer, d certDescription, i, n int, now time.Time) {
+	title := "Certificate"
+	if d.Type == "certificateRequest" {
+		title = "Certificate request"
+	}
+	if n > 1 {
+		title = fmt.Sprintf("%s %d of %d", title, i+1, n)
+	}
+	fmt.Fprintln(out, title)
+	line := func(k, v string) {
+		if v != "" {
+			fmt.Fprintf(out, "  %-15s %s\n", k+":", v)
+		}
+	}
+	line("subject", d.Subject)
+	line("issuer", d.Issuer)
+	if d.Identity != "" {
+		line("identity", d.Identity)
+	} else if d.IdentityError != "" {
+		line("identity", "none ("+d.IdentityError+")")
+	}
+	var sans []string
+	for _, s := range d.DNSNames {
+		sans = append(sans, "DNS:"+s)
+	}
+	for _, s := range d.IPAddresses {
+		sans = append(sans, "IP:"+s)
+	}
+	for _, s := range d.URIs {
+		sans = append(sans, "URI:"+s)
+	}
+	for _, s := range d.EmailAddresses {
+		sans = append(sans, "email:"+s)
+	}
+	line("SANs", strings.Join(sans, ", "))
+	line("serial", d.SerialNumber)
+	if d.NotAfter != nil {
+		line("valid", fmt.Sprintf("%s to %s (%s)", d.NotBefore.Format(time.RFC3339), d.NotAfter.Format(time.RFC3339), expiresIn(now, *d.NotAfter)))
+	}
+	line("key", d.KeyType)
+	line("key usage", strings.Join(d.KeyUsage, ", "))
+	line("ext key usage", strings.Join(d.ExtKeyUsage, ", "))
+	if d.Type == "certificate" {
+		ca := "no"
+		if d.IsCA {
+			ca = "yes, path length unlimited"
+			if d.MaxPathLen != nil {
+				ca = fmt.Sprintf("yes, path length %d", *d.MaxPathLen)
+			}
+			if d.SelfSigned {
+				ca += ", self-signed root"
+			}
+		}
+		line("CA", ca)
+	}
+	line("fingerprint", d.Fingerprint)
+	if d.Type == "certificateRequest" {
+		verdict := "accepted for " + d.Identity
+		if d.EnrollmentError != "" {
+			verdict = "refused: " + d.EnrollmentError
+		}
+		line("enrollment", verdict)
+	}
+}
+
+// expiresIn says how long until notAfter in words a person reads at a
+// glance: "expires in 29d 23h", "expired 2h 5m ago".
+func expiresIn(now, notAfter time.Time) string {
+	d := notAfter.Sub(now)
+	if d < 0 {
+		return "expired " + roughDuration(-d) + " ago"
+	}
+	return "expires in " + roughDuration(d)
+}
+
+func roughDuration(d time.Duration) string {
+	days := d / (24 * time.Hour)
+	hours := (d % (24 * time.Hour)) / time.Hour
+	minutes := (d % time.Hour) / time.Minute
+	switch {
+	case days > 0:
+		return fmt.Sprintf("%dd %dh", days, hours)
+	case hours > 0:
+		return fmt.Sprintf("%dh %dm", hours, minutes)
+	default:
+		return fmt.Sprintf("%dm %ds", minutes, (d%time.Minute)/time.Second)
+	}
+}
+
+func keyType(pub any) string {
+	switch k := pub.(type) {
+	case *ecdsa.PublicKey:
+		return "ECDSA " + k.Curve.Params().Name
+	case *rsa.PublicKey:
+		return fmt.Sprintf("RSA %d", k.N.BitLen())
+	case ed25519.PublicKey:
+		return "Ed25519"
+	default:
+		return fmt.Sprintf("unknown (%T)", pub)
+	}
+}
+
+var keyUsageBits = []struct {
+	bit  x509.KeyUsage
+	name string
+}{
+	{x509.KeyUsageDigitalSignature, "digitalSignature"},
+	{x509.KeyUsageContentCommitment, "contentCommitment"},
+	{x509.KeyUsageKeyEncipherment, "keyEncipherment"},
+	{x509.KeyUsageDataEncipherment, "dataEncipherment"},
+	{x509.KeyUsageKeyAgreement, "keyAgreement"},
+	{x509.KeyUsageCertSign, "keyCertSign"},
+	{x509.KeyUsageCRLSign, "cRLSign"},
+	{x509.KeyUsageEncipherOnly, "encipherOnly"},
+	{x509.KeyUsageDecipherOnly, "decipherOnly"},
+}
+
+func keyUsageNames(u x509.KeyUsage) []string {
+	var names []string
+	for _, b := range keyUsageBits {
+		if u&b.bit != 0 {
+			names = append(names, b.name)
+		}
+	}
+	return names
+}
+
+func extKeyUsageNames(usages []x509.ExtKeyUsage, unknown []asn1.ObjectIdentifier) []string {
+	known := map[x509.ExtKeyUsage]string{
+		x509.ExtKeyUsageAny:             "any",
+		x509.ExtKeyUsageServerAuth:      "serverAuth",
+		x509.ExtKeyUsageClientAuth:      "clientAuth",
+		x509.ExtKeyUsageCodeSigning:     "codeSigning",
+		x509.ExtKeyUsageEmailProtection: "emailProtection",
+		x509.ExtKeyUsageTimeStamping:    "timeStamping",
+		x509.ExtKeyUsageOCSPSigning:     "OCSPSigning",
+	}
+	var names []string
+	for _, u := range usages {
+		if n, ok := known[u]; ok {
+			names = append(names, n)
+		} else {
+			names = append(names, fmt.Sprintf("extKeyUsage(%d)", u))
+		}
+	}
+	for _, oid := range unknown {
+		names = append(names, oid.String())
+	}
+	return names
+}
+
+// --- pki join-token ---
+
+func newPKIJoinTokenCommand(env pkiEnv) *cobra.Command {
+	var (
+		caDir, trustDomain, cluster string
+		ttl                         time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "join-token --ca-dir DIR --trust-domain TD --cluster NAME [--ttl 10m]",
+		Short: "Make a single-use join token that lets a new cluster enroll as spiffe://TD/cluster/NAME",
+		Long: `Make a join token: a JWT signed (ES256) by the CA in DIR that lets one new
+cluster enroll, once, as spiffe://TD/cluster/NAME and get its first client
+certificate from a broker of this CA ("tokenbroker enroll").
+
+The token, and nothing else, is printed on standard output, so that
+TOKEN=$(tokenbroker pki join-token ...) works. It is a secret until it is used
+or expires: hand it over out of band. Standard error shows the identity, the
+token ID (jti, what the broker logs), the expiry and the fingerprint of the
+root CA that the joining cluster must pin with --ca-fingerprint.
+
+Default TTL: 10 minutes; at most 24h.`,
+		Example: `  tokenbroker pki join-token --ca-dir ca --trust-domain oc.example --cluster west > west.token`,
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			id, err := pki.ClusterIdentity(trustDomain, cluster)
+			if err != nil {
+				return err
+			}
+			ca, err := loadCAWith(caDir, env)
+			if err != nil {
+				return err
+			}
+			token, claims, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: id, TTL: ttl, Now: env.now, Rand: env.rand})
+			if err != nil {
+				return err
+			}
+			anchors, err := pki.ParseCertificatesPEM(ca.BundlePEM())
+			if err != nil {
+				return err
+			}
+			if _, err := fmt.Fprintln(cmd.OutOrStdout(), token); err != nil {
+				return err
+			}
+			out := cmd.ErrOrStderr()
+			fmt.Fprintf(out, "identity:       %s\n", claims.Identity)
+			fmt.Fprintf(out, "token id (jti): %s\n", claims.ID)
+			fmt.Fprintf(out, "expires:        %s (valid for %s)\n", claims.ExpiresAt.Format(time.RFC3339), claims.ExpiresAt.Sub(claims.IssuedAt))
+			for _, a := range anchors {
+				fmt.Fprintf(out, "CA to pin:      %s (%s)\n", pki.Fingerprint(a), a.Subject.CommonName)
+			}
+			fmt.Fprintf(out, "on the new cluster: tokenbroker enroll --broker URL --ca-fingerprint %s --token-file FILE --dir DIR\n", pki.Fingerprint(anchors[0]))
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&caDir, "ca-dir", "", "directory made by `pki init` (required)")
+	f.StringVar(&trustDomain, "trust-domain", "", "trust domain, e.g. oc.example (required)")
+	f.StringVar(&cluster, "cluster", "", "name of the joining cluster, a DNS-1123 label (required)")
+	f.DurationVar(&ttl, "ttl", pki.DefaultJoinTokenTTL, "validity of the token, at most 24h")
+	for _, name := range []string{"ca-dir", "trust-domain", "cluster"} {
+		_ = cmd.MarkFlagRequired(name)
+	}
+	return cmd
+}
+
+// --- pki bundle ---
+
+func newPKIBundleCommand() *cobra.Command {
+	var (
+		caDir  string
+		add    []string
+		output string
+	)
+	cmd := &cobra.Command{
+		Use:   "bundle --ca-dir DIR [--add OLD.crt ...] [--out FILE]",
+		Short: "Build the trust bundle: the CA of DIR plus other CAs during a rotation",
+		Long: `Build the PEM trust bundle that brokers (--client-ca) and agents trust: the
+trust anchors of DIR (DIR/bundle.crt, or DIR/ca.crt for a directory without
+one) followed by the CA certificates of every --add file, without duplicates.
+Every certificate must be a CA.
+
+A CA rotation: make the new CA with "pki init", publish a bundle of the new
+CA with --add of the old one, move brokers and agents to certificates of the
+new CA, then publish the bundle of the new CA alone. Brokers reload the
+bundle file without a restart.
+
+The bundle goes to --out (written atomically, mode 0644, replacing the file)
+or, without --out, to standard output. The fingerprints go to standard
+error.`,
+		Example: `  tokenbroker pki bundle --ca-dir new-ca --add old-ca/bundle.crt --out client-ca.crt`,
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			anchorsFile := filepath.Join(caDir, bundleName)
+			if _, err := os.Stat(anchorsFile); errors.Is(err, fs.ErrNotExist) {
+				anchorsFile = filepath.Join(caDir, caCertName)
+			}
+			var certs []*x509.Certificate
+			seen := map[string]bool{}
+			for _, file := range append([]string{anchorsFile}, add...) {
+				data, err := readInput(file, cmd.InOrStdin())
+				if err != nil {
+					return err
+				}
+				cs, err := pki.ParseCertificatesPEM(data)
+				if err != nil {
+					return fmt.Errorf("%s: %w", file, err)
+				}
+				for _, c := range cs {
+					if !c.BasicConstraintsValid || !c.IsCA {
+						return fmt.Errorf("%s: %s (%s) is not a CA certificate", file, c.Subject.CommonName, pki.Fingerprint(c))
+					}
+					fp := pki.Fingerprint(c)
+					if seen[fp] {
+						continue
+					}
+					seen[fp] = true
+					certs = append(certs, c)
+				}
+			}
+			var bundle []byte
+			for _, c := range certs {
+				bundle = append(bundle, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})...)
+			}
+			if output == "" {
+				if _, err := cmd.OutOrStdout().Write(bundle); err != nil {
+					return err
+				}
+			} else if err := pki.WriteCertificatesFile(output, bundle, true); err != nil {
+				return err
+			}
+			out := cmd.ErrOrStderr()
+			if output != "" {
+				fmt.Fprintf(out, "trust bundle: %s\n", output)
+			}
+			for _, c := range certs {
+				fmt.Fprintf(out, "%s  %s (expires %s)\n", pki.Fingerprint(c), c.Subject.CommonName, c.NotAfter.UTC().Format(time.RFC3339))
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&caDir, "ca-dir", "", "directory made by `pki init` (required)")
+	f.StringArrayVar(&add, "add", nil, "file of CA certificates to add, e.g. the previous CA's bundle.crt (repeatable)")
+	f.StringVar(&output, "out", "", "file to write the bundle to (default standard output)")
+	_ = cmd.MarkFlagRequired("ca-dir")
+	return cmd
+}

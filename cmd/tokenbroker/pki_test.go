@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"crypto/x509"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,16 +18,27 @@ import (
 
 var pkiTestNow = time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
 
-// runPKI runs `pki args...` in-process with a fixed clock and returns stdout.
+// runPKI runs `pki args...` in-process with a fixed clock and returns stderr,
+// where the pki commands describe what they did.
 func runPKI(t *testing.T, args ...string) (string, error) {
 	t.Helper()
+	_, stderr, err := runPKIStreams(t, args...)
+	return stderr, err
+}
+
+// runPKIStreams runs `pki args...` in-process with a fixed clock and returns
+// stdout and stderr apart.
+func runPKIStreams(t *testing.T, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
 	cmd := newPKICommandWith(pkiEnv{now: func() time.Time { return pkiTestNow }, rand: rand.Reader})
+	// As under the root command.
+	cmd.SilenceUsage, cmd.SilenceErrors = true, true
 	var out, errOut bytes.Buffer
 	cmd.SetOut(&out)
 	cmd.SetErr(&errOut)
 	cmd.SetArgs(args)
-	err := cmd.Execute()
-	return out.String(), err
+	err = cmd.Execute()
+	return out.String(), errOut.String(), err
 }
 
 func readCert(t *testing.T, file string) *x509.Certificate {
@@ -73,6 +85,8 @@ func TestPKICommands(t *testing.T) {
 				require.Equal(t, pkiTestNow.Add(pki.DefaultCALifetime), cert.NotAfter)
 				require.Equal(t, os.FileMode(0o600), perm(t, filepath.Join(dir, "ca.key")))
 				require.Equal(t, os.FileMode(0o644), perm(t, filepath.Join(dir, "ca.crt")))
+				require.Equal(t, os.FileMode(0o644), perm(t, filepath.Join(dir, "bundle.crt")))
+				require.Equal(t, cert.Raw, readCert(t, filepath.Join(dir, "bundle.crt")).Raw, "the bundle is the CA")
 				_, err := pki.LoadCA(filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key"))
 				require.NoError(t, err)
 				require.Contains(t, out, filepath.Join(dir, "ca.crt"))
@@ -213,7 +227,7 @@ func TestPKICommands(t *testing.T) {
 			check: func(t *testing.T, dir, _ string) {
 				entries, err := os.ReadDir(dir)
 				require.NoError(t, err)
-				require.Len(t, entries, 3, "only ca.crt, ca.key and out/")
+				require.Len(t, entries, 4, "only ca.crt, ca.key, bundle.crt and out/")
 			},
 		},
 		{
@@ -272,11 +286,15 @@ func TestPKIHelpDocumentsDefaults(t *testing.T) {
 		{name: "init help names the files, the key mode and the default lifetime.", args: []string{"init", "--help"}, want: []string{"ca.crt", "0600", "5 years", "--force"}},
 		{name: "issue server help names the default files and lifetime.", args: []string{"issue", "server", "--help"}, want: []string{"CA-DIR/server.crt", "90 days", "--force"}},
 		{name: "issue client help names the default files and lifetime.", args: []string{"issue", "client", "--help"}, want: []string{"CA-DIR/NAME.crt", "30 days", "spiffe://TD/cluster/NAME"}},
+		{name: "init help describes the intermediate layout.", args: []string{"init", "--help"}, want: []string{"--intermediate", "root.key", "bundle.crt", "path length 1"}},
+		{name: "join-token help says the token alone goes to stdout.", args: []string{"join-token", "--help"}, want: []string{"TOKEN=$(tokenbroker pki join-token", "10 minutes", "--ca-fingerprint"}},
+		{name: "bundle help describes a rotation.", args: []string{"bundle", "--help"}, want: []string{"--add", "rotation", "--out"}},
+		{name: "inspect help names the JSON output.", args: []string{"inspect", "--help"}, want: []string{"-o json", "fingerprint"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			out, err := runPKI(t, tt.args...)
+			out, _, err := runPKIStreams(t, tt.args...)
 			require.NoError(t, err)
 			for _, w := range tt.want {
 				require.Contains(t, out, w)
@@ -313,4 +331,292 @@ func TestLifetimeFlagValue(t *testing.T) {
 			require.Equal(t, tt.want, time.Duration(d))
 		})
 	}
+}
+
+func TestPKIInitWithIntermediate(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	stdout, stderr, err := runPKIStreams(t, "init", "--dir", dir, "--intermediate", "--common-name", "east CA")
+	require.NoError(t, err)
+	require.Empty(t, stdout, "init describes what it wrote on stderr")
+	require.NotContains(t, stderr, "PRIVATE KEY")
+	path := func(name string) string { return filepath.Join(dir, name) }
+
+	for _, tt := range []struct {
+		file string
+		mode os.FileMode
+	}{
+		{"root.crt", 0o644}, {"root.key", 0o600}, {"ca.crt", 0o644}, {"ca.key", 0o600}, {"bundle.crt", 0o644},
+	} {
+		require.Equal(t, tt.mode, perm(t, path(tt.file)), tt.file)
+	}
+	root := readCert(t, path("root.crt"))
+	inter := readCert(t, path("ca.crt"))
+	require.Equal(t, root.Raw, readCert(t, path("bundle.crt")).Raw, "the bundle is the root")
+	require.Equal(t, "east CA root", root.Subject.CommonName)
+	require.Equal(t, "east CA intermediate", inter.Subject.CommonName)
+	require.True(t, root.IsCA)
+	require.Equal(t, 1, root.MaxPathLen)
+	require.True(t, inter.IsCA)
+	require.Equal(t, 0, inter.MaxPathLen)
+	require.True(t, inter.MaxPathLenZero)
+	require.NoError(t, inter.CheckSignatureFrom(root))
+	require.Contains(t, stderr, pki.Fingerprint(root))
+	require.Contains(t, stderr, pki.Fingerprint(inter))
+	require.Contains(t, stderr, "move it offline")
+
+	// The intermediate loads with the plain LoadCA and, with the bundle,
+	// knows its root.
+	_, err = pki.LoadCA(path("ca.crt"), path("ca.key"))
+	require.NoError(t, err)
+	ca, err := pki.LoadCAChain(path("ca.crt"), path("ca.key"), path("bundle.crt"), pki.CAOptions{})
+	require.NoError(t, err)
+	require.Equal(t, inter.Raw, ca.Certificate().Raw)
+
+	// `pki issue` signs with the intermediate and writes the chain.
+	_, err = runPKI(t, "issue", "client", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west")
+	require.NoError(t, err)
+	data, err := os.ReadFile(path("west.crt"))
+	require.NoError(t, err)
+	chain, err := pki.ParseCertificatesPEM(data)
+	require.NoError(t, err)
+	require.Len(t, chain, 2, "leaf and intermediate")
+	require.Equal(t, inter.Raw, chain[1].Raw)
+	pool, err := pki.LoadCertPool(path("bundle.crt"))
+	require.NoError(t, err)
+	intermediates := x509.NewCertPool()
+	intermediates.AddCert(chain[1])
+	_, err = chain[0].Verify(x509.VerifyOptions{Roots: pool, Intermediates: intermediates, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}, CurrentTime: pkiTestNow})
+	require.NoError(t, err)
+
+	// A second init refuses before writing anything.
+	other := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(other, "root.key"), []byte("keep me"), 0o600))
+	_, err = runPKI(t, "init", "--dir", other, "--intermediate")
+	require.ErrorContains(t, err, "use --force to overwrite")
+	entries, err := os.ReadDir(other)
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "nothing was written")
+}
+
+func TestPKIInspect(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	_, err := runPKI(t, "init", "--dir", dir, "--intermediate")
+	require.NoError(t, err)
+	_, err = runPKI(t, "issue", "client", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west")
+	require.NoError(t, err)
+	csrPEM, keyPEM, err := pki.NewCSR("spiffe://oc.example/cluster/east", nil)
+	require.NoError(t, err)
+	csrFile := filepath.Join(dir, "east.csr")
+	require.NoError(t, os.WriteFile(csrFile, csrPEM, 0o644))
+	keyFile := filepath.Join(dir, "east.key")
+	require.NoError(t, os.WriteFile(keyFile, keyPEM, 0o600))
+	data, err := os.ReadFile(filepath.Join(dir, "west.crt"))
+	require.NoError(t, err)
+	chain, err := pki.ParseCertificatesPEM(data)
+	require.NoError(t, err)
+	leaf, inter := chain[0], chain[1]
+
+	t.Run("Text output describes every certificate of a chain.", func(t *testing.T) {
+		t.Parallel()
+		out, stderr, err := runPKIStreams(t, "inspect", filepath.Join(dir, "west.crt"))
+		require.NoError(t, err)
+		require.Empty(t, stderr)
+		for _, want := range []string{
+			"Certificate 1 of 2", "Certificate 2 of 2",
+			"identity:       spiffe://oc.example/cluster/west",
+			"URI:spiffe://oc.example/cluster/west",
+			pki.Fingerprint(leaf), pki.Fingerprint(inter),
+			"serial:         " + leaf.SerialNumber.Text(16),
+			"expires in 30d 0h",
+			"ECDSA P-256",
+			"key usage:      digitalSignature",
+			"ext key usage:  clientAuth",
+			"CA:             no",
+			"CA:             yes, path length 0",
+			"issuer:         CN=tokenbroker CA intermediate",
+		} {
+			require.Contains(t, out, want)
+		}
+		require.NotContains(t, out, "PRIVATE KEY")
+	})
+	t.Run("JSON output parses and carries the identity and fingerprints.", func(t *testing.T) {
+		t.Parallel()
+		out, _, err := runPKIStreams(t, "inspect", "-o", "json", filepath.Join(dir, "west.crt"))
+		require.NoError(t, err)
+		var descs []certDescription
+		require.NoError(t, json.Unmarshal([]byte(out), &descs))
+		require.Len(t, descs, 2)
+		require.Equal(t, "certificate", descs[0].Type)
+		require.Equal(t, "spiffe://oc.example/cluster/west", descs[0].Identity)
+		require.Equal(t, pki.Fingerprint(leaf), descs[0].Fingerprint)
+		require.Equal(t, []string{"clientAuth"}, descs[0].ExtKeyUsage)
+		require.Equal(t, leaf.NotAfter.UTC(), *descs[0].NotAfter)
+		require.Equal(t, int64(30*24*time.Hour/time.Second), *descs[0].ExpiresIn)
+		require.True(t, descs[1].IsCA)
+		require.Equal(t, 0, *descs[1].MaxPathLen)
+		require.Equal(t, pki.Fingerprint(inter), descs[1].Fingerprint)
+	})
+	t.Run("The root shows as a self-signed CA with path length 1.", func(t *testing.T) {
+		t.Parallel()
+		out, _, err := runPKIStreams(t, "inspect", filepath.Join(dir, "bundle.crt"))
+		require.NoError(t, err)
+		require.Contains(t, out, "CA:             yes, path length 1, self-signed root")
+		require.Contains(t, out, "key usage:      keyCertSign, cRLSign")
+	})
+	t.Run("A CSR is described with the broker's verdict.", func(t *testing.T) {
+		t.Parallel()
+		out, _, err := runPKIStreams(t, "inspect", csrFile)
+		require.NoError(t, err)
+		require.Contains(t, out, "Certificate request")
+		require.Contains(t, out, "identity:       spiffe://oc.example/cluster/east")
+		require.Contains(t, out, "enrollment:     accepted for spiffe://oc.example/cluster/east")
+		out, _, err = runPKIStreams(t, "inspect", "-o", "json", csrFile)
+		require.NoError(t, err)
+		var descs []certDescription
+		require.NoError(t, json.Unmarshal([]byte(out), &descs))
+		require.Len(t, descs, 1)
+		require.Equal(t, "certificateRequest", descs[0].Type)
+		require.Empty(t, descs[0].EnrollmentError)
+	})
+	t.Run("A key file is refused without printing it.", func(t *testing.T) {
+		t.Parallel()
+		out, stderr, err := runPKIStreams(t, "inspect", keyFile)
+		require.ErrorContains(t, err, "private key")
+		require.NotContains(t, out+stderr+err.Error(), strings.TrimSpace(string(keyPEM))[30:60])
+	})
+	t.Run("Garbage and unknown output formats are refused.", func(t *testing.T) {
+		t.Parallel()
+		_, err := runPKI(t, "inspect", filepath.Join(dir, "missing.crt"))
+		require.ErrorContains(t, err, "no such file")
+		_, err = runPKI(t, "inspect", "-o", "yaml", filepath.Join(dir, "west.crt"))
+		require.ErrorContains(t, err, "-o must be text or json")
+	})
+}
+
+func TestPKIJoinToken(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name string
+		init []string
+	}{
+		{name: "A join token from a root CA verifies against the CA and names its fingerprint.", init: []string{"init"}},
+		{name: "A join token from an intermediate verifies against the intermediate and names the root's fingerprint.", init: []string{"init", "--intermediate"}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			_, err := runPKI(t, append(tt.init, "--dir", dir)...)
+			require.NoError(t, err)
+			stdout, stderr, err := runPKIStreams(t, "join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west", "--ttl", "15m")
+			require.NoError(t, err)
+
+			require.True(t, strings.HasSuffix(stdout, "\n"))
+			token := strings.TrimSuffix(stdout, "\n")
+			require.NotContains(t, token, "\n", "stdout is exactly one line")
+			require.Regexp(t, `^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$`, token)
+			require.NotContains(t, stderr, token, "the token is printed on stdout only")
+
+			signer := readCert(t, filepath.Join(dir, "ca.crt"))
+			claims, err := pki.NewJoinTokenVerifier([]*x509.Certificate{signer}, func() time.Time { return pkiTestNow }).Verify(token)
+			require.NoError(t, err)
+			require.Equal(t, "spiffe://oc.example/cluster/west", claims.Identity)
+			require.Equal(t, pkiTestNow.Add(15*time.Minute), claims.ExpiresAt)
+
+			root := readCert(t, filepath.Join(dir, "bundle.crt"))
+			require.Contains(t, stderr, "spiffe://oc.example/cluster/west")
+			require.Contains(t, stderr, claims.ID)
+			require.Contains(t, stderr, claims.ExpiresAt.Format(time.RFC3339))
+			require.Contains(t, stderr, "--ca-fingerprint "+pki.Fingerprint(root))
+			bundle, err := os.ReadFile(filepath.Join(dir, "bundle.crt"))
+			require.NoError(t, err)
+			require.NoError(t, pki.VerifyBundleFingerprint(bundle, pki.Fingerprint(root)), "the pinned fingerprint matches the served bundle")
+		})
+	}
+
+	t.Run("Bad arguments are refused and nothing is printed on stdout.", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		_, err := runPKI(t, "init", "--dir", dir)
+		require.NoError(t, err)
+		for _, tc := range []struct {
+			args    []string
+			wantErr string
+		}{
+			{[]string{"--ttl", "25h"}, "outside"},
+			{[]string{"--ttl", "-1m"}, "outside"},
+			{[]string{"--cluster", "West"}, "DNS-1123 label"},
+		} {
+			args := append([]string{"join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west"}, tc.args...)
+			stdout, _, err := runPKIStreams(t, args...)
+			require.ErrorContains(t, err, tc.wantErr)
+			require.Empty(t, stdout)
+		}
+		stdout, _, err := runPKIStreams(t, "join-token", "--ca-dir", filepath.Join(dir, "missing"), "--trust-domain", "oc.example", "--cluster", "west")
+		require.ErrorContains(t, err, "no such file")
+		require.Empty(t, stdout)
+	})
+}
+
+func TestPKIBundle(t *testing.T) {
+	t.Parallel()
+	oldDir, newDir := t.TempDir(), t.TempDir()
+	_, err := runPKI(t, "init", "--dir", oldDir)
+	require.NoError(t, err)
+	_, err = runPKI(t, "init", "--dir", newDir, "--intermediate")
+	require.NoError(t, err)
+	oldCA := readCert(t, filepath.Join(oldDir, "ca.crt"))
+	newRoot := readCert(t, filepath.Join(newDir, "root.crt"))
+
+	t.Run("Adding the old CA gives both CAs once each, new first, in the --out file.", func(t *testing.T) {
+		t.Parallel()
+		out := filepath.Join(t.TempDir(), "client-ca.crt")
+		// The old CA is given twice, as a file and inside the same file again.
+		stdout, stderr, err := runPKIStreams(t, "bundle", "--ca-dir", newDir,
+			"--add", filepath.Join(oldDir, "bundle.crt"), "--add", filepath.Join(oldDir, "ca.crt"), "--add", filepath.Join(newDir, "root.crt"), "--out", out)
+		require.NoError(t, err)
+		require.Empty(t, stdout)
+		data, err := os.ReadFile(out)
+		require.NoError(t, err)
+		certs, err := pki.ParseCertificatesPEM(data)
+		require.NoError(t, err)
+		require.Len(t, certs, 2)
+		require.Equal(t, newRoot.Raw, certs[0].Raw)
+		require.Equal(t, oldCA.Raw, certs[1].Raw)
+		require.Equal(t, os.FileMode(0o644), perm(t, out))
+		require.Contains(t, stderr, pki.Fingerprint(newRoot))
+		require.Contains(t, stderr, pki.Fingerprint(oldCA))
+		require.NoError(t, pki.VerifyBundleFingerprint(data, pki.Fingerprint(oldCA)))
+		require.NoError(t, pki.VerifyBundleFingerprint(data, pki.Fingerprint(newRoot)))
+	})
+	t.Run("Without --out the bundle goes to stdout.", func(t *testing.T) {
+		t.Parallel()
+		stdout, _, err := runPKIStreams(t, "bundle", "--ca-dir", oldDir)
+		require.NoError(t, err)
+		certs, err := pki.ParseCertificatesPEM([]byte(stdout))
+		require.NoError(t, err)
+		require.Len(t, certs, 1)
+		require.Equal(t, oldCA.Raw, certs[0].Raw)
+	})
+	t.Run("A directory without bundle.crt uses ca.crt.", func(t *testing.T) {
+		t.Parallel()
+		legacy := t.TempDir()
+		data, err := os.ReadFile(filepath.Join(oldDir, "ca.crt"))
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(legacy, "ca.crt"), data, 0o644))
+		stdout, _, err := runPKIStreams(t, "bundle", "--ca-dir", legacy)
+		require.NoError(t, err)
+		require.Equal(t, string(data), stdout)
+	})
+	t.Run("Adding a certificate that is not a CA is refused.", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		_, err := runPKI(t, "init", "--dir", dir)
+		require.NoError(t, err)
+		_, err = runPKI(t, "issue", "server", "--ca-dir", dir, "--dns", "broker")
+		require.NoError(t, err)
+		_, err = runPKI(t, "bundle", "--ca-dir", dir, "--add", filepath.Join(dir, "server.crt"))
+		require.ErrorContains(t, err, "is not a CA certificate")
+	})
 }

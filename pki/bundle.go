@@ -1,0 +1,194 @@
+package pki
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ErrFingerprintMismatch is returned (wrapped) by VerifyBundleFingerprint when
+// no CA of the bundle has the pinned fingerprint: the bundle is not the one
+// the operator vouched for. Not retryable against the same server.
+var ErrFingerprintMismatch = errors.New("no CA in the trust bundle has the pinned fingerprint")
+
+// VerifyBundleFingerprint is the pin check of bootstrapping (like `step ca
+// bootstrap`): it returns nil iff bundlePEM parses (see ParseCertificatesPEM)
+// and one of its certificates is a CA whose Fingerprint is fingerprint
+// ("sha256:" and 64 hex digits, either case). Digests are compared in constant
+// time.
+func VerifyBundleFingerprint(bundlePEM []byte, fingerprint string) error {
+	want, err := parseFingerprint(fingerprint)
+	if err != nil {
+		return err
+	}
+	certs, err := ParseCertificatesPEM(bundlePEM)
+	if err != nil {
+		return fmt.Errorf("verify trust bundle: %w", err)
+	}
+	found := false
+	for _, c := range certs {
+		sum := sha256.Sum256(c.Raw)
+		// No early exit: the time taken does not tell which certificate
+		// matched.
+		match := subtle.ConstantTimeCompare(sum[:], want) == 1
+		if match && c.BasicConstraintsValid && c.IsCA {
+			found = true
+		}
+	}
+	if !found {
+		return fmt.Errorf("verify trust bundle: %w", ErrFingerprintMismatch)
+	}
+	return nil
+}
+
+func parseFingerprint(s string) ([]byte, error) {
+	hexSum, ok := strings.CutPrefix(s, "sha256:")
+	if !ok || len(hexSum) != 2*sha256.Size {
+		return nil, fmt.Errorf("invalid fingerprint %q: want sha256:<64 hex digits>", s)
+	}
+	sum, err := hex.DecodeString(hexSum)
+	if err != nil {
+		return nil, fmt.Errorf("invalid fingerprint %q: want sha256:<64 hex digits>", s)
+	}
+	return sum, nil
+}
+
+// PoolReloader serves a trust bundle (a PEM file of CA certificates) as a
+// cert pool and picks up a new file without a restart, for CA rotation: add
+// the new CA to the bundle, then later remove the old one.
+//
+// It polls like CertReloader: a call that finds the last check older than the
+// interval reads the file again (bounded) and, if its content changed, parses
+// it. A bad new file (unreadable, unparsable, empty, or holding a certificate
+// that is not a CA) is refused and the old bundle stays in service; the
+// outcome goes to the callback (WithReloadCallback), once per new content.
+// The options are CertReloader's.
+//
+// A PoolReloader is safe for concurrent use.
+type PoolReloader struct {
+	reloadSettings
+	file string
+
+	current atomic.Pointer[poolState]
+
+	mu        sync.Mutex // guards lastCheck and lastSum; held while reading the file
+	lastCheck time.Time
+	lastSum   [sha256.Size]byte
+}
+
+// poolState is one bundle in service; it is never modified once stored.
+type poolState struct {
+	pool  *x509.CertPool
+	certs []*x509.Certificate
+	pem   []byte
+}
+
+// NewPoolReloader loads the bundle now and fails if it is bad; later bad
+// files are reported to the callback instead.
+func NewPoolReloader(file string, opts ...ReloaderOption) (*PoolReloader, error) {
+	p := &PoolReloader{reloadSettings: newReloadSettings(opts), file: file}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, err := p.reloadLocked(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Pool returns the pool of the bundle in service. It is shared: callers must
+// not add to it.
+func (p *PoolReloader) Pool() *x509.CertPool { return p.state().pool }
+
+// Certificates returns the certificates of the bundle in service, in file
+// order. Callers must not modify them.
+func (p *PoolReloader) Certificates() []*x509.Certificate {
+	return append([]*x509.Certificate(nil), p.state().certs...)
+}
+
+// PEM returns the bundle in service as it was read, what GET
+// /v1/trust-bundle serves.
+func (p *PoolReloader) PEM() []byte { return append([]byte(nil), p.state().pem...) }
+
+// Reload reads the file now, whatever the interval, and returns the outcome
+// (nil if the file is unchanged or the new bundle went into service). The
+// callback is called as for a polled reload.
+func (p *PoolReloader) Reload() error {
+	p.mu.Lock()
+	changed, err := p.reloadLocked()
+	p.mu.Unlock()
+	if changed {
+		p.report(err)
+	}
+	return err
+}
+
+func (p *PoolReloader) state() *poolState {
+	p.maybeReload()
+	return p.current.Load()
+}
+
+func (p *PoolReloader) maybeReload() {
+	// A caller never waits for another one's file read: it gets the bundle
+	// in service.
+	if !p.mu.TryLock() {
+		return
+	}
+	// A clock that went backwards counts as time passed.
+	if since := p.now().Sub(p.lastCheck); since >= 0 && since < p.interval {
+		p.mu.Unlock()
+		return
+	}
+	changed, err := p.reloadLocked()
+	p.mu.Unlock()
+	if changed {
+		p.report(err)
+	}
+}
+
+// reloadLocked is CertReloader.reloadLocked for one file.
+func (p *PoolReloader) reloadLocked() (changed bool, err error) {
+	p.lastCheck = p.now()
+	data, err := readFileLimited(p.file, MaxCertificatesPEMSize)
+	if err != nil {
+		err = fmt.Errorf("reload trust bundle: %w", err)
+		if p.lastSum == ([sha256.Size]byte{}) {
+			// Already reported an unreadable state; report only the first.
+			return p.current.Load() == nil, err
+		}
+		p.lastSum = [sha256.Size]byte{}
+		return true, err
+	}
+	sum := sha256.Sum256(data)
+	if p.current.Load() != nil && sum == p.lastSum {
+		return false, nil
+	}
+	p.lastSum = sum
+	st, err := parseBundle(data)
+	if err != nil {
+		return true, fmt.Errorf("reload trust bundle %s: %w", p.file, err)
+	}
+	p.current.Store(st)
+	return true, nil
+}
+
+func parseBundle(data []byte) (*poolState, error) {
+	certs, err := ParseCertificatesPEM(data)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	for i, c := range certs {
+		if !c.BasicConstraintsValid || !c.IsCA {
+			return nil, fmt.Errorf("certificate %d (%s) is not a CA certificate", i+1, Fingerprint(c))
+		}
+		pool.AddCert(c)
+	}
+	return &poolState{pool: pool, certs: certs, pem: append([]byte(nil), data...)}, nil
+}
