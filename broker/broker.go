@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"crypto/rand"
+	"crypto/x509"
 	"encoding/base32"
 	"errors"
 	"fmt"
@@ -19,6 +20,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/issuers"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Issuer mints one kind of credential. Errors are returned unclassified;
@@ -29,8 +31,13 @@ type Issuer interface {
 
 // Labels, annotations and the Secret type of a lease Secret.
 const (
-	LabelManagedBy      = "app.kubernetes.io/managed-by"
-	ManagedByValue      = "tokenbroker"
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	ManagedByValue = "tokenbroker"
+	// LabelKind tells the broker's objects apart: LeaseKind for lease
+	// Secrets, UsedJoinTokenKind for the records of used join tokens.
+	// Listings select on it, so one kind never shows up as another.
+	LabelKind           = "tokenbroker.io/kind"
+	LeaseKind           = "lease"
 	LabelLeaseID        = "tokenbroker.io/lease-id"
 	LabelPeer           = "tokenbroker.io/peer"
 	AnnotationExpiresAt = "tokenbroker.io/expires-at"
@@ -79,17 +86,47 @@ type Config struct {
 	// CleanupTimeout bounds the deletion of a lease after a failed
 	// request; default 10s.
 	CleanupTimeout time.Duration
+
+	// Namespace is the broker's own namespace, where used join tokens are
+	// recorded. Required when CA is set.
+	Namespace string
+	// CA signs client certificates at enrollment and renewal; nil disables
+	// both (they answer KindNotFound).
+	CA CertificateAuthority
+	// JoinTokens verifies join tokens; nil means a pki.JoinTokenVerifier
+	// that trusts the key of CA only.
+	JoinTokens JoinTokenVerifier
+	// Trust is the CA bundle served by TrustBundle and returned with every
+	// issued certificate.
+	Trust TrustSource
+	// CertificateTTL is the lifetime of issued client certificates unless
+	// the policy sets one for the peer; zero means
+	// pki.DefaultClientLifetime.
+	CertificateTTL time.Duration
+	// Revocations is the deny list; nil means nothing is revoked. While it
+	// is not synced the broker is not ready.
+	Revocations *RevocationList
 }
 
 // Broker is the domain core. It is safe for concurrent use.
 type Broker struct {
-	cfg Config
+	cfg        Config
+	joinTokens JoinTokenVerifier
 }
 
 // New checks cfg and returns a Broker.
 func New(cfg Config) (*Broker, error) {
 	if cfg.Secrets == nil || cfg.Policy == nil || cfg.Logger == nil {
 		return nil, errors.New("broker: Secrets, Policy and Logger are required")
+	}
+	if cfg.CA != nil && cfg.Namespace == "" {
+		return nil, errors.New("broker: Namespace is required with a CA (used join tokens are recorded there)")
+	}
+	if cfg.CertificateTTL == 0 {
+		cfg.CertificateTTL = pki.DefaultClientLifetime
+	}
+	if cfg.CertificateTTL < MinCertificateTTL || cfg.CertificateTTL > MaxCertificateTTL {
+		return nil, fmt.Errorf("broker: CertificateTTL must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
@@ -100,7 +137,11 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.CleanupTimeout == 0 {
 		cfg.CleanupTimeout = 10 * time.Second
 	}
-	return &Broker{cfg: cfg}, nil
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens}
+	if b.joinTokens == nil && cfg.CA != nil {
+		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Now)
+	}
+	return b, nil
 }
 
 func (b *Broker) policy() (*Policy, error) {
@@ -274,6 +315,7 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 			Namespace: req.Namespace,
 			Labels: map[string]string{
 				LabelManagedBy: ManagedByValue,
+				LabelKind:      LeaseKind,
 				LabelLeaseID:   id,
 				LabelPeer:      d.Peer,
 			},
@@ -333,10 +375,14 @@ func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
 	return p.Grants(c.Identity)
 }
 
-// Ready reports whether a policy is loaded and the API server answers.
+// Ready reports whether a policy is loaded, the revocation list is synced
+// and the API server answers.
 func (b *Broker) Ready(ctx context.Context) error {
 	if b.cfg.Policy.Load() == nil {
 		return errors.New("no policy loaded")
+	}
+	if b.cfg.Revocations != nil && !b.cfg.Revocations.Synced() {
+		return errors.New("revocation list not synced yet")
 	}
 	if b.cfg.APIServerReady != nil {
 		if err := b.cfg.APIServerReady(ctx); err != nil {

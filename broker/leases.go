@@ -86,7 +86,19 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	return nil, notFound
 }
 
+// listLeaseSecrets lists lease Secrets (and only those: the kind label
+// keeps used join token records out) matching sel in every namespace.
 func (b *Broker) listLeaseSecrets(ctx context.Context, sel labels.Set) ([]corev1.Secret, error) {
+	set := labels.Set{LabelKind: LeaseKind}
+	for k, v := range sel {
+		set[k] = v
+	}
+	return b.listManagedSecrets(ctx, set, "list_leases")
+}
+
+// listManagedSecrets lists the broker's Secrets of every kind matching sel
+// in every namespace.
+func (b *Broker) listManagedSecrets(ctx context.Context, sel labels.Set, call string) ([]corev1.Secret, error) {
 	set := labels.Set{LabelManagedBy: ManagedByValue}
 	for k, v := range sel {
 		set[k] = v
@@ -95,9 +107,9 @@ func (b *Broker) listLeaseSecrets(ctx context.Context, sel labels.Set) ([]corev1
 	list, err := b.cfg.Secrets.Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{
 		LabelSelector: labels.SelectorFromSet(set).String(),
 	})
-	b.cfg.Metrics.observeAPI("list_leases", time.Since(t0))
+	b.cfg.Metrics.observeAPI(call, time.Since(t0))
 	if err != nil {
-		return nil, classify(err, "list lease Secrets", "no leases")
+		return nil, classify(err, "list tokenbroker Secrets", "no Secrets")
 	}
 	return list.Items, nil
 }
@@ -115,13 +127,16 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 	}
 }
 
-// CollectGarbage deletes every lease Secret whose expiry has passed and
-// returns how many it deleted. A lease without a readable expiry is
-// deleted once it is older than the policy's maximum TTL, since no
-// credential bound to it can still be valid. Safe to run on several
-// replicas at once.
+// CollectGarbage deletes every lease Secret and every used join token
+// record whose expiry has passed, and returns how many it deleted. A lease
+// without a readable expiry is deleted once it is older than the policy's
+// maximum TTL, since no credential bound to it can still be valid; a used
+// join token record without one is kept for usedJoinTokenFallbackRetention.
+// Safe to run on several replicas at once.
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
-	secrets, err := b.listLeaseSecrets(ctx, nil)
+	// Every kind at once, including lease Secrets made before the kind
+	// label existed.
+	secrets, err := b.listManagedSecrets(ctx, nil, "list_gc")
 	if err != nil {
 		return 0, err
 	}
@@ -130,26 +145,39 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	if p := b.cfg.Policy.Load(); p != nil {
 		maxTTL = time.Duration(p.TTL.Max)
 	}
-	n := 0
+	leases, tokens := 0, 0
 	for i := range secrets {
 		s := &secrets[i]
+		usedToken := s.Labels[LabelKind] == UsedJoinTokenKind
 		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
-		if err != nil {
+		switch {
+		case err == nil:
+		case usedToken:
+			exp = s.CreationTimestamp.Add(usedJoinTokenFallbackRetention)
+		default:
 			exp = s.CreationTimestamp.Add(maxTTL)
 		}
 		if now.Before(exp) {
 			continue
 		}
 		if err := b.deleteSecret(ctx, s); err != nil {
-			return n, classify(err, "collect expired lease", "lease vanished")
+			return leases + tokens, classify(err, "collect expired Secret", "Secret vanished")
 		}
-		n++
+		if usedToken {
+			tokens++
+		} else {
+			leases++
+		}
 	}
-	b.cfg.Metrics.leaseDeleted("expired", n)
-	return n, nil
+	b.cfg.Metrics.leaseDeleted("expired", leases)
+	if tokens > 0 {
+		b.cfg.Logger.Info("expired used join token records deleted", zap.Int("count", tokens))
+	}
+	return leases + tokens, nil
 }
 
-// RunGC collects expired leases every interval until ctx is done. Errors
+// RunGC collects expired leases and used join token records every
+// interval until ctx is done ("expired leases deleted" counts both). Errors
 // are logged, never fatal: the next round tries again.
 func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)

@@ -12,14 +12,32 @@ import (
 //	tokenbroker_issuance_duration_seconds{outcome}         time to decide and issue, API calls included
 //	tokenbroker_apiserver_call_duration_seconds{call}      time spent waiting on the API server per call
 //	tokenbroker_leases_deleted_total{reason}               leases revoked on request or collected on expiry
+//	tokenbroker_certificate_requests_total{operation,outcome}
+//	                                                       enrollments and renewals (operation "enroll" or
+//	                                                       "renew") by outcome: issued, unauthenticated,
+//	                                                       invalid, denied, unavailable, error
+//	tokenbroker_config_reloads_total{config,result}        reloads of "policy", "server-certificate" and
+//	                                                       "client-ca" by result, "success" or "failure"
+//	tokenbroker_revocations{kind}                          entries of the revocation deny list in force,
+//	                                                       by kind ("identity", "serial")
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
-	issuances *prometheus.CounterVec
-	issueDur  *prometheus.HistogramVec
-	apiCall   *prometheus.HistogramVec
-	deleted   *prometheus.CounterVec
+	issuances   *prometheus.CounterVec
+	issueDur    *prometheus.HistogramVec
+	apiCall     *prometheus.HistogramVec
+	deleted     *prometheus.CounterVec
+	certs       *prometheus.CounterVec
+	reloads     *prometheus.CounterVec
+	revocations *prometheus.GaugeVec
 }
+
+// The config label values of tokenbroker_config_reloads_total.
+const (
+	ConfigPolicy            = "policy"
+	ConfigServerCertificate = "server-certificate"
+	ConfigClientCA          = "client-ca"
+)
 
 // NewMetrics creates the broker metrics and registers them with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -43,8 +61,20 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_leases_deleted_total",
 			Help: "Lease Secrets deleted, by reason (revoked, expired).",
 		}, []string{"reason"}),
+		certs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_certificate_requests_total",
+			Help: "Certificate enrollments and renewals, by operation and outcome.",
+		}, []string{"operation", "outcome"}),
+		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_config_reloads_total",
+			Help: "Reloads of changed configuration files, by config (policy, server-certificate, client-ca) and result (success, failure).",
+		}, []string{"config", "result"}),
+		revocations: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_revocations",
+			Help: "Entries of the revocation deny list in force, by kind (identity, serial).",
+		}, []string{"kind"}),
 	}
-	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.apiCall, m.deleted} {
+	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -72,4 +102,34 @@ func (m *Metrics) leaseDeleted(reason string, n int) {
 		return
 	}
 	m.deleted.WithLabelValues(reason).Add(float64(n))
+}
+
+func (m *Metrics) observeCertificate(operation, outcome string) {
+	if m == nil {
+		return
+	}
+	m.certs.WithLabelValues(operation, outcome).Inc()
+}
+
+// ObserveReload counts one reload attempt of a changed configuration file:
+// config is ConfigPolicy, ConfigServerCertificate or ConfigClientCA; a nil
+// err counts a success, any other a failure (the old configuration stays in
+// force). The composition root calls it from the pki reloaders' callbacks.
+func (m *Metrics) ObserveReload(config string, err error) {
+	if m == nil {
+		return
+	}
+	result := "success"
+	if err != nil {
+		result = "failure"
+	}
+	m.reloads.WithLabelValues(config, result).Inc()
+}
+
+func (m *Metrics) setRevocations(identities, serials int) {
+	if m == nil {
+		return
+	}
+	m.revocations.WithLabelValues("identity").Set(float64(identities))
+	m.revocations.WithLabelValues("serial").Set(float64(serials))
 }

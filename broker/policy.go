@@ -19,6 +19,15 @@ import (
 // MinTokenTTL is the shortest lifetime the TokenRequest API accepts.
 const MinTokenTTL = 10 * time.Minute
 
+// Bounds of a client certificate's lifetime (peers[].certificateTTL and
+// "serve --client-cert-ttl"). Certificates renew themselves well before
+// they expire, so a short lifetime costs little; the maximum keeps a
+// certificate that escapes revocation from living long.
+const (
+	MinCertificateTTL = 10 * time.Minute
+	MaxCertificateTTL = 720 * time.Hour
+)
+
 // maxPolicyBytes bounds the policy file; a policy is small.
 const maxPolicyBytes = 1 << 20
 
@@ -75,6 +84,10 @@ type PeerSpec struct {
 	Name     string      `json:"name"`
 	Identity string      `json:"identity"`
 	Grants   []GrantSpec `json:"grants"`
+	// CertificateTTL is the lifetime of the client certificates the broker
+	// issues to this peer at enrollment and renewal; zero means the
+	// broker's default ("serve --client-cert-ttl").
+	CertificateTTL Duration `json:"certificateTTL,omitempty"`
 }
 
 // GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
@@ -185,6 +198,9 @@ func (p *Policy) Validate() error {
 			add(path+".identity", "duplicate identity %q", peer.Identity)
 		}
 		ids[peer.Identity] = true
+		if d := time.Duration(peer.CertificateTTL); d != 0 && (d < MinCertificateTTL || d > MaxCertificateTTL) {
+			add(path+".certificateTTL", "must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
+		}
 		for j, g := range peer.Grants {
 			gpath := fmt.Sprintf("%s.grants[%d]", path, j)
 			if len(g.Namespaces) == 0 {
@@ -241,6 +257,15 @@ func (p *Policy) peer(identity string) *PeerSpec {
 		}
 	}
 	return nil
+}
+
+// CertificateTTL returns the lifetime of a client certificate for
+// identity: the peer's certificateTTL if the policy names one, else def.
+func (p *Policy) CertificateTTL(identity string, def time.Duration) time.Duration {
+	if peer := p.peer(identity); peer != nil && peer.CertificateTTL != 0 {
+		return time.Duration(peer.CertificateTTL)
+	}
+	return def
 }
 
 // Decision is the outcome of an allowed request: who asked, under which

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -13,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Broker is what the HTTP layer needs from the domain core. Errors are
@@ -43,8 +45,48 @@ type Broker interface {
 	Ready(ctx context.Context) error
 }
 
-// The broker package's core is what the composition root passes as Broker.
-var _ Broker = (*broker.Broker)(nil)
+// CertificateIssuer is the optional ability of a Broker to issue client
+// certificates and serve the trust bundle; the server finds it by type
+// assertion. Without it POST /v1/certificates and GET /v1/trust-bundle
+// answer 404. Errors are as for Broker.
+type CertificateIssuer interface {
+	// Enroll issues a first certificate to the bearer of a join token.
+	// token is the bearer token as sent (at most pki.MaxJoinTokenBytes);
+	// req has passed validateCertificateRequest. Every problem with the
+	// token must be KindUnauthenticated with the same detail.
+	Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
+	// Renew issues a new certificate to an authenticated caller for its
+	// own identity.
+	Renew(ctx context.Context, c broker.Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
+	// TrustBundle returns the CA bundle in force; an empty CABundle means
+	// there is none to serve (404).
+	TrustBundle() apiv1.TrustBundle
+}
+
+// RevocationChecker is the optional ability of a Broker to tell revoked
+// callers; the server finds it by type assertion and asks it on every API
+// request, so that a revocation also ends keep-alive connections.
+type RevocationChecker interface {
+	// Revoked reports whether the identity or any of the serials (the
+	// lower-case hexadecimal serial numbers of the verified chain, leaf
+	// first) is revoked.
+	Revoked(identity string, serials ...string) bool
+}
+
+// TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which
+// follows its file). See Config.ClientCAs.
+type TrustAnchors interface {
+	Certificates() []*x509.Certificate
+}
+
+// The broker package's core is what the composition root passes as Broker,
+// and it has the optional abilities.
+var (
+	_ Broker            = (*broker.Broker)(nil)
+	_ CertificateIssuer = (*broker.Broker)(nil)
+	_ RevocationChecker = (*broker.Broker)(nil)
+	_ TrustAnchors      = (*pki.PoolReloader)(nil)
+)
 
 // Defaults applied by New to zero fields of Config.
 const (
@@ -88,6 +130,24 @@ type Config struct {
 	// TLSConfig is the server TLS configuration, built by the pki package.
 	// It must require and verify client certificates.
 	TLSConfig *tls.Config
+	// ClientCAs, if set, is the client-CA bundle in force. A request whose
+	// verified chain does not end at one of its certificates is refused
+	// with 401, so that a keep-alive connection opened before a CA was
+	// removed from the bundle (at the end of a CA rotation) stops working
+	// too; new connections are refused by the TLS handshake.
+	ClientCAs TrustAnchors
+
+	// EnrollAddr is the address of the enrollment listener, e.g. ":8444";
+	// empty (and no EnrollListener) means no enrollment listener. Ignored
+	// when EnrollListener is set.
+	EnrollAddr string
+	// EnrollListener, if set, is used for enrollment instead of listening
+	// on EnrollAddr. Run closes it.
+	EnrollListener net.Listener
+	// EnrollTLSConfig is the enrollment listener's TLS configuration
+	// (pki.EnrollmentTLSConfig): TLS 1.3, a server certificate, no client
+	// certificate. Required with an enrollment listener.
+	EnrollTLSConfig *tls.Config
 
 	// MaxBodyBytes bounds every request body; a larger one is answered 413.
 	MaxBodyBytes int64
@@ -138,6 +198,13 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.OpsListener == nil && c.OpsAddr == "" {
 		errs = append(errs, errors.New("OpsAddr or OpsListener is required"))
+	}
+	if c.EnrollListener != nil || c.EnrollAddr != "" {
+		if c.EnrollTLSConfig == nil {
+			errs = append(errs, errors.New("EnrollTLSConfig is required with an enrollment listener"))
+		} else if err := checkEnrollTLSConfig(c.EnrollTLSConfig); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if (c.Registerer == nil) != (c.Gatherer == nil) {
 		errs = append(errs, errors.New("Registerer and Gatherer must be set together"))
@@ -204,6 +271,19 @@ func checkTLSConfig(c *tls.Config) error {
 	}
 	if len(c.Certificates) == 0 && c.GetCertificate == nil {
 		errs = append(errs, errors.New("TLSConfig has no server certificate"))
+	}
+	return errors.Join(errs...)
+}
+
+// checkEnrollTLSConfig refuses an enrollment configuration below TLS 1.3 or
+// without a server certificate.
+func checkEnrollTLSConfig(c *tls.Config) error {
+	var errs []error
+	if c.MinVersion < tls.VersionTLS13 {
+		errs = append(errs, errors.New("EnrollTLSConfig must require TLS 1.3"))
+	}
+	if len(c.Certificates) == 0 && c.GetCertificate == nil && c.GetConfigForClient == nil {
+		errs = append(errs, errors.New("EnrollTLSConfig has no server certificate"))
 	}
 	return errors.Join(errs...)
 }

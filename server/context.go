@@ -21,6 +21,7 @@ const (
 // A request is served by one goroutine, so it needs no lock.
 type requestInfo struct {
 	id       string
+	listener string
 	route    string
 	identity string
 	log      *zap.Logger
@@ -67,4 +68,13 @@ func withPeer(ctx context.Context, p peer) context.Context {
 func peerFrom(ctx context.Context) (peer, bool) {
 	p, ok := ctx.Value(peerKey).(peer)
 	return p, ok
+}
+
+// listenerFrom returns the name of the listener that received the request,
+// or "" outside the middleware chain.
+func listenerFrom(ctx context.Context) string {
+	if info := requestInfoFrom(ctx); info != nil {
+		return info.listener
+	}
+	return ""
 }

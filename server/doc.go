@@ -1,8 +1,26 @@
 // Package server is the HTTP layer of tokenbroker: the mutual-TLS API
-// listener, the plain-HTTP operations listener, the chi route table under
-// /v1, the middleware chain and the handlers that decode a request, validate
-// it, call the broker and encode the answer. It holds no domain logic; the
-// broker package decides, this package translates.
+// listener, the optional enrollment listener, the plain-HTTP operations
+// listener, the chi route table under /v1, the middleware chain and the
+// handlers that decode a request, validate it, call the broker and encode
+// the answer. It holds no domain logic; the broker package decides, this
+// package translates.
+//
+// # Two API listeners
+//
+// The mutual-TLS listener requires and verifies a client certificate in the
+// TLS handshake, and its authentication middleware runs before every
+// handler: it takes the caller's SPIFFE identity from the verified leaf and
+// refuses (401) a certificate outside its validity, one whose CA has left
+// the client-CA bundle (Config.ClientCAs) and one whose identity or serial
+// the broker's deny list revokes (RevocationChecker), on every request, so
+// keep-alive connections included. POST /v1/certificates there is renewal.
+//
+// A cluster that has no certificate yet enrolls on the enrollment listener
+// (Config.EnrollAddr), whose TLS profile asks for no client certificate. It
+// serves exactly two routes of the one route table: POST /v1/certificates
+// with a join token as the bearer token, and GET /v1/trust-bundle; every
+// other path is 404. Every failure of the join token is the same 401, with
+// a WWW-Authenticate: Bearer challenge.
 //
 // Every error answer is an RFC 9457 problem+json rendered by one function,
 // writeError, which maps a *broker.Error Kind to a status. Answers for
@@ -18,12 +36,13 @@
 // Registered on the prometheus.Registerer given in Config (never the global
 // default registry) and served on the operations listener at /metrics:
 //
-//   - tokenbroker_http_requests_total{route,method,code}: counter of API
-//     requests answered, by chi route pattern ("unmatched" for requests that
-//     match no route), HTTP method ("OTHER" for non-standard ones) and
-//     status code.
-//   - tokenbroker_http_request_duration_seconds{route}: histogram of the time
-//     from the start of the middleware chain to the handler's return.
+//   - tokenbroker_http_requests_total{listener,route,method,code}: counter of
+//     API requests answered, by listener ("api" or "enroll"), chi route
+//     pattern ("unmatched" for requests that match no route), HTTP method
+//     ("OTHER" for non-standard ones) and status code.
+//   - tokenbroker_http_request_duration_seconds{listener,route}: histogram of
+//     the time from the start of the middleware chain to the handler's
+//     return.
 //
 // Requests to the operations listener (/healthz, /readyz, /metrics) are not
 // counted and not access-logged.

@@ -19,6 +19,13 @@ const problemTypePrefix = "urn:tokenbroker:problem:"
 // retryAfterSeconds is sent with 503 answers.
 const retryAfterSeconds = "5"
 
+// The 401 of the enrollment listener: one fixed detail for every failure
+// of the join token, and the challenge RFC 6750 asks for.
+const (
+	enrollUnauthenticatedDetail = "A valid, unused join token is required as the bearer token."
+	enrollAuthenticate          = `Bearer realm="tokenbroker-enrollment"`
+)
+
 // Transport-level failures that have no broker.Kind. writeError maps them
 // like the kinds.
 var (
@@ -120,6 +127,12 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 		}
 		p.Errors = be.Fields
 	}
+	enrolling := listenerFrom(r.Context()) == listenerEnroll
+	if class.status == http.StatusUnauthorized && enrolling {
+		// The enrollment listener authenticates with a join token, not a
+		// client certificate; the answer is as uniform as the other.
+		p.Detail = enrollUnauthenticatedDetail
+	}
 
 	level := zapcore.DebugLevel
 	switch {
@@ -145,6 +158,9 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	if class.status == http.StatusServiceUnavailable {
 		h.Set("Retry-After", retryAfterSeconds)
+	}
+	if class.status == http.StatusUnauthorized && enrolling {
+		h.Set("WWW-Authenticate", enrollAuthenticate)
 	}
 	w.WriteHeader(class.status)
 	_, _ = w.Write(body) // the client has gone; nothing left to tell it

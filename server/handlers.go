@@ -4,12 +4,15 @@ import (
 	"errors"
 	"net/http"
 	"net/url"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/go-chi/chi/v5"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Headers of the YAML answer of POST /v1/kubeconfigs, which has no JSON
@@ -163,4 +166,146 @@ func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request) {
 			SHA256:       p.caller.CertSHA256,
 		},
 	})
+}
+
+// errNoJoinToken is the cause, for the log, of an enrollment without a
+// usable bearer token; the caller sees the same 401 as for a bad token.
+var errNoJoinToken = errors.New("no bearer token, or not one a join token can be")
+
+// enrollCertificate handles POST /v1/certificates on the enrollment
+// listener: a cluster without a certificate presents a join token as its
+// bearer token and a CSR for the token's identity.
+func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
+	if s.certs == nil {
+		writeError(w, r, errRouteNotFound)
+		return
+	}
+	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+		writeError(w, r, errNotAcceptable)
+		return
+	}
+	token, ok := bearerToken(r.Header)
+	if !ok {
+		writeError(w, r, &broker.Error{Kind: broker.KindUnauthenticated, Err: errNoJoinToken})
+		return
+	}
+	req, err := s.decodeCertificateRequest(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	resp, err := s.certs.Enroll(r.Context(), token, req)
+	if err == nil && resp == nil {
+		err = errNilAnswer
+	}
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if info := requestInfoFrom(r.Context()); info != nil {
+		info.identity = resp.Identity
+	}
+	writeJSON(w, r, http.StatusCreated, resp)
+}
+
+// renewCertificate handles POST /v1/certificates on the mutual-TLS
+// listener: the caller's verified certificate authorizes a new one for the
+// same identity. A bearer token is ignored here.
+func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request) {
+	if s.certs == nil {
+		writeError(w, r, errRouteNotFound)
+		return
+	}
+	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+		writeError(w, r, errNotAcceptable)
+		return
+	}
+	p, ok := peerFrom(r.Context())
+	if !ok {
+		writeError(w, r, errNoPeer)
+		return
+	}
+	req, err := s.decodeCertificateRequest(r)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	resp, err := s.certs.Renew(r.Context(), p.caller, req)
+	if err == nil && resp == nil {
+		err = errNilAnswer
+	}
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, r, http.StatusCreated, resp)
+}
+
+func (s *Server) decodeCertificateRequest(r *http.Request) (apiv1.CertificateRequest, error) {
+	var req apiv1.CertificateRequest
+	if err := decodeJSONBody(r, s.cfg.MaxBodyBytes, &req); err != nil {
+		return req, err
+	}
+	if fields := validateCertificateRequest(req); len(fields) > 0 {
+		return req, broker.Invalid(fields...)
+	}
+	return req, nil
+}
+
+// trustBundle handles GET /v1/trust-bundle on both listeners: JSON with
+// the fingerprints, or the bare PEM bundle for Accept:
+// application/x-pem-file (so that "curl … > ca.crt" works).
+func (s *Server) trustBundle(w http.ResponseWriter, r *http.Request) {
+	w.Header().Add("Vary", "Accept")
+	mediaType, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON, apiv1.MediaTypePEM)
+	if !ok {
+		writeError(w, r, errNotAcceptable)
+		return
+	}
+	var tb apiv1.TrustBundle
+	if s.certs != nil {
+		tb = s.certs.TrustBundle()
+	}
+	if tb.CABundle == "" {
+		writeError(w, r, broker.Errorf(broker.KindNotFound, "This broker serves no trust bundle."))
+		return
+	}
+	if tb.Fingerprints == nil {
+		tb.Fingerprints = []string{}
+	}
+	if mediaType == apiv1.MediaTypePEM {
+		h := w.Header()
+		h.Set("Content-Type", apiv1.MediaTypePEM)
+		h.Set("Content-Length", strconv.Itoa(len(tb.CABundle)))
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(tb.CABundle)) // the client has gone; nothing left to tell it
+		return
+	}
+	writeJSON(w, r, http.StatusOK, tb)
+}
+
+// bearerToken returns the token of an "Authorization: Bearer <token>"
+// header (RFC 6750): exactly one such header, the scheme in any case, a
+// token of b64token characters no longer than a join token may be.
+func bearerToken(h http.Header) (string, bool) {
+	values := h.Values("Authorization")
+	if len(values) != 1 {
+		return "", false
+	}
+	scheme, token, ok := strings.Cut(values[0], " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	token = strings.TrimLeft(token, " ")
+	if token == "" || len(token) > pki.MaxJoinTokenBytes {
+		return "", false
+	}
+	for i := 0; i < len(token); i++ {
+		c := token[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
+			c == '-' || c == '.' || c == '_' || c == '~' || c == '+' || c == '/' || c == '=') {
+			return "", false
+		}
+	}
+	return token, true
 }

@@ -404,7 +404,8 @@ func TestRouting(t *testing.T) {
 	}{
 		{name: "An unknown path is 404.", method: http.MethodGet, path: "/v2/leases", status: http.StatusNotFound, slug: "not-found"},
 		{name: "An unknown path under /v1 is 404.", method: http.MethodGet, path: "/v1/nope", status: http.StatusNotFound, slug: "not-found"},
-		{name: "The later certificates endpoint does not exist yet.", method: http.MethodPost, path: "/v1/certificates", status: http.StatusNotFound, slug: "not-found"},
+		{name: "GET on certificates is 405 allowing POST.", method: http.MethodGet, path: "/v1/certificates", status: http.StatusMethodNotAllowed, slug: "method-not-allowed", allow: "POST"},
+		{name: "DELETE on the trust bundle is 405 allowing GET.", method: http.MethodDelete, path: "/v1/trust-bundle", status: http.StatusMethodNotAllowed, slug: "method-not-allowed", allow: "GET"},
 		{name: "GET on kubeconfigs is 405 allowing POST.", method: http.MethodGet, path: "/v1/kubeconfigs", status: http.StatusMethodNotAllowed, slug: "method-not-allowed", allow: "POST"},
 		{name: "PUT on a lease is 405 allowing GET and DELETE.", method: http.MethodPut, path: "/v1/leases/" + testLeaseID, status: http.StatusMethodNotAllowed, slug: "method-not-allowed", allow: "GET, DELETE"},
 		{name: "POST on whoami is 405 allowing GET.", method: http.MethodPost, path: "/v1/whoami", status: http.StatusMethodNotAllowed, slug: "method-not-allowed", allow: "GET"},

@@ -50,6 +50,11 @@ type fakeBroker struct {
 	revoke func(ctx context.Context, c broker.Caller, id string) error
 	whoami func(c broker.Caller) (string, []apiv1.Grant)
 	ready  func(ctx context.Context) error
+	// The optional abilities, CertificateIssuer and RevocationChecker.
+	enroll      func(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
+	renew       func(ctx context.Context, c broker.Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
+	trustBundle func() apiv1.TrustBundle
+	revoked     func(identity string, serials ...string) bool
 
 	calls atomic.Int32
 
@@ -57,7 +62,14 @@ type fakeBroker struct {
 	callers []broker.Caller
 }
 
-var _ Broker = (*fakeBroker)(nil)
+var (
+	_ Broker            = (*fakeBroker)(nil)
+	_ CertificateIssuer = (*fakeBroker)(nil)
+	_ RevocationChecker = (*fakeBroker)(nil)
+)
+
+// plainBroker hides the optional abilities of the Broker it wraps.
+type plainBroker struct{ Broker }
 
 func (f *fakeBroker) record(c broker.Caller) {
 	f.calls.Add(1)
@@ -136,6 +148,50 @@ func (f *fakeBroker) WhoAmI(c broker.Caller) (string, []apiv1.Grant) {
 		Namespaces: []string{"argo"}, ServiceAccounts: []string{"admiralty-source"},
 		MaxTTL: "12h", Credential: apiv1.CredentialToken,
 	}}
+}
+
+// testCertificateResponse is what the fake broker issues.
+func testCertificateResponse(identity string) *apiv1.CertificateResponse {
+	return &apiv1.CertificateResponse{
+		Identity:     identity,
+		Certificate:  "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+		SerialNumber: "1f",
+		NotBefore:    time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC),
+		NotAfter:     time.Date(2030, 1, 3, 3, 4, 5, 0, time.UTC),
+		CABundle:     testBundlePEM,
+	}
+}
+
+const testBundlePEM = "-----BEGIN CERTIFICATE-----\nMIIC\n-----END CERTIFICATE-----\n"
+
+func (f *fakeBroker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
+	f.record(broker.Caller{})
+	if f.enroll != nil {
+		return f.enroll(ctx, token, req)
+	}
+	return testCertificateResponse(testIdentity), nil
+}
+
+func (f *fakeBroker) Renew(ctx context.Context, c broker.Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
+	f.record(c)
+	if f.renew != nil {
+		return f.renew(ctx, c, req)
+	}
+	return testCertificateResponse(c.Identity), nil
+}
+
+func (f *fakeBroker) TrustBundle() apiv1.TrustBundle {
+	if f.trustBundle != nil {
+		return f.trustBundle()
+	}
+	return apiv1.TrustBundle{CABundle: testBundlePEM, Fingerprints: []string{"sha256:" + strings.Repeat("ab", 32)}}
+}
+
+func (f *fakeBroker) Revoked(identity string, serials ...string) bool {
+	if f.revoked != nil {
+		return f.revoked(identity, serials...)
+	}
+	return false
 }
 
 func (f *fakeBroker) Ready(ctx context.Context) error {
@@ -246,6 +302,14 @@ func newHarness(t *testing.T, b *fakeBroker, opts ...harnessOption) *harness {
 	if b == nil {
 		b = &fakeBroker{}
 	}
+	h := newHarnessWith(t, b, opts...)
+	h.broker = b
+	return h
+}
+
+// newHarnessWith is newHarness for any Broker; h.broker is nil.
+func newHarnessWith(t *testing.T, b Broker, opts ...harnessOption) *harness {
+	t.Helper()
 	p := newTestPKI(t)
 	core, logs := observer.New(zapcore.DebugLevel)
 	reg := prometheus.NewRegistry()
@@ -263,7 +327,7 @@ func newHarness(t *testing.T, b *fakeBroker, opts ...harnessOption) *harness {
 	}
 	srv, err := New(cfg)
 	require.NoError(t, err)
-	return &harness{t: t, pki: p, broker: b, srv: srv, logs: logs, reg: reg}
+	return &harness{t: t, pki: p, srv: srv, logs: logs, reg: reg}
 }
 
 // request is one API call in a handler test.
@@ -280,6 +344,9 @@ type request struct {
 	noTLS bool
 	// unknownLength sends the body without a Content-Length.
 	unknownLength bool
+	// enroll sends the request to the enrollment listener's handler, with
+	// a TLS state that has no client certificate (unless tls is set).
+	enroll bool
 }
 
 func (h *harness) do(rq request) *httptest.ResponseRecorder {
@@ -308,11 +375,17 @@ func (h *harness) do(rq request) *httptest.ResponseRecorder {
 		r.TLS = nil
 	case rq.tls != nil:
 		r.TLS = rq.tls
+	case rq.enroll:
+		r.TLS = &tls.ConnectionState{Version: tls.VersionTLS13, HandshakeComplete: true}
 	default:
 		r.TLS = h.pki.verifiedState(h.pki.client.Cert)
 	}
 	rec := httptest.NewRecorder()
-	h.srv.Handler().ServeHTTP(rec, r)
+	if rq.enroll {
+		h.srv.EnrollHandler().ServeHTTP(rec, r)
+	} else {
+		h.srv.Handler().ServeHTTP(rec, r)
+	}
 	return rec
 }
 

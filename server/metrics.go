@@ -22,13 +22,13 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 	m := &httpMetrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_http_requests_total",
-			Help: "API requests answered, by route pattern, method and status code.",
-		}, []string{"route", "method", "code"}),
+			Help: "API requests answered, by listener, route pattern, method and status code.",
+		}, []string{"listener", "route", "method", "code"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "tokenbroker_http_request_duration_seconds",
-			Help:    "Time to answer an API request, by route pattern.",
+			Help:    "Time to answer an API request, by listener and route pattern.",
 			Buckets: prometheus.DefBuckets,
-		}, []string{"route"}),
+		}, []string{"listener", "route"}),
 	}
 	for _, c := range []prometheus.Collector{m.requests, m.duration} {
 		if err := reg.Register(c); err != nil {
@@ -38,9 +38,9 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 	return m, nil
 }
 
-func (m *httpMetrics) observe(route, method string, status int, d time.Duration) {
-	m.requests.WithLabelValues(route, method, strconv.Itoa(status)).Inc()
-	m.duration.WithLabelValues(route).Observe(d.Seconds())
+func (m *httpMetrics) observe(listener, route, method string, status int, d time.Duration) {
+	m.requests.WithLabelValues(listener, route, method, strconv.Itoa(status)).Inc()
+	m.duration.WithLabelValues(listener, route).Observe(d.Seconds())
 }
 
 // methodLabel bounds the method label (and log field) to the standard

@@ -2,6 +2,7 @@ package server
 
 import (
 	"crypto/rand"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net/http"
@@ -24,18 +25,23 @@ const maxRequestIDLen = 64
 // itself is logged once, with the stack, by recoverPanics.
 var errPanic = errors.New("handler panicked")
 
-// apiChain wraps the router in the API middleware, outermost first:
+// chain wraps a listener's router in the middleware, outermost first:
 // security headers, body limit, request id, access log and metrics, panic
-// recovery, authentication.
-func (s *Server) apiChain(router http.Handler) http.Handler {
-	return chi.Chain(
+// recovery and, on the mutual-TLS listener, authentication by client
+// certificate. The enrollment listener has no authentication middleware:
+// its only authenticated route checks the join token itself.
+func (s *Server) chain(listener string, router *chi.Mux) http.Handler {
+	mw := chi.Chain(
 		securityHeaders,
 		s.limitBody,
-		s.requestID,
-		s.observe,
+		s.requestID(listener),
+		s.observe(router),
 		s.recoverPanics,
-		s.authenticate,
-	).Handler(router)
+	)
+	if listener == listenerAPI {
+		mw = append(mw, s.authenticate)
+	}
+	return mw.Handler(router)
 }
 
 // securityHeaders sets headers that keep answers out of caches and stop
@@ -65,16 +71,18 @@ func (s *Server) limitBody(next http.Handler) http.Handler {
 // requestID gives the request an id, echoed as X-Request-Id. A client's id
 // is kept only if it is short and made of [A-Za-z0-9-], so it cannot inject
 // anything into logs or headers.
-func (s *Server) requestID(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		id := r.Header.Get(headerRequestID)
-		if !validRequestID(id) {
-			id = rand.Text()
-		}
-		w.Header().Set(headerRequestID, id)
-		info := &requestInfo{id: id, log: s.log.With(zap.String("request_id", id))}
-		next.ServeHTTP(w, r.WithContext(withRequestInfo(r.Context(), info)))
-	})
+func (s *Server) requestID(listener string) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			id := r.Header.Get(headerRequestID)
+			if !validRequestID(id) {
+				id = rand.Text()
+			}
+			w.Header().Set(headerRequestID, id)
+			info := &requestInfo{id: id, listener: listener, log: s.log.With(zap.String("request_id", id))}
+			next.ServeHTTP(w, r.WithContext(withRequestInfo(r.Context(), info)))
+		})
+	}
 }
 
 func validRequestID(id string) bool {
@@ -93,44 +101,47 @@ func validRequestID(id string) bool {
 // observe writes the access-log line and the metrics of a request. The
 // log line has a constant message and constant keys, and never a header
 // value or a body.
-func (s *Server) observe(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		start := s.cfg.Now()
-		info := requestInfoFrom(r.Context())
-		info.route = s.routeLabel(r)
-		ww := middleware.NewWrapResponseWriter(w, r.ProtoMajor)
+func (s *Server) observe(router *chi.Mux) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			start := s.cfg.Now()
+			info := requestInfoFrom(r.Context())
+			info.route = routeLabel(router, r)
+			ww := middleware.NewWrapResponseWriter(w, r.ProtoMajor)
 
-		next.ServeHTTP(ww, r)
+			next.ServeHTTP(ww, r)
 
-		status := ww.Status()
-		if status == 0 {
-			status = http.StatusOK // net/http's answer when a handler writes nothing
-		}
-		d := s.cfg.Now().Sub(start)
-		method := methodLabel(r.Method)
-		s.metrics.observe(info.route, method, status, d)
-		s.log.Info("request",
-			zap.String("request_id", info.id),
-			zap.String("method", method),
-			zap.String("route", info.route),
-			zap.Int("status", status),
-			zap.Int("bytes", ww.BytesWritten()),
-			zap.Duration("duration", d),
-			zap.String("identity", info.identity),
-			zap.String("remote", r.RemoteAddr),
-		)
-	})
+			status := ww.Status()
+			if status == 0 {
+				status = http.StatusOK // net/http's answer when a handler writes nothing
+			}
+			d := s.cfg.Now().Sub(start)
+			method := methodLabel(r.Method)
+			s.metrics.observe(info.listener, info.route, method, status, d)
+			s.log.Info("request",
+				zap.String("request_id", info.id),
+				zap.String("listener", info.listener),
+				zap.String("method", method),
+				zap.String("route", info.route),
+				zap.Int("status", status),
+				zap.Int("bytes", ww.BytesWritten()),
+				zap.Duration("duration", d),
+				zap.String("identity", info.identity),
+				zap.String("remote", r.RemoteAddr),
+			)
+		})
+	}
 }
 
 // routeLabel returns the chi pattern the request matches, or
 // routeUnmatched. It is computed up front because authentication may refuse
 // the request before the router runs.
-func (s *Server) routeLabel(r *http.Request) string {
+func routeLabel(router *chi.Mux, r *http.Request) string {
 	path := r.URL.RawPath
 	if path == "" {
 		path = r.URL.Path
 	}
-	if p := s.router.Find(chi.NewRouteContext(), r.Method, path); p != "" {
+	if p := router.Find(chi.NewRouteContext(), r.Method, path); p != "" {
 		return p
 	}
 	return routeUnmatched
@@ -197,8 +208,40 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, error) {
 	if err != nil {
 		return peer{}, fmt.Errorf("client certificate identity: %w", err)
 	}
+	// A keep-alive connection can also outlive the trust in its CA (removed
+	// from the bundle at the end of a CA rotation) and the certificate's
+	// good standing (revoked).
+	if s.cfg.ClientCAs != nil && !anchoredIn(st.VerifiedChains, s.cfg.ClientCAs.Certificates()) {
+		return peer{}, errors.New("client certificate's CA is no longer in the client CA bundle")
+	}
+	if s.revocations != nil {
+		serials := make([]string, 0, len(st.VerifiedChains[0]))
+		for _, c := range st.VerifiedChains[0] {
+			serials = append(serials, c.SerialNumber.Text(16))
+		}
+		if s.revocations.Revoked(id, serials...) {
+			return peer{}, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id)
+		}
+	}
 	return peer{
 		caller: broker.Caller{Identity: id, CertSHA256: pki.Fingerprint(cert)},
 		cert:   cert,
 	}, nil
+}
+
+// anchoredIn reports whether one of the verified chains ends at one of
+// anchors.
+func anchoredIn(chains [][]*x509.Certificate, anchors []*x509.Certificate) bool {
+	for _, chain := range chains {
+		if len(chain) == 0 {
+			continue
+		}
+		root := chain[len(chain)-1]
+		for _, a := range anchors {
+			if root.Equal(a) {
+				return true
+			}
+		}
+	}
+	return false
 }

@@ -42,7 +42,7 @@ func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
 
 	access := h.logs.FilterMessage("request").All()
 	require.Len(t, access, len(requests))
-	wantKeys := []string{"bytes", "duration", "identity", "method", "remote", "request_id", "route", "status"}
+	wantKeys := []string{"bytes", "duration", "identity", "listener", "method", "remote", "request_id", "route", "status"}
 	for i, e := range access {
 		ctx := e.ContextMap()
 		keys := make([]string, 0, len(ctx))
@@ -55,6 +55,7 @@ func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
 	}
 
 	first := access[0].ContextMap()
+	require.Equal(t, "api", first["listener"])
 	require.Equal(t, "POST", first["method"])
 	require.Equal(t, "/v1/kubeconfigs", first["route"])
 	require.EqualValues(t, http.StatusCreated, first["status"])
@@ -90,13 +91,13 @@ func TestMetricsAreRecordedOnTheGivenRegistry(t *testing.T) {
 	h.do(request{method: "BREW", path: "/v1/whoami"})
 
 	const want = `
-# HELP tokenbroker_http_requests_total API requests answered, by route pattern, method and status code.
+# HELP tokenbroker_http_requests_total API requests answered, by listener, route pattern, method and status code.
 # TYPE tokenbroker_http_requests_total counter
-tokenbroker_http_requests_total{code="201",method="POST",route="/v1/kubeconfigs"} 2
-tokenbroker_http_requests_total{code="401",method="GET",route="/v1/whoami"} 1
-tokenbroker_http_requests_total{code="404",method="GET",route="/v1/leases/{id}"} 1
-tokenbroker_http_requests_total{code="404",method="GET",route="unmatched"} 1
-tokenbroker_http_requests_total{code="405",method="OTHER",route="unmatched"} 1
+tokenbroker_http_requests_total{code="201",listener="api",method="POST",route="/v1/kubeconfigs"} 2
+tokenbroker_http_requests_total{code="401",listener="api",method="GET",route="/v1/whoami"} 1
+tokenbroker_http_requests_total{code="404",listener="api",method="GET",route="/v1/leases/{id}"} 1
+tokenbroker_http_requests_total{code="404",listener="api",method="GET",route="unmatched"} 1
+tokenbroker_http_requests_total{code="405",listener="api",method="OTHER",route="unmatched"} 1
 `
 	require.NoError(t, testutil.GatherAndCompare(h.reg, strings.NewReader(want), "tokenbroker_http_requests_total"))
 	require.Equal(t, 4, testutil.CollectAndCount(h.srv.metrics.duration))
@@ -106,7 +107,7 @@ tokenbroker_http_requests_total{code="405",method="OTHER",route="unmatched"} 1
 	rec := httptest.NewRecorder()
 	h.srv.OpsHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	require.Equal(t, http.StatusOK, rec.Code)
-	require.Contains(t, rec.Body.String(), `tokenbroker_http_request_duration_seconds_count{route="/v1/kubeconfigs"} 2`)
+	require.Contains(t, rec.Body.String(), `tokenbroker_http_request_duration_seconds_count{listener="api",route="/v1/kubeconfigs"} 2`)
 }
 
 func TestMetricNamesAndDurationsUseTheInjectedClock(t *testing.T) {

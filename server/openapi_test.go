@@ -93,6 +93,31 @@ func specOperations(s *oaSpec) (api, ops []string) {
 	return api, ops
 }
 
+// enrollOperations returns "METHOD /path" for every operation whose own
+// servers include one marked x-tokenbroker-listener: enroll.
+func enrollOperations(t *testing.T, s *oaSpec) []string {
+	t.Helper()
+	var out []string
+	for path, item := range s.Paths {
+		for key, op := range item {
+			m, ok := httpMethods[key]
+			if !ok {
+				continue
+			}
+			opMap, ok := op.(map[string]any)
+			require.True(t, ok, "%s %s is not an object", m, path)
+			servers, _ := opMap["servers"].([]any)
+			for _, sv := range servers {
+				if svMap, ok := sv.(map[string]any); ok && svMap["x-tokenbroker-listener"] == "enroll" {
+					out = append(out, m+" "+path)
+				}
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
 // routeTable returns "METHOD /pattern" for every route of the chi table the
 // server builds.
 func routeTable(t *testing.T, r chi.Routes) []string {
@@ -153,6 +178,14 @@ func TestOpenAPIDescribesEveryRoute(t *testing.T) {
 		}
 	})
 
+	t.Run("The enrollment listener serves exactly the operations the spec puts on it.", func(t *testing.T) {
+		t.Parallel()
+		enroll := enrollOperations(t, spec)
+		require.ElementsMatch(t, []string{"POST /v1/certificates", "GET /v1/trust-bundle"}, enroll)
+		require.Empty(t, diffSets("the enrollment route table", routeTable(t, h.srv.enrollRouter), "api/openapi.yaml (enroll)", enroll))
+		require.Equal(t, "http", spec.Components.SecuritySchemes["joinToken"].Type)
+	})
+
 	t.Run("The API requires the mutualTLS security scheme.", func(t *testing.T) {
 		t.Parallel()
 		require.Equal(t, "mutualTLS", spec.Components.SecuritySchemes["mutualTLS"].Type)
@@ -164,6 +197,7 @@ func TestOpenAPIDescribesEveryRoute(t *testing.T) {
 var wireTypes = []any{
 	apiv1.KubeconfigRequest{}, apiv1.KubeconfigResponse{}, apiv1.Lease{}, apiv1.LeaseList{},
 	apiv1.Grant{}, apiv1.WhoAmI{}, apiv1.CertificateInfo{}, apiv1.Problem{}, apiv1.FieldError{},
+	apiv1.CertificateRequest{}, apiv1.CertificateResponse{}, apiv1.TrustBundle{},
 }
 
 var timeType = reflect.TypeFor[time.Time]()

@@ -14,26 +14,34 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// Server serves the tokenbroker API over mutual TLS and the operations
+// Server serves the tokenbroker API over mutual TLS, enrollment (when
+// configured) over TLS without client certificates, and the operations
 // endpoints over plain HTTP. Make one with New and start it with Run.
 type Server struct {
-	cfg     Config
-	log     *zap.Logger
-	broker  Broker
-	metrics *httpMetrics
-	router  *chi.Mux
-	api     http.Handler
-	ops     http.Handler
+	cfg         Config
+	log         *zap.Logger
+	broker      Broker
+	certs       CertificateIssuer
+	revocations RevocationChecker
+	metrics     *httpMetrics
+	// router is the API listener's route table, enrollRouter the
+	// enrollment listener's; both are built from routeTable.
+	router       *chi.Mux
+	enrollRouter *chi.Mux
+	api          http.Handler
+	enroll       http.Handler
+	ops          http.Handler
 
 	// draining is set once Run starts shutting down, so /readyz tells load
 	// balancers to stop sending new requests while in-flight ones finish.
 	draining atomic.Bool
 
-	mu        sync.Mutex
-	started   bool
-	apiAddr   net.Addr
-	opsAddr   net.Addr
-	listening chan struct{}
+	mu         sync.Mutex
+	started    bool
+	apiAddr    net.Addr
+	enrollAddr net.Addr
+	opsAddr    net.Addr
+	listening  chan struct{}
 }
 
 // New checks cfg, fills in defaults, registers the HTTP metrics on
@@ -54,8 +62,13 @@ func New(cfg Config) (*Server, error) {
 		metrics:   m,
 		listening: make(chan struct{}),
 	}
-	s.router = s.routes()
-	s.api = s.apiChain(s.router)
+	// Optional abilities of the broker.
+	s.certs, _ = cfg.Broker.(CertificateIssuer)
+	s.revocations, _ = cfg.Broker.(RevocationChecker)
+	s.router = s.routes(listenerAPI)
+	s.enrollRouter = s.routes(listenerEnroll)
+	s.api = s.chain(listenerAPI, s.router)
+	s.enroll = s.chain(listenerEnroll, s.enrollRouter)
 	s.ops = s.opsRoutes()
 	return s, nil
 }
@@ -64,6 +77,11 @@ func New(cfg Config) (*Server, error) {
 // expects the request's TLS state to carry a verified client certificate,
 // as the mutual-TLS listener provides.
 func (s *Server) Handler() http.Handler { return s.api }
+
+// EnrollHandler returns the handler of the enrollment listener: POST
+// /v1/certificates with a join token and GET /v1/trust-bundle, nothing
+// else.
+func (s *Server) EnrollHandler() http.Handler { return s.enroll }
 
 // OpsHandler returns the handler of the operations listener: /healthz,
 // /readyz and /metrics.
@@ -77,6 +95,14 @@ func (s *Server) Addr() net.Addr {
 	return s.apiAddr
 }
 
+// EnrollAddr returns the bound address of the enrollment listener, or nil
+// before Run has bound it or when enrollment is not configured.
+func (s *Server) EnrollAddr() net.Addr {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.enrollAddr
+}
+
 // OpsAddr returns the bound address of the operations listener, or nil
 // before Run has bound it.
 func (s *Server) OpsAddr() net.Addr {
@@ -85,11 +111,20 @@ func (s *Server) OpsAddr() net.Addr {
 	return s.opsAddr
 }
 
-// Listening returns a channel that is closed once Run has bound both
-// listeners; Addr and OpsAddr are then non-nil. If binding fails the
-// channel is never closed and Run returns the error, so wait on it together
-// with Run's return (or a context that ends when Run does).
+// Listening returns a channel that is closed once Run has bound all
+// listeners; Addr, OpsAddr and (if configured) EnrollAddr are then non-nil.
+// If binding fails the channel is never closed and Run returns the error,
+// so wait on it together with Run's return (or a context that ends when Run
+// does).
 func (s *Server) Listening() <-chan struct{} { return s.listening }
+
+// serving is one listener with its http.Server.
+type serving struct {
+	name string
+	ln   net.Listener
+	srv  *http.Server
+	tls  bool
+}
 
 // Run serves until ctx is cancelled or a listener fails, then shuts down
 // gracefully: it stops accepting connections, reports not-ready, lets
@@ -104,16 +139,18 @@ func (s *Server) Run(ctx context.Context) error {
 	s.started = true
 	s.mu.Unlock()
 
-	apiLn, opsLn, err := s.listen()
+	lns, err := s.listen()
 	if err != nil {
 		return err
 	}
 	// Serve closes the listeners on shutdown; these cover a Serve that
 	// failed before taking them over.
-	defer func() { _ = apiLn.Close() }()
-	defer func() { _ = opsLn.Close() }()
+	defer lns.close()
 	s.mu.Lock()
-	s.apiAddr, s.opsAddr = apiLn.Addr(), opsLn.Addr()
+	s.apiAddr, s.opsAddr = lns.api.Addr(), lns.ops.Addr()
+	if lns.enroll != nil {
+		s.enrollAddr = lns.enroll.Addr()
+	}
 	s.mu.Unlock()
 	close(s.listening)
 
@@ -123,21 +160,35 @@ func (s *Server) Run(ctx context.Context) error {
 	baseCtx, cancelBase := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelBase()
 
-	apiSrv := s.httpServer(s.api, baseCtx, "api")
-	apiSrv.TLSConfig = s.cfg.TLSConfig
-	opsSrv := s.httpServer(s.ops, baseCtx, "ops")
+	// In shutdown order: the API listeners first, so /readyz keeps
+	// answering "shutting down" while requests drain.
+	servers := []serving{{name: listenerAPI, ln: lns.api, srv: s.httpServer(s.api, baseCtx, listenerAPI), tls: true}}
+	servers[0].srv.TLSConfig = s.cfg.TLSConfig
+	if lns.enroll != nil {
+		e := serving{name: listenerEnroll, ln: lns.enroll, srv: s.httpServer(s.enroll, baseCtx, listenerEnroll), tls: true}
+		e.srv.TLSConfig = s.cfg.EnrollTLSConfig
+		servers = append(servers, e)
+	}
+	servers = append(servers, serving{name: "ops", ln: lns.ops, srv: s.httpServer(s.ops, baseCtx, "ops")})
 
-	errc := make(chan error, 2)
-	go func() {
-		// Empty file names: the certificate comes from TLSConfig, which
-		// reloads it. ServeTLS adds the ALPN protocols.
-		errc <- serveErr("api", apiSrv.ServeTLS(apiLn, "", ""))
-	}()
-	go func() { errc <- serveErr("ops", opsSrv.Serve(opsLn)) }()
-	s.log.Info("listening", zap.Stringer("api", apiLn.Addr()), zap.Stringer("ops", opsLn.Addr()))
+	errc := make(chan error, len(servers))
+	fields := make([]zap.Field, 0, len(servers))
+	for _, sv := range servers {
+		go func() {
+			if sv.tls {
+				// Empty file names: the certificate comes from TLSConfig,
+				// which reloads it. ServeTLS adds the ALPN protocols.
+				errc <- serveErr(sv.name, sv.srv.ServeTLS(sv.ln, "", ""))
+				return
+			}
+			errc <- serveErr(sv.name, sv.srv.Serve(sv.ln))
+		}()
+		fields = append(fields, zap.Stringer(sv.name, sv.ln.Addr()))
+	}
+	s.log.Info("listening", fields...)
 
 	var errs []error
-	pending := 2
+	pending := len(servers)
 	select {
 	case <-ctx.Done():
 	case err := <-errc:
@@ -149,18 +200,16 @@ func (s *Server) Run(ctx context.Context) error {
 	s.log.Info("shutting down", zap.Duration("grace", s.cfg.ShutdownGrace))
 	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownGrace)
 	defer cancel()
-	// The API first, so /readyz keeps answering "shutting down" while
-	// requests drain.
-	if err := apiSrv.Shutdown(shutdownCtx); err != nil {
-		errs = append(errs, fmt.Errorf("shut down api listener: %w", err))
-	}
-	if err := opsSrv.Shutdown(shutdownCtx); err != nil {
-		errs = append(errs, fmt.Errorf("shut down ops listener: %w", err))
+	for _, sv := range servers {
+		if err := sv.srv.Shutdown(shutdownCtx); err != nil {
+			errs = append(errs, fmt.Errorf("shut down %s listener: %w", sv.name, err))
+		}
 	}
 	if shutdownCtx.Err() != nil {
 		cancelBase()
-		_ = apiSrv.Close() // the grace period is over; the error says no more than that
-		_ = opsSrv.Close()
+		for _, sv := range servers {
+			_ = sv.srv.Close() // the grace period is over; the error says no more than that
+		}
 	}
 	for ; pending > 0; pending-- {
 		errs = append(errs, <-errc)
@@ -168,31 +217,49 @@ func (s *Server) Run(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// listeners are the sockets Run serves; enroll is nil when enrollment is
+// not configured.
+type listeners struct {
+	api, enroll, ops net.Listener
+}
+
+func (l listeners) close() {
+	for _, ln := range []net.Listener{l.api, l.enroll, l.ops} {
+		if ln != nil {
+			_ = ln.Close()
+		}
+	}
+}
+
 // listen returns the configured listeners or opens them. On failure nothing
 // stays open.
-func (s *Server) listen() (api, ops net.Listener, err error) {
-	api, ops = s.cfg.Listener, s.cfg.OpsListener
-	closeAll := func() {
-		if api != nil {
-			_ = api.Close()
+func (s *Server) listen() (lns listeners, err error) {
+	lns = listeners{api: s.cfg.Listener, enroll: s.cfg.EnrollListener, ops: s.cfg.OpsListener}
+	open := func(ln *net.Listener, name, addr string) error {
+		if *ln != nil || addr == "" {
+			return nil
 		}
-		if ops != nil {
-			_ = ops.Close()
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return fmt.Errorf("listen on %s address %q: %w", name, addr, err)
+		}
+		*ln = l
+		return nil
+	}
+	for _, o := range []struct {
+		ln         *net.Listener
+		name, addr string
+	}{
+		{&lns.api, listenerAPI, s.cfg.Addr},
+		{&lns.enroll, listenerEnroll, s.cfg.EnrollAddr},
+		{&lns.ops, "ops", s.cfg.OpsAddr},
+	} {
+		if err := open(o.ln, o.name, o.addr); err != nil {
+			lns.close()
+			return listeners{}, err
 		}
 	}
-	if api == nil {
-		if api, err = net.Listen("tcp", s.cfg.Addr); err != nil {
-			closeAll()
-			return nil, nil, fmt.Errorf("listen on api address %q: %w", s.cfg.Addr, err)
-		}
-	}
-	if ops == nil {
-		if ops, err = net.Listen("tcp", s.cfg.OpsAddr); err != nil {
-			closeAll()
-			return nil, nil, fmt.Errorf("listen on ops address %q: %w", s.cfg.OpsAddr, err)
-		}
-	}
-	return api, ops, nil
+	return lns, nil
 }
 
 func (s *Server) httpServer(h http.Handler, base context.Context, name string) *http.Server {

@@ -8,6 +8,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Bounds on a KubeconfigRequest. The policy decides the real TTL; these only
@@ -94,4 +95,17 @@ func validateDuration(field, s string, add func(field, detail string)) (time.Dur
 		return 0, false
 	}
 	return d, true
+}
+
+// validateCertificateRequest checks the syntax of a certificate request:
+// a CSR is required and bounded. Parsing it, and whether its identity is
+// the caller's, are the broker's.
+func validateCertificateRequest(req apiv1.CertificateRequest) []apiv1.FieldError {
+	switch {
+	case strings.TrimSpace(req.CSR) == "":
+		return []apiv1.FieldError{{Field: "csr", Detail: "is required"}}
+	case len(req.CSR) > pki.MaxCSRPEMSize:
+		return []apiv1.FieldError{{Field: "csr", Detail: fmt.Sprintf("must be at most %d bytes", pki.MaxCSRPEMSize)}}
+	}
+	return nil
 }

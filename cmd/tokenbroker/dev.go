@@ -134,6 +134,10 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 		TLSKeyFile:    files.serverKey,
 		ClientCAFile:  files.caCert,
 		PolicyFile:    policyFile,
+		// The local cluster's default namespace always exists; the
+		// revocation ConfigMap is looked for there.
+		Namespace:     metav1.NamespaceDefault,
+		ClientCertTTL: pki.DefaultClientLifetime,
 		Kubeconfig:    cfg.Kubeconfig,
 		KubeQPS:       200,
 		KubeBurst:     400,

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -25,11 +28,16 @@ import (
 // serveConfig is the typed configuration of "tokenbroker serve".
 type serveConfig struct {
 	ListenAddress string
+	EnrollAddress string
 	OpsAddress    string
 	TLSCertFile   string
 	TLSKeyFile    string
 	ClientCAFile  string
+	CACertFile    string
+	CAKeyFile     string
+	ClientCertTTL time.Duration
 	PolicyFile    string
+	Namespace     string
 	Kubeconfig    string
 	KubeQPS       float32
 	KubeBurst     int
@@ -38,6 +46,10 @@ type serveConfig struct {
 	Credentials   []string
 	Log           logConfig
 }
+
+// defaultNamespace is the broker's namespace when neither --namespace nor
+// POD_NAMESPACE (the downward API) says otherwise.
+const defaultNamespace = "tokenbroker"
 
 func newServeCommand() *cobra.Command {
 	cmd := &cobra.Command{
@@ -49,10 +61,26 @@ Peers call the API on --listen-address over mutual TLS (TLS 1.3, client
 certificate required, identity from its spiffe:// URI SAN). /healthz, /readyz
 and /metrics are served on --ops-address without TLS, for probes and scraping.
 
+With --ca-cert-file and --ca-key-file the broker also issues client
+certificates: renewal on the mTLS listener (POST /v1/certificates with the
+current certificate) and, if --enroll-address is set, enrollment of new
+clusters with a single-use join token on a second TLS listener that asks for
+no client certificate and serves only POST /v1/certificates and
+GET /v1/trust-bundle. Used join tokens and the revocation deny list
+(ConfigMap tokenbroker-revocations) live in --namespace.
+
+The server certificate and key, the client CA bundle and the policy file are
+reloaded when they change; a bad new file is refused and the old one kept.
+
 Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
 (upper case, dashes as underscores) or as a key in the --config YAML file.`,
 		Example: `  tokenbroker serve --tls-cert-file tls.crt --tls-key-file tls.key \
-    --client-ca-file ca.crt --policy-file policy.yaml`,
+    --client-ca-file ca.crt --policy-file policy.yaml
+
+  # with enrollment and renewal
+  tokenbroker serve --tls-cert-file tls.crt --tls-key-file tls.key \
+    --client-ca-file bundle.crt --policy-file policy.yaml \
+    --ca-cert-file ca.crt --ca-key-file ca.key --enroll-address :8444`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			v, err := newViper(cmd)
@@ -80,11 +108,16 @@ Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
 func addServeFlags(cmd *cobra.Command) {
 	fs := cmd.Flags()
 	fs.String("listen-address", ":8443", "address of the mutual-TLS API listener")
+	fs.String("enroll-address", "", "address of the enrollment listener (join tokens, no client certificate); empty disables it; needs --ca-cert-file")
 	fs.String("ops-address", ":9090", "address of the operations listener (/healthz, /readyz, /metrics)")
 	fs.String("tls-cert-file", "", "server certificate (PEM); reloaded when it changes")
 	fs.String("tls-key-file", "", "server private key (PEM); reloaded when it changes")
-	fs.String("client-ca-file", "", "CA bundle that verifies peer client certificates")
-	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants")
+	fs.String("client-ca-file", "", "CA bundle that verifies peer client certificates, served as the trust bundle; reloaded when it changes")
+	fs.String("ca-cert-file", "", "certificate (chain) of the CA that signs enrolled and renewed client certificates and join tokens; empty disables both")
+	fs.String("ca-key-file", "", "private key of that CA (PEM)")
+	fs.Duration("client-cert-ttl", pki.DefaultClientLifetime, "lifetime of issued client certificates unless the policy sets peers[].certificateTTL")
+	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants; reloaded when it changes")
+	fs.String("namespace", "", "the broker's own namespace (used join tokens, revocation ConfigMap); default $POD_NAMESPACE, else "+defaultNamespace)
 	fs.String("kubeconfig", "", "kubeconfig of the broker's own identity; empty means in-cluster")
 	fs.Float32("kube-qps", 200, "client-side rate limit for the broker's Kubernetes client (requests per second)")
 	fs.Int("kube-burst", 400, "client-side burst for the broker's Kubernetes client")
@@ -96,11 +129,16 @@ func addServeFlags(cmd *cobra.Command) {
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{
 		ListenAddress: v.GetString("listen-address"),
+		EnrollAddress: v.GetString("enroll-address"),
 		OpsAddress:    v.GetString("ops-address"),
 		TLSCertFile:   v.GetString("tls-cert-file"),
 		TLSKeyFile:    v.GetString("tls-key-file"),
 		ClientCAFile:  v.GetString("client-ca-file"),
+		CACertFile:    v.GetString("ca-cert-file"),
+		CAKeyFile:     v.GetString("ca-key-file"),
+		ClientCertTTL: v.GetDuration("client-cert-ttl"),
 		PolicyFile:    v.GetString("policy-file"),
+		Namespace:     namespaceOrDefault(v.GetString("namespace")),
 		Kubeconfig:    v.GetString("kubeconfig"),
 		KubeQPS:       float32(v.GetFloat64("kube-qps")),
 		KubeBurst:     v.GetInt("kube-burst"),
@@ -127,7 +165,31 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	if cfg.MaxBodyBytes <= 0 {
 		errs = append(errs, errors.New("--max-body-bytes must be positive"))
 	}
+	if (cfg.CACertFile == "") != (cfg.CAKeyFile == "") {
+		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
+	}
+	if cfg.EnrollAddress != "" && cfg.CACertFile == "" {
+		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
+	}
+	if cfg.ClientCertTTL < broker.MinCertificateTTL || cfg.ClientCertTTL > broker.MaxCertificateTTL {
+		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
+	}
+	if msgs := validation.IsDNS1123Label(cfg.Namespace); len(msgs) > 0 {
+		errs = append(errs, fmt.Errorf("--namespace %q: %s", cfg.Namespace, strings.Join(msgs, "; ")))
+	}
 	return cfg, errors.Join(errs...)
+}
+
+// namespaceOrDefault returns ns, else $POD_NAMESPACE, else
+// defaultNamespace.
+func namespaceOrDefault(ns string) string {
+	if ns != "" {
+		return ns
+	}
+	if ns := os.Getenv("POD_NAMESPACE"); ns != "" {
+		return ns
+	}
+	return defaultNamespace
 }
 
 // kubeRESTConfig loads the broker's own Kubernetes credentials and lifts
@@ -150,7 +212,7 @@ func kubeRESTConfig(kubeconfig string, qps float32, burst int) (*rest.Config, er
 }
 
 // runServe is the composition root of the broker. ready, if not nil, is
-// called once both listeners accept connections.
+// called once all listeners accept connections.
 func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(api, ops string)) error {
 	policy, err := broker.LoadPolicyFile(cfg.PolicyFile)
 	if err != nil {
@@ -183,58 +245,95 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 		}
 	}
 
+	certs, err := pki.NewCertReloader(cfg.TLSCertFile, cfg.TLSKeyFile,
+		pki.WithReloadCallback(reloadReporter(log, metrics, broker.ConfigServerCertificate, cfg.TLSCertFile)))
+	if err != nil {
+		return fmt.Errorf("load server certificate: %w", err)
+	}
+	clientCAs, err := pki.NewPoolReloader(cfg.ClientCAFile,
+		pki.WithReloadCallback(reloadReporter(log, metrics, broker.ConfigClientCA, cfg.ClientCAFile)))
+	if err != nil {
+		return fmt.Errorf("load client CA bundle: %w", err)
+	}
+	// A nil *pki.CA must not become a non-nil interface.
+	var ca broker.CertificateAuthority
+	if cfg.CACertFile != "" {
+		c, err := pki.LoadCA(cfg.CACertFile, cfg.CAKeyFile)
+		if err != nil {
+			return fmt.Errorf("load signing CA: %w", err)
+		}
+		ca = c
+		log.Info("issuing client certificates",
+			zap.String("ca", pki.Fingerprint(c.Certificate())),
+			zap.Duration("default_ttl", cfg.ClientCertTTL))
+	}
+
+	store := broker.NewPolicyStore(policy)
+	revocations := broker.NewRevocationList(client.CoreV1(), cfg.Namespace, log.Named("revocations"), metrics)
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		Issuers:        iss,
-		Policy:         broker.NewPolicyStore(policy),
+		Policy:         store,
 		Logger:         log.Named("broker"),
 		Metrics:        metrics,
 		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
+		Namespace:      cfg.Namespace,
+		CA:             ca,
+		Trust:          clientCAs,
+		CertificateTTL: cfg.ClientCertTTL,
+		Revocations:    revocations,
 	})
 	if err != nil {
 		return err
 	}
 
-	certs, err := pki.NewCertReloader(cfg.TLSCertFile, cfg.TLSKeyFile, pki.WithReloadCallback(func(err error) {
-		if err != nil {
-			log.Error("server certificate reload failed; keeping the previous one", zap.Error(err))
-		} else {
-			log.Info("server certificate reloaded")
-		}
-	}))
-	if err != nil {
-		return fmt.Errorf("load server certificate: %w", err)
-	}
-	clientCAs, err := pki.LoadCertPool(cfg.ClientCAFile)
-	if err != nil {
-		return fmt.Errorf("load client CA bundle: %w", err)
-	}
-
-	srv, err := server.New(server.Config{
+	scfg := server.Config{
 		Addr:         cfg.ListenAddress,
 		OpsAddr:      cfg.OpsAddress,
-		TLSConfig:    pki.ServerTLSConfig(certs, clientCAs),
+		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
+		ClientCAs:    clientCAs,
 		MaxBodyBytes: cfg.MaxBodyBytes,
 		Logger:       log.Named("http"),
 		Registerer:   reg,
 		Gatherer:     reg,
 		Broker:       b,
-	})
+	}
+	if cfg.EnrollAddress != "" {
+		scfg.EnrollAddr = cfg.EnrollAddress
+		scfg.EnrollTLSConfig = pki.EnrollmentTLSConfig(certs)
+	}
+	srv, err := server.New(scfg)
 	if err != nil {
 		return err
 	}
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	go revocations.Run(ctx)
+	go broker.NewPolicyWatcher(cfg.PolicyFile, store, log.Named("policy"), metrics, 0).Run(ctx)
 	go b.RunGC(ctx, cfg.GCInterval)
+	// Until the deny list is read every caller is refused (fail closed);
+	// wait for it a little so that a healthy start serves at once.
+	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
+	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
+		log.Warn("revocation list not read yet; every caller is refused until it is",
+			zap.String("namespace", cfg.Namespace), zap.Error(err))
+	}
+	cancelSync()
 	go func() {
 		select {
 		case <-srv.Listening():
-			log.Info("broker listening",
+			fields := []zap.Field{
 				zap.String("api", srv.Addr().String()),
 				zap.String("ops", srv.OpsAddr().String()),
 				zap.String("cluster", policy.Cluster.Name),
-				zap.Int("peers", len(policy.Peers)))
+				zap.Int("peers", len(policy.Peers)),
+				zap.String("namespace", cfg.Namespace),
+			}
+			if a := srv.EnrollAddr(); a != nil {
+				fields = append(fields, zap.String("enroll", a.String()))
+			}
+			log.Info("broker listening", fields...)
 			if ready != nil {
 				ready(srv.Addr().String(), srv.OpsAddr().String())
 			}
@@ -242,4 +341,20 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// revocationSyncWait bounds how long serve waits for the first read of the
+// revocation list before it starts listening anyway.
+const revocationSyncWait = 10 * time.Second
+
+// reloadReporter logs and counts the reloads of one configuration file.
+func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) func(error) {
+	return func(err error) {
+		m.ObserveReload(config, err)
+		if err != nil {
+			log.Error("reload refused; keeping the previous one", zap.String("config", config), zap.String("file", file), zap.Error(err))
+			return
+		}
+		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
+	}
 }

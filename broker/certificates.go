@@ -1,0 +1,348 @@
+package broker
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// CertificateAuthority signs client certificates for enrolled and renewing
+// clusters; *pki.CA is the implementation.
+type CertificateAuthority interface {
+	// SignClient issues a client certificate for identity with the CSR's
+	// public key. Errors wrapping pki.ErrInvalidCSR are the caller's fault;
+	// none is retryable.
+	SignClient(csr *x509.CertificateRequest, identity string, lifetime time.Duration) (*pki.KeyPair, error)
+	// Certificate is the signing CA's certificate; its key signs join
+	// tokens.
+	Certificate() *x509.Certificate
+}
+
+// TrustSource is the CA bundle in force, which peers use to verify brokers
+// and each other; *pki.PoolReloader (the client-CA bundle, which follows
+// its file) is the implementation.
+type TrustSource interface {
+	// PEM is the bundle as served by GET /v1/trust-bundle.
+	PEM() []byte
+	// Certificates are the bundle's certificates, in the same order.
+	Certificates() []*x509.Certificate
+}
+
+// JoinTokenVerifier checks a join token's signature and claims (not its
+// single use, which the broker records); *pki.JoinTokenVerifier is the
+// implementation.
+type JoinTokenVerifier interface {
+	Verify(token string) (pki.JoinTokenClaims, error)
+}
+
+var (
+	_ CertificateAuthority = (*pki.CA)(nil)
+	_ TrustSource          = (*pki.PoolReloader)(nil)
+	_ JoinTokenVerifier    = (*pki.JoinTokenVerifier)(nil)
+)
+
+// The record of a used join token: a Secret with no data in the broker's
+// namespace, named after the token's jti, so that creating it is the
+// atomic "first use wins" that every replica agrees on.
+const (
+	UsedJoinTokenKind          = "used-join-token"
+	SecretTypeUsedJoinToken    = corev1.SecretType("tokenbroker.io/used-join-token")
+	AnnotationJoinTokenID      = "tokenbroker.io/jti"
+	usedJoinTokenPrefix        = "tokenbroker-jti-"
+	usedJoinTokenNameHexDigits = 40
+	// usedJoinTokenMargin keeps a record past its token's exp, so that the
+	// GC never deletes it while the verifier's leeway (and clock skew
+	// between replicas) could still accept the token.
+	usedJoinTokenMargin = 10 * time.Minute
+	// usedJoinTokenFallbackRetention is how long the GC keeps a record
+	// whose expiry annotation cannot be read: beyond the longest join token.
+	usedJoinTokenFallbackRetention = pki.MaxJoinTokenTTL + usedJoinTokenMargin
+	// caExpirySlack keeps a shortened certificate's NotAfter clear of the
+	// CA's, whatever the clocks of broker and CA say.
+	caExpirySlack = time.Minute
+)
+
+// Operations and outcomes of tokenbroker_certificate_requests_total.
+const (
+	opEnroll = "enroll"
+	opRenew  = "renew"
+
+	certIssued          = "issued"
+	certUnauthenticated = "unauthenticated"
+	certInvalid         = "invalid"
+	certDenied          = "denied"
+	certUnavailable     = "unavailable"
+	certDisabled        = "disabled"
+	certError           = "error"
+)
+
+// errJoinToken is every enrollment authentication failure as the caller
+// sees it: bad, expired, reused or revoked, all the same.
+func errJoinToken(cause error) error {
+	return Wrap(KindUnauthenticated, "invalid join token", cause)
+}
+
+// errCertificatesDisabled answers enrollment and renewal on a broker that
+// has no signing CA.
+var errCertificatesDisabled = Errorf(KindNotFound, "this broker does not issue certificates")
+
+// errIdentityMismatch is the refusal of a CSR for another identity than the
+// one the join token or the client certificate vouches for.
+var errIdentityMismatch = Errorf(KindForbidden, "the CSR's identity is not the authenticated identity")
+
+// UsedJoinTokenSecretName returns the name of the record of a used join
+// token: a hash of the jti, so that the name is always valid whatever the
+// jti looks like.
+func UsedJoinTokenSecretName(jti string) string {
+	sum := sha256.Sum256([]byte(jti))
+	return usedJoinTokenPrefix + hex.EncodeToString(sum[:])[:usedJoinTokenNameHexDigits]
+}
+
+// Enroll issues a new cluster's first client certificate. token is the
+// join token the caller presented as its bearer token; it authorizes one
+// certificate for its subject, once.
+//
+// Every problem with the token (malformed, badly signed, expired, wrong
+// issuer or audience, already used, or for a revoked identity) is the same
+// KindUnauthenticated error, so that a caller learns nothing about why.
+// Then a CSR that does not parse is KindInvalid with a field error on
+// "csr", and a CSR for another identity than the token's subject is
+// KindForbidden; neither uses the token up. The token's jti is then
+// recorded in the Kubernetes API with a create that fails if the record
+// exists, before anything is signed, so that of two replicas given the
+// same token only one issues a certificate. KindUnavailable (API server
+// unreachable, token not used up) is retryable.
+func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
+	resp, outcome, err := b.enroll(ctx, token, req)
+	b.cfg.Metrics.observeCertificate(opEnroll, outcome)
+	return resp, err
+}
+
+func (b *Broker) enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, string, error) {
+	if b.cfg.CA == nil {
+		return nil, certDisabled, errCertificatesDisabled
+	}
+	log := b.cfg.Logger.With(zap.String("operation", opEnroll))
+	claims, err := b.joinTokens.Verify(token)
+	if err != nil {
+		log.Info("enrollment refused", zap.String("reason", "join token not valid"), zap.Error(err))
+		return nil, certUnauthenticated, errJoinToken(err)
+	}
+	log = log.With(zap.String("identity", claims.Identity), zap.String("jti", claims.ID))
+	if b.revoked(claims.Identity) {
+		log.Info("enrollment refused", zap.String("reason", "identity revoked"))
+		return nil, certUnauthenticated, errJoinToken(errors.New("identity is revoked"))
+	}
+	csr, err := parseCSR(req.CSR, claims.Identity)
+	if err != nil {
+		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
+		return nil, outcomeOfCert(err), err
+	}
+	if err := b.recordJoinToken(ctx, claims); err != nil {
+		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
+		return nil, outcomeOfCert(err), err
+	}
+	resp, err := b.sign(csr, claims.Identity, log)
+	if err != nil {
+		// The token is used up: a CA that cannot sign is an operator
+		// problem, and a second chance would need a second record.
+		log.Error("enrollment failed after the join token was used", zap.Error(err))
+		return nil, outcomeOfCert(err), err
+	}
+	log.Info("certificate enrolled",
+		zap.String("serial", resp.SerialNumber),
+		zap.Time("not_after", resp.NotAfter))
+	return resp, certIssued, nil
+}
+
+// Renew issues a new certificate to a caller authenticated by its current,
+// verified and unrevoked client certificate, for the same identity and a
+// new key if the caller wants one. A CSR for another identity is
+// KindForbidden; a CSR that does not parse is KindInvalid.
+func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
+	resp, outcome, err := b.renew(c, req)
+	b.cfg.Metrics.observeCertificate(opRenew, outcome)
+	return resp, err
+}
+
+func (b *Broker) renew(c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, string, error) {
+	if b.cfg.CA == nil {
+		return nil, certDisabled, errCertificatesDisabled
+	}
+	log := b.cfg.Logger.With(zap.String("operation", opRenew), zap.String("identity", c.Identity),
+		zap.String("client_cert_sha256", c.CertSHA256))
+	// The transport checked the certificate's serial and identity against
+	// the deny list; the identity is checked again here so that Renew is
+	// safe whoever calls it.
+	if b.revoked(c.Identity) {
+		log.Info("renewal refused", zap.String("reason", "identity revoked"))
+		return nil, certUnauthenticated, Wrap(KindUnauthenticated, "", errors.New("identity is revoked"))
+	}
+	csr, err := parseCSR(req.CSR, c.Identity)
+	if err != nil {
+		log.Info("renewal refused", zap.String("reason", errDetail(err)), zap.Error(err))
+		return nil, outcomeOfCert(err), err
+	}
+	resp, err := b.sign(csr, c.Identity, log)
+	if err != nil {
+		log.Error("renewal failed", zap.Error(err))
+		return nil, outcomeOfCert(err), err
+	}
+	log.Info("certificate renewed",
+		zap.String("serial", resp.SerialNumber),
+		zap.Time("not_after", resp.NotAfter))
+	return resp, certIssued, nil
+}
+
+// TrustBundle returns the CA bundle in force and the fingerprints of its
+// certificates; both are empty when the broker has no TrustSource.
+func (b *Broker) TrustBundle() apiv1.TrustBundle {
+	out := apiv1.TrustBundle{Fingerprints: []string{}}
+	if b.cfg.Trust == nil {
+		return out
+	}
+	out.CABundle = string(b.cfg.Trust.PEM())
+	for _, c := range b.cfg.Trust.Certificates() {
+		out.Fingerprints = append(out.Fingerprints, pki.Fingerprint(c))
+	}
+	return out
+}
+
+// Revoked reports whether a caller's identity or one of its certificate
+// serials (hexadecimal, see NormalizeSerial) is on the deny list; false
+// when the broker has no RevocationList.
+func (b *Broker) Revoked(identity string, serials ...string) bool {
+	if b.cfg.Revocations == nil {
+		return false
+	}
+	return b.cfg.Revocations.Revoked(identity, serials...)
+}
+
+func (b *Broker) revoked(identity string) bool { return b.Revoked(identity) }
+
+// parseCSR parses the CSR and checks that it asks for identity.
+func parseCSR(csrPEM, identity string) (*x509.CertificateRequest, error) {
+	csr, csrIdentity, err := pki.ParseCSRPEM([]byte(csrPEM))
+	if err != nil {
+		return nil, &Error{
+			Kind:   KindInvalid,
+			Detail: "the request is invalid",
+			Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}},
+			Err:    err,
+		}
+	}
+	if csrIdentity != identity {
+		return nil, &Error{Kind: KindForbidden, Detail: errIdentityMismatch.Detail,
+			Err: fmt.Errorf("CSR identity %q, authenticated identity %q", csrIdentity, identity)}
+	}
+	return csr, nil
+}
+
+// csrProblem is the caller-facing description of a refused CSR: pki's
+// messages describe the CSR and hold nothing secret, but are bounded here
+// all the same.
+func csrProblem(err error) string {
+	const maxLen = 300
+	msg := err.Error()
+	if len(msg) > maxLen {
+		msg = msg[:maxLen] + "…"
+	}
+	return "must be one PEM CERTIFICATE REQUEST with the cluster identity as its only URI SAN: " + msg
+}
+
+// recordJoinToken creates the used-token record, failing with the
+// uniform KindUnauthenticated error if it exists already.
+func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims) error {
+	s := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      UsedJoinTokenSecretName(claims.ID),
+			Namespace: b.cfg.Namespace,
+			Labels: map[string]string{
+				LabelManagedBy: ManagedByValue,
+				LabelKind:      UsedJoinTokenKind,
+			},
+			Annotations: map[string]string{
+				AnnotationExpiresAt:   claims.ExpiresAt.Add(usedJoinTokenMargin).UTC().Format(time.RFC3339),
+				AnnotationIdentity:    claims.Identity,
+				AnnotationJoinTokenID: claims.ID,
+			},
+		},
+		Type: SecretTypeUsedJoinToken,
+	}
+	t0 := time.Now()
+	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})
+	b.cfg.Metrics.observeAPI("create_used_join_token", time.Since(t0))
+	switch {
+	case err == nil:
+		return nil
+	case apierrors.IsAlreadyExists(err):
+		return errJoinToken(fmt.Errorf("join token already used (record %s/%s exists)", b.cfg.Namespace, s.Name))
+	case apierrors.IsNotFound(err):
+		// The broker's own namespace is missing: an operator problem.
+		return Wrap(KindInternal, "", fmt.Errorf("record used join token in namespace %q: %w", b.cfg.Namespace, err))
+	}
+	return classify(err, "record used join token", "namespace not found")
+}
+
+// sign issues the certificate for identity with the peer's lifetime,
+// shortened (and logged) when the CA expires sooner: near the end of a CA's
+// life clusters get shorter certificates rather than none.
+func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Logger) (*apiv1.CertificateResponse, error) {
+	ttl := b.cfg.CertificateTTL
+	if p := b.cfg.Policy.Load(); p != nil {
+		ttl = p.CertificateTTL(identity, ttl)
+	}
+	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Now()) - caExpirySlack; ttl > left && left >= MinCertificateTTL {
+		log.Warn("certificate lifetime shortened: the signing CA expires sooner; rotate the CA",
+			zap.Duration("ttl", ttl), zap.Duration("granted", left.Truncate(time.Second)),
+			zap.Time("ca_not_after", b.cfg.CA.Certificate().NotAfter))
+		ttl = left.Truncate(time.Second)
+	}
+	t0 := time.Now()
+	kp, err := b.cfg.CA.SignClient(csr, identity, ttl)
+	b.cfg.Metrics.observeAPI("sign_client_certificate", time.Since(t0))
+	if err != nil {
+		if errors.Is(err, pki.ErrInvalidCSR) {
+			return nil, &Error{Kind: KindInvalid, Detail: "the request is invalid",
+				Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}}, Err: err}
+		}
+		return nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
+	}
+	resp := &apiv1.CertificateResponse{
+		Identity:     identity,
+		Certificate:  string(kp.CertPEM),
+		SerialNumber: kp.Cert.SerialNumber.Text(16),
+		NotBefore:    kp.Cert.NotBefore.UTC(),
+		NotAfter:     kp.Cert.NotAfter.UTC(),
+	}
+	if b.cfg.Trust != nil {
+		resp.CABundle = string(b.cfg.Trust.PEM())
+	}
+	return resp, nil
+}
+
+func outcomeOfCert(err error) string {
+	switch KindOf(err) {
+	case KindUnauthenticated:
+		return certUnauthenticated
+	case KindInvalid:
+		return certInvalid
+	case KindForbidden:
+		return certDenied
+	case KindUnavailable:
+		return certUnavailable
+	}
+	return certError
+}

@@ -1,0 +1,377 @@
+package broker
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+const (
+	westID   = "spiffe://oc.example/cluster/west"
+	northID  = "spiffe://oc.example/cluster/north"
+	brokerNS = "tokenbroker"
+)
+
+// staticTrust is a TrustSource over one CA.
+type staticTrust struct{ ca *pki.CA }
+
+func (s staticTrust) PEM() []byte { return s.ca.BundlePEM() }
+func (s staticTrust) Certificates() []*x509.Certificate {
+	return []*x509.Certificate{s.ca.Certificate()}
+}
+
+// certEnv is a broker that issues certificates, over a fake clientset:
+// the pure logic of enrollment and renewal. That two replicas agree on a
+// used token through the real API server is in test/integration.
+type certEnv struct {
+	b       *Broker
+	ca      *pki.CA
+	client  *fake.Clientset
+	logs    *observer.ObservedLogs
+	revoked *DenyList
+}
+
+func newCertEnv(t *testing.T, policy string, deny ...RevocationEntry) *certEnv {
+	t.Helper()
+	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker test CA", Lifetime: 365 * 24 * time.Hour})
+	require.NoError(t, err)
+	core, logs := observer.New(zap.DebugLevel)
+	client := fake.NewClientset()
+	d := NewDenyList(deny)
+	b, err := New(Config{
+		Secrets:     client.CoreV1(),
+		Policy:      NewPolicyStore(mustPolicy(t, policy)),
+		Logger:      zap.New(core),
+		Namespace:   brokerNS,
+		CA:          ca,
+		Trust:       staticTrust{ca},
+		Revocations: StaticRevocationList(d),
+	})
+	require.NoError(t, err)
+	return &certEnv{b: b, ca: ca, client: client, logs: logs, revoked: d}
+}
+
+func (e *certEnv) joinToken(t *testing.T, identity string, opts ...func(*pki.JoinTokenOptions)) (string, pki.JoinTokenClaims) {
+	t.Helper()
+	o := pki.JoinTokenOptions{Identity: identity}
+	for _, f := range opts {
+		f(&o)
+	}
+	tok, claims, err := e.ca.IssueJoinToken(o)
+	require.NoError(t, err)
+	return tok, claims
+}
+
+func newCSR(t *testing.T, identity string) string {
+	t.Helper()
+	csr, _, err := pki.NewCSR(identity, nil)
+	require.NoError(t, err)
+	return string(csr)
+}
+
+func requireUniformUnauthenticated(t *testing.T, err error) {
+	t.Helper()
+	require.Equal(t, KindUnauthenticated, KindOf(err), "%v", err)
+	var be *Error
+	require.ErrorAs(t, err, &be)
+	require.Equal(t, "invalid join token", be.Detail)
+	require.Empty(t, be.Fields)
+}
+
+func TestEnrollmentIssuesACertificateForTheTokensIdentity(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	tok, claims := e.joinToken(t, westID)
+	before := time.Now()
+	resp, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+
+	require.Equal(t, westID, resp.Identity)
+	certs, err := pki.ParseCertificatesPEM([]byte(resp.Certificate))
+	require.NoError(t, err)
+	leaf := certs[0]
+	id, err := pki.IdentityFromCert(leaf)
+	require.NoError(t, err)
+	require.Equal(t, westID, id)
+	require.Equal(t, leaf.SerialNumber.Text(16), resp.SerialNumber)
+	require.WithinDuration(t, before.Add(pki.DefaultClientLifetime), resp.NotAfter, time.Minute)
+	require.Equal(t, string(e.ca.BundlePEM()), resp.CABundle)
+	_, err = leaf.Verify(x509.VerifyOptions{Roots: e.ca.CertPool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err)
+
+	// The jti is recorded in the broker's namespace, as a kind of its own.
+	s, err := e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, SecretTypeUsedJoinToken, s.Type)
+	require.Equal(t, UsedJoinTokenKind, s.Labels[LabelKind])
+	require.Equal(t, ManagedByValue, s.Labels[LabelManagedBy])
+	require.Equal(t, claims.ID, s.Annotations[AnnotationJoinTokenID])
+	require.Equal(t, westID, s.Annotations[AnnotationIdentity])
+	exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+	require.NoError(t, err)
+	require.False(t, exp.Before(claims.ExpiresAt), "the record outlives the token")
+	require.Len(t, strings.TrimPrefix(s.Name, "tokenbroker-jti-"), 40)
+	require.Empty(t, s.Data)
+
+	// The log names the jti and the identity, never the token or the CSR.
+	require.Equal(t, 1, e.logs.FilterMessage("certificate enrolled").FilterField(zap.String("jti", claims.ID)).Len())
+	sig := tok[strings.LastIndex(tok, ".")+1:]
+	for _, entry := range e.logs.All() {
+		for k, v := range entry.ContextMap() {
+			s, _ := v.(string)
+			require.NotContains(t, s, sig, "field %s holds the token", k)
+			require.NotContains(t, s, "CERTIFICATE REQUEST", "field %s holds the CSR", k)
+		}
+	}
+}
+
+func TestEveryJoinTokenFailureIsTheSameUnauthenticatedError(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy, RevocationEntry{Kind: RevokeIdentity, Value: northID})
+	other, err := pki.NewCA(pki.CAOptions{CommonName: "someone else's CA"})
+	require.NoError(t, err)
+	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: westID})
+	require.NoError(t, err)
+	expired, _ := e.joinToken(t, westID, func(o *pki.JoinTokenOptions) {
+		o.Now = func() time.Time { return time.Now().Add(-time.Hour) }
+		o.TTL = 10 * time.Minute
+	})
+	used, _ := e.joinToken(t, westID)
+	_, err = e.b.Enroll(context.Background(), used, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+	revoked, _ := e.joinToken(t, northID)
+	good, _ := e.joinToken(t, westID)
+	parts := strings.Split(good, ".")
+	tampered := parts[0] + "." + parts[1] + "." + strings.Repeat("A", len(parts[2]))
+
+	tests := []struct{ name, token, identity string }{
+		{"an empty token", "", westID},
+		{"a token that is not a JWT", "not-a-jwt", westID},
+		{"a token signed by another CA", foreign, westID},
+		{"an expired token", expired, westID},
+		{"a token with a tampered signature", tampered, westID},
+		{"a token used before", used, westID},
+		{"a token for a revoked identity", revoked, northID},
+		{"an oversized token", strings.Repeat("a", pki.MaxJoinTokenBytes+1), westID},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := e.b.Enroll(context.Background(), tc.token, apiv1.CertificateRequest{CSR: newCSR(t, tc.identity)})
+			requireUniformUnauthenticated(t, err)
+		})
+	}
+}
+
+func TestACSRProblemIsReportedAndDoesNotUseTheTokenUp(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	tok, claims := e.joinToken(t, westID)
+
+	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n"})
+	require.Equal(t, KindInvalid, KindOf(err))
+	var be *Error
+	require.ErrorAs(t, err, &be)
+	require.Len(t, be.Fields, 1)
+	require.Equal(t, "csr", be.Fields[0].Field)
+
+	_, err = e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+	require.Equal(t, KindForbidden, KindOf(err), "a CSR for another identity than the token's subject")
+
+	_, err = e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err), "refused requests do not use the token up")
+	_, err = e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+}
+
+func TestAnUnreachableAPIServerIsRetryableAndDoesNotUseTheTokenUp(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	e.client.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewServiceUnavailable("etcd is down")
+	})
+	tok, _ := e.joinToken(t, westID)
+	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.Equal(t, KindUnavailable, KindOf(err))
+	require.True(t, Retryable(err))
+}
+
+func TestAMissingBrokerNamespaceIsAnInternalError(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	e.client.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewNotFound(schema.GroupResource{Resource: "namespaces"}, brokerNS)
+	})
+	tok, _ := e.joinToken(t, westID)
+	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.Equal(t, KindInternal, KindOf(err))
+}
+
+func TestThePolicyChoosesThePeersCertificateLifetime(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, strings.Replace(testPolicy, "    identity: spiffe://oc.example/cluster/west\n",
+		"    identity: spiffe://oc.example/cluster/west\n    certificateTTL: 2h\n", 1))
+	tok, _ := e.joinToken(t, westID)
+	resp, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(2*time.Hour), resp.NotAfter, time.Minute)
+
+	// A peer without certificateTTL gets the broker's default.
+	resp, err = e.b.Renew(context.Background(), Caller{Identity: northID}, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(pki.DefaultClientLifetime), resp.NotAfter, time.Minute)
+}
+
+func TestRenewal(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy, RevocationEntry{Kind: RevokeIdentity, Value: northID})
+	ctx := context.Background()
+
+	t.Run("a caller renews for its own identity with a new key", func(t *testing.T) {
+		t.Parallel()
+		resp, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+		require.NoError(t, err)
+		require.Equal(t, westID, resp.Identity)
+	})
+	t.Run("a CSR for another identity is forbidden", func(t *testing.T) {
+		t.Parallel()
+		_, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, "spiffe://oc.example/cluster/south")})
+		require.Equal(t, KindForbidden, KindOf(err))
+	})
+	t.Run("a revoked identity cannot renew", func(t *testing.T) {
+		t.Parallel()
+		_, err := e.b.Renew(ctx, Caller{Identity: northID}, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+		require.Equal(t, KindUnauthenticated, KindOf(err))
+	})
+	t.Run("a CSR that is not PEM is invalid with a field error", func(t *testing.T) {
+		t.Parallel()
+		_, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: "hello"})
+		var be *Error
+		require.ErrorAs(t, err, &be)
+		require.Equal(t, KindInvalid, be.Kind)
+		require.Equal(t, "csr", be.Fields[0].Field)
+	})
+	t.Run("renewal never records a join token", func(t *testing.T) {
+		t.Parallel()
+		require.Empty(t, e.client.Fake.Actions())
+	})
+}
+
+func TestWithoutACAThereAreNoCertificates(t *testing.T) {
+	t.Parallel()
+	b, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
+	require.NoError(t, err)
+	_, err = b.Enroll(context.Background(), "x", apiv1.CertificateRequest{CSR: "x"})
+	require.Equal(t, KindNotFound, KindOf(err))
+	_, err = b.Renew(context.Background(), west, apiv1.CertificateRequest{CSR: "x"})
+	require.Equal(t, KindNotFound, KindOf(err))
+	tb := b.TrustBundle()
+	require.Empty(t, tb.CABundle)
+	require.NotNil(t, tb.Fingerprints)
+}
+
+func TestTheTrustBundleListsFingerprintsInOrder(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	tb := e.b.TrustBundle()
+	require.Equal(t, string(e.ca.BundlePEM()), tb.CABundle)
+	require.Equal(t, []string{pki.Fingerprint(e.ca.Certificate())}, tb.Fingerprints)
+}
+
+func TestBadConfigsAreRefused(t *testing.T) {
+	t.Parallel()
+	ca, err := pki.NewCA(pki.CAOptions{})
+	require.NoError(t, err)
+	base := Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(nil), Logger: zap.NewNop()}
+	noNS := base
+	noNS.CA = ca
+	_, err = New(noNS)
+	require.ErrorContains(t, err, "Namespace")
+	long := base
+	long.CertificateTTL = 1000 * time.Hour
+	_, err = New(long)
+	require.ErrorContains(t, err, "CertificateTTL")
+}
+
+func TestUsedJoinTokenRecordsAreCollectedAfterExpiryAndNeverListedAsLeases(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	ctx := context.Background()
+	tok, claims := e.joinToken(t, westID)
+	_, err := e.b.Enroll(ctx, tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+
+	leases, err := e.b.ListLeases(ctx, Caller{Identity: westID})
+	require.NoError(t, err)
+	require.Empty(t, leases)
+
+	n, err := e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n, "the record is kept while the token could still be presented")
+
+	// Past exp, but within the margin the verifier's leeway needs.
+	e.b.cfg.Now = func() time.Time { return claims.ExpiresAt.Add(time.Minute) }
+	n, err = e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+
+	e.b.cfg.Now = func() time.Time { return claims.ExpiresAt.Add(usedJoinTokenMargin + time.Second) }
+	n, err = e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	_, err = e.client.CoreV1().Secrets(brokerNS).Get(ctx, UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err))
+}
+
+func TestLeaseSecretsCarryTheLeaseKind(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), leaseSecretPrefix+resp.LeaseID, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, LeaseKind, s.Labels[LabelKind])
+}
+
+func TestACertificateNeverOutlivesItsCA(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	ca, err := pki.NewCA(pki.CAOptions{Lifetime: 3 * time.Hour})
+	require.NoError(t, err)
+	e.b.cfg.CA = ca
+	resp, err := e.b.Renew(context.Background(), Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+	require.False(t, resp.NotAfter.After(ca.Certificate().NotAfter))
+	require.WithinDuration(t, ca.Certificate().NotAfter, resp.NotAfter, 2*time.Minute)
+	require.Equal(t, 1, e.logs.FilterMessage("certificate lifetime shortened: the signing CA expires sooner; rotate the CA").Len())
+}
+
+func TestTheCAsSigningErrorsAreNotTheCallersFault(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	e.b.cfg.CA = failingCA{e.ca}
+	_, err := e.b.Renew(context.Background(), Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.Equal(t, KindInternal, KindOf(err))
+}
+
+type failingCA struct{ *pki.CA }
+
+func (failingCA) SignClient(*x509.CertificateRequest, string, time.Duration) (*pki.KeyPair, error) {
+	return nil, errors.New("sign client certificate: " + pki.ErrLifetimeExceedsCA.Error())
+}

@@ -1,0 +1,145 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/client-go/kubernetes"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+// revokeOptions is the typed configuration of "tokenbroker pki revoke".
+type revokeOptions struct {
+	Identity   string
+	Serial     string
+	Reason     string
+	List       bool
+	Kubeconfig string
+	Namespace  string
+}
+
+// newPKIRevokeCommand returns `tokenbroker pki revoke`: add an identity or
+// a certificate serial to the deny list that every broker replica watches,
+// or list it.
+func newPKIRevokeCommand() *cobra.Command {
+	var o revokeOptions
+	cmd := &cobra.Command{
+		Use:   "revoke (--identity SPIFFE-ID | --serial HEX | --list)",
+		Short: "Revoke a cluster identity or a certificate serial at the brokers of this cluster",
+		Long: `Add a cluster identity or one certificate's serial number to the revocation
+deny list, the ConfigMap ` + broker.RevocationConfigMap + ` in the broker's namespace. Every
+broker replica watches it and refuses a revoked caller on its next request,
+keep-alive connections included, within a second or two; a revoked identity
+can no longer enroll or renew either.
+
+Serials are hexadecimal as "GET /v1/whoami" and "tokenbroker pki inspect" show
+them; openssl's colon-separated form is accepted. The ConfigMap is created if
+it is missing and updated with retries if another writer changed it. Entries
+are removed by editing the ConfigMap (kubectl edit).
+
+Uses --kubeconfig, else $KUBECONFIG, else ~/.kube/config, else the in-cluster
+service account; the caller needs get, create and update on ConfigMaps in
+--namespace.`,
+		Example: `  tokenbroker pki revoke --identity spiffe://oc.example/cluster/west --reason "key leaked"
+  tokenbroker pki revoke --serial 3f:9a:0c:... --namespace tokenbroker
+  tokenbroker pki revoke --list`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := o.validate(); err != nil {
+				return err
+			}
+			o.Namespace = namespaceOrDefault(o.Namespace)
+			cms, err := revocationConfigMaps(o.Kubeconfig, o.Namespace)
+			if err != nil {
+				return err
+			}
+			return runPKIRevoke(cmd.Context(), cms, o, cmd.OutOrStdout(), time.Now)
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&o.Identity, "identity", "", "cluster identity to revoke, spiffe://<trust-domain>/cluster/<name>")
+	fs.StringVar(&o.Serial, "serial", "", "serial number (hex) of one certificate to revoke")
+	fs.StringVar(&o.Reason, "reason", "", "why, kept with the entry as a comment")
+	fs.BoolVar(&o.List, "list", false, "print the deny list instead of changing it")
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig of the cluster the brokers run in")
+	fs.StringVar(&o.Namespace, "namespace", "", "the brokers' namespace; default $POD_NAMESPACE, else "+defaultNamespace)
+	return cmd
+}
+
+func (o revokeOptions) validate() error {
+	n := 0
+	for _, set := range []bool{o.Identity != "", o.Serial != "", o.List} {
+		if set {
+			n++
+		}
+	}
+	if n != 1 {
+		return errors.New("give exactly one of --identity, --serial and --list")
+	}
+	if o.List && o.Reason != "" {
+		return errors.New("--reason goes with --identity or --serial")
+	}
+	return nil
+}
+
+// revocationConfigMaps returns the ConfigMaps client of namespace with the
+// caller's Kubernetes credentials.
+func revocationConfigMaps(kubeconfig, namespace string) (corev1client.ConfigMapInterface, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("load Kubernetes client config: %w", err)
+	}
+	rc.UserAgent = "tokenbroker/" + version
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("create Kubernetes client: %w", err)
+	}
+	return client.CoreV1().ConfigMaps(namespace), nil
+}
+
+// runPKIRevoke adds the entry o asks for to the deny list in cms, or lists
+// the deny list, and reports to out.
+func runPKIRevoke(ctx context.Context, cms corev1client.ConfigMapInterface, o revokeOptions, out io.Writer, now func() time.Time) error {
+	if o.List {
+		entries, problems, err := broker.ReadRevocations(ctx, cms)
+		if err != nil {
+			return err
+		}
+		tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "KIND\tVALUE\tCOMMENT")
+		for _, e := range entries {
+			fmt.Fprintf(tw, "%s\t%s\t%s\n", e.Kind, e.Value, e.Comment)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		for _, p := range problems {
+			fmt.Fprintln(out, "skipped invalid entry:", p)
+		}
+		return nil
+	}
+	kind, value := broker.RevokeIdentity, o.Identity
+	if o.Serial != "" {
+		kind, value = broker.RevokeSerial, o.Serial
+	}
+	added, err := broker.AddRevocation(ctx, cms, kind, value, o.Reason, now())
+	if err != nil {
+		return err
+	}
+	if !added {
+		_, err = fmt.Fprintf(out, "%s %s was already revoked\n", kind, value)
+		return err
+	}
+	_, err = fmt.Fprintf(out, "revoked %s %s (ConfigMap %s); brokers refuse it from their next request\n", kind, value, broker.RevocationConfigMap)
+	return err
+}
