@@ -99,3 +99,46 @@ current-context: c
 `), 0o600))
 	return p
 }
+
+func TestServeCertificateFlags(t *testing.T) {
+	t.Setenv("POD_NAMESPACE", "")
+	cfg, err := serveConfigOf(t, required...)
+	require.NoError(t, err)
+	require.Empty(t, cfg.EnrollAddress, "enrollment is off unless asked for")
+	require.Empty(t, cfg.CACertFile)
+	require.Equal(t, 24*time.Hour, cfg.ClientCertTTL)
+	require.Equal(t, "tokenbroker", cfg.Namespace)
+
+	cfg, err = serveConfigOf(t, append(required, "--ca-cert-file", "ca.crt", "--ca-key-file", "ca.key",
+		"--enroll-address", ":8444", "--client-cert-ttl", "2h")...)
+	require.NoError(t, err)
+	require.Equal(t, ":8444", cfg.EnrollAddress)
+	require.Equal(t, 2*time.Hour, cfg.ClientCertTTL)
+}
+
+func TestTheNamespaceComesFromTheFlagThenThePod(t *testing.T) {
+	t.Setenv("POD_NAMESPACE", "from-pod")
+	cfg, err := serveConfigOf(t, required...)
+	require.NoError(t, err)
+	require.Equal(t, "from-pod", cfg.Namespace)
+	cfg, err = serveConfigOf(t, append(required, "--namespace", "from-flag")...)
+	require.NoError(t, err)
+	require.Equal(t, "from-flag", cfg.Namespace)
+}
+
+func TestBadCertificateFlagsAreRefused(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--enroll-address", ":8444"}, "--enroll-address needs --ca-cert-file"},
+		{[]string{"--ca-cert-file", "ca.crt"}, "go together"},
+		{[]string{"--ca-key-file", "ca.key"}, "go together"},
+		{[]string{"--client-cert-ttl", "1m"}, "--client-cert-ttl"},
+		{[]string{"--client-cert-ttl", "1000h"}, "--client-cert-ttl"},
+		{[]string{"--namespace", "Not_A_Namespace"}, "--namespace"},
+	} {
+		_, err := serveConfigOf(t, append(required, tc.args...)...)
+		require.ErrorContains(t, err, tc.want, tc.args)
+	}
+}

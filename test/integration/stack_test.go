@@ -3,6 +3,7 @@ package integration
 import (
 	"bytes"
 	"context"
+	"crypto/x509"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,9 +14,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -25,61 +30,131 @@ import (
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
-const trustDomain = "it.tokenbroker.test"
+const (
+	trustDomain = "it.tokenbroker.test"
+	// brokerNamespace is the broker's own namespace: used join tokens and
+	// the revocation ConfigMap.
+	brokerNamespace = "tokenbroker"
+	// reloadInterval is how often the stack's files are looked at; shorter
+	// than production's second so that the tests are quick.
+	reloadInterval = 200 * time.Millisecond
+)
 
 // stack is a broker and its HTTP server running in this process against a
-// real kube-apiserver, reached over real mutual TLS.
+// real kube-apiserver, reached over real (mutual) TLS, wired as "tokenbroker
+// serve" wires it: reloading server certificate, client-CA bundle and
+// policy, the revocation list watched in the API, a signing CA, and the
+// enrollment listener.
 type stack struct {
 	cluster *testcluster.Cluster
 	broker  *broker.Broker
 	url     string
-	ca      *pki.CA
-	dir     string
-	logs    *observer.ObservedLogs
+	// enrollURL is the enrollment listener's base URL.
+	enrollURL string
+	ca        *pki.CA
+	dir       string
+	logs      *observer.ObservedLogs
+	reg       *prometheus.Registry
+
+	serverCert, serverKey string
+	// clientCAFile is the client-CA bundle file the broker follows; it
+	// starts out holding ca's bundle.
+	clientCAFile string
+	policyFile   string
 }
 
-func startStack(t *testing.T, c *testcluster.Cluster, policy string) *stack {
+// stackOption changes how startStack builds a stack.
+type stackOption func(*stackConfig)
+
+type stackConfig struct {
+	ca *pki.CA
+}
+
+// withCA makes the stack sign with (and trust) ca, so that two stacks are
+// two replicas of one broker.
+func withCA(ca *pki.CA) stackOption { return func(c *stackConfig) { c.ca = ca } }
+
+func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...stackOption) *stack {
 	t.Helper()
+	var sc stackConfig
+	for _, o := range opts {
+		o(&sc)
+	}
 	dir := t.TempDir()
-	ca, err := pki.NewCA(pki.CAOptions{CommonName: "integration CA"})
-	require.NoError(t, err)
-	srvPair, err := ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
-	require.NoError(t, err)
-	require.NoError(t, srvPair.WriteFiles(filepath.Join(dir, "server.crt"), filepath.Join(dir, "server.key")))
+	ca := sc.ca
+	if ca == nil {
+		var err error
+		ca, err = pki.NewCA(pki.CAOptions{CommonName: "integration CA"})
+		require.NoError(t, err)
+	}
+	s := &stack{
+		cluster: c, ca: ca, dir: dir,
+		serverCert: filepath.Join(dir, "server.crt"), serverKey: filepath.Join(dir, "server.key"),
+		clientCAFile: filepath.Join(dir, "client-ca.crt"),
+		policyFile:   filepath.Join(dir, "policy.yaml"),
+	}
+	s.rotateServerCertificate(t, ca)
+	require.NoError(t, os.WriteFile(s.clientCAFile, ca.BundlePEM(), 0o644))
 
 	caFile := filepath.Join(dir, "cluster-ca.crt")
 	require.NoError(t, os.WriteFile(caFile, c.CAData, 0o644))
-	policyFile := filepath.Join(dir, "policy.yaml")
-	doc := fmt.Sprintf("cluster: {name: east, server: %q, caFile: %q}\n%s", c.URL, caFile, policy)
-	require.NoError(t, os.WriteFile(policyFile, []byte(doc), 0o644))
-	p, err := broker.LoadPolicyFile(policyFile)
+	s.writePolicy(t, policy)
+	p, err := broker.LoadPolicyFile(s.policyFile)
 	require.NoError(t, err)
+	ensureNamespace(t, c, brokerNamespace)
 
 	core, logs := observer.New(zap.DebugLevel)
+	log := zap.New(core)
+	reg := prometheus.NewRegistry()
+	metrics, err := broker.NewMetrics(reg)
+	require.NoError(t, err)
+	reported := func(config string) pki.ReloaderOption {
+		return pki.WithReloadCallback(func(err error) { metrics.ObserveReload(config, err) })
+	}
+	certs, err := pki.NewCertReloader(s.serverCert, s.serverKey, pki.WithReloadInterval(reloadInterval), reported(broker.ConfigServerCertificate))
+	require.NoError(t, err)
+	clientCAs, err := pki.NewPoolReloader(s.clientCAFile, pki.WithReloadInterval(reloadInterval), reported(broker.ConfigClientCA))
+	require.NoError(t, err)
+
+	store := broker.NewPolicyStore(p)
+	revocations := broker.NewRevocationList(c.Client.CoreV1(), brokerNamespace, log, metrics)
 	b, err := broker.New(broker.Config{
 		Secrets: c.Client.CoreV1(),
 		Issuers: map[string]broker.Issuer{apiv1.CredentialToken: tokenrequest.New(c.Client.CoreV1())},
-		Policy:  broker.NewPolicyStore(p),
-		Logger:  zap.New(core),
+		Policy:  store,
+		Logger:  log,
+		Metrics: metrics,
 		// Readiness asks the API server's /readyz, as "tokenbroker serve" does.
 		APIServerReady: broker.APIServerReadyz(c.Client.Discovery().RESTClient()),
+		Namespace:      brokerNamespace,
+		CA:             ca,
+		Trust:          clientCAs,
+		Revocations:    revocations,
 	})
 	require.NoError(t, err)
-	certs, err := pki.NewCertReloader(filepath.Join(dir, "server.crt"), filepath.Join(dir, "server.key"))
-	require.NoError(t, err)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	enrollLn, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	opsLn, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv, err := server.New(server.Config{
-		Listener:    ln,
-		OpsListener: opsLn,
-		TLSConfig:   pki.ServerTLSConfig(certs, ca.CertPool()),
-		Logger:      zap.New(core),
-		Broker:      b,
+		Listener:        ln,
+		EnrollListener:  enrollLn,
+		OpsListener:     opsLn,
+		TLSConfig:       pki.ServerTLSConfigReloading(certs, clientCAs),
+		ClientCAs:       clientCAs,
+		EnrollTLSConfig: pki.EnrollmentTLSConfig(certs),
+		Logger:          log,
+		Registerer:      reg,
+		Gatherer:        reg,
+		Broker:          b,
 	})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
+	go revocations.Run(ctx)
+	go broker.NewPolicyWatcher(s.policyFile, store, log, metrics, reloadInterval).Run(ctx)
+	require.NoError(t, revocations.WaitForSync(ctx))
 	done := make(chan error, 1)
 	go func() { done <- srv.Run(ctx) }()
 	t.Cleanup(func() {
@@ -87,24 +162,84 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string) *stack {
 		require.NoError(t, <-done)
 	})
 	<-srv.Listening()
-	return &stack{cluster: c, broker: b, url: "https://" + ln.Addr().String(), ca: ca, dir: dir, logs: logs}
+	s.broker, s.logs, s.reg = b, logs, reg
+	s.url = "https://" + ln.Addr().String()
+	s.enrollURL = "https://" + enrollLn.Addr().String()
+	return s
+}
+
+// writePolicy writes the policy file: the cluster section, then doc.
+func (s *stack) writePolicy(t *testing.T, doc string) {
+	t.Helper()
+	full := fmt.Sprintf("cluster: {name: east, server: %q, caFile: cluster-ca.crt}\n%s", s.cluster.URL, doc)
+	writeFileAtomic(t, s.policyFile, []byte(full))
+}
+
+// rotateServerCertificate issues a new server certificate from ca and
+// writes it over the served files, as cert-manager would.
+func (s *stack) rotateServerCertificate(t *testing.T, ca *pki.CA) *pki.KeyPair {
+	t.Helper()
+	kp, err := ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	require.NoError(t, err)
+	require.NoError(t, kp.WriteFiles(s.serverCert, s.serverKey))
+	return kp
+}
+
+// writeFileAtomic replaces a file in one rename, as Kubernetes volume
+// updates and editors that save safely do.
+func writeFileAtomic(t *testing.T, name string, data []byte) {
+	t.Helper()
+	tmp := name + ".tmp"
+	require.NoError(t, os.WriteFile(tmp, data, 0o644))
+	require.NoError(t, os.Rename(tmp, name))
+}
+
+func ensureNamespace(t *testing.T, c *testcluster.Cluster, name string) {
+	t.Helper()
+	_, err := c.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if !apierrors.IsAlreadyExists(err) {
+		require.NoError(t, err)
+	}
+}
+
+// identity returns the cluster identity of name in the test trust domain.
+func identity(t *testing.T, name string) string {
+	t.Helper()
+	id, err := pki.ClusterIdentity(trustDomain, name)
+	require.NoError(t, err)
+	return id
 }
 
 // client returns an HTTP client presenting a certificate for the cluster
 // identity name, with the production TLS client profile.
 func (s *stack) client(t *testing.T, name string) *http.Client {
 	t.Helper()
-	id, err := pki.ClusterIdentity(trustDomain, name)
+	return s.clientFrom(t, s.ca, name, s.ca.CertPool())
+}
+
+// clientFrom is client with a certificate from ca, verifying the broker
+// with roots.
+func (s *stack) clientFrom(t *testing.T, ca *pki.CA, name string, roots *x509.CertPool) *http.Client {
+	t.Helper()
+	kp, err := ca.IssueClient(pki.ClientOptions{Identity: identity(t, name)})
 	require.NoError(t, err)
-	kp, err := s.ca.IssueClient(pki.ClientOptions{Identity: id})
+	return s.clientWith(t, kp.CertPEM, kp.KeyPEM, roots)
+}
+
+// clientWith is an HTTP client presenting the given certificate and key.
+func (s *stack) clientWith(t *testing.T, certPEM, keyPEM []byte, roots *x509.CertPool) *http.Client {
+	t.Helper()
+	f, err := os.CreateTemp(s.dir, "client-*.crt")
 	require.NoError(t, err)
-	certFile, keyFile := filepath.Join(s.dir, name+".crt"), filepath.Join(s.dir, name+".key")
-	require.NoError(t, kp.WriteFiles(certFile, keyFile))
+	require.NoError(t, f.Close())
+	certFile, keyFile := f.Name(), f.Name()+".key"
+	require.NoError(t, os.WriteFile(certFile, certPEM, 0o644))
+	require.NoError(t, os.WriteFile(keyFile, keyPEM, 0o600))
 	r, err := pki.NewCertReloader(certFile, keyFile)
 	require.NoError(t, err)
 	return &http.Client{
 		Timeout:   30 * time.Second,
-		Transport: &http.Transport{TLSClientConfig: pki.ClientTLSConfig(s.ca.CertPool(), r)},
+		Transport: &http.Transport{TLSClientConfig: pki.ClientTLSConfig(roots, r)},
 	}
 }
 
@@ -112,26 +247,47 @@ func (s *stack) client(t *testing.T, name string) *http.Client {
 // returns the status and the raw body.
 func do(t *testing.T, c *http.Client, method, url string, in, out any) (int, []byte) {
 	t.Helper()
+	status, body, err := tryDo(c, method, url, "", in, out)
+	require.NoError(t, err)
+	return status, body
+}
+
+// tryDo is do that returns transport errors, with an optional bearer
+// token.
+func tryDo(c *http.Client, method, url, bearer string, in, out any) (int, []byte, error) {
 	var body io.Reader
 	if in != nil {
 		b, err := json.Marshal(in)
-		require.NoError(t, err)
+		if err != nil {
+			return 0, nil, err
+		}
 		body = bytes.NewReader(b)
 	}
 	req, err := http.NewRequest(method, url, body)
-	require.NoError(t, err)
+	if err != nil {
+		return 0, nil, err
+	}
 	if in != nil {
 		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
 	}
+	if bearer != "" {
+		req.Header.Set("Authorization", "Bearer "+bearer)
+	}
 	resp, err := c.Do(req)
-	require.NoError(t, err)
+	if err != nil {
+		return 0, nil, err
+	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	if out != nil && resp.StatusCode < 300 {
-		require.NoError(t, json.Unmarshal(raw, out), string(raw))
+	if err != nil {
+		return 0, nil, err
 	}
-	return resp.StatusCode, raw
+	if out != nil && resp.StatusCode < 300 {
+		if err := json.Unmarshal(raw, out); err != nil {
+			return 0, nil, fmt.Errorf("decode %s: %w", raw, err)
+		}
+	}
+	return resp.StatusCode, raw, nil
 }
 
 func zapNop() *zap.Logger { return zap.NewNop() }

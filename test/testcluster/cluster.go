@@ -343,6 +343,11 @@ func (c *Cluster) apiServerArgs() []string {
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
 		"--enable-logs-handler=false",
+		// Without a grace period for watches, an open watch (a broker's
+		// informer) holds the API server's graceful shutdown until the
+		// stop timeout kills it; with one, watches are ended and
+		// StopAPIServer returns in about a second.
+		"--shutdown-watch-termination-grace-period=2s",
 	}
 	if c.opts.maxTokenExpiration > 0 {
 		args = append(args, "--service-account-max-token-expiration="+c.opts.maxTokenExpiration.String())

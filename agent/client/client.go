@@ -1,0 +1,241 @@
+// Package client is the Go client of the tokenbroker API, used by the
+// agent, by "tokenbroker get kubeconfig" and "tokenbroker enroll", and by
+// the tests. It speaks the wire types of api/v1 over the TLS profiles of
+// the pki package, and turns problem+json answers into *ProblemError.
+package client
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// maxResponseBytes bounds what the client reads from a broker; a
+// kubeconfig or a certificate chain is a few kilobytes.
+const maxResponseBytes = 1 << 20
+
+// Config says where the broker is and how to authenticate to it.
+type Config struct {
+	// URL is the broker's base URL, e.g. https://east.example.com:8443.
+	URL string
+	// RootCAs verifies the broker's certificate. Required: the client never
+	// falls back to the system roots or to no verification.
+	RootCAs *x509.CertPool
+	// Certificate is the client certificate; nil for enrollment with a join
+	// token, which goes to the broker's enrollment listener.
+	Certificate *pki.CertReloader
+	// Timeout bounds each request; default 30s.
+	Timeout time.Duration
+}
+
+// Client calls one broker. It keeps connections alive and is safe for
+// concurrent use.
+type Client struct {
+	base *url.URL
+	http *http.Client
+}
+
+// New returns a Client for cfg.
+func New(cfg Config) (*Client, error) {
+	u, err := parseBrokerURL(cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.RootCAs == nil {
+		return nil, errors.New("client: RootCAs is required")
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 30 * time.Second
+	}
+	return &Client{base: u, http: &http.Client{
+		Timeout:   cfg.Timeout,
+		Transport: newTransport(pki.ClientTLSConfig(cfg.RootCAs, cfg.Certificate)),
+	}}, nil
+}
+
+func newTransport(tc *tls.Config) *http.Transport {
+	return &http.Transport{
+		TLSClientConfig:       tc,
+		ForceAttemptHTTP2:     true,
+		MaxIdleConnsPerHost:   16,
+		IdleConnTimeout:       90 * time.Second,
+		TLSHandshakeTimeout:   10 * time.Second,
+		ResponseHeaderTimeout: 30 * time.Second,
+	}
+}
+
+func parseBrokerURL(s string) (*url.URL, error) {
+	u, err := url.Parse(s)
+	if err != nil || u.Scheme != "https" || u.Host == "" || u.RawQuery != "" || u.Fragment != "" || u.User != nil {
+		return nil, fmt.Errorf("client: broker URL %q must be https://host[:port]", s)
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/")
+	return u, nil
+}
+
+// CloseIdleConnections closes kept-alive connections, e.g. after the
+// client certificate was renewed so that new connections present it.
+func (c *Client) CloseIdleConnections() { c.http.CloseIdleConnections() }
+
+// ProblemError is a problem+json answer of the broker.
+type ProblemError struct {
+	Status  int
+	Problem apiv1.Problem
+	// RetryAfter is the broker's Retry-After, if it sent one.
+	RetryAfter time.Duration
+}
+
+func (e *ProblemError) Error() string {
+	msg := e.Problem.Title
+	if e.Problem.Detail != "" {
+		msg += ": " + e.Problem.Detail
+	}
+	for _, f := range e.Problem.Errors {
+		msg += fmt.Sprintf("; %s: %s", f.Field, f.Detail)
+	}
+	return fmt.Sprintf("broker answered %d: %s", e.Status, msg)
+}
+
+// Retryable reports whether err may go away by itself: a transport error,
+// a 5xx or a 429. A 4xx other than 429 will not.
+func Retryable(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pe *ProblemError
+	if errors.As(err, &pe) {
+		return pe.Status >= 500 || pe.Status == http.StatusTooManyRequests
+	}
+	return !errors.Is(err, context.Canceled)
+}
+
+// Kubeconfig asks for a kubeconfig. The answer holds a credential: never
+// log it.
+func (c *Client) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+	var out apiv1.KubeconfigResponse
+	if err := c.do(ctx, http.MethodPost, "/v1/kubeconfigs", "", req, http.StatusCreated, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// Leases lists the caller's leases.
+func (c *Client) Leases(ctx context.Context) ([]apiv1.Lease, error) {
+	var out apiv1.LeaseList
+	if err := c.do(ctx, http.MethodGet, "/v1/leases", "", nil, http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return out.Items, nil
+}
+
+// RevokeLease revokes one of the caller's leases.
+func (c *Client) RevokeLease(ctx context.Context, id string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/leases/"+url.PathEscape(id), "", nil, http.StatusNoContent, nil)
+}
+
+// WhoAmI returns the caller's identity and grants as the broker sees them.
+func (c *Client) WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error) {
+	var out apiv1.WhoAmI
+	if err := c.do(ctx, http.MethodGet, "/v1/whoami", "", nil, http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// Renew asks for a new client certificate for the caller's own identity.
+func (c *Client) Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+	var out apiv1.CertificateResponse
+	err := c.do(ctx, http.MethodPost, "/v1/certificates", "", apiv1.CertificateRequest{CSR: string(csrPEM)}, http.StatusCreated, &out)
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// Enroll exchanges a join token and a CSR for a first client certificate.
+// The client must point at the broker's enrollment listener.
+func (c *Client) Enroll(ctx context.Context, joinToken string, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+	var out apiv1.CertificateResponse
+	err := c.do(ctx, http.MethodPost, "/v1/certificates", joinToken, apiv1.CertificateRequest{CSR: string(csrPEM)}, http.StatusCreated, &out)
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// TrustBundle returns the broker's CA bundle.
+func (c *Client) TrustBundle(ctx context.Context) (*apiv1.TrustBundle, error) {
+	var out apiv1.TrustBundle
+	if err := c.do(ctx, http.MethodGet, "/v1/trust-bundle", "", nil, http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+func (c *Client) do(ctx context.Context, method, path, bearer string, in any, want int, out any) error {
+	return roundTrip(ctx, c.http, method, c.base.String()+path, bearer, in, want, out)
+}
+
+func roundTrip(ctx context.Context, hc *http.Client, method, u, bearer string, in any, want int, out any) error {
+	var body io.Reader
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return fmt.Errorf("encode request: %w", err)
+		}
+		body = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, u, body)
+	if err != nil {
+		return fmt.Errorf("build request: %w", err)
+	}
+	req.Header.Set("Accept", apiv1.MediaTypeJSON)
+	if in != nil {
+		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
+	}
+	if bearer != "" {
+		req.Header.Set("Authorization", "Bearer "+bearer)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", method, req.URL.Path, err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes+1))
+	if err != nil {
+		return fmt.Errorf("%s %s: read answer: %w", method, req.URL.Path, err)
+	}
+	if len(raw) > maxResponseBytes {
+		return fmt.Errorf("%s %s: answer over %d bytes", method, req.URL.Path, maxResponseBytes)
+	}
+	if resp.StatusCode != want {
+		pe := &ProblemError{Status: resp.StatusCode}
+		if json.Unmarshal(raw, &pe.Problem) != nil || pe.Problem.Title == "" {
+			pe.Problem.Title = http.StatusText(resp.StatusCode)
+		}
+		if s := resp.Header.Get("Retry-After"); s != "" {
+			if secs, err := time.ParseDuration(s + "s"); err == nil {
+				pe.RetryAfter = secs
+			}
+		}
+		return pe
+	}
+	if out != nil {
+		if err := json.Unmarshal(raw, out); err != nil {
+			return fmt.Errorf("%s %s: decode answer: %w", method, req.URL.Path, err)
+		}
+	}
+	return nil
+}
