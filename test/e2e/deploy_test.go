@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -113,6 +114,8 @@ func TestDeployBase(t *testing.T) {
 			"clusterrole.rbac.authorization.k8s.io/tokenbroker-issue",
 			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-leases",
 			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
+			"role.rbac.authorization.k8s.io/tokenbroker-self",
+			"rolebinding.rbac.authorization.k8s.io/tokenbroker-self",
 			"configmap/" + policyCM.Metadata.Name,
 			"service/tokenbroker",
 			"deployment.apps/tokenbroker",
@@ -202,7 +205,7 @@ func TestDeployBase(t *testing.T) {
 	// and a broker runs with nothing but the ServiceAccount's permissions.
 	var rbac []manifest
 	for _, d := range docs {
-		if d.Kind == "ServiceAccount" || strings.HasPrefix(d.Kind, "ClusterRole") {
+		if d.Kind == "ServiceAccount" || strings.HasPrefix(d.Kind, "ClusterRole") || strings.HasPrefix(d.Kind, "Role") {
 			rbac = append(rbac, d)
 		}
 	}
@@ -220,6 +223,11 @@ func TestDeployBase(t *testing.T) {
 		issueListRevoke(t, e, west)
 		require.NotContains(t, e.proc.logs.String(), "lease garbage collection failed")
 		require.NotContains(t, e.proc.logs.String(), "forbidden")
+	})
+
+	t.Run("the base's RBAC is enough to watch the revocation list", func(t *testing.T) {
+		require.Contains(t, e.proc.logs.String(), "revocation list synced")
+		require.NotContains(t, e.proc.logs.String(), "watch of the revocation ConfigMap failed")
 	})
 
 	t.Run("scoped to the granted namespace with a RoleBinding, as docs/security.md shows, it still works", func(t *testing.T) {
@@ -242,6 +250,33 @@ func TestDeployBase(t *testing.T) {
 			return status == 201
 		}, 10*time.Second, 100*time.Millisecond, "issuing must work again with the RoleBinding")
 		issueListRevoke(t, e, west)
+	})
+
+	t.Run("without tokenbroker-issue, the Role still lets the broker record used join tokens and read only its deny list", func(t *testing.T) {
+		sa := "system:serviceaccount:tokenbroker:tokenbroker"
+		can := func(attr authzv1.ResourceAttributes) bool {
+			r, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), &authzv1.SubjectAccessReview{
+				Spec: authzv1.SubjectAccessReviewSpec{User: sa, ResourceAttributes: &attr},
+			}, metav1.CreateOptions{})
+			require.NoError(t, err)
+			return r.Status.Allowed
+		}
+		for _, attr := range []authzv1.ResourceAttributes{
+			{Namespace: "tokenbroker", Verb: "create", Resource: "secrets"},
+			{Namespace: "tokenbroker", Verb: "delete", Resource: "secrets"},
+			{Namespace: "tokenbroker", Verb: "list", Resource: "configmaps", Name: "tokenbroker-revocations"},
+			{Namespace: "tokenbroker", Verb: "watch", Resource: "configmaps", Name: "tokenbroker-revocations"},
+		} {
+			require.True(t, can(attr), "%+v", attr)
+		}
+		for _, attr := range []authzv1.ResourceAttributes{
+			{Namespace: "tokenbroker", Verb: "list", Resource: "configmaps"},
+			{Namespace: "tokenbroker", Verb: "get", Resource: "configmaps", Name: "tokenbroker-policy"},
+			{Namespace: "tokenbroker", Verb: "update", Resource: "configmaps", Name: "tokenbroker-revocations"},
+			{Namespace: "default", Verb: "create", Resource: "secrets"},
+		} {
+			require.False(t, can(attr), "%+v", attr)
+		}
 	})
 }
 
