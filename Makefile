@@ -5,10 +5,13 @@ BIN := $(CURDIR)/bin
 export TOKENBROKER_BIN_DIR := $(BIN)
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
+# Requests per measurement and concurrency levels for `make bench`.
+BENCH_N ?= 1000
+BENCH_C ?= 1,8,32
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 
-.PHONY: all build kube localcluster dev test check unit integration fuzz clean help
+.PHONY: all build kube localcluster dev test check unit integration bench fuzz clean help
 
 all: build
 
@@ -40,6 +43,9 @@ unit: ## unit tests with the race detector, and each fuzz target briefly
 
 integration: build kube localcluster ## integration and e2e tests against a real kube-apiserver
 	cd test && $(GO) test -count=1 -timeout 20m ./...
+
+bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
+	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -out $(CURDIR)/bench/results.json
 
 fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
 	@set -e; for pkg in $$($(GO) list ./...); do \

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
@@ -25,6 +26,7 @@ type fakeIssuer struct {
 	mu      sync.Mutex
 	err     error
 	shorten time.Duration // grant this much less than asked
+	delay   time.Duration // answer this late, like a slow API server
 	got     []issuers.Request
 }
 
@@ -34,6 +36,7 @@ func (f *fakeIssuer) Issue(_ context.Context, req issuers.Request) (issuers.Cred
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.got = append(f.got, req)
+	time.Sleep(f.delay)
 	if f.err != nil {
 		return issuers.Credential{}, f.err
 	}
@@ -258,4 +261,35 @@ func TestGarbageCollectionDeletesOnlyExpiredLeases(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	require.Equal(t, keep.LeaseID, list[0].ID)
+}
+
+func TestOwnTimeExcludesTheWaitOnTheAPIServer(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	e := newEnv(t)
+	e.b.cfg.Metrics = m
+	e.iss.delay = 30 * time.Millisecond // an API server that takes its time
+	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+
+	own := histogramSum(t, reg, "tokenbroker_issuance_own_seconds")
+	total := histogramSum(t, reg, "tokenbroker_issuance_duration_seconds")
+	require.GreaterOrEqual(t, total, 0.030)
+	require.Less(t, own, 0.030, "the 30ms inside the issuer is API wait, not the broker's own time")
+	require.Greater(t, own, 0.0)
+}
+
+func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
 }

@@ -283,7 +283,7 @@ func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims
 	}
 	t0 := time.Now()
 	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})
-	b.cfg.Metrics.observeAPI("create_used_join_token", time.Since(t0))
+	b.timeAPI(ctx, "create_used_join_token", t0)
 	switch {
 	case err == nil:
 		return nil

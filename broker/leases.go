@@ -107,7 +107,7 @@ func (b *Broker) listManagedSecrets(ctx context.Context, sel labels.Set, call st
 	list, err := b.cfg.Secrets.Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{
 		LabelSelector: labels.SelectorFromSet(set).String(),
 	})
-	b.cfg.Metrics.observeAPI(call, time.Since(t0))
+	b.timeAPI(ctx, call, t0)
 	if err != nil {
 		return nil, classify(err, "list tokenbroker Secrets", "no Secrets")
 	}

@@ -41,16 +41,16 @@ func TestServeDefaultsSuitABroker(t *testing.T) {
 	require.Equal(t, ":8443", cfg.ListenAddress)
 	require.Equal(t, ":9090", cfg.OpsAddress)
 	// Far above client-go's 5 QPS / burst 10, which would cap issuance.
-	require.Equal(t, float32(200), cfg.KubeQPS)
-	require.Equal(t, 400, cfg.KubeBurst)
+	require.Equal(t, float32(2000), cfg.KubeQPS)
+	require.Equal(t, 4000, cfg.KubeBurst)
 	require.Equal(t, time.Minute, cfg.GCInterval)
 	require.Equal(t, []string{"token"}, cfg.Credentials)
 	require.Equal(t, "json", cfg.Log.Format)
 
 	rc, err := kubeRESTConfig(writeKubeconfig(t), cfg.KubeQPS, cfg.KubeBurst)
 	require.NoError(t, err)
-	require.Equal(t, float32(200), rc.QPS)
-	require.Equal(t, 400, rc.Burst)
+	require.Equal(t, float32(2000), rc.QPS)
+	require.Equal(t, 4000, rc.Burst)
 }
 
 func TestServeReportsEveryMissingFlag(t *testing.T) {

@@ -18,28 +18,27 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
-	"go.uber.org/zap"
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
-	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
 	"github.com/tokenbroker/tokenbroker/pki"
-	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -63,6 +62,7 @@ type result struct {
 
 func run() error {
 	n := flag.Int("n", 300, "requests per measurement")
+	binDir := flag.String("bin-dir", "", "directory holding the tokenbroker binary (default $TOKENBROKER_BIN_DIR, else bin/ at the repository root)")
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
 	out := flag.String("out", "", "also write the results as JSON to this file")
 	flag.Parse()
@@ -77,11 +77,14 @@ func run() error {
 	if err := setUp(ctx, c.Client); err != nil {
 		return err
 	}
-	url, client, stop, err := startBroker(c)
+	br, err := startBroker(ctx, c, *binDir)
 	if err != nil {
 		return err
 	}
-	defer stop()
+	defer br.stop()
+	url, client := br.url, br.client
+	time.Sleep(time.Second)
+	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid)}
 
 	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: "runner", TTL: "10m"})
 	seconds := int64(600)
@@ -124,6 +127,7 @@ func run() error {
 	}
 
 	var results []result
+	peak := watchRSS(ctx, br.cmd.Process.Pid)
 	for _, cs := range strings.Split(*concs, ",") {
 		conc, err := strconv.Atoi(strings.TrimSpace(cs))
 		if err != nil || conc < 1 {
@@ -136,13 +140,19 @@ func run() error {
 			results = append(results, r)
 		}
 	}
-	print(results)
+	report.LoadRSSMB = peak()
+	report.Results = results
+	report.OwnMillis, err = ownTime(ctx, br.opsURL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench: broker own time:", err)
+	}
+	report.print()
 	if *out != "" {
 		if err := os.MkdirAll(filepath.Dir(*out), 0o755); err != nil {
 			return err
 		}
-		b, _ := json.MarshalIndent(results, "", "  ")
-		return os.WriteFile(*out, b, 0o644)
+		b, _ := json.MarshalIndent(report, "", "  ")
+		return os.WriteFile(*out, append(b, '\n'), 0o644)
 	}
 	return nil
 }
@@ -179,7 +189,30 @@ func measure(ctx context.Context, op func(context.Context) error, conc, n int) r
 		P50ms: pct(.50), P90ms: pct(.90), P99ms: pct(.99), PerSecond: float64(n) / elapsed.Seconds()}
 }
 
-func print(rs []result) {
+// report is what bench prints and writes as JSON.
+type report struct {
+	Results []result `json:"results"`
+	// ReadyMillis is the time from starting the broker process to its
+	// first /readyz 200.
+	ReadyMillis float64 `json:"ready_ms"`
+	IdleRSSMB   float64 `json:"idle_rss_mb"`
+	LoadRSSMB   float64 `json:"load_rss_mb"`
+	// OwnMillis are percentiles of the broker's own time per issuance
+	// (not spent waiting on the API server), from its histogram.
+	OwnMillis map[string]float64 `json:"own_ms,omitempty"`
+}
+
+func (r *report) print() {
+	printResults(r.Results)
+	fmt.Println()
+	fmt.Printf("broker ready after start: %.0f ms; RSS idle %.1f MB, under load (peak) %.1f MB\n", r.ReadyMillis, r.IdleRSSMB, r.LoadRSSMB)
+	if len(r.OwnMillis) > 0 {
+		fmt.Printf("broker own time per issuance (histogram estimate): p50 %.3f ms, p90 %.3f ms, p99 %.3f ms\n",
+			r.OwnMillis["p50"], r.OwnMillis["p90"], r.OwnMillis["p99"])
+	}
+}
+
+func printResults(rs []result) {
 	fmt.Printf("%-38s %5s %6s %9s %9s %9s %9s %6s\n", "case", "conc", "n", "p50 ms", "p90 ms", "p99 ms", "req/s", "errors")
 	for _, r := range rs {
 		fmt.Printf("%-38s %5d %6d %9.2f %9.2f %9.2f %9.0f %6d\n", r.Name, r.Concurrency, r.Requests, r.P50ms, r.P90ms, r.P99ms, r.PerSecond, r.Errors)
@@ -199,19 +232,49 @@ func setUp(ctx context.Context, c kubernetes.Interface) error {
 	return err
 }
 
-// startBroker runs the broker in this process with the production TLS
-// profiles and returns its URL and a kept-alive mTLS client.
-func startBroker(c *testcluster.Cluster) (string, *http.Client, func(), error) {
+// brokerProcess is "tokenbroker serve" started by bench.
+type brokerProcess struct {
+	cmd    *exec.Cmd
+	url    string
+	opsURL string
+	client *http.Client
+	ready  time.Duration
+	dir    string
+}
+
+func (b *brokerProcess) stop() {
+	_ = b.cmd.Process.Signal(syscall.SIGTERM)
+	_ = b.cmd.Wait()
+	os.RemoveAll(b.dir)
+}
+
+// startBroker writes a PKI and a policy, starts the broker binary as its
+// own process (so that its memory and start time are its own) and returns
+// it with a kept-alive mTLS client using the production TLS profile.
+func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string) (*brokerProcess, error) {
+	bin, err := tokenbrokerBinary(binDir)
+	if err != nil {
+		return nil, err
+	}
 	dir, err := os.MkdirTemp("", "bench-")
 	if err != nil {
-		return "", nil, nil, err
+		return nil, err
 	}
-	fail := func(err error) (string, *http.Client, func(), error) {
+	b := &brokerProcess{dir: dir}
+	fail := func(err error) (*brokerProcess, error) {
+		if b.cmd != nil && b.cmd.Process != nil {
+			_ = b.cmd.Process.Kill()
+			_ = b.cmd.Wait()
+		}
 		os.RemoveAll(dir)
-		return "", nil, nil, err
+		return nil, err
 	}
+	f := func(n string) string { return filepath.Join(dir, n) }
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "bench CA"})
 	if err != nil {
+		return fail(err)
+	}
+	if err := ca.WriteFiles(f("ca.crt"), f("ca.key")); err != nil {
 		return fail(err)
 	}
 	srvKP, err := ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
@@ -223,7 +286,6 @@ func startBroker(c *testcluster.Cluster) (string, *http.Client, func(), error) {
 	if err != nil {
 		return fail(err)
 	}
-	f := func(n string) string { return filepath.Join(dir, n) }
 	if err := srvKP.WriteFiles(f("server.crt"), f("server.key")); err != nil {
 		return fail(err)
 	}
@@ -242,51 +304,181 @@ peers:
 	if err := os.WriteFile(f("policy.yaml"), []byte(policy), 0o644); err != nil {
 		return fail(err)
 	}
-	p, err := broker.LoadPolicyFile(f("policy.yaml"))
+	api, ops := freeAddr(), freeAddr()
+	b.cmd = exec.Command(bin, "serve", "--listen-address", api, "--ops-address", ops,
+		"--tls-cert-file", f("server.crt"), "--tls-key-file", f("server.key"),
+		"--client-ca-file", f("ca.crt"), "--policy-file", f("policy.yaml"),
+		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn")
+	logFile, err := os.Create(f("broker.log"))
 	if err != nil {
 		return fail(err)
 	}
-	b, err := broker.New(broker.Config{
-		Secrets: c.Client.CoreV1(),
-		Issuers: map[string]broker.Issuer{apiv1.CredentialToken: tokenrequest.New(c.Client.CoreV1())},
-		Policy:  broker.NewPolicyStore(p),
-		Logger:  zap.NewNop(),
-	})
-	if err != nil {
+	defer logFile.Close()
+	b.cmd.Stdout, b.cmd.Stderr = logFile, logFile
+	b.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	start := time.Now()
+	if err := b.cmd.Start(); err != nil {
 		return fail(err)
 	}
-	certs, err := pki.NewCertReloader(f("server.crt"), f("server.key"))
-	if err != nil {
-		return fail(err)
+	b.opsURL = "http://" + ops
+	for {
+		resp, err := http.Get(b.opsURL + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if time.Since(start) > 30*time.Second || ctx.Err() != nil {
+			return fail(fmt.Errorf("broker not ready after 30s; log in %s", f("broker.log")))
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fail(err)
-	}
-	opsLn, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fail(err)
-	}
-	srv, err := server.New(server.Config{Listener: ln, OpsListener: opsLn, TLSConfig: pki.ServerTLSConfig(certs, ca.CertPool()), Broker: b})
-	if err != nil {
-		return fail(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
-	<-srv.Listening()
+	b.ready = time.Since(start)
 	cliCerts, err := pki.NewCertReloader(f("west.crt"), f("west.key"))
 	if err != nil {
-		cancel()
 		return fail(err)
 	}
-	client := &http.Client{Transport: &http.Transport{
+	b.url = "https://" + api
+	b.client = &http.Client{Transport: &http.Transport{
 		TLSClientConfig:     pki.ClientTLSConfig(ca.CertPool(), cliCerts),
+		ForceAttemptHTTP2:   true,
 		MaxIdleConnsPerHost: 64,
 	}}
-	return "https://" + ln.Addr().String(), client, func() {
-		cancel()
-		<-done
-		os.RemoveAll(dir)
-	}, nil
+	return b, nil
+}
+
+func tokenbrokerBinary(dir string) (string, error) {
+	if dir == "" {
+		dir = os.Getenv(testcluster.BinDirEnv)
+	}
+	if dir == "" {
+		wd, _ := os.Getwd()
+		for d := wd; d != filepath.Dir(d); d = filepath.Dir(d) {
+			if _, err := os.Stat(filepath.Join(d, "test", "go.mod")); err == nil {
+				dir = filepath.Join(d, "bin")
+				break
+			}
+		}
+	}
+	p := filepath.Join(dir, "tokenbroker")
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("%s not found: run make build first", p)
+	}
+	return p, nil
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// rssMB reads a process's resident set size from /proc.
+func rssMB(pid int) float64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			kb, _ := strconv.ParseFloat(strings.Fields(line)[1], 64)
+			return kb / 1024
+		}
+	}
+	return 0
+}
+
+// watchRSS samples pid's RSS every 50 ms until the returned function is
+// called, which returns the peak.
+func watchRSS(ctx context.Context, pid int) func() float64 {
+	var mu sync.Mutex
+	peak := 0.0
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTicker(50 * time.Millisecond)
+		defer t.Stop()
+		for {
+			if v := rssMB(pid); v > 0 {
+				mu.Lock()
+				peak = max(peak, v)
+				mu.Unlock()
+			}
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return func() float64 {
+		close(done)
+		mu.Lock()
+		defer mu.Unlock()
+		return peak
+	}
+}
+
+// ownTime estimates percentiles of the broker's own-time histogram from
+// its /metrics, interpolating linearly inside buckets.
+func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	const name = "tokenbroker_issuance_own_seconds_bucket"
+	type bucket struct{ le, count float64 }
+	var buckets []bucket
+	for _, line := range strings.Split(string(raw), "\n") {
+		if !strings.HasPrefix(line, name+"{") || !strings.Contains(line, `outcome="granted"`) {
+			continue
+		}
+		i := strings.Index(line, `le="`)
+		j := strings.Index(line[i+4:], `"`)
+		leS := line[i+4 : i+4+j]
+		le, err := strconv.ParseFloat(leS, 64)
+		if leS == "+Inf" {
+			le, err = math.Inf(1), nil
+		}
+		if err != nil {
+			continue
+		}
+		f := strings.Fields(line)
+		cnt, _ := strconv.ParseFloat(f[len(f)-1], 64)
+		buckets = append(buckets, bucket{le, cnt})
+	}
+	if len(buckets) == 0 {
+		return nil, fmt.Errorf("no %s in /metrics", name)
+	}
+	sort.Slice(buckets, func(i, j int) bool { return buckets[i].le < buckets[j].le })
+	total := buckets[len(buckets)-1].count
+	q := func(p float64) float64 {
+		rank := p * total
+		lo, prev := 0.0, 0.0
+		for _, b := range buckets {
+			if b.count >= rank {
+				if math.IsInf(b.le, 1) {
+					return lo * 1000
+				}
+				if b.count == prev {
+					return b.le * 1000
+				}
+				return (lo + (b.le-lo)*(rank-prev)/(b.count-prev)) * 1000
+			}
+			lo, prev = b.le, b.count
+		}
+		return lo * 1000
+	}
+	return map[string]float64{"p50": q(.5), "p90": q(.9), "p99": q(.99)}, nil
 }
