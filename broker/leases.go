@@ -2,6 +2,9 @@ package broker
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"slices"
 	"sort"
 	"time"
 
@@ -16,6 +19,8 @@ import (
 // ListLeases returns the caller's leases, oldest first. A peer sees only
 // its own leases: the peer label narrows the query and the identity
 // annotation must match, so that a renamed peer never inherits another's.
+// Only the namespaces the peer's grants name are searched, so that the
+// broker needs no cluster-wide access to Secrets.
 func (b *Broker) ListLeases(ctx context.Context, c Caller) ([]apiv1.Lease, error) {
 	p, err := b.policy()
 	if err != nil {
@@ -25,7 +30,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller) ([]apiv1.Lease, error
 	if peer == nil {
 		return []apiv1.Lease{}, nil
 	}
-	secrets, err := b.listLeaseSecrets(ctx, labels.Set{LabelPeer: peer.Name})
+	secrets, err := b.listLeaseSecrets(ctx, peer.namespaces(), labels.Set{LabelPeer: peer.Name})
 	if err != nil {
 		return nil, err
 	}
@@ -74,7 +79,15 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if !ValidLeaseID(id) {
 		return nil, notFound
 	}
-	secrets, err := b.listLeaseSecrets(ctx, labels.Set{LabelLeaseID: id})
+	p, err := b.policy()
+	if err != nil {
+		return nil, err
+	}
+	peer := p.peer(c.Identity)
+	if peer == nil {
+		return nil, notFound
+	}
+	secrets, err := b.listLeaseSecrets(ctx, peer.namespaces(), labels.Set{LabelLeaseID: id})
 	if err != nil {
 		return nil, err
 	}
@@ -87,31 +100,35 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 }
 
 // listLeaseSecrets lists lease Secrets (and only those: the kind label
-// keeps used join token records out) matching sel in every namespace.
-func (b *Broker) listLeaseSecrets(ctx context.Context, sel labels.Set) ([]corev1.Secret, error) {
+// keeps used join token records out) matching sel in the given namespaces.
+func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel labels.Set) ([]corev1.Secret, error) {
 	set := labels.Set{LabelKind: LeaseKind}
 	for k, v := range sel {
 		set[k] = v
 	}
-	return b.listManagedSecrets(ctx, set, "list_leases")
+	return b.listManagedSecrets(ctx, namespaces, set, "list_leases")
 }
 
 // listManagedSecrets lists the broker's Secrets of every kind matching sel
-// in every namespace.
-func (b *Broker) listManagedSecrets(ctx context.Context, sel labels.Set, call string) ([]corev1.Secret, error) {
+// in the given namespaces, one namespace at a time: listing across all
+// namespaces would need the right to read every Secret of the cluster.
+func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, sel labels.Set, call string) ([]corev1.Secret, error) {
 	set := labels.Set{LabelManagedBy: ManagedByValue}
 	for k, v := range sel {
 		set[k] = v
 	}
-	t0 := time.Now()
-	list, err := b.cfg.Secrets.Secrets(metav1.NamespaceAll).List(ctx, metav1.ListOptions{
-		LabelSelector: labels.SelectorFromSet(set).String(),
-	})
-	b.timeAPI(ctx, call, t0)
-	if err != nil {
-		return nil, classify(err, "list tokenbroker Secrets", "no Secrets")
+	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String()}
+	var out []corev1.Secret
+	for _, ns := range namespaces {
+		t0 := time.Now()
+		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
+		b.timeAPI(ctx, call, t0)
+		if err != nil {
+			return nil, classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+		}
+		out = append(out, list.Items...)
 	}
-	return list.Items, nil
+	return out, nil
 }
 
 func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
@@ -128,7 +145,10 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 }
 
 // CollectGarbage deletes every lease Secret and every used join token
-// record whose expiry has passed, and returns how many it deleted. A lease
+// record whose expiry has passed, and returns how many it deleted. It looks
+// in the namespaces the policy grants and the broker's own: a lease left in
+// a namespace that no grant names any more is not collected (its token
+// still expires on time; delete it with kubectl by its labels). A lease
 // without a readable expiry is deleted once it is older than the policy's
 // maximum TTL, since no credential bound to it can still be valid; a used
 // join token record without one is kept for usedJoinTokenFallbackRetention.
@@ -136,16 +156,22 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	// Every kind at once, including lease Secrets made before the kind
 	// label existed.
-	secrets, err := b.listManagedSecrets(ctx, nil, "list_gc")
+	now := b.cfg.Now()
+	maxTTL := 24 * time.Hour
+	var namespaces []string
+	if p := b.cfg.Policy.Load(); p != nil {
+		maxTTL = time.Duration(p.TTL.Max)
+		namespaces = p.Namespaces()
+	}
+	if b.cfg.Namespace != "" && !slices.Contains(namespaces, b.cfg.Namespace) {
+		namespaces = append(namespaces, b.cfg.Namespace)
+	}
+	secrets, err := b.listManagedSecrets(ctx, namespaces, nil, "list_gc")
 	if err != nil {
 		return 0, err
 	}
-	now := b.cfg.Now()
-	maxTTL := 24 * time.Hour
-	if p := b.cfg.Policy.Load(); p != nil {
-		maxTTL = time.Duration(p.TTL.Max)
-	}
 	leases, tokens := 0, 0
+	var errs []error
 	for i := range secrets {
 		s := &secrets[i]
 		usedToken := s.Labels[LabelKind] == UsedJoinTokenKind
@@ -161,7 +187,9 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 			continue
 		}
 		if err := b.deleteSecret(ctx, s); err != nil {
-			return leases + tokens, classify(err, "collect expired Secret", "Secret vanished")
+			// One Secret that cannot be deleted must not keep the others.
+			errs = append(errs, err)
+			continue
 		}
 		if usedToken {
 			tokens++
@@ -172,6 +200,9 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	b.cfg.Metrics.leaseDeleted("expired", leases)
 	if tokens > 0 {
 		b.cfg.Logger.Info("expired used join token records deleted", zap.Int("count", tokens))
+	}
+	if len(errs) > 0 {
+		return leases + tokens, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
 	}
 	return leases + tokens, nil
 }

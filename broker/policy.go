@@ -14,6 +14,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // MinTokenTTL is the shortest lifetime the TokenRequest API accepts.
@@ -233,18 +234,15 @@ func (p *Policy) Validate() error {
 	return nil
 }
 
-// validSPIFFEID checks the form spiffe://<trust-domain>/<path>.
+// validSPIFFEID checks that id is a cluster identity,
+// spiffe://<trust-domain>/cluster/<name>: the only form a client
+// certificate can carry, so any other could never match a caller.
 func validSPIFFEID(id string) error {
 	if id == "" {
 		return errors.New("is required")
 	}
-	u, err := url.Parse(id)
-	if err != nil || u.Scheme != "spiffe" || u.Host == "" || u.Path == "" || u.Path == "/" ||
-		u.User != nil || u.Port() != "" || u.RawQuery != "" || u.Fragment != "" || u.String() != id {
-		return fmt.Errorf("%q is not a SPIFFE ID of the form spiffe://<trust-domain>/<path>", id)
-	}
-	if strings.ToLower(u.Host) != u.Host {
-		return errors.New("the trust domain must be lower case")
+	if _, _, err := pki.ParseIdentity(id); err != nil {
+		return fmt.Errorf("%q is not a cluster identity spiffe://<trust-domain>/cluster/<name>: %w", id, err)
 	}
 	return nil
 }
@@ -266,6 +264,28 @@ func (p *Policy) CertificateTTL(identity string, def time.Duration) time.Duratio
 		return time.Duration(peer.CertificateTTL)
 	}
 	return def
+}
+
+// namespaces returns the namespaces the peer's grants name, sorted, each
+// once.
+func (ps *PeerSpec) namespaces() []string {
+	var out []string
+	for _, g := range ps.Grants {
+		out = append(out, g.Namespaces...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// Namespaces returns every namespace any grant names, sorted, each once:
+// the namespaces where the broker creates lease Secrets.
+func (p *Policy) Namespaces() []string {
+	var out []string
+	for i := range p.Peers {
+		out = append(out, p.Peers[i].namespaces()...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
 }
 
 // Decision is the outcome of an allowed request: who asked, under which

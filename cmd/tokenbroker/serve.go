@@ -234,6 +234,9 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 	if err != nil {
 		return err
 	}
+	// API server warnings (such as a shortened token) go to our log in
+	// its format, not to stderr through klog.
+	rc.WarningHandler = zapWarnings{log.Named("kubernetes")}
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return fmt.Errorf("create Kubernetes client: %w", err)
@@ -369,4 +372,15 @@ func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) fun
 		}
 		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
 	}
+}
+
+// zapWarnings logs the API server's warning headers.
+type zapWarnings struct{ log *zap.Logger }
+
+// HandleWarningHeader implements rest.WarningHandler.
+func (w zapWarnings) HandleWarningHeader(code int, agent, text string) {
+	if code != 299 || text == "" {
+		return
+	}
+	w.log.Info("API server warning", zap.String("warning", text))
 }

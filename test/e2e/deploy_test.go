@@ -110,9 +110,7 @@ func TestDeployBase(t *testing.T) {
 		require.ElementsMatch(t, []string{
 			"namespace/tokenbroker",
 			"serviceaccount/tokenbroker",
-			"clusterrole.rbac.authorization.k8s.io/tokenbroker-leases",
 			"clusterrole.rbac.authorization.k8s.io/tokenbroker-issue",
-			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-leases",
 			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
 			"role.rbac.authorization.k8s.io/tokenbroker-self",
 			"rolebinding.rbac.authorization.k8s.io/tokenbroker-self",
@@ -250,6 +248,21 @@ func TestDeployBase(t *testing.T) {
 			return status == 201
 		}, 10*time.Second, 100*time.Millisecond, "issuing must work again with the RoleBinding")
 		issueListRevoke(t, e, west)
+	})
+
+	t.Run("scoped that way, the broker cannot read Secrets of any other namespace", func(t *testing.T) {
+		sa := "system:serviceaccount:tokenbroker:tokenbroker"
+		can := func(attr authzv1.ResourceAttributes) bool {
+			r, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), &authzv1.SubjectAccessReview{
+				Spec: authzv1.SubjectAccessReviewSpec{User: sa, ResourceAttributes: &attr},
+			}, metav1.CreateOptions{})
+			require.NoError(t, err)
+			return r.Status.Allowed
+		}
+		require.True(t, can(authzv1.ResourceAttributes{Namespace: "argo", Verb: "list", Resource: "secrets"}))
+		require.False(t, can(authzv1.ResourceAttributes{Verb: "list", Resource: "secrets"}), "no cluster-wide list")
+		require.False(t, can(authzv1.ResourceAttributes{Namespace: "kube-system", Verb: "list", Resource: "secrets"}))
+		require.False(t, can(authzv1.ResourceAttributes{Namespace: "argo", Verb: "get", Resource: "secrets"}))
 	})
 
 	t.Run("without tokenbroker-issue, the Role still lets the broker record used join tokens and read only its deny list", func(t *testing.T) {

@@ -159,9 +159,13 @@ func TestAgainstARealAPIServer(t *testing.T) {
 
 	t.Run("expired leases are collected", func(t *testing.T) {
 		resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "10m"})
+		// A replica eleven minutes later, with the same policy: the GC looks
+		// in the namespaces the policy grants.
+		p, err := broker.LoadPolicyFile(s.policyFile)
+		require.NoError(t, err)
 		later, err := broker.New(broker.Config{
 			Secrets: s.cluster.Client.CoreV1(),
-			Policy:  broker.NewPolicyStore(nil),
+			Policy:  broker.NewPolicyStore(p),
 			Logger:  zapNop(),
 			Now:     func() time.Time { return time.Now().Add(11 * time.Minute) },
 		})
