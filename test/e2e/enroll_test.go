@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -116,6 +117,65 @@ peers:
 		_, stderr, err := runErr(bin, "enroll", "--broker", "https://"+enroll, "--ca-fingerprint", wrong, "--token-file", tf, "--dir", filepath.Join(dir, "pinned"))
 		require.Error(t, err)
 		require.Contains(t, strings.ToLower(stderr), "fingerprint")
+	})
+
+	t.Run("enrollment and renewal with curl, openssl and jq work as docs/pki.md shows", func(t *testing.T) {
+		for _, tool := range []string{"openssl", "jq"} {
+			_, _, err := runErr("sh", "-c", "command -v "+tool)
+			require.NoError(t, err, "%s is needed (.ci/run installs it)", tool)
+		}
+		work := t.TempDir()
+		token, _, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north")
+		require.NoError(t, err)
+		writeFile(t, filepath.Join(work, "west.token"), token)
+		bundle, err := os.ReadFile(filepath.Join(pkiDir, "bundle.crt"))
+		require.NoError(t, err)
+		writeFile(t, filepath.Join(work, "bundle.crt"), string(bundle))
+		// The docs' commands with their example host and identity replaced.
+		script := strings.NewReplacer(
+			"https://east.example.com:8444", "https://"+enroll,
+			"https://east.example.com:8443", "https://"+api,
+			"spiffe://oc.example/cluster/west", "spiffe://e2e.example/cluster/north",
+		).Replace(`set -euo pipefail
+openssl x509 -in bundle.crt -noout -fingerprint -sha256
+
+# a key and a CSR whose only SAN is the identity (the subject is ignored)
+openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout tls.key \
+  -subj "/CN=west" -addext "subjectAltName=URI:spiffe://oc.example/cluster/west" -out west.csr
+
+# the token goes in a header file, not on the command line
+printf 'Authorization: Bearer %s\n' "$(cat west.token)" > auth.header
+jq -n --rawfile csr west.csr '{csr: $csr}' |
+  curl -sS --cacert bundle.crt -H @auth.header -H 'Content-Type: application/json' \
+    --data-binary @- https://east.example.com:8444/v1/certificates > enrolled.json
+rm auth.header west.token
+
+jq -r .certificate enrolled.json > tls.crt
+jq -r .caBundle enrolled.json > ca.crt
+curl --fail-with-body --cert tls.crt --key tls.key --cacert ca.crt https://east.example.com:8443/v1/whoami
+
+openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout new.key \
+  -subj "/CN=west" -addext "subjectAltName=URI:spiffe://oc.example/cluster/west" -out new.csr
+jq -n --rawfile csr new.csr '{csr: $csr}' |
+  curl -sS --cert tls.crt --key tls.key --cacert ca.crt -H 'Content-Type: application/json' \
+    --data-binary @- https://east.example.com:8443/v1/certificates > renewed.json
+jq -e .certificate renewed.json >/dev/null
+`)
+		docs, err := os.ReadFile(filepath.Join(repoRoot(t), "docs", "pki.md"))
+		require.NoError(t, err)
+		for _, line := range []string{
+			`jq -n --rawfile csr west.csr '{csr: $csr}' |`,
+			`    --data-binary @- https://east.example.com:8444/v1/certificates > enrolled.json`,
+			`    --data-binary @- https://east.example.com:8443/v1/certificates > renewed.json`,
+			`printf 'Authorization: Bearer %s\n' "$(cat west.token)" > auth.header`,
+		} {
+			require.Contains(t, string(docs), line, "docs/pki.md changed: keep this test's copy of its commands in step")
+		}
+		cmd := exec.Command("bash", "-c", script)
+		cmd.Dir = work
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, string(out))
+		require.Contains(t, string(out), `"identity":"spiffe://e2e.example/cluster/north"`)
 	})
 
 	t.Run("the certificate renews itself through the mTLS listener", func(t *testing.T) {
