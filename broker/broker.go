@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -84,9 +85,12 @@ type Config struct {
 	// Now and Rand default to time.Now and crypto/rand.
 	Now  func() time.Time
 	Rand io.Reader
-	// CleanupTimeout bounds the deletion of a lease after a failed
-	// request; default 10s.
-	CleanupTimeout time.Duration
+	// CleanupTimeout bounds one deletion of a lease after a failed
+	// request; default 10s. CleanupRetryFor is how long a deletion that
+	// failed because the API server was unavailable is retried in the
+	// background; default 5m.
+	CleanupTimeout  time.Duration
+	CleanupRetryFor time.Duration
 
 	// Namespace is the broker's own namespace, where used join tokens are
 	// recorded. Required when CA is set.
@@ -113,6 +117,7 @@ type Config struct {
 type Broker struct {
 	cfg        Config
 	joinTokens JoinTokenVerifier
+	cleanups   atomic.Int64 // background lease deletions under way
 }
 
 // New checks cfg and returns a Broker.
@@ -137,6 +142,9 @@ func New(cfg Config) (*Broker, error) {
 	}
 	if cfg.CleanupTimeout == 0 {
 		cfg.CleanupTimeout = 10 * time.Second
+	}
+	if cfg.CleanupRetryFor == 0 {
+		cfg.CleanupRetryFor = 5 * time.Minute
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens}
 	if b.joinTokens == nil && cfg.CA != nil {
@@ -225,6 +233,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if err != nil {
 		err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
 		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
+		if KindOf(err) == KindUnavailable && !neverSent(err) {
+			// The API server may have stored the Secret and failed before
+			// it answered. Its name is unique, so delete it by name once
+			// the API server is back.
+			b.cleanUpLater(lease, log)
+		}
 		return nil, outcomeFor(err), err
 	}
 	// From here on, every failure must delete the lease: no orphans.
@@ -367,17 +381,80 @@ func (b *Broker) setExpiry(ctx context.Context, s *corev1.Secret, at time.Time) 
 func (b *Broker) deleteLease(ctx context.Context, s *corev1.Secret, log *zap.Logger) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.CleanupTimeout)
 	defer cancel()
-	if err := b.deleteSecret(ctx, s); err != nil {
-		log.Error("delete lease after failed request", zap.String("secret", s.Namespace+"/"+s.Name), zap.Error(err))
+	err := b.deleteSecret(ctx, s)
+	if err == nil {
+		return
 	}
+	if KindOf(classify(err, "", "")) != KindUnavailable {
+		log.Error("delete lease after failed request", zap.String("secret", s.Namespace+"/"+s.Name), zap.Error(err))
+		return
+	}
+	// The API server went away between the lease and the token: keep
+	// trying in the background, so that the lease is gone soon after it
+	// is back rather than only when the GC sees it expire.
+	log.Warn("delete lease after failed request: API server unavailable, retrying in the background",
+		zap.String("secret", s.Namespace+"/"+s.Name), zap.Error(err))
+	b.cleanUpLater(s, log)
 }
 
+// maxCleanups bounds the background deletions under way at once; past it
+// the GC removes the leases when they expire.
+const maxCleanups = 256
+
+// cleanUpLater deletes s in the background (retryDelete), unless
+// maxCleanups are already under way.
+func (b *Broker) cleanUpLater(s *corev1.Secret, log *zap.Logger) {
+	if b.cleanups.Add(1) > maxCleanups {
+		b.cleanups.Add(-1)
+		log.Error("too many lease deletions pending; the GC deletes this lease when it expires",
+			zap.String("secret", s.Namespace+"/"+s.Name))
+		return
+	}
+	go func() {
+		defer b.cleanups.Add(-1)
+		b.retryDelete(s, log)
+	}()
+}
+
+// neverSent reports whether err says the request never reached the API
+// server (the connection could not be made), so nothing can have been
+// stored.
+func neverSent(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+// retryDelete deletes s with capped exponential backoff until it succeeds
+// (or s turns out not to exist) or CleanupRetryFor has passed; after that
+// the GC removes the lease once it expires.
+func (b *Broker) retryDelete(s *corev1.Secret, log *zap.Logger) {
+	deadline := time.Now().Add(b.cfg.CleanupRetryFor)
+	wait := 250 * time.Millisecond
+	for time.Now().Before(deadline) {
+		time.Sleep(wait)
+		wait = min(2*wait, 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
+		err := b.deleteSecret(ctx, s)
+		cancel()
+		if err == nil {
+			log.Info("lease of a failed request deleted after retries", zap.String("secret", s.Namespace+"/"+s.Name))
+			return
+		}
+	}
+	log.Error("gave up deleting the lease of a failed request; the GC deletes it when it expires",
+		zap.String("secret", s.Namespace+"/"+s.Name))
+}
+
+// deleteSecret deletes s, with a UID precondition when s came from the API
+// server. A Secret that is already gone is no error.
 func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
-	uid := s.UID
+	var opts metav1.DeleteOptions
+	if s.UID != "" {
+		uid := s.UID
+		opts.Preconditions = &metav1.Preconditions{UID: &uid}
+	}
 	t0 := time.Now()
-	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{
-		Preconditions: &metav1.Preconditions{UID: &uid},
-	})
+	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, opts)
 	b.timeAPI(ctx, "delete_lease", t0)
 	if err != nil && !isNotFound(err) {
 		return fmt.Errorf("delete lease Secret %s/%s: %w", s.Namespace, s.Name, err)

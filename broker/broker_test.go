@@ -13,7 +13,9 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -292,4 +294,30 @@ func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
 	}
 	t.Fatalf("no metric %s", name)
 	return 0
+}
+
+func TestALeaseThatCannotBeDeletedDuringAnOutageIsDeletedWhenTheAPIServerIsBack(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.b.cfg.CleanupRetryFor = 30 * time.Second
+	var mu sync.Mutex
+	down := true
+	e.client.PrependReactor("delete", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if down {
+			return true, nil, errors.New("dial tcp 127.0.0.1:6443: connect: connection refused")
+		}
+		return false, nil, nil
+	})
+	e.iss.err = errors.New("dial tcp 127.0.0.1:6443: connect: connection refused")
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Equal(t, 1, e.leaseCount(t), "the outage keeps the lease for now")
+
+	mu.Lock()
+	down = false
+	mu.Unlock()
+	require.Eventually(t, func() bool { return e.leaseCount(t) == 0 }, 10*time.Second, 50*time.Millisecond,
+		"the background retry deletes the lease once the API server answers")
 }

@@ -162,6 +162,9 @@ type Config struct {
 	// ShutdownGrace is how long Run waits for in-flight requests after its
 	// context is cancelled before closing connections.
 	ShutdownGrace time.Duration
+	// Pprof serves net/http/pprof under /debug/pprof/ on the operations
+	// listener.
+	Pprof bool
 	// ReadyTimeout bounds the Broker.Ready call of /readyz.
 	ReadyTimeout time.Duration
 

@@ -255,3 +255,18 @@ func readAll(t *testing.T, r io.Reader) string {
 	require.NoError(t, err)
 	return string(b)
 }
+
+func TestProfilesAreServedOnlyWhenAskedFor(t *testing.T) {
+	t.Parallel()
+	for _, on := range []bool{false, true} {
+		h := newHarness(t, nil, func(c *Config) { c.Pprof = on })
+		rec := httptest.NewRecorder()
+		h.srv.OpsHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/debug/pprof/goroutine?debug=1", nil))
+		if on {
+			require.Equal(t, http.StatusOK, rec.Code)
+			require.Contains(t, rec.Body.String(), "goroutine profile: total")
+		} else {
+			require.Equal(t, http.StatusNotFound, rec.Code)
+		}
+	}
+}

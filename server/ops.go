@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"net/http"
+	"net/http/pprof"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
@@ -24,6 +25,15 @@ func (s *Server) opsRoutes() http.Handler {
 		ErrorLog:      metricsLog,
 		ErrorHandling: promhttp.ContinueOnError,
 	}))
+	if s.cfg.Pprof {
+		// Profiles show goroutines, heap and CPU: for an operator on the
+		// internal listener only, and off unless asked for.
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+	}
 	return securityHeaders(mux)
 }
 

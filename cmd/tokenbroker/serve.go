@@ -43,6 +43,7 @@ type serveConfig struct {
 	KubeBurst     int
 	GCInterval    time.Duration
 	MaxBodyBytes  int64
+	Pprof         bool
 	Credentials   []string
 	Log           logConfig
 }
@@ -135,6 +136,7 @@ func addServeFlags(cmd *cobra.Command) {
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
+	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues (token)")
 }
 
@@ -156,6 +158,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		KubeBurst:     v.GetInt("kube-burst"),
 		GCInterval:    v.GetDuration("gc-interval"),
 		MaxBodyBytes:  v.GetInt64("max-body-bytes"),
+		Pprof:         v.GetBool("pprof"),
 		Credentials:   v.GetStringSlice("credentials"),
 		Log:           logConfigFrom(v),
 	}
@@ -308,6 +311,7 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
 		ClientCAs:    clientCAs,
 		MaxBodyBytes: cfg.MaxBodyBytes,
+		Pprof:        cfg.Pprof,
 		Logger:       log.Named("http"),
 		Registerer:   reg,
 		Gatherer:     reg,

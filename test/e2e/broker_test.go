@@ -26,6 +26,9 @@ type brokerEnv struct {
 	ca            string // CA bundle that verifies the broker
 	proc          *process
 	startup       time.Duration
+	bin           string
+	args          []string // serve's arguments but the listen addresses
+	policy        string   // the policy file
 }
 
 // curl calls the broker as the given client (cert/key file prefix, or ""
@@ -93,8 +96,8 @@ func setUpTarget(t *testing.T, c *testcluster.Cluster) {
 }
 
 // startBroker makes a PKI with the tokenbroker pki commands and starts
-// "tokenbroker serve" against c.
-func startBroker(t *testing.T, c *testcluster.Cluster) *brokerEnv {
+// "tokenbroker serve" against c, with extra serve arguments if given.
+func startBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
 	t.Helper()
 	bin := tokenbrokerBinary(t)
 	dir := t.TempDir()
@@ -127,20 +130,41 @@ peers:
         maxTTL: 12h
 `, c.URL))
 	e := &brokerEnv{
-		dir: dir,
-		api: fmt.Sprintf("127.0.0.1:%d", freePort(t)),
-		ops: fmt.Sprintf("127.0.0.1:%d", freePort(t)),
-		ca:  filepath.Join(pkiDir, "ca.crt"),
+		dir:    dir,
+		api:    fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		ops:    fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		ca:     filepath.Join(pkiDir, "ca.crt"),
+		bin:    bin,
+		policy: policy,
+		args: append([]string{
+			"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
+			"--client-ca-file", filepath.Join(pkiDir, "ca.crt"), "--policy-file", policy, "--kubeconfig", c.KubeconfigPath,
+		}, extra...),
 	}
-	start := time.Now()
-	e.proc = startProcess(t, bin, "serve",
-		"--listen-address", e.api, "--ops-address", e.ops,
-		"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
-		"--client-ca-file", e.ca, "--policy-file", policy, "--kubeconfig", c.KubeconfigPath)
-	waitReady(t, e.proc, "http://"+e.ops+"/readyz")
-	e.startup = time.Since(start)
+	e.launch(t)
 	t.Logf("broker ready %s after start", e.startup.Round(time.Millisecond))
 	return e
+}
+
+// launch starts "tokenbroker serve" on e's addresses and waits until it is
+// ready.
+func (e *brokerEnv) launch(t *testing.T) {
+	t.Helper()
+	start := time.Now()
+	e.proc = startProcess(t, e.bin, append([]string{"serve", "--listen-address", e.api, "--ops-address", e.ops}, e.args...)...)
+	waitReady(t, e.proc, "http://"+e.ops+"/readyz")
+	e.startup = time.Since(start)
+}
+
+// replica starts a second broker with the same PKI, policy and cluster on
+// other ports.
+func (e *brokerEnv) replica(t *testing.T) *brokerEnv {
+	t.Helper()
+	r := *e
+	r.api = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	r.ops = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	r.launch(t)
+	return &r
 }
 
 func TestBrokerEndToEnd(t *testing.T) {
