@@ -45,6 +45,7 @@ integration: build kube localcluster ## integration and e2e tests against a real
 	cd test && $(GO) test -count=1 -timeout 20m ./...
 
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
+	$(GO) test -run '^$$' -bench . -benchmem ./...
 	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -out $(CURDIR)/bench/results.json
 
 fuzz: ## run every fuzz target for FUZZTIME (default 30s) each

@@ -62,6 +62,7 @@ type result struct {
 
 func run() error {
 	n := flag.Int("n", 300, "requests per measurement")
+	cpuProfile := flag.String("cpuprofile", "", "write a 5 s CPU profile of the broker, taken under the first broker load at concurrency 8 or more, to this file")
 	binDir := flag.String("bin-dir", "", "directory holding the tokenbroker binary (default $TOKENBROKER_BIN_DIR, else bin/ at the repository root)")
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
 	out := flag.String("out", "", "also write the results as JSON to this file")
@@ -77,7 +78,7 @@ func run() error {
 	if err := setUp(ctx, c.Client); err != nil {
 		return err
 	}
-	br, err := startBroker(ctx, c, *binDir)
+	br, err := startBroker(ctx, c, *binDir, *cpuProfile != "")
 	if err != nil {
 		return err
 	}
@@ -135,7 +136,19 @@ func run() error {
 		}
 		for _, tc := range cases {
 			_ = measure(ctx, tc.op, conc, 20) // warm up connections and caches
+			var profiled chan error
+			if *cpuProfile != "" && conc >= 8 && strings.HasPrefix(tc.name, "broker") {
+				profiled = make(chan error, 1)
+				file := *cpuProfile
+				*cpuProfile = "" // one profile
+				go func() { profiled <- fetchProfile(ctx, br.opsURL, file) }()
+			}
 			r := measure(ctx, tc.op, conc, *n)
+			if profiled != nil {
+				if err := <-profiled; err != nil {
+					fmt.Fprintln(os.Stderr, "bench: CPU profile:", err)
+				}
+			}
 			r.Name = tc.name
 			results = append(results, r)
 		}
@@ -251,7 +264,7 @@ func (b *brokerProcess) stop() {
 // startBroker writes a PKI and a policy, starts the broker binary as its
 // own process (so that its memory and start time are its own) and returns
 // it with a kept-alive mTLS client using the production TLS profile.
-func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string) (*brokerProcess, error) {
+func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, pprof bool) (*brokerProcess, error) {
 	bin, err := tokenbrokerBinary(binDir)
 	if err != nil {
 		return nil, err
@@ -308,7 +321,7 @@ peers:
 	b.cmd = exec.Command(bin, "serve", "--listen-address", api, "--ops-address", ops,
 		"--tls-cert-file", f("server.crt"), "--tls-key-file", f("server.key"),
 		"--client-ca-file", f("ca.crt"), "--policy-file", f("policy.yaml"),
-		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn")
+		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn", fmt.Sprintf("--pprof=%t", pprof))
 	logFile, err := os.Create(f("broker.log"))
 	if err != nil {
 		return fail(err)
@@ -481,4 +494,26 @@ func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
 		return lo * 1000
 	}
 	return map[string]float64{"p50": q(.5), "p90": q(.9), "p99": q(.99)}, nil
+}
+
+// fetchProfile writes a 5-second CPU profile of the broker to file.
+func fetchProfile(ctx context.Context, opsURL, file string) error {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/debug/pprof/profile?seconds=5", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("status %d", resp.StatusCode)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
