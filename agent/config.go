@@ -2,8 +2,12 @@ package agent
 
 import "github.com/tokenbroker/tokenbroker/broker"
 
-// Config is the agent's configuration file (agent.yaml). Durations are Go
-// duration strings; every field not marked required has a default.
+// Config is the agent's configuration file (agent.yaml), read by
+// LoadConfig: strict YAML (an unknown key is an error), defaults filled in
+// by Default, every problem reported by Validate with its field path.
+// Durations are Go duration strings; every field not marked required has a
+// default; a zero number means "the default". Relative paths are relative
+// to the file's directory.
 //
 //	identity:
 //	  dir: /var/run/tokenbroker/identity        # tls.crt, tls.key, ca.crt (or secret:)
@@ -19,10 +23,13 @@ import "github.com/tokenbroker/tokenbroker/broker"
 //	  - name: east
 //	    broker: https://east.example.com:8443
 //	    request: {namespace: argo, serviceAccount: admiralty-source, ttl: 12h, minTTL: 1h}
+//	    refresh: {revokeGrace: 5m}                 # overrides the top level, field by field
 //	    outputs:
 //	      - secret: {namespace: admiralty, name: east, format: admiralty}
-//	      - file: {path: /shared/east.kubeconfig}
+//	      - secret: {namespace: argocd, name: east, format: argocd, labels: {team: a}, annotations: {owner: b}}
+//	      - file: {path: /shared/east.kubeconfig}   # and /shared/east.kubeconfig.meta
 //	opsAddress: ":9091"
+//	kubeconfig: ""                                 # the source cluster; empty: in-cluster
 type Config struct {
 	Identity IdentityConfig `json:"identity"`
 	// Refresh holds the defaults of every target's refresh.
@@ -37,27 +44,45 @@ type Config struct {
 
 // IdentityConfig says where the agent's client certificate lives and how
 // it is obtained and renewed. Exactly one of Dir and Secret is required.
+// The trust bundle that verifies every broker is the identity's ca.crt.
 type IdentityConfig struct {
-	Dir         string        `json:"dir,omitempty"`
-	Secret      *ObjectRef    `json:"secret,omitempty"`
-	RenewBroker string        `json:"renewBroker,omitempty"`
-	RenewAt     float64       `json:"renewAt,omitempty"`
-	Enroll      *EnrollConfig `json:"enroll,omitempty"`
+	// Dir holds tls.crt, tls.key (0600) and ca.crt (see IdentityDir).
+	Dir string `json:"dir,omitempty"`
+	// Secret is a Secret of the source cluster with the keys tls.crt,
+	// tls.key and ca.crt, so that a Deployment keeps its identity across
+	// restarts without a volume; made as kubernetes.io/tls if absent.
+	Secret *ObjectRef `json:"secret,omitempty"`
+	// RenewBroker is the mTLS listener that renews the certificate;
+	// default: the first target's broker.
+	RenewBroker string `json:"renewBroker,omitempty"`
+	// RenewAt is the fraction of the certificate's lifetime (NotBefore to
+	// NotAfter) after which it is renewed, in (0, 1); default 0.66.
+	RenewAt float64 `json:"renewAt,omitempty"`
+	// Enroll is used only while there is no (valid) certificate.
+	Enroll *EnrollConfig `json:"enroll,omitempty"`
 }
 
-// EnrollConfig is the first-start enrollment with a join token.
+// EnrollConfig is the first-start enrollment with a join token. All
+// fields are required.
 type EnrollConfig struct {
-	Broker        string `json:"broker"`
+	// Broker is the enrollment listener.
+	Broker string `json:"broker"`
+	// CAFingerprint pins the CA ("sha256:<64 hex>", as "tokenbroker pki
+	// join-token" prints it) when the trust bundle is first fetched.
 	CAFingerprint string `json:"caFingerprint"`
-	TokenFile     string `json:"tokenFile"`
+	// TokenFile holds the join token. It is read once, never logged (its
+	// jti is) and not deleted: the broker refuses a second use.
+	TokenFile string `json:"tokenFile"`
 }
 
 // RefreshConfig is when and how a credential is refreshed.
 type RefreshConfig struct {
-	// Fraction of the granted lifetime after which to refresh; default 2/3.
+	// Fraction of the granted lifetime after which to refresh, in (0, 1);
+	// default 2/3.
 	Fraction float64 `json:"fraction,omitempty"`
 	// Jitter is the largest random part of a refresh delay, as a fraction
-	// of it (0.1 = up to 10 % earlier); default 0.1.
+	// of it (0.1 = up to 10 % earlier), in [0, 1); default 0.1. Jitter
+	// also shortens backoff delays and the certificate's renewal time.
 	Jitter float64 `json:"jitter,omitempty"`
 	// MinBackoff and MaxBackoff bound the capped exponential backoff after
 	// a failed fetch; defaults 1s and 5m.
@@ -70,16 +95,22 @@ type RefreshConfig struct {
 
 // TargetConfig is one kubeconfig the agent keeps fresh.
 type TargetConfig struct {
-	// Name identifies the target in logs and metrics (a DNS label).
-	Name    string         `json:"name"`
-	Broker  string         `json:"broker"`
-	Request RequestConfig  `json:"request"`
+	// Name identifies the target in logs and metrics (a DNS label,
+	// unique); it is also the Argo CD cluster name.
+	Name string `json:"name"`
+	// Broker is the target broker's mTLS listener (https, required).
+	Broker  string        `json:"broker"`
+	Request RequestConfig `json:"request"`
+	// Outputs are where the credential is written; at least one, and no
+	// two outputs (of any target) write the same Secret or file.
 	Outputs []OutputConfig `json:"outputs"`
 	// Refresh overrides the top-level refresh settings.
 	Refresh *RefreshConfig `json:"refresh,omitempty"`
 }
 
-// RequestConfig is the POST /v1/kubeconfigs body the target sends.
+// RequestConfig is the POST /v1/kubeconfigs body the target sends:
+// namespace and serviceAccount are required; ttl and minTTL are Go
+// durations (empty: the broker's policy decides).
 type RequestConfig struct {
 	Namespace      string   `json:"namespace"`
 	ServiceAccount string   `json:"serviceAccount"`
@@ -103,17 +134,22 @@ const (
 	FormatKubeconfig = "kubeconfig" // key "kubeconfig"
 )
 
-// SecretOutput is a Secret in the source cluster.
+// SecretOutput is a Secret in the source cluster, of type Opaque,
+// labelled app.kubernetes.io/managed-by: tokenbroker-agent and annotated
+// with the lease (see the Annotation constants). The agent never takes over
+// a Secret without that label.
 type SecretOutput struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
 	Format    string `json:"format"`
-	// Labels and annotations added to the Secret.
+	// Labels and annotations added to the Secret; the agent's own keys
+	// are refused.
 	Labels      map[string]string `json:"labels,omitempty"`
 	Annotations map[string]string `json:"annotations,omitempty"`
 }
 
-// FileOutput is a kubeconfig file, written atomically with mode 0600.
+// FileOutput is a kubeconfig file, written atomically with mode 0600 when
+// its content changes, next to PATH.meta, a JSON record of the lease.
 type FileOutput struct {
 	Path string `json:"path"`
 }

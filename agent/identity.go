@@ -3,14 +3,15 @@ package agent
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -18,21 +19,99 @@ import (
 )
 
 // The files of an identity directory, named like the keys of a
-// kubernetes.io/tls Secret so that the directory can be a mounted Secret.
+// kubernetes.io/tls Secret so that the directory can be a mounted Secret
+// and the Secret identity store uses the same keys.
 const (
 	CertFile   = "tls.crt"
 	KeyFile    = "tls.key"
 	BundleFile = "ca.crt"
 )
 
-// IdentityDir is a directory holding a client certificate, its key and the
-// trust bundle.
-type IdentityDir string
+// identity is the agent's client certificate (with its chain), its private
+// key and the trust bundle, held in memory. Both identity stores load into
+// it and every broker client presents it, so that files and a Secret take
+// one code path.
+type identity struct {
+	// spiffeID is the cluster identity in the certificate's URI SAN.
+	spiffeID  string
+	cert      *tls.Certificate // Leaf is set
+	certPEM   []byte
+	keyPEM    []byte // a secret: never log it
+	bundlePEM []byte
+	roots     *x509.CertPool
+}
 
-// Cert, Key and Bundle return the paths of the identity's files.
-func (d IdentityDir) Cert() string   { return filepath.Join(string(d), CertFile) }
-func (d IdentityDir) Key() string    { return filepath.Join(string(d), KeyFile) }
-func (d IdentityDir) Bundle() string { return filepath.Join(string(d), BundleFile) }
+func (id *identity) leaf() *x509.Certificate { return id.cert.Leaf }
+
+// parseIdentity checks that the key matches the certificate, that the
+// certificate names a cluster identity and that the bundle holds
+// certificates. Expiry is the caller's business.
+func parseIdentity(certPEM, keyPEM, bundlePEM []byte) (*identity, error) {
+	certs, err := pki.ParseCertificatesPEM(certPEM)
+	if err != nil {
+		return nil, fmt.Errorf("certificate: %w", err)
+	}
+	if _, err := pki.ParsePrivateKeyPEM(keyPEM); err != nil {
+		return nil, fmt.Errorf("key: %w", err)
+	}
+	pair, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("certificate and key: %w", err)
+	}
+	pair.Leaf = certs[0]
+	spiffeID, err := pki.IdentityFromCert(certs[0])
+	if err != nil {
+		return nil, fmt.Errorf("certificate: %w", err)
+	}
+	roots, err := certPool(bundlePEM)
+	if err != nil {
+		return nil, err
+	}
+	return &identity{
+		spiffeID:  spiffeID,
+		cert:      &pair,
+		certPEM:   certPEM,
+		keyPEM:    keyPEM,
+		bundlePEM: bundlePEM,
+		roots:     roots,
+	}, nil
+}
+
+// identityFromResponse builds an identity from a broker's certificate
+// answer and the key made for its CSR.
+func identityFromResponse(resp *apiv1.CertificateResponse, keyPEM []byte) (*identity, error) {
+	id, err := parseIdentity([]byte(resp.Certificate), keyPEM, []byte(resp.CABundle))
+	if err != nil {
+		return nil, fmt.Errorf("issued certificate: %w", err)
+	}
+	return id, nil
+}
+
+// identityHolder is the identity in service. Readers never block; a
+// renewal swaps the whole identity at once.
+type identityHolder struct {
+	p atomic.Pointer[identity]
+}
+
+func (h *identityHolder) get() *identity   { return h.p.Load() }
+func (h *identityHolder) set(id *identity) { h.p.Store(id) }
+func (h *identityHolder) loaded() bool     { return h.p.Load() != nil }
+func (h *identityHolder) leaf() *x509.Certificate {
+	if id := h.p.Load(); id != nil {
+		return id.leaf()
+	}
+	return nil
+}
+
+// GetClientCertificate is the tls.Config hook of every broker client: the
+// certificate in service at the moment of the handshake. Before an identity
+// is loaded it presents none, which the broker refuses.
+func (h *identityHolder) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+	if id := h.p.Load(); id != nil {
+		return id.cert, nil
+	}
+	return &tls.Certificate{}, nil
+}
 
 // EnrollOptions configure Enroll.
 type EnrollOptions struct {
@@ -51,39 +130,60 @@ type EnrollOptions struct {
 
 // Enroll makes a key pair, sends a CSR for the join token's identity with
 // the token, and writes the certificate, the key and the trust bundle to
-// opts.Dir. The private key never leaves this process except into
-// opts.Dir. Nothing is written if enrollment fails.
+// opts.Dir (see IdentityDir for how the three files are replaced together).
+// The private key never leaves this process except into opts.Dir. Nothing
+// is written if enrollment fails.
 func Enroll(ctx context.Context, opts EnrollOptions) (*apiv1.CertificateResponse, error) {
-	identity, err := joinTokenSubject(opts.Token)
+	id, resp, err := enroll(ctx, opts)
 	if err != nil {
 		return nil, err
+	}
+	if err := (dirStore{dir: opts.Dir}).save(ctx, id); err != nil {
+		return nil, err
+	}
+	return resp, nil
+}
+
+// enroll obtains a first identity with a join token; opts.Dir is unused.
+func enroll(ctx context.Context, opts EnrollOptions) (*identity, *apiv1.CertificateResponse, error) {
+	claims, err := parseJoinToken(opts.Token)
+	if err != nil {
+		return nil, nil, err
 	}
 	bundle := opts.Bundle
 	if len(bundle) == 0 {
 		if bundle, err = client.FetchTrustBundle(ctx, opts.BrokerURL, opts.Fingerprint); err != nil {
-			return nil, fmt.Errorf("fetch trust bundle: %w", err)
+			return nil, nil, fmt.Errorf("fetch trust bundle: %w", err)
 		}
 	}
 	roots, err := certPool(bundle)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	c, err := client.New(client.Config{URL: opts.BrokerURL, RootCAs: roots})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	csrPEM, keyPEM, err := pki.NewCSR(identity, rand.Reader)
+	defer c.CloseIdleConnections()
+	csrPEM, keyPEM, err := pki.NewCSR(claims.sub, rand.Reader)
 	if err != nil {
-		return nil, fmt.Errorf("make CSR: %w", err)
+		return nil, nil, fmt.Errorf("make CSR: %w", err)
 	}
 	resp, err := c.Enroll(ctx, opts.Token, csrPEM)
 	if err != nil {
-		return nil, fmt.Errorf("enroll: %w", err)
+		return nil, nil, fmt.Errorf("enroll: %w", err)
 	}
-	if err := writeIdentity(opts.Dir, resp, keyPEM); err != nil {
-		return nil, err
+	id, err := identityFromResponse(resp, keyPEM)
+	if err != nil {
+		return nil, nil, err
 	}
-	return resp, nil
+	return id, resp, nil
+}
+
+// renewAPI is the part of the broker API that renewal needs;
+// *client.Client implements it.
+type renewAPI interface {
+	Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error)
 }
 
 // Renew asks the broker, through c (which authenticates with the current
@@ -91,27 +191,16 @@ func Enroll(ctx context.Context, opts EnrollOptions) (*apiv1.CertificateResponse
 // identity, and replaces the files in dir. The old files stay if anything
 // fails.
 func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.CertificateResponse, error) {
-	data, err := os.ReadFile(dir.Cert())
+	store := dirStore{dir: dir}
+	cur, err := store.load(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("read current certificate: %w", err)
+		return nil, fmt.Errorf("read current identity: %w", err)
 	}
-	certs, err := pki.ParseCertificatesPEM(data)
+	next, resp, err := renewIdentity(ctx, c, cur, time.Now())
 	if err != nil {
-		return nil, fmt.Errorf("current certificate: %w", err)
+		return nil, err
 	}
-	identity, err := pki.IdentityFromCert(certs[0])
-	if err != nil {
-		return nil, fmt.Errorf("current certificate: %w", err)
-	}
-	csrPEM, keyPEM, err := pki.NewCSR(identity, rand.Reader)
-	if err != nil {
-		return nil, fmt.Errorf("make CSR: %w", err)
-	}
-	resp, err := c.Renew(ctx, csrPEM)
-	if err != nil {
-		return nil, fmt.Errorf("renew: %w", err)
-	}
-	if err := writeIdentity(dir, resp, keyPEM); err != nil {
+	if err := store.save(ctx, next); err != nil {
 		return nil, err
 	}
 	// New connections must present the new certificate.
@@ -119,25 +208,29 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 	return resp, nil
 }
 
-func writeIdentity(dir IdentityDir, resp *apiv1.CertificateResponse, keyPEM []byte) error {
-	certs, err := pki.ParseCertificatesPEM([]byte(resp.Certificate))
+// renewIdentity obtains a successor of cur: a new key, a CSR for the same
+// identity, and a certificate that must name that identity and be valid at
+// now. It stores nothing.
+func renewIdentity(ctx context.Context, api renewAPI, cur *identity, now time.Time) (*identity, *apiv1.CertificateResponse, error) {
+	csrPEM, keyPEM, err := pki.NewCSR(cur.spiffeID, rand.Reader)
 	if err != nil {
-		return fmt.Errorf("issued certificate: %w", err)
+		return nil, nil, fmt.Errorf("make CSR: %w", err)
 	}
-	if _, err := certPool([]byte(resp.CABundle)); err != nil {
-		return fmt.Errorf("issued trust bundle: %w", err)
+	resp, err := api.Renew(ctx, csrPEM)
+	if err != nil {
+		return nil, nil, fmt.Errorf("renew: %w", err)
 	}
-	if err := os.MkdirAll(string(dir), 0o700); err != nil {
-		return fmt.Errorf("create %s: %w", dir, err)
+	next, err := identityFromResponse(resp, keyPEM)
+	if err != nil {
+		return nil, nil, err
 	}
-	kp := &pki.KeyPair{Cert: certs[0], CertPEM: []byte(resp.Certificate), KeyPEM: keyPEM}
-	if err := kp.WriteFiles(dir.Cert(), dir.Key()); err != nil {
-		return fmt.Errorf("write certificate and key: %w", err)
+	if next.spiffeID != cur.spiffeID {
+		return nil, nil, fmt.Errorf("renew: the broker issued a certificate for %s, not %s", next.spiffeID, cur.spiffeID)
 	}
-	if err := writeFileAtomic(dir.Bundle(), []byte(resp.CABundle), 0o644); err != nil {
-		return fmt.Errorf("write trust bundle: %w", err)
+	if !now.Before(next.leaf().NotAfter) {
+		return nil, nil, fmt.Errorf("renew: the issued certificate expired at %s", next.leaf().NotAfter.UTC().Format(time.RFC3339))
 	}
-	return nil
+	return next, resp, nil
 }
 
 func certPool(bundle []byte) (*x509.CertPool, error) {
@@ -152,58 +245,35 @@ func certPool(bundle []byte) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// joinTokenSubject reads the sub claim of a join token without verifying
-// it: the broker verifies the token; the client only needs to know which
-// identity to put in its CSR.
-func joinTokenSubject(token string) (string, error) {
+// joinTokenClaims are what the client reads from a join token.
+type joinTokenClaims struct {
+	sub string
+	jti string
+}
+
+// parseJoinToken reads the sub and jti claims of a join token without
+// verifying it: the broker verifies the token; the client only needs to
+// know which identity to put in its CSR, and the jti to log instead of the
+// token.
+func parseJoinToken(token string) (joinTokenClaims, error) {
 	token = strings.TrimSpace(token)
 	parts := strings.Split(token, ".")
 	if len(parts) != 3 || len(token) > pki.MaxJoinTokenBytes {
-		return "", errors.New("the join token is not a JWT")
+		return joinTokenClaims{}, errors.New("the join token is not a JWT")
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
 	if err != nil {
-		return "", errors.New("the join token is not a JWT")
+		return joinTokenClaims{}, errors.New("the join token is not a JWT")
 	}
 	var claims struct {
 		Sub string `json:"sub"`
+		JTI string `json:"jti"`
 	}
 	if err := json.Unmarshal(raw, &claims); err != nil || claims.Sub == "" {
-		return "", errors.New("the join token names no identity (sub)")
+		return joinTokenClaims{}, errors.New("the join token names no identity (sub)")
 	}
 	if _, _, err := pki.ParseIdentity(claims.Sub); err != nil {
-		return "", fmt.Errorf("the join token's subject: %w", err)
+		return joinTokenClaims{}, fmt.Errorf("the join token's subject: %w", err)
 	}
-	return claims.Sub, nil
-}
-
-// writeFileAtomic writes data to name through a temporary file in the same
-// directory, fsync and rename, so a reader sees the old or the new file,
-// never a partial one.
-func writeFileAtomic(name string, data []byte, mode os.FileMode) (err error) {
-	f, err := os.CreateTemp(filepath.Dir(name), "."+filepath.Base(name)+".tmp-*")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			_ = os.Remove(f.Name())
-		}
-	}()
-	if err = f.Chmod(mode); err != nil {
-		f.Close()
-		return err
-	}
-	if _, err = f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err = f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), name)
+	return joinTokenClaims{sub: claims.Sub, jti: claims.JTI}, nil
 }

@@ -36,6 +36,11 @@ type Config struct {
 	// Certificate is the client certificate; nil for enrollment with a join
 	// token, which goes to the broker's enrollment listener.
 	Certificate *pki.CertReloader
+	// GetClientCertificate, used when Certificate is nil, returns the client
+	// certificate on every handshake from wherever the caller keeps it (the
+	// agent keeps its key pair in memory, whether it stores it in files or
+	// in a Kubernetes Secret). Setting both is an error.
+	GetClientCertificate func(*tls.CertificateRequestInfo) (*tls.Certificate, error)
 	// Timeout bounds each request; default 30s.
 	Timeout time.Duration
 }
@@ -56,12 +61,19 @@ func New(cfg Config) (*Client, error) {
 	if cfg.RootCAs == nil {
 		return nil, errors.New("client: RootCAs is required")
 	}
+	if cfg.Certificate != nil && cfg.GetClientCertificate != nil {
+		return nil, errors.New("client: set Certificate or GetClientCertificate, not both")
+	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 30 * time.Second
 	}
+	tc := pki.ClientTLSConfig(cfg.RootCAs, cfg.Certificate)
+	if cfg.GetClientCertificate != nil {
+		tc.GetClientCertificate = cfg.GetClientCertificate
+	}
 	return &Client{base: u, http: &http.Client{
 		Timeout:   cfg.Timeout,
-		Transport: newTransport(pki.ClientTLSConfig(cfg.RootCAs, cfg.Certificate)),
+		Transport: newTransport(tc),
 	}}, nil
 }
 
@@ -117,6 +129,14 @@ func Retryable(err error) bool {
 	var pe *ProblemError
 	if errors.As(err, &pe) {
 		return pe.Status >= 500 || pe.Status == http.StatusTooManyRequests
+	}
+	// A broker that fails verification (a wrong pin, a certificate from
+	// another CA) will not pass it by being asked again.
+	var verr *tls.CertificateVerificationError
+	var uerr x509.UnknownAuthorityError
+	var herr x509.HostnameError
+	if errors.Is(err, pki.ErrFingerprintMismatch) || errors.As(err, &verr) || errors.As(err, &uerr) || errors.As(err, &herr) {
+		return false
 	}
 	return !errors.Is(err, context.Canceled)
 }

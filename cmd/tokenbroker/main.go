@@ -1,5 +1,8 @@
 // Command tokenbroker is the single tokenbroker binary: the broker (serve),
-// the PKI tool (pki), a local development setup (dev) and its version.
+// the agent that keeps kubeconfigs fresh in source clusters (agent), its
+// one-shot form (get kubeconfig), enrollment and renewal of a cluster's
+// client certificate (enroll, renew), the PKI tool (pki), a local
+// development setup (dev) and its version.
 //
 // main only builds the signal context and the command tree; each command
 // turns its flags, TOKENBROKER_* environment variables and config file into

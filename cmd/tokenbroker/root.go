@@ -26,7 +26,7 @@ PKI (see "tokenbroker pki").`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCommand(), newDevCommand(), newPKICommand(), newEnrollCommand(), newRenewCommand(), newVersionCommand())
+	root.AddCommand(newServeCommand(), newAgentCommand(), newGetCommand(), newDevCommand(), newPKICommand(), newEnrollCommand(), newRenewCommand(), newVersionCommand())
 	return root
 }
 

@@ -1,0 +1,119 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/tokenbroker/tokenbroker/agent/client"
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// brokers holds one API client per broker URL. Every client presents the
+// identity in service (through the holder, at each handshake) and trusts
+// its bundle; when a renewal brings a new bundle (a CA rotation), the
+// clients are made again with it.
+type brokers struct {
+	holder *identityHolder
+
+	mu      sync.Mutex
+	bundle  []byte
+	clients map[string]*client.Client
+}
+
+func newBrokers(h *identityHolder) *brokers {
+	return &brokers{holder: h, clients: map[string]*client.Client{}}
+}
+
+var errNoIdentityYet = errors.New("the agent has no client certificate yet")
+
+func (b *brokers) client(url string) (*client.Client, error) {
+	id := b.holder.get()
+	if id == nil {
+		return nil, errNoIdentityYet
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !bytes.Equal(id.bundlePEM, b.bundle) {
+		for _, c := range b.clients {
+			c.CloseIdleConnections()
+		}
+		b.clients = map[string]*client.Client{}
+		b.bundle = id.bundlePEM
+	}
+	if c, ok := b.clients[url]; ok {
+		return c, nil
+	}
+	c, err := client.New(client.Config{URL: url, RootCAs: id.roots, GetClientCertificate: b.holder.GetClientCertificate})
+	if err != nil {
+		return nil, err
+	}
+	b.clients[url] = c
+	return c, nil
+}
+
+// closeIdle closes kept-alive connections, so that the next requests
+// handshake again and present a renewed certificate.
+func (b *brokers) closeIdle() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, c := range b.clients {
+		c.CloseIdleConnections()
+	}
+}
+
+// brokerRef is one broker, reached through the client in force at each
+// call.
+type brokerRef struct {
+	b   *brokers
+	url string
+}
+
+var (
+	_ brokerAPI = brokerRef{}
+	_ renewAPI  = brokerRef{}
+)
+
+func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+	c, err := r.b.client(r.url)
+	if err != nil {
+		return nil, err
+	}
+	return c.Kubeconfig(ctx, req)
+}
+
+func (r brokerRef) RevokeLease(ctx context.Context, id string) error {
+	c, err := r.b.client(r.url)
+	if err != nil {
+		return err
+	}
+	return c.RevokeLease(ctx, id)
+}
+
+func (r brokerRef) Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+	c, err := r.b.client(r.url)
+	if err != nil {
+		return nil, err
+	}
+	return c.Renew(ctx, csrPEM)
+}
+
+// NewIdentityClient returns a client of the broker at brokerURL that
+// presents the identity in dir and trusts dir's bundle, as the agent's own
+// clients do ("tokenbroker get kubeconfig" uses it). dir is read once; an
+// interrupted replacement of its files is finished first.
+func NewIdentityClient(ctx context.Context, brokerURL string, dir IdentityDir) (*client.Client, error) {
+	id, err := dirStore{dir: dir}.load(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if leaf := id.leaf(); !time.Now().Before(leaf.NotAfter) {
+		return nil, fmt.Errorf("the client certificate in %s expired at %s; renew it or enroll again", dir, leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	h := &identityHolder{}
+	h.set(id)
+	return client.New(client.Config{URL: brokerURL, RootCAs: id.roots, GetClientCertificate: h.GetClientCertificate})
+}

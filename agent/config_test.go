@@ -1,0 +1,214 @@
+package agent
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// exampleConfig is the complete example of the configuration file; the
+// reply to the issue and the guides quote it.
+const exampleConfig = `
+identity:
+  secret: {namespace: tokenbroker-agent, name: agent-identity}
+  renewBroker: https://east.example.com:8443
+  renewAt: 0.66
+  enroll:
+    broker: https://east.example.com:8444
+    caFingerprint: sha256:3f1c0000000000000000000000000000000000000000000000000000000000aa
+    tokenFile: /var/run/tokenbroker/join/token
+refresh: {fraction: 0.66, jitter: 0.1, minBackoff: 1s, maxBackoff: 5m, revokeGrace: 1m}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: admiralty-source, ttl: 12h, minTTL: 1h}
+    outputs:
+      - secret: {namespace: admiralty, name: east, format: admiralty}
+      - file: {path: /shared/east.kubeconfig}
+  - name: south
+    broker: https://south.example.com:8443
+    request: {namespace: apps, serviceAccount: argocd-manager, ttl: 2h, audiences: [https://kubernetes.default.svc]}
+    refresh: {fraction: 0.5, revokeGrace: 5m}
+    outputs:
+      - secret:
+          namespace: argocd
+          name: south
+          format: argocd
+          labels: {team: platform}
+          annotations: {example.com/owner: ops}
+      - secret: {namespace: flux-system, name: south, format: flux}
+      - secret: {namespace: tools, name: south, format: kubeconfig}
+opsAddress: ":9091"
+`
+
+func TestTheExampleConfigParsesWithItsDefaults(t *testing.T) {
+	t.Parallel()
+	cfg, err := ParseConfig([]byte(exampleConfig), "")
+	require.NoError(t, err)
+	require.Equal(t, "tokenbroker-agent", cfg.Identity.Secret.Namespace)
+	require.Len(t, cfg.Targets, 2)
+	require.True(t, cfg.UsesKubernetes())
+	south := cfg.RefreshFor(1)
+	require.Equal(t, 0.5, south.Fraction)
+	require.Equal(t, 0.1, south.Jitter, "completed from the top level")
+	require.Equal(t, 5*time.Minute, time.Duration(south.RevokeGrace))
+	require.Equal(t, 5*time.Minute, time.Duration(south.MaxBackoff))
+	require.Equal(t, 0.66, cfg.RefreshFor(0).Fraction)
+}
+
+func TestAMinimalConfigGetsEveryDefault(t *testing.T) {
+	t.Parallel()
+	cfg, err := ParseConfig([]byte(`
+identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs: [{file: {path: /out/east}}]
+`), "")
+	require.NoError(t, err)
+	require.InDelta(t, 2.0/3.0, cfg.Refresh.Fraction, 1e-12)
+	require.Equal(t, 0.1, cfg.Refresh.Jitter)
+	require.Equal(t, time.Second, time.Duration(cfg.Refresh.MinBackoff))
+	require.Equal(t, 5*time.Minute, time.Duration(cfg.Refresh.MaxBackoff))
+	require.Equal(t, time.Minute, time.Duration(cfg.Refresh.RevokeGrace))
+	require.Equal(t, 0.66, cfg.Identity.RenewAt)
+	require.Equal(t, "https://east.example.com:8443", cfg.Identity.RenewBroker, "the first target's broker")
+	require.Equal(t, ":9091", cfg.OpsAddress)
+	require.False(t, cfg.UsesKubernetes())
+}
+
+func TestRelativePathsAreTakenRelativeToTheConfigFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "agent.yaml")
+	require.NoError(t, os.WriteFile(path, []byte(`
+identity:
+  dir: identity
+  enroll: {broker: "https://e:8444", caFingerprint: "sha256:`+strings.Repeat("ab", 32)+`", tokenFile: join.token}
+kubeconfig: west.kubeconfig
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs: [{file: {path: out/east.kubeconfig}}, {file: {path: /abs/east.kubeconfig}}]
+`), 0o600))
+	cfg, err := LoadConfig(path)
+	require.NoError(t, err)
+	require.Equal(t, filepath.Join(dir, "identity"), cfg.Identity.Dir)
+	require.Equal(t, filepath.Join(dir, "join.token"), cfg.Identity.Enroll.TokenFile)
+	require.Equal(t, filepath.Join(dir, "west.kubeconfig"), cfg.Kubeconfig)
+	require.Equal(t, filepath.Join(dir, "out/east.kubeconfig"), cfg.Targets[0].Outputs[0].File.Path)
+	require.Equal(t, "/abs/east.kubeconfig", cfg.Targets[0].Outputs[1].File.Path)
+}
+
+func TestAnUnknownFieldIsRejected(t *testing.T) {
+	t.Parallel()
+	_, err := ParseConfig([]byte("identity: {dir: /id}\nrefresh: {fraktion: 0.5}\n"), "")
+	require.ErrorContains(t, err, `unknown field "fraktion"`)
+}
+
+func TestConfigValidationReportsEveryProblemWithItsFieldPath(t *testing.T) {
+	t.Parallel()
+	const target = `
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs: [{file: {path: /out/east}}]`
+	for _, tc := range []struct {
+		name string
+		yaml string
+		want []string // "field: detail" fragments
+	}{
+		{"no identity store", "identity: {}\ntargets:" + target, []string{"identity: give dir or secret"}},
+		{"both identity stores", "identity: {dir: /id, secret: {namespace: a, name: b}}\ntargets:" + target, []string{"identity: give dir or secret, not both"}},
+		{"a bad identity secret", "identity: {secret: {namespace: Bad_NS}}\ntargets:" + target,
+			[]string{"identity.secret.namespace:", "identity.secret.name: is required"}},
+		{"renewAt out of range", "identity: {dir: /id, renewAt: 1.5}\ntargets:" + target, []string{"identity.renewAt: must be between 0 and 1"}},
+		{"an http renew broker", "identity: {dir: /id, renewBroker: 'http://e'}\ntargets:" + target, []string{"identity.renewBroker: must be an https://"}},
+		{"an incomplete enroll", "identity: {dir: /id, enroll: {broker: 'e:8444', caFingerprint: 'md5:1'}}\ntargets:" + target,
+			[]string{"identity.enroll.broker: must be an https://", "identity.enroll.caFingerprint:", "identity.enroll.tokenFile: is required"}},
+		{"no targets", "identity: {dir: /id}", []string{"targets: at least one target is required"}},
+		{"a bad fraction", "identity: {dir: /id}\nrefresh: {fraction: 1}\ntargets:" + target, []string{"refresh.fraction: must be between 0 and 1"}},
+		{"a negative jitter", "identity: {dir: /id}\nrefresh: {jitter: -0.5}\ntargets:" + target, []string{"refresh.jitter:"}},
+		{"backoff bounds upside down", "identity: {dir: /id}\nrefresh: {minBackoff: 1m, maxBackoff: 1s}\ntargets:" + target,
+			[]string{"refresh.maxBackoff: must not be shorter than minBackoff"}},
+		{"a bad ops address", "identity: {dir: /id}\nopsAddress: nine\ntargets:" + target, []string{"opsAddress:"}},
+		{"a target that is wrong everywhere", `identity: {dir: /id}
+targets:
+  - name: East_1
+    broker: http://east
+    request: {namespace: "", serviceAccount: "", ttl: soon, minTTL: 2h}
+    refresh: {fraction: 2}
+    outputs:
+      - {}
+      - secret: {namespace: a, name: b, format: fluxcd, labels: {app.kubernetes.io/managed-by: me}, annotations: {tokenbroker.io/lease-id: x}}
+        file: {path: /x}`,
+			[]string{
+				"targets[0].name: must be a DNS label",
+				"targets[0].broker: must be an https://",
+				"targets[0].request.namespace: is required",
+				"targets[0].request.serviceAccount: is required",
+				"targets[0].request.ttl: must be a duration",
+				"targets[0].refresh.fraction:",
+				"targets[0].outputs[0]: give secret or file",
+				"targets[0].outputs[1]: give secret or file, not both",
+			}},
+		{"a bad secret output", `identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, ttl: 1h, minTTL: 2h, audiences: [""]}
+    outputs:
+      - secret: {namespace: a, name: b, format: fluxcd, labels: {app.kubernetes.io/managed-by: me}, annotations: {tokenbroker.io/lease-id: x}}`,
+			[]string{
+				"targets[0].request.minTTL: must not be longer than ttl",
+				"targets[0].request.audiences[0]: must not be empty",
+				`targets[0].outputs[0].secret.format: unknown format "fluxcd"`,
+				`targets[0].outputs[0].secret.labels: "app.kubernetes.io/managed-by" is set by the agent`,
+				`targets[0].outputs[0].secret.annotations: "tokenbroker.io/lease-id" is set by the agent`,
+			}},
+		{"duplicate names and outputs", `identity: {secret: {namespace: ns, name: id}}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs:
+      - secret: {namespace: admiralty, name: east, format: admiralty}
+      - file: {path: /out/east}
+      - secret: {namespace: ns, name: id, format: kubeconfig}
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs:
+      - secret: {namespace: admiralty, name: east, format: flux}
+      - file: {path: /out/../out/east}
+      - file: {path: /out/east.meta}`,
+			[]string{
+				`targets[1].name: duplicate target name "east" (also targets[0])`,
+				"targets[0].outputs[2].secret: Secret ns/id is already written by identity.secret",
+				"targets[1].outputs[0].secret: Secret admiralty/east is already written by targets[0].outputs[0].secret",
+				"targets[1].outputs[1].file.path: file /out/east is already written by targets[0].outputs[1].file.path",
+				"targets[1].outputs[2].file.path: file /out/east.meta is already written by targets[0].outputs[1].file.path (its .meta file)",
+			}},
+	} {
+		_, err := ParseConfig([]byte(tc.yaml), "")
+		var ce *ConfigError
+		require.True(t, errors.As(err, &ce), "%s: %v", tc.name, err)
+		for _, w := range tc.want {
+			require.Contains(t, err.Error(), w, tc.name)
+		}
+	}
+}
+
+func TestARequestIsValidatedOnItsOwn(t *testing.T) {
+	t.Parallel()
+	require.NoError(t, RequestConfig{Namespace: "argo", ServiceAccount: "sa", TTL: "1h"}.Validate())
+	err := RequestConfig{Namespace: "argo", ServiceAccount: "sa", TTL: "-1h"}.Validate()
+	require.ErrorContains(t, err, "request.ttl: must be positive")
+}

@@ -1,0 +1,448 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+	"sigs.k8s.io/yaml"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+// Defaults of the configuration file, filled in by Config.Default.
+const (
+	DefaultFraction    = 2.0 / 3.0
+	DefaultJitter      = 0.1
+	DefaultMinBackoff  = time.Second
+	DefaultMaxBackoff  = 5 * time.Minute
+	DefaultRevokeGrace = time.Minute
+	DefaultRenewAt     = 0.66
+	DefaultOpsAddress  = ":9091"
+)
+
+// maxConfigBytes bounds the configuration file; a config is small.
+const maxConfigBytes = 1 << 20
+
+// ConfigError lists every problem found in a configuration, each with the
+// path of its field ("targets[1].outputs[0].secret.format").
+type ConfigError struct {
+	Problems []apiv1.FieldError
+}
+
+// Error lists the problems, each as "field: detail".
+func (e *ConfigError) Error() string {
+	parts := make([]string, len(e.Problems))
+	for i, p := range e.Problems {
+		parts[i] = p.Field + ": " + p.Detail
+	}
+	return "invalid agent config: " + strings.Join(parts, "; ")
+}
+
+// LoadConfig reads, parses, defaults and validates the configuration file
+// at path. Relative paths in it (identity.dir, identity.enroll.tokenFile,
+// kubeconfig, file outputs) are taken relative to the file's directory, as
+// the broker's policy file does with caFile.
+func LoadConfig(path string) (Config, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("read agent config: %w", err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, maxConfigBytes+1))
+	if err != nil {
+		return Config{}, fmt.Errorf("read agent config: %w", err)
+	}
+	cfg, err := ParseConfig(data, filepath.Dir(path))
+	if err != nil {
+		return Config{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// ParseConfig decodes a configuration document (YAML or JSON), resolves
+// relative paths against baseDir (empty: leave them as they are), applies
+// the defaults and validates it. Unknown fields are errors, so that a
+// misspelt key is never silently ignored.
+func ParseConfig(data []byte, baseDir string) (Config, error) {
+	if len(data) > maxConfigBytes {
+		return Config{}, fmt.Errorf("agent config is %d bytes, over the limit of %d", len(data), maxConfigBytes)
+	}
+	js, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("parse agent config: %w", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	var cfg Config
+	if err := dec.Decode(&cfg); err != nil {
+		return Config{}, fmt.Errorf("parse agent config: %w", err)
+	}
+	if baseDir != "" {
+		cfg.resolvePaths(baseDir)
+	}
+	cfg.Default()
+	if err := cfg.Validate(); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+func (c *Config) resolvePaths(base string) {
+	abs := func(p *string) {
+		if *p != "" && !filepath.IsAbs(*p) {
+			*p = filepath.Join(base, *p)
+		}
+	}
+	abs(&c.Identity.Dir)
+	abs(&c.Kubeconfig)
+	if c.Identity.Enroll != nil {
+		abs(&c.Identity.Enroll.TokenFile)
+	}
+	for i := range c.Targets {
+		for j := range c.Targets[i].Outputs {
+			if f := c.Targets[i].Outputs[j].File; f != nil {
+				abs(&f.Path)
+			}
+		}
+	}
+}
+
+// Default fills in every field left empty with its default. It is
+// idempotent; New calls it, so a Config built in Go needs only what it
+// means to set. A target's Refresh, when given, is completed from the
+// top-level one field by field.
+func (c *Config) Default() {
+	c.Refresh.fill(RefreshConfig{
+		Fraction:    DefaultFraction,
+		Jitter:      DefaultJitter,
+		MinBackoff:  broker.Duration(DefaultMinBackoff),
+		MaxBackoff:  broker.Duration(DefaultMaxBackoff),
+		RevokeGrace: broker.Duration(DefaultRevokeGrace),
+	})
+	for i := range c.Targets {
+		if c.Targets[i].Refresh != nil {
+			c.Targets[i].Refresh.fill(c.Refresh)
+		}
+	}
+	if c.Identity.RenewAt == 0 {
+		c.Identity.RenewAt = DefaultRenewAt
+	}
+	if c.Identity.RenewBroker == "" && len(c.Targets) > 0 {
+		c.Identity.RenewBroker = c.Targets[0].Broker
+	}
+	if c.OpsAddress == "" {
+		c.OpsAddress = DefaultOpsAddress
+	}
+}
+
+func (r *RefreshConfig) fill(d RefreshConfig) {
+	if r.Fraction == 0 {
+		r.Fraction = d.Fraction
+	}
+	if r.Jitter == 0 {
+		r.Jitter = d.Jitter
+	}
+	if r.MinBackoff == 0 {
+		r.MinBackoff = d.MinBackoff
+	}
+	if r.MaxBackoff == 0 {
+		r.MaxBackoff = d.MaxBackoff
+	}
+	if r.RevokeGrace == 0 {
+		r.RevokeGrace = d.RevokeGrace
+	}
+}
+
+// RefreshFor returns the refresh settings in force for target i: its own,
+// completed from the top level, or the top level's. Call Default first.
+func (c *Config) RefreshFor(i int) RefreshConfig {
+	if r := c.Targets[i].Refresh; r != nil {
+		return *r
+	}
+	return c.Refresh
+}
+
+// UsesKubernetes reports whether the agent needs a client of the source
+// cluster: for a Secret identity or a Secret output.
+func (c *Config) UsesKubernetes() bool {
+	if c.Identity.Secret != nil {
+		return true
+	}
+	for _, t := range c.Targets {
+		for _, o := range t.Outputs {
+			if o.Secret != nil {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Validate reports every problem of a defaulted configuration at once, as
+// a *ConfigError.
+func (c *Config) Validate() error {
+	v := &validator{}
+	c.validateIdentity(v)
+	v.refresh("refresh", c.Refresh)
+	if c.OpsAddress != "" {
+		if _, _, err := net.SplitHostPort(c.OpsAddress); err != nil {
+			v.add("opsAddress", "must be host:port or :port: %v", err)
+		}
+	}
+	if len(c.Targets) == 0 {
+		v.add("targets", "at least one target is required")
+	}
+	names := map[string]int{}
+	secrets := map[string]string{}
+	files := map[string]string{}
+	if s := c.Identity.Secret; s != nil {
+		secrets[s.Namespace+"/"+s.Name] = "identity.secret"
+	}
+	for i, t := range c.Targets {
+		path := fmt.Sprintf("targets[%d]", i)
+		if msgs := validation.IsDNS1123Label(t.Name); t.Name == "" {
+			v.add(path+".name", "is required")
+		} else if len(msgs) > 0 {
+			v.add(path+".name", "must be a DNS label: %s", strings.Join(msgs, "; "))
+		} else if j, dup := names[t.Name]; dup {
+			v.add(path+".name", "duplicate target name %q (also targets[%d])", t.Name, j)
+		} else {
+			names[t.Name] = i
+		}
+		v.httpsURL(path+".broker", t.Broker, true)
+		validateRequest(v, path+".request", t.Request)
+		if t.Refresh != nil {
+			v.refresh(path+".refresh", *t.Refresh)
+		}
+		if len(t.Outputs) == 0 {
+			v.add(path+".outputs", "at least one output is required")
+		}
+		for j, o := range t.Outputs {
+			opath := fmt.Sprintf("%s.outputs[%d]", path, j)
+			switch {
+			case o.Secret != nil && o.File != nil:
+				v.add(opath, "give secret or file, not both")
+			case o.Secret != nil:
+				validateSecretOutput(v, opath+".secret", o.Secret)
+				key := o.Secret.Namespace + "/" + o.Secret.Name
+				if prev, dup := secrets[key]; dup && o.Secret.Name != "" {
+					v.add(opath+".secret", "Secret %s is already written by %s", key, prev)
+				} else {
+					secrets[key] = opath + ".secret"
+				}
+			case o.File != nil:
+				fpath := opath + ".file.path"
+				if o.File.Path == "" {
+					v.add(fpath, "is required")
+					continue
+				}
+				if strings.HasSuffix(o.File.Path, "/") {
+					v.add(fpath, "must name a file, not a directory")
+				}
+				// The output writes PATH and PATH.meta; neither may be
+				// another output's.
+				clean := filepath.Clean(o.File.Path)
+				dup := false
+				for _, key := range []string{clean, clean + metaSuffix} {
+					if prev, ok := files[key]; ok {
+						v.add(fpath, "file %s is already written by %s", key, prev)
+						dup = true
+						break
+					}
+				}
+				if !dup {
+					files[clean] = fpath
+					files[clean+metaSuffix] = fpath + " (its " + metaSuffix + " file)"
+				}
+			default:
+				v.add(opath, "give secret or file")
+			}
+		}
+	}
+	return v.err()
+}
+
+func (c *Config) validateIdentity(v *validator) {
+	id := c.Identity
+	switch {
+	case id.Dir != "" && id.Secret != nil:
+		v.add("identity", "give dir or secret, not both")
+	case id.Dir == "" && id.Secret == nil:
+		v.add("identity", "give dir or secret")
+	case id.Secret != nil:
+		v.objectRef("identity.secret", *id.Secret)
+	}
+	v.httpsURL("identity.renewBroker", id.RenewBroker, false)
+	if id.RenewAt <= 0 || id.RenewAt >= 1 {
+		v.add("identity.renewAt", "must be between 0 and 1 (exclusive), not %g", id.RenewAt)
+	}
+	if e := id.Enroll; e != nil {
+		v.httpsURL("identity.enroll.broker", e.Broker, true)
+		if !validFingerprint(e.CAFingerprint) {
+			v.add("identity.enroll.caFingerprint", `must be "sha256:" and 64 hex digits, as "tokenbroker pki join-token" prints it`)
+		}
+		if e.TokenFile == "" {
+			v.add("identity.enroll.tokenFile", "is required")
+		}
+	}
+}
+
+func validFingerprint(s string) bool {
+	hexPart, ok := strings.CutPrefix(strings.ToLower(s), "sha256:")
+	if !ok || len(hexPart) != 64 {
+		return false
+	}
+	_, err := hex.DecodeString(hexPart)
+	return err == nil
+}
+
+// Validate checks a request as the agent and "tokenbroker get kubeconfig"
+// send it; the broker checks it again.
+func (r RequestConfig) Validate() error {
+	v := &validator{}
+	validateRequest(v, "request", r)
+	return v.err()
+}
+
+func validateRequest(v *validator, path string, r RequestConfig) {
+	if r.Namespace == "" {
+		v.add(path+".namespace", "is required")
+	} else if msgs := validation.IsDNS1123Label(r.Namespace); len(msgs) > 0 {
+		v.add(path+".namespace", "%s", strings.Join(msgs, "; "))
+	}
+	if r.ServiceAccount == "" {
+		v.add(path+".serviceAccount", "is required")
+	} else if msgs := validation.IsDNS1123Subdomain(r.ServiceAccount); len(msgs) > 0 {
+		v.add(path+".serviceAccount", "%s", strings.Join(msgs, "; "))
+	}
+	ttl := v.duration(path+".ttl", r.TTL)
+	minTTL := v.duration(path+".minTTL", r.MinTTL)
+	if ttl > 0 && minTTL > ttl {
+		v.add(path+".minTTL", "must not be longer than ttl")
+	}
+	for i, a := range r.Audiences {
+		if strings.TrimSpace(a) == "" {
+			v.add(fmt.Sprintf("%s.audiences[%d]", path, i), "must not be empty")
+		}
+	}
+}
+
+func validateSecretOutput(v *validator, path string, s *SecretOutput) {
+	// The agent sets these; a configuration may not override them.
+	reservedLabels := []string{LabelManagedBy, labelArgoCDSecretType, labelFluxWatch}
+	reservedAnnotations := []string{AnnotationLeaseID, AnnotationExpiresAt, AnnotationObtainedAt, AnnotationTarget, AnnotationRequest}
+	v.objectRef(path, ObjectRef{Namespace: s.Namespace, Name: s.Name})
+	switch s.Format {
+	case FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig:
+	case "":
+		v.add(path+".format", "is required (%s, %s, %s or %s)", FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig)
+	default:
+		v.add(path+".format", "unknown format %q (%s, %s, %s or %s)", s.Format, FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig)
+	}
+	for k, val := range s.Labels {
+		if msgs := validation.IsQualifiedName(k); len(msgs) > 0 {
+			v.add(path+".labels", "key %q: %s", k, strings.Join(msgs, "; "))
+		}
+		if msgs := validation.IsValidLabelValue(val); len(msgs) > 0 {
+			v.add(path+".labels", "value of %q: %s", k, strings.Join(msgs, "; "))
+		}
+		if slices.Contains(reservedLabels, k) {
+			v.add(path+".labels", "%q is set by the agent", k)
+		}
+	}
+	for k := range s.Annotations {
+		if msgs := validation.IsQualifiedName(k); len(msgs) > 0 {
+			v.add(path+".annotations", "key %q: %s", k, strings.Join(msgs, "; "))
+		}
+		if slices.Contains(reservedAnnotations, k) {
+			v.add(path+".annotations", "%q is set by the agent", k)
+		}
+	}
+}
+
+// validator collects problems.
+type validator struct {
+	probs []apiv1.FieldError
+}
+
+func (v *validator) add(field, format string, args ...any) {
+	v.probs = append(v.probs, apiv1.FieldError{Field: field, Detail: fmt.Sprintf(format, args...)})
+}
+
+func (v *validator) err() error {
+	if len(v.probs) == 0 {
+		return nil
+	}
+	return &ConfigError{Problems: v.probs}
+}
+
+func (v *validator) httpsURL(field, s string, required bool) {
+	if s == "" {
+		if required {
+			v.add(field, "is required")
+		}
+		return
+	}
+	u, err := url.Parse(s)
+	if err != nil || u.Scheme != "https" || u.Host == "" || u.RawQuery != "" || u.Fragment != "" || u.User != nil {
+		v.add(field, "must be an https://host[:port] URL")
+	}
+}
+
+func (v *validator) objectRef(field string, r ObjectRef) {
+	if r.Namespace == "" {
+		v.add(field+".namespace", "is required")
+	} else if msgs := validation.IsDNS1123Label(r.Namespace); len(msgs) > 0 {
+		v.add(field+".namespace", "%s", strings.Join(msgs, "; "))
+	}
+	if r.Name == "" {
+		v.add(field+".name", "is required")
+	} else if msgs := validation.IsDNS1123Subdomain(r.Name); len(msgs) > 0 {
+		v.add(field+".name", "%s", strings.Join(msgs, "; "))
+	}
+}
+
+func (v *validator) duration(field, s string) time.Duration {
+	if s == "" {
+		return 0
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		v.add(field, `must be a duration such as "1h": %v`, err)
+		return 0
+	}
+	if d <= 0 {
+		v.add(field, "must be positive")
+	}
+	return d
+}
+
+func (v *validator) refresh(path string, r RefreshConfig) {
+	if r.Fraction <= 0 || r.Fraction >= 1 {
+		v.add(path+".fraction", "must be between 0 and 1 (exclusive), not %g", r.Fraction)
+	}
+	if r.Jitter < 0 || r.Jitter >= 1 {
+		v.add(path+".jitter", "must be at least 0 and below 1, not %g", r.Jitter)
+	}
+	if r.MinBackoff <= 0 {
+		v.add(path+".minBackoff", "must be positive")
+	}
+	if r.MaxBackoff < r.MinBackoff {
+		v.add(path+".maxBackoff", "must not be shorter than minBackoff")
+	}
+	if r.RevokeGrace < 0 {
+		v.add(path+".revokeGrace", "must not be negative")
+	}
+}

@@ -1,0 +1,195 @@
+package agent
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"go.uber.org/zap/zapcore"
+	"k8s.io/client-go/tools/clientcmd"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+// Credential is one kubeconfig obtained from a broker, with what the
+// outputs need to render it. Kubeconfig and Token are secrets: String,
+// GoString and the zap encoding show only the lease and its expiry, so
+// that a Credential passed to a logger by mistake leaks nothing.
+type Credential struct {
+	// LeaseID names the lease at the broker, for revocation.
+	LeaseID string
+	// Kubeconfig is the kubeconfig as the broker built it.
+	Kubeconfig []byte
+	// Token is the bearer token inside Kubeconfig.
+	Token string
+	// Server is the API server URL of the kubeconfig's current context,
+	// and CAData the PEM bundle that verifies it.
+	Server string
+	CAData []byte
+	// ObtainedAt is when the answer arrived, ExpiresAt when the credential
+	// expires; the granted lifetime is the difference.
+	ObtainedAt time.Time
+	ExpiresAt  time.Time
+	// RequestedTTL, GrantedTTL and ClampedBy are the broker's account of
+	// the lifetime (see apiv1.KubeconfigResponse).
+	RequestedTTL string
+	GrantedTTL   string
+	ClampedBy    string
+}
+
+// String describes the credential without its secrets.
+func (c *Credential) String() string {
+	if c == nil {
+		return "<nil credential>"
+	}
+	return fmt.Sprintf("credential{lease %s, expires %s}", c.LeaseID, c.ExpiresAt.UTC().Format(time.RFC3339))
+}
+
+// GoString is String, so that %#v leaks nothing either.
+func (c *Credential) GoString() string { return c.String() }
+
+// MarshalLogObject logs the lease and its lifetime, never the token.
+func (c *Credential) MarshalLogObject(enc zapcore.ObjectEncoder) error {
+	enc.AddString("lease_id", c.LeaseID)
+	enc.AddTime("expires_at", c.ExpiresAt)
+	enc.AddTime("obtained_at", c.ObtainedAt)
+	return nil
+}
+
+// Response returns the credential as the API's wire type, for "tokenbroker
+// get kubeconfig --format json". It holds the token.
+func (c *Credential) Response() apiv1.KubeconfigResponse {
+	return apiv1.KubeconfigResponse{
+		LeaseID:      c.LeaseID,
+		Kubeconfig:   string(c.Kubeconfig),
+		Token:        c.Token,
+		ExpiresAt:    c.ExpiresAt.UTC(),
+		RequestedTTL: c.RequestedTTL,
+		GrantedTTL:   c.GrantedTTL,
+		ClampedBy:    c.ClampedBy,
+	}
+}
+
+func (c *Credential) grant() grant {
+	return grant{leaseID: c.LeaseID, obtainedAt: c.ObtainedAt, expiresAt: c.ExpiresAt}
+}
+
+// KubeconfigAPI is the part of the broker API that Fetch needs;
+// *client.Client implements it.
+type KubeconfigAPI interface {
+	Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+}
+
+// APIRequest returns the wire form of the request.
+func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
+	return apiv1.KubeconfigRequest{
+		Namespace:      r.Namespace,
+		ServiceAccount: r.ServiceAccount,
+		TTL:            r.TTL,
+		MinTTL:         r.MinTTL,
+		Audiences:      append([]string(nil), r.Audiences...),
+	}
+}
+
+// ErrBadAnswer is wrapped when a broker's 201 answer cannot be used (no
+// lease id, an unreadable kubeconfig, a credential already expired). Not
+// retryable in itself, but the agent retries anyway: a broker may be
+// fixed.
+var ErrBadAnswer = errors.New("unusable answer from the broker")
+
+// Fetch asks the broker for a kubeconfig and checks the answer: a lease id,
+// a kubeconfig with a server, a CA bundle and a token, and an expiry after
+// the moment the answer arrived (now()). It is the one fetch of the agent's
+// refreshers and of "tokenbroker get kubeconfig". Errors of the broker
+// client are wrapped (see client.Retryable).
+func Fetch(ctx context.Context, api KubeconfigAPI, req RequestConfig, now func() time.Time) (*Credential, error) {
+	resp, err := api.Kubeconfig(ctx, req.APIRequest())
+	if err != nil {
+		return nil, fmt.Errorf("request kubeconfig for %s/%s: %w", req.Namespace, req.ServiceAccount, err)
+	}
+	return credentialFromResponse(resp, now())
+}
+
+func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time) (*Credential, error) {
+	if !broker.ValidLeaseID(resp.LeaseID) {
+		return nil, fmt.Errorf("%w: lease id %q is not a lease id", ErrBadAnswer, resp.LeaseID)
+	}
+	kc, err := parseKubeconfig([]byte(resp.Kubeconfig))
+	if err != nil {
+		return nil, fmt.Errorf("%w: lease %s: %w", ErrBadAnswer, resp.LeaseID, err)
+	}
+	if resp.Token != "" && resp.Token != kc.token {
+		return nil, fmt.Errorf("%w: lease %s: the token differs from the kubeconfig's", ErrBadAnswer, resp.LeaseID)
+	}
+	if !resp.ExpiresAt.After(obtainedAt) {
+		return nil, fmt.Errorf("%w: lease %s expired at %s, before it arrived", ErrBadAnswer, resp.LeaseID, resp.ExpiresAt.UTC().Format(time.RFC3339))
+	}
+	return &Credential{
+		LeaseID:      resp.LeaseID,
+		Kubeconfig:   []byte(resp.Kubeconfig),
+		Token:        kc.token,
+		Server:       kc.server,
+		CAData:       kc.caData,
+		ObtainedAt:   obtainedAt,
+		ExpiresAt:    resp.ExpiresAt,
+		RequestedTTL: resp.RequestedTTL,
+		GrantedTTL:   resp.GrantedTTL,
+		ClampedBy:    resp.ClampedBy,
+	}, nil
+}
+
+type kubeconfigParts struct {
+	server string
+	caData []byte
+	token  string
+}
+
+// parseKubeconfig reads the current context's server, CA bundle and token.
+// Errors never quote the document: it holds the token.
+func parseKubeconfig(data []byte) (kubeconfigParts, error) {
+	if len(data) == 0 {
+		return kubeconfigParts{}, errors.New("no kubeconfig")
+	}
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return kubeconfigParts{}, errors.New("the kubeconfig does not parse")
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok {
+		return kubeconfigParts{}, errors.New("the kubeconfig has no current context")
+	}
+	cluster, ok := cfg.Clusters[ctx.Cluster]
+	if !ok || cluster.Server == "" {
+		return kubeconfigParts{}, errors.New("the kubeconfig's current context has no server")
+	}
+	user, ok := cfg.AuthInfos[ctx.AuthInfo]
+	if !ok || user.Token == "" {
+		return kubeconfigParts{}, errors.New("the kubeconfig's current context has no token")
+	}
+	return kubeconfigParts{server: cluster.Server, caData: cluster.CertificateAuthorityData, token: user.Token}, nil
+}
+
+// tokenIssuedAt reads the iat claim of a JWT without verifying it, for a
+// credential found in an output that does not say when it was obtained.
+func tokenIssuedAt(token string) (time.Time, bool) {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return time.Time{}, false
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
+	if err != nil {
+		return time.Time{}, false
+	}
+	var claims struct {
+		IAT int64 `json:"iat"`
+	}
+	if json.Unmarshal(raw, &claims) != nil || claims.IAT == 0 {
+		return time.Time{}, false
+	}
+	return time.Unix(claims.IAT, 0), true
+}

@@ -1,0 +1,245 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// errNoIdentity is wrapped when a store holds no identity yet: the agent
+// then enrolls, if it may.
+var errNoIdentity = errors.New("no identity stored")
+
+// identityStore keeps the agent's identity across restarts: a directory or
+// a Secret in the source cluster. Both write the certificate, the key and
+// the bundle so that a reader never sees a key with another key's
+// certificate.
+type identityStore interface {
+	// load returns the stored identity, or an error wrapping errNoIdentity.
+	load(ctx context.Context) (*identity, error)
+	save(ctx context.Context, id *identity) error
+	String() string
+}
+
+// IdentityDir is a directory holding a client certificate, its key and the
+// trust bundle.
+//
+// The three files are replaced together: the new ones are first written
+// completely as .tls.key.next, .tls.crt.next and .ca.crt.next (each
+// through a temporary file, fsync and rename, in that order), then renamed
+// over the old ones in the same order. Reading the directory finishes an
+// interrupted replacement: if .tls.key.next is there, the staging was
+// complete only if the other two are there too (else the staged files are
+// dropped and the old identity stands); without .tls.key.next the renames
+// had begun, and the remaining staged files are renamed. A crash therefore
+// never leaves a key beside another key's certificate.
+type IdentityDir string
+
+// Cert, Key and Bundle return the paths of the identity's files.
+func (d IdentityDir) Cert() string   { return filepath.Join(string(d), CertFile) }
+func (d IdentityDir) Key() string    { return filepath.Join(string(d), KeyFile) }
+func (d IdentityDir) Bundle() string { return filepath.Join(string(d), BundleFile) }
+
+func (d IdentityDir) staged(name string) string {
+	return filepath.Join(string(d), "."+name+".next")
+}
+
+// dirStore keeps the identity in an IdentityDir.
+type dirStore struct {
+	dir IdentityDir
+}
+
+var _ identityStore = dirStore{}
+
+func (s dirStore) String() string { return "dir:" + string(s.dir) }
+
+// identityFiles lists the files in the order they are staged and renamed:
+// the key first, so that a half-done replacement is recognised by it.
+func (s dirStore) identityFiles(id *identity) []struct {
+	name string
+	data []byte
+	mode fs.FileMode
+} {
+	return []struct {
+		name string
+		data []byte
+		mode fs.FileMode
+	}{
+		{KeyFile, id.keyPEM, 0o600},
+		{CertFile, id.certPEM, 0o644},
+		{BundleFile, id.bundlePEM, 0o644},
+	}
+}
+
+func (s dirStore) save(_ context.Context, id *identity) error {
+	if err := os.MkdirAll(string(s.dir), 0o700); err != nil {
+		return fmt.Errorf("create %s: %w", s.dir, err)
+	}
+	// A replacement interrupted earlier is finished (or dropped) first, so
+	// that the staged files below start from a clean state.
+	if err := s.recover(); err != nil {
+		return err
+	}
+	files := s.identityFiles(id)
+	for _, f := range files {
+		if err := writeFileAtomic(s.dir.staged(f.name), f.data, f.mode); err != nil {
+			return fmt.Errorf("stage identity: %w", err)
+		}
+	}
+	for _, f := range files {
+		if err := os.Rename(s.dir.staged(f.name), filepath.Join(string(s.dir), f.name)); err != nil {
+			return fmt.Errorf("replace identity: %w", err)
+		}
+	}
+	if err := syncDir(string(s.dir)); err != nil {
+		return fmt.Errorf("replace identity: %w", err)
+	}
+	return nil
+}
+
+// recover finishes or drops a replacement that a crash interrupted; see
+// IdentityDir.
+func (s dirStore) recover() error {
+	exists := func(name string) bool {
+		_, err := os.Lstat(s.dir.staged(name))
+		return err == nil
+	}
+	key, cert, bundle := exists(KeyFile), exists(CertFile), exists(BundleFile)
+	if !key && !cert && !bundle {
+		return nil
+	}
+	if key && !(cert && bundle) {
+		for _, n := range []string{KeyFile, CertFile, BundleFile} {
+			if err := os.Remove(s.dir.staged(n)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return fmt.Errorf("drop incomplete identity: %w", err)
+			}
+		}
+		return nil
+	}
+	for _, n := range []string{KeyFile, CertFile, BundleFile} {
+		if !exists(n) {
+			continue
+		}
+		if err := os.Rename(s.dir.staged(n), filepath.Join(string(s.dir), n)); err != nil {
+			return fmt.Errorf("finish identity replacement: %w", err)
+		}
+	}
+	if err := syncDir(string(s.dir)); err != nil {
+		return fmt.Errorf("finish identity replacement: %w", err)
+	}
+	return nil
+}
+
+func (s dirStore) load(context.Context) (*identity, error) {
+	if _, err := os.Stat(string(s.dir)); errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s: %w", s.dir, errNoIdentity)
+	}
+	if err := s.recover(); err != nil {
+		return nil, err
+	}
+	read := func(name string, limit int64) ([]byte, error) {
+		data, _, err := readFileBounded(filepath.Join(string(s.dir), name), limit)
+		return data, err
+	}
+	certPEM, certErr := read(CertFile, pki.MaxCertificatesPEMSize)
+	keyPEM, keyErr := read(KeyFile, pki.MaxPrivateKeyPEMSize)
+	if errors.Is(certErr, fs.ErrNotExist) && errors.Is(keyErr, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s: %w", s.dir, errNoIdentity)
+	}
+	if err := errors.Join(certErr, keyErr); err != nil {
+		return nil, fmt.Errorf("read identity: %w", err)
+	}
+	bundlePEM, err := read(BundleFile, pki.MaxCertificatesPEMSize)
+	if err != nil {
+		return nil, fmt.Errorf("read identity: %w", err)
+	}
+	id, err := parseIdentity(certPEM, keyPEM, bundlePEM)
+	if err != nil {
+		return nil, fmt.Errorf("identity in %s: %w", s.dir, err)
+	}
+	return id, nil
+}
+
+// secretStore keeps the identity in a Secret of the source cluster, so
+// that a Deployment keeps it across restarts without a volume. A Secret is
+// replaced in one update, so the three keys always belong together.
+type secretStore struct {
+	secrets corev1client.SecretsGetter
+	ref     ObjectRef
+}
+
+var _ identityStore = secretStore{}
+
+func (s secretStore) String() string { return "secret:" + s.ref.Namespace + "/" + s.ref.Name }
+
+func (s secretStore) load(ctx context.Context) (*identity, error) {
+	sec, err := s.secrets.Secrets(s.ref.Namespace).Get(ctx, s.ref.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, errNoIdentity)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("get identity Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, err)
+	}
+	// A Secret made empty ahead of time (so that RBAC can name it) holds
+	// no identity yet.
+	if len(sec.Data[CertFile]) == 0 && len(sec.Data[KeyFile]) == 0 {
+		return nil, fmt.Errorf("Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, errNoIdentity)
+	}
+	for _, k := range []string{CertFile, KeyFile, BundleFile} {
+		if len(sec.Data[k]) == 0 {
+			return nil, fmt.Errorf("identity Secret %s/%s has no %s", s.ref.Namespace, s.ref.Name, k)
+		}
+	}
+	id, err := parseIdentity(sec.Data[CertFile], sec.Data[KeyFile], sec.Data[BundleFile])
+	if err != nil {
+		return nil, fmt.Errorf("identity Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, err)
+	}
+	return id, nil
+}
+
+func (s secretStore) save(ctx context.Context, id *identity) error {
+	api := s.secrets.Secrets(s.ref.Namespace)
+	data := map[string][]byte{CertFile: id.certPEM, KeyFile: id.keyPEM, BundleFile: id.bundlePEM}
+	cur, err := api.Get(ctx, s.ref.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		_, err := api.Create(ctx, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{
+				Namespace: s.ref.Namespace,
+				Name:      s.ref.Name,
+				Labels:    map[string]string{LabelManagedBy: ManagedByAgent},
+			},
+			Type: corev1.SecretTypeTLS,
+			Data: data,
+		}, metav1.CreateOptions{})
+		if err != nil {
+			return fmt.Errorf("create identity Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, err)
+		}
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("get identity Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, err)
+	}
+	// The type stays as it is: it cannot change, and an Opaque Secret made
+	// ahead of time serves as well.
+	upd := cur.DeepCopy()
+	if upd.Data == nil {
+		upd.Data = map[string][]byte{}
+	}
+	for k, v := range data {
+		upd.Data[k] = v
+	}
+	if _, err := api.Update(ctx, upd, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("update identity Secret %s/%s: %w", s.ref.Namespace, s.ref.Name, err)
+	}
+	return nil
+}

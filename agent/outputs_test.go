@@ -1,0 +1,313 @@
+package agent
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"flag"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"sigs.k8s.io/yaml"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
+
+// goldenCredential is the fixed input of the golden files.
+func goldenCredential(t *testing.T) *Credential {
+	t.Helper()
+	resp := goldenResponse()
+	c, err := credentialFromResponse(&resp, time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	require.NoError(t, err)
+	return c
+}
+
+func goldenResponse() apiv1KubeconfigResponse {
+	return apiv1KubeconfigResponse{
+		LeaseID:      "k7b3xq2mzw4rd5tn6vy2abcdef",
+		Kubeconfig:   testKubeconfig("https://east.example.com:6443", "eyJhbGciOiJSUzI1NiJ9.eyJpYXQiOjE4OTM1NTk0NDV9.c2ln"),
+		Token:        "eyJhbGciOiJSUzI1NiJ9.eyJpYXQiOjE4OTM1NTk0NDV9.c2ln",
+		ExpiresAt:    time.Date(2030, 1, 2, 15, 4, 5, 0, time.UTC),
+		RequestedTTL: "12h",
+		GrantedTTL:   "12h0m0s",
+	}
+}
+
+var goldenMeta = outputMeta{target: "east", request: "sha256:0123456789abcdef"}
+
+func checkGolden(t *testing.T, name string, got []byte) {
+	t.Helper()
+	path := filepath.Join("testdata", "golden", name)
+	if *update {
+		require.NoError(t, os.MkdirAll(filepath.Dir(path), 0o755))
+		require.NoError(t, os.WriteFile(path, got, 0o644))
+	}
+	want, err := os.ReadFile(path)
+	require.NoError(t, err, "run go test ./agent -update to create it")
+	require.Equal(t, string(want), string(got), "%s differs; if intended, run go test ./agent -update", path)
+}
+
+func TestEverySecretFormatMatchesItsGoldenFile(t *testing.T) {
+	for _, format := range []string{FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig} {
+		t.Run(format, func(t *testing.T) {
+			s, err := renderSecret(SecretOutput{
+				Namespace:   "admiralty",
+				Name:        "east",
+				Format:      format,
+				Labels:      map[string]string{"team": "platform"},
+				Annotations: map[string]string{"example.com/owner": "ops"},
+			}, goldenMeta, goldenCredential(t))
+			require.NoError(t, err)
+			// The golden file shows the data as text (stringData), so that a
+			// reviewer reads what the consumer reads.
+			readable := s.DeepCopy()
+			readable.StringData = map[string]string{}
+			for k, v := range s.Data {
+				readable.StringData[k] = string(v)
+			}
+			readable.Data = nil
+			out, err := yaml.Marshal(readable)
+			require.NoError(t, err)
+			checkGolden(t, "secret-"+format+".yaml", out)
+		})
+	}
+}
+
+func TestTheFileOutputMatchesItsGoldenFiles(t *testing.T) {
+	dir := t.TempDir()
+	o := &fileOutput{path: filepath.Join(dir, "east.kubeconfig")}
+	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
+	require.NoError(t, err)
+	kc, err := os.ReadFile(o.path)
+	require.NoError(t, err)
+	checkGolden(t, "file.kubeconfig", kc)
+	meta, err := os.ReadFile(o.path + metaSuffix)
+	require.NoError(t, err)
+	checkGolden(t, "file.kubeconfig.meta", meta)
+}
+
+func TestTheArgoCDConfigCarriesTheTokenAndTheCAAsBase64PEM(t *testing.T) {
+	t.Parallel()
+	c := goldenCredential(t)
+	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, goldenMeta, c)
+	require.NoError(t, err)
+	require.Equal(t, "cluster", s.Labels["argocd.argoproj.io/secret-type"])
+	require.Equal(t, "east", string(s.Data["name"]))
+	require.Equal(t, "https://east.example.com:6443", string(s.Data["server"]))
+	var cfg struct {
+		BearerToken     string `json:"bearerToken"`
+		TLSClientConfig struct {
+			Insecure bool   `json:"insecure"`
+			CAData   string `json:"caData"`
+		} `json:"tlsClientConfig"`
+	}
+	require.NoError(t, json.Unmarshal(s.Data["config"], &cfg))
+	require.Equal(t, c.Token, cfg.BearerToken)
+	require.False(t, cfg.TLSClientConfig.Insecure)
+	pemCA, err := base64.StdEncoding.DecodeString(cfg.TLSClientConfig.CAData)
+	require.NoError(t, err)
+	require.Equal(t, testCA, string(pemCA), "caData is base64 of the PEM bundle")
+}
+
+func TestSecretFormatsUseTheKeysTheirConsumersRead(t *testing.T) {
+	t.Parallel()
+	c := goldenCredential(t)
+	for format, key := range map[string]string{FormatAdmiralty: "config", FormatFlux: "value", FormatKubeconfig: "kubeconfig"} {
+		s, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: format}, goldenMeta, c)
+		require.NoError(t, err)
+		require.Equal(t, c.Kubeconfig, s.Data[key], format)
+		require.Len(t, s.Data, 1, format)
+		require.Equal(t, corev1.SecretTypeOpaque, s.Type)
+		require.Equal(t, ManagedByAgent, s.Labels[LabelManagedBy])
+		require.Equal(t, c.LeaseID, s.Annotations[AnnotationLeaseID])
+		require.Equal(t, "2030-01-02T15:04:05Z", s.Annotations[AnnotationExpiresAt])
+	}
+	flux, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: FormatFlux}, goldenMeta, c)
+	require.NoError(t, err)
+	require.Equal(t, "Enabled", flux.Labels["reconcile.fluxcd.io/watch"])
+}
+
+// writeActions returns the create and update actions on Secrets.
+func writeActions(cs *fake.Clientset) []string {
+	var out []string
+	for _, a := range cs.Actions() {
+		if a.GetResource().Resource == "secrets" && (a.GetVerb() == "create" || a.GetVerb() == "update") {
+			out = append(out, a.GetVerb())
+		}
+	}
+	return out
+}
+
+func TestASecretIsWrittenOnlyWhenItsContentChanges(t *testing.T) {
+	t.Parallel()
+	cs := fake.NewClientset()
+	o := &secretOutput{cfg: SecretOutput{Namespace: "admiralty", Name: "east", Format: FormatAdmiralty}, secrets: cs.CoreV1()}
+	ctx := context.Background()
+	c := goldenCredential(t)
+
+	wrote, err := o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	require.True(t, wrote)
+	require.Equal(t, []string{"create"}, writeActions(cs))
+
+	wrote, err = o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	require.False(t, wrote)
+	require.Equal(t, []string{"create"}, writeActions(cs), "an identical Secret is never written again")
+
+	next := *c
+	next.LeaseID, next.Token = "k7b3xq2mzw4rd5tn6vy2abcdeg", "new-token"
+	next.Kubeconfig = []byte(testKubeconfig("https://east.example.com:6443", "new-token"))
+	wrote, err = o.write(ctx, goldenMeta, &next)
+	require.NoError(t, err)
+	require.True(t, wrote)
+	require.Equal(t, []string{"create", "update"}, writeActions(cs))
+
+	st, err := o.read(ctx)
+	require.NoError(t, err)
+	require.Equal(t, next.LeaseID, st.leaseID)
+	require.Equal(t, next.ExpiresAt, st.expiresAt)
+	require.Equal(t, next.ObtainedAt, st.obtainedAt)
+	require.Equal(t, "east", st.target)
+	require.Equal(t, next.Kubeconfig, st.kubeconfig)
+}
+
+func TestLabelsAndAnnotationsOthersAddedSurviveAnUpdate(t *testing.T) {
+	t.Parallel()
+	cs := fake.NewClientset()
+	o := &secretOutput{cfg: SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, secrets: cs.CoreV1()}
+	ctx := context.Background()
+	c := goldenCredential(t)
+	_, err := o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	s, err := cs.CoreV1().Secrets("argocd").Get(ctx, "east", metav1.GetOptions{})
+	require.NoError(t, err)
+	s.Labels["argocd.argoproj.io/extra"] = "x"
+	s.Annotations["managed-by"] = "argocd.argoproj.io"
+	_, err = cs.CoreV1().Secrets("argocd").Update(ctx, s, metav1.UpdateOptions{})
+	require.NoError(t, err)
+
+	// Others' additions alone do not make the Secret stale.
+	wrote, err := o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	require.False(t, wrote)
+
+	next := *c
+	next.LeaseID = "k7b3xq2mzw4rd5tn6vy2abcdeg"
+	_, err = o.write(ctx, goldenMeta, &next)
+	require.NoError(t, err)
+	s, err = cs.CoreV1().Secrets("argocd").Get(ctx, "east", metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, "x", s.Labels["argocd.argoproj.io/extra"])
+	require.Equal(t, "argocd.argoproj.io", s.Annotations["managed-by"])
+	require.Equal(t, next.LeaseID, s.Annotations[AnnotationLeaseID])
+}
+
+func TestASecretTheAgentDoesNotManageIsNeverTakenOver(t *testing.T) {
+	t.Parallel()
+	foreign := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "admiralty", Name: "east", Labels: map[string]string{"app": "mine"}},
+		Data:       map[string][]byte{"config": []byte("hand-made")},
+	}
+	cs := fake.NewClientset(foreign)
+	o := &secretOutput{cfg: SecretOutput{Namespace: "admiralty", Name: "east", Format: FormatAdmiralty}, secrets: cs.CoreV1()}
+	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
+	require.ErrorIs(t, err, ErrForeignSecret)
+	require.Empty(t, writeActions(cs))
+	_, err = o.read(context.Background())
+	require.ErrorIs(t, err, ErrForeignSecret)
+
+	// Through a refresher: the failure is counted, other outputs still get
+	// the credential.
+	other := &memOutput{name: "other"}
+	f := newRefresherFixture(t, RefreshConfig{}, o, other)
+	f.r.step(context.Background())
+	require.Equal(t, 1.0, counter(t, f, "writes", "east", "secret:admiralty/east", "failed"))
+	require.Equal(t, 1.0, counter(t, f, "refresh", "east", "failure"))
+	require.Equal(t, leaseID(1), other.lease())
+	s, err := cs.CoreV1().Secrets("admiralty").Get(context.Background(), "east", metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, "hand-made", string(s.Data["config"]))
+}
+
+func TestAFailedSecretWriteIsReportedAndCounted(t *testing.T) {
+	t.Parallel()
+	cs := fake.NewClientset()
+	cs.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtimeObject, error) {
+		return true, nil, errors.New("etcd on fire")
+	})
+	o := &secretOutput{cfg: SecretOutput{Namespace: "flux-system", Name: "east", Format: FormatFlux}, secrets: cs.CoreV1()}
+	f := newRefresherFixture(t, RefreshConfig{}, o)
+	f.r.step(context.Background())
+	require.Equal(t, 1.0, counter(t, f, "writes", "east", "secret:flux-system/east", "failed"))
+	require.False(t, f.r.status().ready())
+}
+
+func TestAFileIsWrittenAtomicallyWithMode0600OnlyWhenItChanges(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "east.kubeconfig")
+	o := &fileOutput{path: path}
+	ctx := context.Background()
+	c := goldenCredential(t)
+
+	wrote, err := o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	require.True(t, wrote)
+	for _, p := range []string{path, path + metaSuffix} {
+		st, err := os.Stat(p)
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), p)
+	}
+	before, err := os.Stat(path)
+	require.NoError(t, err)
+
+	wrote, err = o.write(ctx, goldenMeta, c)
+	require.NoError(t, err)
+	require.False(t, wrote)
+	after, err := os.Stat(path)
+	require.NoError(t, err)
+	require.True(t, os.SameFile(before, after) && before.ModTime().Equal(after.ModTime()), "an unchanged file is not replaced")
+
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, entries, 2, "no temporary file is left behind")
+
+	st, err := o.read(ctx)
+	require.NoError(t, err)
+	require.Equal(t, c.LeaseID, st.leaseID)
+	require.Equal(t, c.Kubeconfig, st.kubeconfig)
+
+	// A mode someone loosened is tightened again.
+	require.NoError(t, os.Chmod(path, 0o644))
+	wrote, err = WriteKubeconfigFile(path, c.Kubeconfig)
+	require.NoError(t, err)
+	require.True(t, wrote)
+	fi, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+}
+
+func TestAFileOutputInAMissingDirectoryFails(t *testing.T) {
+	t.Parallel()
+	o := &fileOutput{path: filepath.Join(t.TempDir(), "no-such-volume", "east.kubeconfig")}
+	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
+	require.Error(t, err)
+}
+
+func TestACredentialNeverPrintsItsSecrets(t *testing.T) {
+	t.Parallel()
+	c := goldenCredential(t)
+	for _, s := range []string{c.String(), c.GoString()} {
+		require.NotContains(t, s, c.Token)
+		require.Contains(t, s, c.LeaseID)
+	}
+}

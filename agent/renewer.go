@@ -1,0 +1,129 @@
+package agent
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/tokenbroker/tokenbroker/agent/client"
+)
+
+// saveTimeout bounds storing a renewed identity; it runs on a context
+// that shutdown does not cancel, so that a certificate the broker already
+// issued is not lost.
+const saveTimeout = 30 * time.Second
+
+// renewer renews the agent's client certificate at renewAt of its
+// lifetime, through one broker's mTLS listener. Like the refresher, its
+// loop is a step function over an injected clock.
+//
+// A renewed identity goes into service only after the store holds it, so
+// a failure at any point leaves the working certificate in place, on disk
+// and in memory.
+type renewer struct {
+	store     identityStore
+	holder    *identityHolder
+	api       renewAPI
+	sched     schedule
+	clock     Clock
+	log       *zap.Logger
+	metrics   *metrics
+	onRenewed func()
+
+	forCert    *x509.Certificate // the certificate renewAt was computed for
+	renewAt    time.Time
+	retryAfter time.Duration
+
+	mu       sync.Mutex // guards failures and next, read by health checks
+	failures int
+	next     time.Time
+}
+
+func (r *renewer) run(ctx context.Context) {
+	for {
+		wake := r.step(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		t := r.clock.NewTimer(max(wake.Sub(r.clock.Now()), 0))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C():
+		}
+	}
+}
+
+// step renews if due and returns when to run again.
+func (r *renewer) step(ctx context.Context) time.Time {
+	cur := r.holder.get()
+	if cur.leaf() != r.forCert {
+		r.forCert = cur.leaf()
+		r.renewAt = r.sched.refreshAt(grant{obtainedAt: cur.leaf().NotBefore, expiresAt: cur.leaf().NotAfter})
+		r.setNext(0, r.renewAt)
+	}
+	now := r.clock.Now()
+	if now.Before(r.nextAttempt()) {
+		return r.nextAttempt()
+	}
+	next, resp, err := renewIdentity(ctx, r.api, cur, now)
+	if err == nil {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), saveTimeout)
+		err = r.store.save(sctx, next)
+		cancel()
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return now
+		}
+		var pe *client.ProblemError
+		if errors.As(err, &pe) {
+			r.retryAfter = pe.RetryAfter
+		}
+		failures := r.failuresSoFar() + 1
+		at := now.Add(r.sched.next(now, nil, failures, r.retryAfter))
+		r.setNext(failures, at)
+		r.metrics.renewals.WithLabelValues(resultFailure).Inc()
+		r.log.Error("certificate renewal failed; the current certificate stays in service",
+			zap.Int("failures", failures), zap.Time("next_attempt", at),
+			zap.Time("certificate_expires_at", cur.leaf().NotAfter), zap.Error(err))
+		return at
+	}
+	r.holder.set(next)
+	if r.onRenewed != nil {
+		r.onRenewed()
+	}
+	r.retryAfter = 0
+	r.metrics.renewals.WithLabelValues(resultSuccess).Inc()
+	r.forCert = next.leaf()
+	r.renewAt = r.sched.refreshAt(grant{obtainedAt: next.leaf().NotBefore, expiresAt: next.leaf().NotAfter})
+	r.setNext(0, r.renewAt)
+	r.log.Info("client certificate renewed",
+		zap.String("identity", next.spiffeID), zap.String("serial", resp.SerialNumber),
+		zap.Time("not_after", next.leaf().NotAfter), zap.Time("next_renewal", r.renewAt),
+		zap.String("store", r.store.String()))
+	return r.renewAt
+}
+
+func (r *renewer) setNext(failures int, at time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.failures, r.next = failures, at
+}
+
+func (r *renewer) nextAttempt() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.next
+}
+
+func (r *renewer) failuresSoFar() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.failures
+}

@@ -1,0 +1,173 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/viper"
+
+	"github.com/tokenbroker/tokenbroker/agent"
+)
+
+func newGetCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "get",
+		Short: "Get something from a broker once (for scripts and debugging)",
+		Args:  cobra.NoArgs,
+	}
+	cmd.AddCommand(newGetKubeconfigCommand())
+	return cmd
+}
+
+// getKubeconfigConfig is the typed configuration of "tokenbroker get
+// kubeconfig".
+type getKubeconfigConfig struct {
+	Broker      string
+	IdentityDir string
+	Request     agent.RequestConfig
+	Output      string
+	Format      string
+}
+
+const (
+	getFormatKubeconfig = "kubeconfig"
+	getFormatJSON       = "json"
+)
+
+func newGetKubeconfigCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "kubeconfig --broker URL --identity-dir DIR --namespace NS --service-account SA",
+		Short: "Get a kubeconfig for a ServiceAccount of the broker's cluster, once",
+		Long: `Ask a broker for a kubeconfig once, as the agent does on every refresh (the same
+request, the same checks of the answer, the same atomic file write), and write
+it to standard output or to a file.
+
+The client certificate, its key and the trust bundle come from --identity-dir
+(tls.crt, tls.key, ca.crt, as "tokenbroker enroll" writes them). --ttl is the
+lifetime asked for (empty: the broker's policy default); with --min-ttl the
+broker refuses (422) rather than grant less. The lease id and expiry go to
+standard error; the credential only to the output.
+
+With -o FILE the file is replaced atomically with mode 0600, and only if its
+content changed. --format json writes the broker's whole answer (leaseId,
+kubeconfig, token, expiresAt, grantedTTL...). Nothing revokes the lease: it
+expires by itself, or use DELETE /v1/leases/{id}.
+
+Every flag can also be set as TOKENBROKER_<FLAG> (upper case, dashes as
+underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
+		Example: `  # a kubeconfig for argo/admiralty-source, valid for 2 hours, to a file
+  tokenbroker get kubeconfig --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --service-account admiralty-source \
+    --ttl 2h -o east.kubeconfig
+  kubectl --kubeconfig east.kubeconfig get pods
+
+  # the whole answer as JSON, to read the lease id with jq
+  tokenbroker get kubeconfig --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --service-account admiralty-source \
+    --format json | jq -r .leaseId`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			v, err := newFlagViper(cmd)
+			if err != nil {
+				return err
+			}
+			cfg, err := getKubeconfigConfigFrom(v)
+			if err != nil {
+				return err
+			}
+			return runGetKubeconfig(cmd, cfg)
+		},
+	}
+	fs := cmd.Flags()
+	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")
+	fs.String("identity-dir", "", "directory with tls.crt, tls.key and ca.crt (required)")
+	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
+	fs.String("service-account", "", "the ServiceAccount (required)")
+	fs.String("ttl", "", "lifetime to ask for, e.g. 1h; empty means the broker's default")
+	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
+	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
+	fs.StringP("output", "o", "-", `file to write, "-" for standard output`)
+	fs.String("format", getFormatKubeconfig, "what to write: kubeconfig or json (the broker's whole answer)")
+	return cmd
+}
+
+func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
+	cfg := getKubeconfigConfig{
+		Broker:      v.GetString("broker"),
+		IdentityDir: v.GetString("identity-dir"),
+		Request: agent.RequestConfig{
+			Namespace:      v.GetString("namespace"),
+			ServiceAccount: v.GetString("service-account"),
+			TTL:            v.GetString("ttl"),
+			MinTTL:         v.GetString("min-ttl"),
+			Audiences:      v.GetStringSlice("audience"),
+		},
+		Output: v.GetString("output"),
+		Format: v.GetString("format"),
+	}
+	var errs []error
+	for _, f := range []struct{ flag, val string }{
+		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir},
+		{"namespace", cfg.Request.Namespace}, {"service-account", cfg.Request.ServiceAccount},
+	} {
+		if f.val == "" {
+			errs = append(errs, fmt.Errorf("--%s is required", f.flag))
+		}
+	}
+	if cfg.Request.Namespace != "" && cfg.Request.ServiceAccount != "" {
+		errs = append(errs, cfg.Request.Validate())
+	}
+	if cfg.Format != getFormatKubeconfig && cfg.Format != getFormatJSON {
+		errs = append(errs, fmt.Errorf("--format must be %s or %s, not %q", getFormatKubeconfig, getFormatJSON, cfg.Format))
+	}
+	if cfg.Output == "" {
+		errs = append(errs, errors.New(`--output must name a file or be "-"`))
+	}
+	return cfg, errors.Join(errs...)
+}
+
+func runGetKubeconfig(cmd *cobra.Command, cfg getKubeconfigConfig) error {
+	c, err := agent.NewIdentityClient(cmd.Context(), cfg.Broker, agent.IdentityDir(cfg.IdentityDir))
+	if err != nil {
+		return err
+	}
+	defer c.CloseIdleConnections()
+	cred, err := agent.Fetch(cmd.Context(), c, cfg.Request, time.Now)
+	if err != nil {
+		return err
+	}
+	data := cred.Kubeconfig
+	if cfg.Format == getFormatJSON {
+		if data, err = json.MarshalIndent(cred.Response(), "", "  "); err != nil {
+			return fmt.Errorf("encode answer: %w", err)
+		}
+		data = append(data, '\n')
+	}
+	if cfg.Output == "-" {
+		if _, err := cmd.OutOrStdout().Write(data); err != nil {
+			return fmt.Errorf("write kubeconfig: %w", err)
+		}
+	} else if _, err := agent.WriteKubeconfigFile(cfg.Output, data); err != nil {
+		return err
+	}
+	printLease(cmd.ErrOrStderr(), cred, cfg)
+	return nil
+}
+
+// printLease tells the user what was granted, never the credential.
+func printLease(w io.Writer, c *agent.Credential, cfg getKubeconfigConfig) {
+	msg := fmt.Sprintf("lease %s for %s/%s expires at %s (granted %s",
+		c.LeaseID, cfg.Request.Namespace, cfg.Request.ServiceAccount, c.ExpiresAt.UTC().Format(time.RFC3339), c.GrantedTTL)
+	if c.ClampedBy != "" {
+		msg += ", clamped by " + c.ClampedBy
+	}
+	msg += ")"
+	if cfg.Output != "-" {
+		msg += "; written to " + cfg.Output
+	}
+	_, _ = fmt.Fprintln(w, msg)
+}
