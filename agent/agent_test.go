@@ -241,9 +241,10 @@ targets:
 	_, revoked, _ = b.snapshot()
 	require.Equal(t, []string{leaseID(1)}, revoked)
 
-	// The certificate (2h, backdated 5m) renews at 0.66 of its lifetime,
-	// 77.5 minutes in; the next request presents the new one.
-	clock.Set(start.Add(78 * time.Minute))
+	// The certificate (2h from issuance, NotBefore backdated 5m) renews at
+	// 0.66 of its lifetime from issuance, 79.2 minutes in; the next
+	// request presents the new one.
+	clock.Set(start.Add(79*time.Minute + 30*time.Second))
 	eventually("renewed", func() bool {
 		return testutil.ToFloat64(a.metrics.renewals.WithLabelValues(resultSuccess)) == 1 && idle()
 	})

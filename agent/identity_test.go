@@ -228,8 +228,10 @@ func TestTheCertificateIsRenewedAtRenewAtOfItsLifetime(t *testing.T) {
 	f := newRenewerFixture(t)
 	ctx := context.Background()
 	old := f.r.holder.get()
-	lifetime := old.leaf().NotAfter.Sub(old.leaf().NotBefore) // 24h and the backdate
-	due := old.leaf().NotBefore.Add(time.Duration(0.66 * float64(lifetime)))
+	// Measured from issuance, not from the backdated NotBefore.
+	issued := old.leaf().NotBefore.Add(pki.Backdate)
+	lifetime := old.leaf().NotAfter.Sub(issued)
+	due := issued.Add(time.Duration(0.66 * float64(lifetime)))
 
 	require.Equal(t, due, f.r.step(ctx))
 	f.clock.Set(due.Add(-time.Second))
@@ -245,7 +247,8 @@ func TestTheCertificateIsRenewedAtRenewAtOfItsLifetime(t *testing.T) {
 	stored, err := f.store.load(ctx)
 	require.NoError(t, err)
 	require.Equal(t, cur.certPEM, stored.certPEM, "the store holds what is in service")
-	require.Equal(t, cur.leaf().NotBefore.Add(time.Duration(0.66*float64(lifetime))), wake)
+	newIssued := cur.leaf().NotBefore.Add(pki.Backdate)
+	require.Equal(t, newIssued.Add(time.Duration(0.66*float64(cur.leaf().NotAfter.Sub(newIssued)))), wake)
 	require.Equal(t, 1.0, testutil.ToFloat64(f.r.metrics.renewals.WithLabelValues("success")))
 }
 

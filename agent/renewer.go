@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/x509"
 	"errors"
+	"github.com/tokenbroker/tokenbroker/pki"
 	"sync"
 	"time"
 
@@ -64,7 +65,7 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	cur := r.holder.get()
 	if cur.leaf() != r.forCert {
 		r.forCert = cur.leaf()
-		r.renewAt = r.sched.refreshAt(grant{obtainedAt: cur.leaf().NotBefore, expiresAt: cur.leaf().NotAfter})
+		r.renewAt = r.sched.refreshAt(certGrant(cur.leaf(), r.clock.Now()))
 		r.setNext(0, r.renewAt)
 	}
 	now := r.clock.Now()
@@ -101,7 +102,7 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	r.retryAfter = 0
 	r.metrics.renewals.WithLabelValues(resultSuccess).Inc()
 	r.forCert = next.leaf()
-	r.renewAt = r.sched.refreshAt(grant{obtainedAt: next.leaf().NotBefore, expiresAt: next.leaf().NotAfter})
+	r.renewAt = r.sched.refreshAt(certGrant(next.leaf(), now))
 	r.setNext(0, r.renewAt)
 	r.log.Info("client certificate renewed",
 		zap.String("identity", next.spiffeID), zap.String("serial", resp.SerialNumber),
@@ -126,4 +127,20 @@ func (r *renewer) failuresSoFar() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.failures
+}
+
+// certGrant is the lifetime renewAt applies to: from when the certificate
+// was issued to its NotAfter. The CA backdates NotBefore by pki.Backdate
+// against clock skew; measured from NotBefore, a short certificate with a
+// small renewAt would be due the moment it was issued, and the agent would
+// renew in a loop.
+func certGrant(cert *x509.Certificate, now time.Time) grant {
+	issued := cert.NotBefore.Add(pki.Backdate)
+	if issued.After(now) {
+		issued = now
+	}
+	if issued.Before(cert.NotBefore) || !issued.Before(cert.NotAfter) {
+		issued = cert.NotBefore
+	}
+	return grant{obtainedAt: issued, expiresAt: cert.NotAfter}
 }

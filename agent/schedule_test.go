@@ -1,11 +1,14 @@
 package agent
 
 import (
+	"crypto/x509"
 	"math/rand/v2"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 func testSchedule(jitter float64, rnd Rand) schedule {
@@ -102,4 +105,19 @@ func TestAnAbsurdlyShortGrantIsNotRefreshedInALoop(t *testing.T) {
 	s := testSchedule(0.1, fixedRand(0))
 	g := grant{obtainedAt: t0, expiresAt: t0.Add(300 * time.Millisecond)}
 	require.Equal(t, t0.Add(time.Second), s.refreshAt(g))
+}
+
+func TestCertificateRenewalIsMeasuredFromIssuanceNotTheBackdatedNotBefore(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 11, 22, 12, 0, 0, 0, time.UTC)
+	// A 10-minute certificate issued now, NotBefore backdated by the CA.
+	cert := &x509.Certificate{NotBefore: now.Add(-pki.Backdate), NotAfter: now.Add(10 * time.Minute)}
+	g := certGrant(cert, now)
+	require.Equal(t, now, g.obtainedAt)
+	s := &schedule{fraction: 0.02, minBackoff: time.Second, maxBackoff: time.Minute, rand: fixedRand(0)}
+	require.True(t, s.refreshAt(g).After(now), "a renewal at 2%% of the lifetime is not due at issuance")
+
+	// A certificate loaded long after it was issued keeps its real issuance.
+	old := &x509.Certificate{NotBefore: now.Add(-2 * time.Hour), NotAfter: now.Add(22 * time.Hour)}
+	require.Equal(t, now.Add(-2*time.Hour+pki.Backdate), certGrant(old, now).obtainedAt)
 }
