@@ -7,8 +7,8 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"path/filepath"
-	"syscall"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // maxOutputFileBytes bounds what the agent reads back from its own files;
@@ -34,7 +34,7 @@ func writeFileIfChanged(path string, data []byte, mode fs.FileMode) (bool, error
 	if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, errTooLarge) {
 		return false, err
 	}
-	if err := writeFileAtomic(path, data, mode); err != nil {
+	if err := pki.WriteFileAtomic(path, data, mode); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -64,53 +64,4 @@ func readFileBounded(path string, limit int64) ([]byte, fs.FileInfo, error) {
 		return nil, st, fmt.Errorf("%s: %w (over %d bytes)", path, errTooLarge, limit)
 	}
 	return data, st, nil
-}
-
-// writeFileAtomic writes data to name through a temporary file in the same
-// directory: mode set before any byte is written (so a key is never
-// readable by others, not even briefly), fsync, rename, and fsync of the
-// directory so that the rename survives a crash.
-func writeFileAtomic(name string, data []byte, mode fs.FileMode) (err error) {
-	dir := filepath.Dir(name)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(name)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	defer func() {
-		if err != nil {
-			_ = f.Close()
-			_ = os.Remove(f.Name())
-		}
-	}()
-	if err = f.Chmod(mode); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if _, err = f.Write(data); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err = f.Sync(); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err = f.Close(); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	if err = os.Rename(f.Name(), name); err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	return syncDir(dir)
-}
-
-// syncDir makes renames in dir durable. Filesystems that cannot sync a
-// directory say so with EINVAL; that only weakens durability and is not an
-// error.
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("sync %s: %w", dir, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) {
-		return fmt.Errorf("sync %s: %w", dir, err)
-	}
-	return nil
 }

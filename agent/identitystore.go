@@ -92,7 +92,7 @@ func (s dirStore) save(_ context.Context, id *identity) error {
 	}
 	files := s.identityFiles(id)
 	for _, f := range files {
-		if err := writeFileAtomic(s.dir.staged(f.name), f.data, f.mode); err != nil {
+		if err := pki.WriteFileAtomic(s.dir.staged(f.name), f.data, f.mode); err != nil {
 			return fmt.Errorf("stage identity: %w", err)
 		}
 	}
@@ -101,7 +101,7 @@ func (s dirStore) save(_ context.Context, id *identity) error {
 			return fmt.Errorf("replace identity: %w", err)
 		}
 	}
-	if err := syncDir(string(s.dir)); err != nil {
+	if err := pki.SyncDir(string(s.dir)); err != nil {
 		return fmt.Errorf("replace identity: %w", err)
 	}
 	return nil
@@ -134,7 +134,7 @@ func (s dirStore) recover() error {
 			return fmt.Errorf("finish identity replacement: %w", err)
 		}
 	}
-	if err := syncDir(string(s.dir)); err != nil {
+	if err := pki.SyncDir(string(s.dir)); err != nil {
 		return fmt.Errorf("finish identity replacement: %w", err)
 	}
 	return nil

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"syscall"
 )
 
 const (
@@ -89,19 +90,31 @@ func writeFileAtomic(name string, data []byte, mode fs.FileMode, overwrite bool)
 		}
 		_ = os.Remove(tmpName)
 	}
-	syncDir(dir)
-	return nil
+	return SyncDir(dir)
 }
 
-// syncDir makes a rename durable; failure only weakens durability, so it is
-// ignored (some filesystems do not support syncing directories).
-func syncDir(dir string) {
+// WriteFileAtomic writes data to name with mode through a temporary file in
+// the same directory: the mode is set before any byte is written (so a key
+// is never readable by others, not even briefly), then fsync, rename over
+// name, and fsync of the directory. A reader sees the old file or the new
+// one, never a part. The agent writes kubeconfigs and identities with it.
+func WriteFileAtomic(name string, data []byte, mode fs.FileMode) error {
+	return writeFileAtomic(name, data, mode, true)
+}
+
+// SyncDir makes renames in dir durable. Filesystems that cannot sync a
+// directory say so with EINVAL; that only weakens durability and is not an
+// error.
+func SyncDir(dir string) error {
 	d, err := os.Open(dir)
 	if err != nil {
-		return
+		return fmt.Errorf("sync %s: %w", dir, err)
 	}
-	_ = d.Sync()
-	_ = d.Close()
+	defer d.Close()
+	if err := d.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) {
+		return fmt.Errorf("sync %s: %w", dir, err)
+	}
+	return nil
 }
 
 // WriteCertificatesFile writes PEM certificates (a trust bundle or a chain)
