@@ -207,6 +207,10 @@ func testServerCertificateRotationUnderLoad(t *testing.T, c *testcluster.Cluster
 	var dials atomic.Int64
 	tr := keepAlive.Transport.(*http.Transport)
 	tr.MaxIdleConnsPerHost = workers
+	// Without a cap the transport may race a new dial against a connection
+	// coming back to the pool under CPU pressure; the cap makes any extra
+	// dial mean that the server closed a kept-alive connection.
+	tr.MaxConnsPerHost = workers
 	tr.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
 		dials.Add(1)
 		return (&net.Dialer{}).DialContext(ctx, network, addr)
