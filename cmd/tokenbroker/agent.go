@@ -4,12 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
-	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
 	"k8s.io/client-go/kubernetes"
@@ -97,24 +95,6 @@ guides in docs/guides for the file format.`,
 	cmd.Flags().String("config", "", "the agent's config file (YAML): identity, refresh settings, targets and their outputs (required)")
 	addLogFlags(cmd.Flags(), "json")
 	return cmd
-}
-
-// newFlagViper binds a command's flags to a fresh viper instance that also
-// reads TOKENBROKER_<FLAG> environment variables. Unlike newViper it reads
-// no config file: the agent's --config is the agent's own file format,
-// parsed by the agent package.
-func newFlagViper(cmd *cobra.Command) (*viper.Viper, error) {
-	v := viper.New()
-	v.SetEnvPrefix("TOKENBROKER")
-	v.SetEnvKeyReplacer(strings.NewReplacer("-", "_"))
-	v.AutomaticEnv()
-	var bindErr error
-	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if f.Name != "help" {
-			bindErr = errors.Join(bindErr, v.BindPFlag(f.Name, f))
-		}
-	})
-	return v, bindErr
 }
 
 func agentCommandConfigFrom(v *viper.Viper) (agentCommandConfig, error) {

@@ -47,19 +47,9 @@ func newVersionCommand() *cobra.Command {
 // underscores) and, when --config is given, a YAML config file whose keys
 // are the flag names. Precedence: flag, environment, file, default.
 func newViper(cmd *cobra.Command) (*viper.Viper, error) {
-	v := viper.New()
-	v.SetEnvPrefix("TOKENBROKER")
-	v.SetEnvKeyReplacer(strings.NewReplacer("-", "_"))
-	v.AutomaticEnv()
-	var bindErr error
-	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if f.Name == "help" || f.Name == "config" {
-			return
-		}
-		bindErr = errors.Join(bindErr, v.BindPFlag(f.Name, f))
-	})
-	if bindErr != nil {
-		return nil, bindErr
+	v, err := newFlagViper(cmd)
+	if err != nil {
+		return nil, err
 	}
 	if file, _ := cmd.Flags().GetString("config"); file != "" {
 		v.SetConfigFile(file)
@@ -75,6 +65,24 @@ func newViper(cmd *cobra.Command) (*viper.Viper, error) {
 		}
 	}
 	return v, nil
+}
+
+// newFlagViper binds a command's flags to a fresh viper instance that also
+// reads TOKENBROKER_<FLAG> environment variables. It reads no config file:
+// newViper adds that; the agent's --config is the agent's own file format,
+// parsed by the agent package.
+func newFlagViper(cmd *cobra.Command) (*viper.Viper, error) {
+	v := viper.New()
+	v.SetEnvPrefix("TOKENBROKER")
+	v.SetEnvKeyReplacer(strings.NewReplacer("-", "_"))
+	v.AutomaticEnv()
+	var bindErr error
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if f.Name != "help" {
+			bindErr = errors.Join(bindErr, v.BindPFlag(f.Name, f))
+		}
+	})
+	return v, bindErr
 }
 
 // logConfig is the logging part of every long-running command.
