@@ -111,6 +111,8 @@ type Config struct {
 	// Revocations is the deny list; nil means nothing is revoked. While it
 	// is not synced the broker is not ready.
 	Revocations *RevocationList
+	// Auditor receives one AuditEvent per decision; nil writes none.
+	Auditor Auditor
 }
 
 // Broker is the domain core. It is safe for concurrent use.
@@ -165,14 +167,76 @@ func (b *Broker) policy() (*Policy, error) {
 // a credential bound to it and returns the kubeconfig. On any failure the
 // lease Secret is deleted again. req must have passed syntactic validation;
 // the TTL strings are parsed again here so that the broker never trusts its
-// caller.
+// caller. Every call ends in one audit event (ActionIssue).
 func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	start := time.Now()
 	wait := new(apiWait)
-	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req)
+	a := &pendingAudit{ev: AuditEvent{
+		Action:         ActionIssue,
+		Identity:       c.Identity,
+		CertSHA256:     c.CertSHA256,
+		Namespace:      req.Namespace,
+		ServiceAccount: req.ServiceAccount,
+		Credential:     orDefault(req.Credential, apiv1.CredentialToken),
+		RequestedTTL:   req.TTL,
+	}}
+	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := time.Since(start)
 	b.cfg.Metrics.observeIssue(outcome, total, total-time.Duration(wait.d.Load()))
+	a.ev.Decision, a.ev.Reason = decisionOf(outcome, err)
+	if a.ev.Decision == DecisionDeny {
+		b.cfg.Metrics.observeDenial(ActionIssue, orDefault(a.denial, denialCode(outcome)))
+	}
+	b.audit(ctx, a.ev)
 	return resp, err
+}
+
+// pendingAudit is what one request learns for its audit event as it goes.
+type pendingAudit struct {
+	ev AuditEvent
+	// denial is the reason code of a refusal for
+	// tokenbroker_denials_total, when the outcome alone does not tell it.
+	denial string
+	// reason, if set, is the audit reason instead of the caller-facing
+	// detail (which, for a join token, is the same for every failure).
+	reason string
+}
+
+// Reason codes of tokenbroker_denials_total.
+const (
+	denyNotGranted       = "not_granted"
+	denyMinTTL           = "min_ttl"
+	denyCredential       = "credential_unavailable"
+	denyInvalid          = "invalid"
+	denyNotFound         = "not_found"
+	denyJoinToken        = "join_token"
+	denyRevoked          = "revoked"
+	denyIdentityMismatch = "identity_mismatch"
+	denyDisabled         = "disabled"
+)
+
+// decisionOf maps an outcome to the audit decision, and err to the reason
+// given in the event: the caller-facing detail, which never holds a secret.
+func decisionOf(outcome string, err error) (decision, reason string) {
+	switch outcome {
+	case outcomeGranted:
+		return DecisionAllow, ""
+	case outcomeDenied, outcomeInvalid, outcomeUnprocessable, outcomeNotFound:
+		return DecisionDeny, errDetail(err)
+	case outcomeUnavailable:
+		return DecisionError, "the Kubernetes API server is unavailable"
+	}
+	return DecisionError, "internal error"
+}
+
+func denialCode(outcome string) string {
+	switch outcome {
+	case outcomeDenied:
+		return denyNotGranted
+	case outcomeNotFound:
+		return denyNotFound
+	}
+	return denyInvalid
 }
 
 // apiWait adds up the time one request spends waiting on the API server,
@@ -181,17 +245,21 @@ type apiWait struct{ d atomic.Int64 }
 
 type apiWaitKey struct{}
 
-// timeAPI records an API server call that started at start: in the
-// per-call histogram and in the request's apiWait, if ctx carries one.
-func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time) {
+// timeAPI records an API server call that started at start and ended with
+// err: in the per-call histogram, in the error counter and in the
+// request's apiWait, if ctx carries one.
+func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err error) {
 	d := time.Since(start)
 	b.cfg.Metrics.observeAPI(call, d)
+	if err != nil {
+		b.cfg.Metrics.observeAPIError(call, apiErrorReason(err))
+	}
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(d))
 	}
 }
 
-func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, string, error) {
+func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *pendingAudit) (*apiv1.KubeconfigResponse, string, error) {
 	log := b.cfg.Logger.With(
 		zap.String("identity", c.Identity),
 		zap.String("namespace", req.Namespace),
@@ -212,11 +280,14 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		if KindOf(err) == KindForbidden {
 			return nil, outcomeDenied, err
 		}
+		a.denial = denyMinTTL
 		return nil, outcomeUnprocessable, err
 	}
+	a.ev.Peer = d.Peer
 	issuer := b.cfg.Issuers[d.Credential]
 	if issuer == nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
+		a.denial = denyCredential
 		return nil, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
 	}
 
@@ -224,12 +295,13 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if err != nil {
 		return nil, outcomeError, err
 	}
+	a.ev.LeaseID = id
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Now()
 	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
 	t0 := time.Now()
 	created, err := b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
-	b.timeAPI(ctx, "create_lease", t0)
+	b.timeAPI(ctx, "create_lease", t0, err)
 	if err != nil {
 		err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
 		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
@@ -257,7 +329,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Audiences:      req.Audiences,
 		Lease:          issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID},
 	})
-	b.timeAPI(ctx, "issue_"+d.Credential, t0)
+	b.timeAPI(ctx, "issue_"+d.Credential, t0, err)
+	b.cfg.Metrics.observeIssuer(d.Credential, time.Since(t0), err)
 	if err != nil {
 		err = classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
 		return fail(outcomeFor(err), err)
@@ -278,6 +351,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		clampedBy = ClampedByAPIServer
 	}
 	if minTTL > 0 && granted < minTTL {
+		a.denial = denyMinTTL
 		return fail(outcomeUnprocessable, Errorf(KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
@@ -292,11 +366,15 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if err != nil {
 		return fail(outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
+	jti := tokenJTI(cred.Token)
 	log.Info("decision", zap.Bool("allowed", true),
 		zap.String("granted_ttl", granted.String()),
 		zap.String("clamped_by", clampedBy),
 		zap.Time("expires_at", cred.ExpiresAt),
-		zap.String("token_jti", tokenJTI(cred.Token)))
+		zap.String("token_jti", jti))
+	a.ev.TokenJTI, a.ev.GrantedTTL, a.ev.ClampedBy = jti, granted.String(), clampedBy
+	a.ev.ExpiresAt = cred.ExpiresAt.UTC().Format(time.RFC3339)
+	b.cfg.Metrics.observeGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
 	if requested != 0 {
 		reqTTL = requested.String()
@@ -368,7 +446,7 @@ func (b *Broker) setExpiry(ctx context.Context, s *corev1.Secret, at time.Time) 
 	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, AnnotationExpiresAt, at.UTC().Format(time.RFC3339))
 	t0 := time.Now()
 	_, err := b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-	b.timeAPI(ctx, "patch_lease", t0)
+	b.timeAPI(ctx, "patch_lease", t0, err)
 	if err != nil {
 		return classify(err, "record lease expiry", "lease Secret vanished")
 	}
@@ -455,8 +533,11 @@ func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
 	}
 	t0 := time.Now()
 	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, opts)
-	b.timeAPI(ctx, "delete_lease", t0)
-	if err != nil && !isNotFound(err) {
+	if isNotFound(err) {
+		err = nil // gone already: what a delete wants
+	}
+	b.timeAPI(ctx, "delete_lease", t0, err)
+	if err != nil {
 		return fmt.Errorf("delete lease Secret %s/%s: %w", s.Namespace, s.Name, err)
 	}
 	return nil

@@ -125,33 +125,65 @@ func UsedJoinTokenSecretName(jti string) string {
 // same token only one issues a certificate. KindUnavailable (API server
 // unreachable, token not used up) is retryable.
 func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	resp, outcome, err := b.enroll(ctx, token, req)
+	a := &pendingAudit{ev: AuditEvent{Action: ActionEnroll}}
+	resp, outcome, err := b.enroll(ctx, token, req, a)
 	b.cfg.Metrics.observeCertificate(opEnroll, outcome)
+	b.auditCertificate(ctx, a, outcome, resp, err)
 	return resp, err
 }
 
-func (b *Broker) enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, string, error) {
+// auditCertificate writes the audit event of an enrollment or renewal.
+func (b *Broker) auditCertificate(ctx context.Context, a *pendingAudit, outcome string, resp *apiv1.CertificateResponse, err error) {
+	switch outcome {
+	case certIssued:
+		a.ev.Decision = DecisionAllow
+		a.ev.Serial = resp.SerialNumber
+		a.ev.NotAfter = resp.NotAfter.UTC().Format(time.RFC3339)
+	case certUnavailable, certError:
+		a.ev.Decision, a.ev.Reason = DecisionError, errDetail(err)
+		if outcome == certUnavailable {
+			a.ev.Reason = "the Kubernetes API server is unavailable"
+		}
+	default:
+		a.ev.Decision, a.ev.Reason = DecisionDeny, a.reason
+		if a.ev.Reason == "" {
+			a.ev.Reason = errDetail(err)
+		}
+		b.cfg.Metrics.observeDenial(a.ev.Action, orDefault(a.denial, denyInvalid))
+	}
+	b.audit(ctx, a.ev)
+}
+
+func (b *Broker) enroll(ctx context.Context, token string, req apiv1.CertificateRequest, a *pendingAudit) (*apiv1.CertificateResponse, string, error) {
 	if b.cfg.CA == nil {
+		a.denial = denyDisabled
 		return nil, certDisabled, errCertificatesDisabled
 	}
 	log := b.cfg.Logger.With(zap.String("operation", opEnroll))
 	claims, err := b.joinTokens.Verify(token)
 	if err != nil {
 		log.Info("enrollment refused", zap.String("reason", "join token not valid"), zap.Error(err))
+		a.denial, a.reason = denyJoinToken, "join token not valid: "+err.Error()
 		return nil, certUnauthenticated, errJoinToken(err)
 	}
 	log = log.With(zap.String("identity", claims.Identity), zap.String("jti", claims.ID))
+	a.ev.Identity, a.ev.JoinTokenID = claims.Identity, claims.ID
 	if b.revoked(claims.Identity) {
 		log.Info("enrollment refused", zap.String("reason", "identity revoked"))
+		a.denial, a.reason = denyRevoked, "identity revoked"
 		return nil, certUnauthenticated, errJoinToken(errors.New("identity is revoked"))
 	}
 	csr, err := parseCSR(req.CSR, claims.Identity)
 	if err != nil {
+		a.denial = csrDenial(err)
 		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
 		return nil, outcomeOfCert(err), err
 	}
 	if err := b.recordJoinToken(ctx, claims); err != nil {
 		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
+		if KindOf(err) == KindUnauthenticated {
+			a.denial, a.reason = denyJoinToken, "join token already used"
+		}
 		return nil, outcomeOfCert(err), err
 	}
 	resp, err := b.sign(csr, claims.Identity, log)
@@ -172,13 +204,16 @@ func (b *Broker) enroll(ctx context.Context, token string, req apiv1.Certificate
 // new key if the caller wants one. A CSR for another identity is
 // KindForbidden; a CSR that does not parse is KindInvalid.
 func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	resp, outcome, err := b.renew(c, req)
+	a := &pendingAudit{ev: AuditEvent{Action: ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	resp, outcome, err := b.renew(c, req, a)
 	b.cfg.Metrics.observeCertificate(opRenew, outcome)
+	b.auditCertificate(ctx, a, outcome, resp, err)
 	return resp, err
 }
 
-func (b *Broker) renew(c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, string, error) {
+func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) (*apiv1.CertificateResponse, string, error) {
 	if b.cfg.CA == nil {
+		a.denial = denyDisabled
 		return nil, certDisabled, errCertificatesDisabled
 	}
 	log := b.cfg.Logger.With(zap.String("operation", opRenew), zap.String("identity", c.Identity),
@@ -188,10 +223,12 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest) (*apiv1.Certifica
 	// safe whoever calls it.
 	if b.revoked(c.Identity) {
 		log.Info("renewal refused", zap.String("reason", "identity revoked"))
+		a.denial, a.reason = denyRevoked, "identity revoked"
 		return nil, certUnauthenticated, Wrap(KindUnauthenticated, "", errors.New("identity is revoked"))
 	}
 	csr, err := parseCSR(req.CSR, c.Identity)
 	if err != nil {
+		a.denial = csrDenial(err)
 		log.Info("renewal refused", zap.String("reason", errDetail(err)), zap.Error(err))
 		return nil, outcomeOfCert(err), err
 	}
@@ -283,7 +320,7 @@ func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims
 	}
 	t0 := time.Now()
 	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})
-	b.timeAPI(ctx, "create_used_join_token", t0)
+	b.timeAPI(ctx, "create_used_join_token", t0, err)
 	switch {
 	case err == nil:
 		return nil
@@ -331,6 +368,14 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 		resp.CABundle = string(b.cfg.Trust.PEM())
 	}
 	return resp, nil
+}
+
+// csrDenial is the denial reason code of a refused CSR.
+func csrDenial(err error) string {
+	if KindOf(err) == KindForbidden {
+		return denyIdentityMismatch
+	}
+	return denyInvalid
 }
 
 func outcomeOfCert(err error) string {

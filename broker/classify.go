@@ -45,6 +45,27 @@ func apiMessage(err error) string {
 	return ""
 }
 
+// apiErrorReason is the reason label of
+// tokenbroker_apiserver_call_errors_total for a failed API call.
+func apiErrorReason(err error) string {
+	var status apierrors.APIStatus
+	switch {
+	case apierrors.IsNotFound(err):
+		return "not_found"
+	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err):
+		return "forbidden"
+	case apierrors.IsAlreadyExists(err), apierrors.IsConflict(err):
+		return "conflict"
+	case apierrors.IsInvalid(err), apierrors.IsBadRequest(err):
+		return "invalid"
+	case apierrors.IsServiceUnavailable(err), apierrors.IsTimeout(err), apierrors.IsServerTimeout(err),
+		apierrors.IsTooManyRequests(err), apierrors.IsInternalError(err),
+		errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled), !errors.As(err, &status):
+		return "unavailable"
+	}
+	return "other"
+}
+
 func isNotFound(err error) bool { return apierrors.IsNotFound(err) }
 
 // Outcomes of an issuance, as counted in metrics.

@@ -26,9 +26,29 @@
 // # Metrics
 //
 // NewMetrics registers the metrics listed on Metrics on the registry it is
-// given (never the global one): issuances, their duration, API server call
-// durations, deleted leases, certificate requests, configuration reloads
+// given (never the global one), with Prometheus naming and help text:
+// issuances by outcome, their duration and the broker's own share of it,
+// the time of each issuer call, credentials issued by peer, namespace and
+// ServiceAccount, requested and granted TTLs, clamps, denials by action and
+// reason, API server call durations and errors, active leases and the
+// garbage collector's passes, deleted leases, certificate requests, the
+// expiry of the server certificate, the signing CA and the client-CA
+// bundle (read at every scrape), configuration reloads
 // (tokenbroker_config_reloads_total{config,result}, also fed by the
-// composition root for the server certificate and client-CA reloaders) and
-// the size of the deny list.
+// composition root for the server certificate and client-CA reloaders),
+// the size of the deny list, audit events and build information.
+//
+// # Audit trail
+//
+// Every decision ends in exactly one AuditEvent handed to Config.Auditor:
+// a kubeconfig issued or refused (ActionIssue), a lease revoked or a
+// revocation refused (ActionRevoke), a certificate enrolled or renewed or
+// refused (ActionEnroll, ActionRenew). The decision is DecisionAllow,
+// DecisionDeny (the policy or the request said no) or DecisionError (the
+// API server or the CA failed). An event names the caller (identity,
+// certificate fingerprint, the transport's request id from WithRequestID)
+// and what was handed out (lease id, the token's jti, the certificate's
+// serial), never a token, a join token, a kubeconfig or a key. AuditLog
+// writes events as JSON lines; the composition root points it at stdout,
+// stderr or a file.
 package broker

@@ -56,12 +56,33 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 }
 
 // RevokeLease deletes one of the caller's leases, which makes the API
-// server reject its credential.
+// server reject its credential. Every call ends in one audit event
+// (ActionRevoke).
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
+	ev := AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}
+	err := b.revokeLease(ctx, c, id, &ev)
+	outcome := outcomeGranted
+	if err != nil {
+		outcome = outcomeFor(err)
+	}
+	ev.Decision, ev.Reason = decisionOf(outcome, err)
+	if ev.Decision == DecisionDeny {
+		b.cfg.Metrics.observeDenial(ActionRevoke, denialCode(outcome))
+	}
+	if !ValidLeaseID(id) {
+		ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
+	}
+	b.audit(ctx, ev)
+	return err
+}
+
+func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *AuditEvent) error {
 	s, err := b.findLease(ctx, c, id)
 	if err != nil {
 		return err
 	}
+	ev.Peer, ev.Namespace = s.Labels[LabelPeer], s.Namespace
+	ev.ServiceAccount, ev.Credential = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred]
 	if err := b.deleteSecret(ctx, s); err != nil {
 		return classify(err, "revoke lease", "lease not found")
 	}
@@ -122,7 +143,7 @@ func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, se
 	for _, ns := range namespaces {
 		t0 := time.Now()
 		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
-		b.timeAPI(ctx, call, t0)
+		b.timeAPI(ctx, call, t0, err)
 		if err != nil {
 			return nil, classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
 		}
@@ -154,6 +175,15 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 // join token record without one is kept for usedJoinTokenFallbackRetention.
 // Safe to run on several replicas at once.
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
+	start := time.Now()
+	n, active, err := b.collectGarbage(ctx)
+	b.cfg.Metrics.observeGC(time.Since(start), active, b.cfg.Now(), err)
+	return n, err
+}
+
+// collectGarbage is CollectGarbage; it also returns the number of lease
+// Secrets that have not expired, for tokenbroker_leases_active.
+func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	// Every kind at once, including lease Secrets made before the kind
 	// label existed.
 	now := b.cfg.Now()
@@ -168,9 +198,9 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	}
 	secrets, err := b.listManagedSecrets(ctx, namespaces, nil, "list_gc")
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	leases, tokens := 0, 0
+	leases, tokens, active := 0, 0, 0
 	var errs []error
 	for i := range secrets {
 		s := &secrets[i]
@@ -184,6 +214,9 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 			exp = s.CreationTimestamp.Add(maxTTL)
 		}
 		if now.Before(exp) {
+			if !usedToken {
+				active++
+			}
 			continue
 		}
 		if err := b.deleteSecret(ctx, s); err != nil {
@@ -202,9 +235,9 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 		b.cfg.Logger.Info("expired used join token records deleted", zap.Int("count", tokens))
 	}
 	if len(errs) > 0 {
-		return leases + tokens, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
+		return leases + tokens, active, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
 	}
-	return leases + tokens, nil
+	return leases + tokens, active, nil
 }
 
 // RunGC collects expired leases and used join token records every

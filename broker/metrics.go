@@ -1,6 +1,8 @@
 package broker
 
 import (
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,6 +25,37 @@ import (
 //	                                                       "client-ca" by result, "success" or "failure"
 //	tokenbroker_revocations{kind}                          entries of the revocation deny list in force,
 //	                                                       by kind ("identity", "serial")
+//	tokenbroker_issuer_duration_seconds{issuer,result}     time in one issuer call (issuer "token": the
+//	                                                       TokenRequest), result "success" or "error"
+//	tokenbroker_credentials_issued_total{peer,namespace,service_account,credential}
+//	                                                       credentials handed out; the label values are
+//	                                                       bounded by the policy's grants
+//	tokenbroker_requested_ttl_seconds                      TTLs peers asked for (requests that named one)
+//	tokenbroker_granted_ttl_seconds                        TTLs granted
+//	tokenbroker_ttl_clamps_total{by}                       granted TTLs shorter than asked, by the limit
+//	                                                       that shortened them (grant.maxTTL,
+//	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
+//	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
+//	                                                       enroll, renew) and reason code (not_granted,
+//	                                                       min_ttl, credential_unavailable, invalid,
+//	                                                       not_found, join_token, revoked,
+//	                                                       identity_mismatch)
+//	tokenbroker_leases_active                              unexpired lease Secrets seen by the last
+//	                                                       successful GC pass, cluster-wide (every
+//	                                                       replica reports the same: aggregate with max)
+//	tokenbroker_lease_gc_runs_total{result}                GC passes, "success" or "failure"
+//	tokenbroker_lease_gc_duration_seconds                  time of one GC pass
+//	tokenbroker_lease_gc_last_success_timestamp_seconds    Unix time of the last successful GC pass
+//	tokenbroker_certificate_expiry_timestamp_seconds{certificate}
+//	                                                       NotAfter (Unix time) of the "server"
+//	                                                       certificate, the signing "ca" and the
+//	                                                       earliest of the "client-ca" bundle
+//	tokenbroker_apiserver_call_errors_total{call,reason}   failed API server calls by call and reason
+//	                                                       (unavailable, forbidden, not_found,
+//	                                                       conflict, invalid, other)
+//	tokenbroker_audit_events_total{action,decision}        audit events written (see AuditEvent)
+//	tokenbroker_audit_write_errors_total                   audit events that could not be written
+//	tokenbroker_build_info{version,revision,goversion}     1, labelled with the build
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -34,7 +67,31 @@ type Metrics struct {
 	certs       *prometheus.CounterVec
 	reloads     *prometheus.CounterVec
 	revocations *prometheus.GaugeVec
+
+	issuerDur    *prometheus.HistogramVec
+	issued       *prometheus.CounterVec
+	requestedTTL prometheus.Histogram
+	grantedTTL   prometheus.Histogram
+	clamps       *prometheus.CounterVec
+	denials      *prometheus.CounterVec
+	activeLeases prometheus.Gauge
+	gcRuns       *prometheus.CounterVec
+	gcDur        prometheus.Histogram
+	gcLast       prometheus.Gauge
+	certExpiry   *expiryCollector
+	apiErrors    *prometheus.CounterVec
+	auditEvents  *prometheus.CounterVec
+	auditErrors  prometheus.Counter
+	buildInfo    *prometheus.GaugeVec
 }
+
+// The certificate label values of
+// tokenbroker_certificate_expiry_timestamp_seconds.
+const (
+	CertificateServer   = "server"
+	CertificateCA       = "ca"
+	CertificateClientCA = "client-ca"
+)
 
 // The config label values of tokenbroker_config_reloads_total.
 const (
@@ -84,14 +141,84 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_revocations",
 			Help: "Entries of the revocation deny list in force, by kind (identity, serial).",
 		}, []string{"kind"}),
+		issuerDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tokenbroker_issuer_duration_seconds",
+			Help:    "Time in one issuer call (issuer token: the TokenRequest), by issuer and result (success, error).",
+			Buckets: buckets,
+		}, []string{"issuer", "result"}),
+		issued: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_credentials_issued_total",
+			Help: "Credentials issued, by peer, namespace, ServiceAccount and credential kind.",
+		}, []string{"peer", "namespace", "service_account", "credential"}),
+		requestedTTL: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tokenbroker_requested_ttl_seconds",
+			Help:    "TTLs peers asked for, in seconds (requests that named one).",
+			Buckets: ttlBuckets,
+		}),
+		grantedTTL: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tokenbroker_granted_ttl_seconds",
+			Help:    "TTLs granted, in seconds.",
+			Buckets: ttlBuckets,
+		}),
+		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_ttl_clamps_total",
+			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, tokenrequest.minimum, apiserver).",
+		}, []string{"by"}),
+		denials: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_denials_total",
+			Help: "Refused requests, by action (issue, revoke, enroll, renew) and reason code.",
+		}, []string{"action", "reason"}),
+		activeLeases: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "tokenbroker_leases_active",
+			Help: "Unexpired lease Secrets seen by the last successful garbage collection pass, cluster-wide (the same on every replica).",
+		}),
+		gcRuns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_lease_gc_runs_total",
+			Help: "Lease garbage collection passes, by result (success, failure).",
+		}, []string{"result"}),
+		gcDur: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tokenbroker_lease_gc_duration_seconds",
+			Help:    "Time of one lease garbage collection pass.",
+			Buckets: buckets,
+		}),
+		gcLast: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "tokenbroker_lease_gc_last_success_timestamp_seconds",
+			Help: "Unix time of the last successful lease garbage collection pass.",
+		}),
+		certExpiry: &expiryCollector{desc: prometheus.NewDesc(
+			"tokenbroker_certificate_expiry_timestamp_seconds",
+			"NotAfter, as Unix time, of the server certificate (server), the signing CA (ca) and the earliest certificate of the client-CA bundle (client-ca).",
+			[]string{"certificate"}, nil)},
+		apiErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_apiserver_call_errors_total",
+			Help: "Failed Kubernetes API server calls, by call and reason (unavailable, forbidden, not_found, conflict, invalid, other).",
+		}, []string{"call", "reason"}),
+		auditEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_audit_events_total",
+			Help: "Audit events written, by action and decision.",
+		}, []string{"action", "decision"}),
+		auditErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tokenbroker_audit_write_errors_total",
+			Help: "Audit events that could not be written to the audit sink.",
+		}),
+		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_build_info",
+			Help: "Always 1, labelled with the version, VCS revision and Go version of the running binary.",
+		}, []string{"version", "revision", "goversion"}),
 	}
-	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations} {
+	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
+		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast,
+		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
 	return m, nil
 }
+
+// ttlBuckets cover the TTLs the policy allows: ten minutes (the
+// TokenRequest minimum) to a day and more.
+var ttlBuckets = []float64{600, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 3600, 24 * 3600, 48 * 3600, 7 * 24 * 3600}
 
 func (m *Metrics) observeIssue(outcome string, total, own time.Duration) {
 	if m == nil {
@@ -144,4 +271,121 @@ func (m *Metrics) setRevocations(identities, serials int) {
 	}
 	m.revocations.WithLabelValues("identity").Set(float64(identities))
 	m.revocations.WithLabelValues("serial").Set(float64(serials))
+}
+
+func (m *Metrics) observeIssuer(issuer string, d time.Duration, err error) {
+	if m == nil {
+		return
+	}
+	result := "success"
+	if err != nil {
+		result = "error"
+	}
+	m.issuerDur.WithLabelValues(issuer, result).Observe(d.Seconds())
+}
+
+// observeGrant records a credential handed out: who got it, and how its
+// TTL compares with what was asked.
+func (m *Metrics) observeGrant(peer, namespace, serviceAccount, credential string, requested, granted time.Duration, clampedBy string) {
+	if m == nil {
+		return
+	}
+	m.issued.WithLabelValues(peer, namespace, serviceAccount, credential).Inc()
+	if requested > 0 {
+		m.requestedTTL.Observe(requested.Seconds())
+	}
+	m.grantedTTL.Observe(granted.Seconds())
+	if clampedBy != "" {
+		m.clamps.WithLabelValues(clampedBy).Inc()
+	}
+}
+
+func (m *Metrics) observeDenial(action, reason string) {
+	if m == nil {
+		return
+	}
+	m.denials.WithLabelValues(action, reason).Inc()
+}
+
+// observeGC records one garbage collection pass; active is the number of
+// unexpired leases it saw, meaningful only when err is nil.
+func (m *Metrics) observeGC(d time.Duration, active int, end time.Time, err error) {
+	if m == nil {
+		return
+	}
+	m.gcDur.Observe(d.Seconds())
+	if err != nil {
+		m.gcRuns.WithLabelValues("failure").Inc()
+		return
+	}
+	m.gcRuns.WithLabelValues("success").Inc()
+	m.activeLeases.Set(float64(active))
+	m.gcLast.Set(float64(end.UnixNano()) / 1e9)
+}
+
+// WatchCertificateExpiry reports the NotAfter of one of the broker's
+// certificates at every scrape: certificate is CertificateServer,
+// CertificateCA or CertificateClientCA, and notAfter returns the NotAfter
+// of the certificate in force (zero time: none, not reported), so that a
+// reloaded certificate is reported without any callback.
+func (m *Metrics) WatchCertificateExpiry(certificate string, notAfter func() time.Time) {
+	if m == nil {
+		return
+	}
+	m.certExpiry.mu.Lock()
+	defer m.certExpiry.mu.Unlock()
+	m.certExpiry.sources = append(m.certExpiry.sources, expirySource{certificate, notAfter})
+}
+
+// expiryCollector collects tokenbroker_certificate_expiry_timestamp_seconds
+// from the sources registered with WatchCertificateExpiry.
+type expiryCollector struct {
+	desc    *prometheus.Desc
+	mu      sync.Mutex
+	sources []expirySource
+}
+
+type expirySource struct {
+	certificate string
+	notAfter    func() time.Time
+}
+
+func (c *expiryCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *expiryCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	sources := slices.Clone(c.sources)
+	c.mu.Unlock()
+	for _, s := range sources {
+		if t := s.notAfter(); !t.IsZero() {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(t.Unix()), s.certificate)
+		}
+	}
+}
+
+// SetBuildInfo sets tokenbroker_build_info for the running binary.
+func (m *Metrics) SetBuildInfo(version, revision, goVersion string) {
+	if m == nil {
+		return
+	}
+	m.buildInfo.Reset()
+	m.buildInfo.WithLabelValues(version, revision, goVersion).Set(1)
+}
+
+func (m *Metrics) observeAPIError(call, reason string) {
+	if m == nil {
+		return
+	}
+	m.apiErrors.WithLabelValues(call, reason).Inc()
+}
+
+func (m *Metrics) observeAudit(action, decision string, writeErr error) {
+	if m == nil {
+		return
+	}
+	if writeErr != nil {
+		m.auditErrors.Inc()
+		return
+	}
+	m.auditEvents.WithLabelValues(action, decision).Inc()
 }

@@ -557,3 +557,18 @@ func TestRequestID(t *testing.T) {
 		})
 	}
 }
+
+func TestTheBrokerSeesTheRequestIDForItsAuditEvents(t *testing.T) {
+	t.Parallel()
+	var seen string
+	b := &fakeBroker{issue: func(ctx context.Context, _ broker.Caller, _ apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+		seen = broker.RequestID(ctx)
+		return testResponse(), nil
+	}}
+	h := newHarness(t, b)
+	rq := postKubeconfig(`{"namespace":"argo","serviceAccount":"admiralty-source"}`)
+	rq.header = http.Header{"X-Request-Id": []string{"trace-42"}}
+	rec := h.do(rq)
+	require.Equal(t, http.StatusCreated, rec.Code, rec.Body.String())
+	require.Equal(t, "trace-42", seen)
+}

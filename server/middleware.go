@@ -80,7 +80,9 @@ func (s *Server) requestID(listener string) func(http.Handler) http.Handler {
 			}
 			w.Header().Set(headerRequestID, id)
 			info := &requestInfo{id: id, listener: listener, log: s.log.With(zap.String("request_id", id))}
-			next.ServeHTTP(w, r.WithContext(withRequestInfo(r.Context(), info)))
+			// The broker learns the id too, for its audit events.
+			ctx := broker.WithRequestID(withRequestInfo(r.Context(), info), id)
+			next.ServeHTTP(w, r.WithContext(ctx))
 		})
 	}
 }

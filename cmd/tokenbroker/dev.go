@@ -144,6 +144,9 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 		GCInterval:    time.Minute,
 		MaxBodyBytes:  64 << 10,
 		Credentials:   []string{"token"},
+		// Stdout is for the commands printed below; audit events go
+		// with the log.
+		AuditLog: auditStderr,
 	}
 	kubectl := cfg.Kubectl
 	if kubectl == "" {

@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"time"
 
@@ -45,6 +48,7 @@ type serveConfig struct {
 	MaxBodyBytes  int64
 	Pprof         bool
 	Credentials   []string
+	AuditLog      string
 	Log           logConfig
 }
 
@@ -138,7 +142,14 @@ func addServeFlags(cmd *cobra.Command) {
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues (token)")
+	fs.String("audit-log", auditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600); cannot be turned off`)
 }
+
+// The --audit-log values that are not file paths.
+const (
+	auditStdout = "stdout"
+	auditStderr = "stderr"
+)
 
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{
@@ -160,6 +171,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		MaxBodyBytes:  v.GetInt64("max-body-bytes"),
 		Pprof:         v.GetBool("pprof"),
 		Credentials:   v.GetStringSlice("credentials"),
+		AuditLog:      v.GetString("audit-log"),
 		Log:           logConfigFrom(v),
 	}
 	var errs []error
@@ -176,6 +188,9 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	}
 	if cfg.GCInterval < time.Second {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
+	}
+	if cfg.AuditLog == "" {
+		errs = append(errs, errors.New(`--audit-log must be "stdout", "stderr" or a file path`))
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		errs = append(errs, errors.New("--max-body-bytes must be positive"))
@@ -255,6 +270,12 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 	if err != nil {
 		return fmt.Errorf("register metrics: %w", err)
 	}
+	metrics.SetBuildInfo(version, vcsRevision(), runtime.Version())
+	auditor, closeAudit, err := openAuditLog(cfg.AuditLog)
+	if err != nil {
+		return err
+	}
+	defer closeAudit()
 
 	// Issuers are chosen explicitly; an unknown kind fails closed.
 	iss := map[string]broker.Issuer{}
@@ -277,6 +298,8 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 	if err != nil {
 		return fmt.Errorf("load client CA bundle: %w", err)
 	}
+	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
+	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
 	// A nil *pki.CA must not become a non-nil interface.
 	var ca broker.CertificateAuthority
 	if cfg.CACertFile != "" {
@@ -285,6 +308,7 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 			return fmt.Errorf("load signing CA: %w", err)
 		}
 		ca = c
+		metrics.WatchCertificateExpiry(broker.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
 			zap.Duration("default_ttl", cfg.ClientCertTTL))
@@ -304,6 +328,7 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 		Trust:          clientCAs,
 		CertificateTTL: cfg.ClientCertTTL,
 		Revocations:    revocations,
+		Auditor:        auditor,
 	})
 	if err != nil {
 		return err
@@ -364,6 +389,58 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// openAuditLog opens the audit sink named by --audit-log; the returned
+// function closes a file sink.
+func openAuditLog(dest string) (broker.Auditor, func(), error) {
+	switch dest {
+	case auditStdout:
+		return broker.NewAuditLog(os.Stdout), func() {}, nil
+	case auditStderr:
+		return broker.NewAuditLog(os.Stderr), func() {}, nil
+	}
+	// O_APPEND: each event is one write, so several writers (or a log
+	// shipper's truncation) never split a line.
+	f, err := os.OpenFile(dest, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--audit-log: %w", err)
+	}
+	return broker.NewAuditLog(f), func() { _ = f.Close() }, nil
+}
+
+// earliestNotAfter is the NotAfter of the certificate that expires first,
+// or the zero time for none.
+func earliestNotAfter(certs []*x509.Certificate) time.Time {
+	var t time.Time
+	for _, c := range certs {
+		if t.IsZero() || c.NotAfter.Before(t) {
+			t = c.NotAfter
+		}
+	}
+	return t
+}
+
+// vcsRevision is the VCS revision the binary was built from, with
+// "-dirty" if the tree had changes, or "unknown".
+func vcsRevision() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "unknown"
+	}
+	rev, dirty := "unknown", false
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
+	}
+	if dirty {
+		rev += "-dirty"
+	}
+	return rev
 }
 
 // revocationSyncWait bounds how long serve waits for the first read of the

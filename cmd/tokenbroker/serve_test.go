@@ -9,6 +9,8 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/stretchr/testify/require"
+
+	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 // serveConfigOf parses args like "tokenbroker serve" would, without running.
@@ -141,4 +143,37 @@ func TestBadCertificateFlagsAreRefused(t *testing.T) {
 		_, err := serveConfigOf(t, append(required, tc.args...)...)
 		require.ErrorContains(t, err, tc.want, tc.args)
 	}
+}
+
+func TestTheAuditLogGoesToStdoutByDefaultAndCannotBeTurnedOff(t *testing.T) {
+	cfg, err := serveConfigOf(t, required...)
+	require.NoError(t, err)
+	require.Equal(t, "stdout", cfg.AuditLog)
+	_, err = serveConfigOf(t, append([]string{"--audit-log", ""}, required...)...)
+	require.ErrorContains(t, err, "--audit-log")
+}
+
+func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.jsonl")
+	require.NoError(t, os.WriteFile(path, []byte("{\"earlier\":true}\n"), 0o600))
+	a, closeFn, err := openAuditLog(path)
+	require.NoError(t, err)
+	require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow}))
+	closeFn()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	require.Len(t, lines, 2, "the earlier content is kept")
+	require.Contains(t, lines[1], `"action":"issue"`)
+
+	fresh := filepath.Join(t.TempDir(), "new.jsonl")
+	_, closeFn, err = openAuditLog(fresh)
+	require.NoError(t, err)
+	closeFn()
+	st, err := os.Stat(fresh)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+
+	_, _, err = openAuditLog(filepath.Join(t.TempDir(), "missing", "audit.jsonl"))
+	require.ErrorContains(t, err, "--audit-log")
 }

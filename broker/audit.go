@@ -1,0 +1,131 @@
+package broker
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// AuditSchema is the value of every audit event's "audit" field: it tells
+// audit events apart from operational log lines in a shared stream and
+// versions their shape.
+const AuditSchema = "tokenbroker.io/v1"
+
+// Audit actions and decisions.
+const (
+	ActionIssue  = "issue"
+	ActionRevoke = "revoke"
+	ActionEnroll = "enroll"
+	ActionRenew  = "renew"
+
+	DecisionAllow = "allow"
+	DecisionDeny  = "deny"
+	// DecisionError is a request that policy allowed (or had not judged
+	// yet) but that failed: the API server was unavailable, the
+	// ServiceAccount was missing, the CA could not sign.
+	DecisionError = "error"
+)
+
+// AuditEvent is one decision of the broker: a kubeconfig issued or refused,
+// a lease revoked, a certificate enrolled or renewed. It names who asked
+// (identity, certificate fingerprint, request id) and what they got (lease
+// id, the token's jti, the certificate's serial), never a credential: the
+// token's jti is what the API server's own audit log records for every
+// request made with the token (user.extra
+// "authentication.kubernetes.io/credential-id" = "JTI=<jti>"), so the two
+// logs join on it.
+type AuditEvent struct {
+	Time     time.Time `json:"time"`
+	Audit    string    `json:"audit"`
+	Action   string    `json:"action"`
+	Decision string    `json:"decision"`
+	// Reason is why a request was denied or failed, as the caller was told.
+	Reason         string `json:"reason,omitempty"`
+	RequestID      string `json:"request_id,omitempty"`
+	Identity       string `json:"identity,omitempty"`
+	Peer           string `json:"peer,omitempty"`
+	CertSHA256     string `json:"cert_sha256,omitempty"`
+	Namespace      string `json:"namespace,omitempty"`
+	ServiceAccount string `json:"service_account,omitempty"`
+	Credential     string `json:"credential,omitempty"`
+	LeaseID        string `json:"lease_id,omitempty"`
+	TokenJTI       string `json:"token_jti,omitempty"`
+	RequestedTTL   string `json:"requested_ttl,omitempty"`
+	GrantedTTL     string `json:"granted_ttl,omitempty"`
+	ClampedBy      string `json:"clamped_by,omitempty"`
+	ExpiresAt      string `json:"expires_at,omitempty"`
+	// JoinTokenID is the jti of the join token an enrollment used (not
+	// the token), so that a replayed token can be traced to its first use.
+	JoinTokenID string `json:"join_token_jti,omitempty"`
+	Serial      string `json:"serial,omitempty"`
+	NotAfter    string `json:"not_after,omitempty"`
+}
+
+// Auditor receives the broker's audit events. Audit must be safe for
+// concurrent use and must not block for long: it runs on the request path.
+type Auditor interface {
+	Audit(AuditEvent) error
+}
+
+// AuditLog writes audit events as JSON lines to w, one Write per event so
+// that concurrent events never interleave.
+type AuditLog struct {
+	mu  sync.Mutex
+	w   io.Writer
+	buf []byte
+}
+
+// NewAuditLog returns an Auditor writing to w.
+func NewAuditLog(w io.Writer) *AuditLog { return &AuditLog{w: w} }
+
+// Audit writes one event.
+func (l *AuditLog) Audit(ev AuditEvent) error {
+	line, err := json.Marshal(ev)
+	if err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf = append(append(l.buf[:0], line...), '\n')
+	_, err = l.w.Write(l.buf)
+	return err
+}
+
+type requestIDKey struct{}
+
+// WithRequestID returns a context carrying the transport's request id, for
+// the audit events of the request.
+func WithRequestID(ctx context.Context, id string) context.Context {
+	return context.WithValue(ctx, requestIDKey{}, id)
+}
+
+// RequestID returns the request id WithRequestID put in ctx, or "".
+func RequestID(ctx context.Context) string {
+	id, _ := ctx.Value(requestIDKey{}).(string)
+	return id
+}
+
+// audit completes ev and hands it to the configured Auditor; a failed
+// write is logged and counted but does not fail the request, whose
+// decision the operational log also records.
+func (b *Broker) audit(ctx context.Context, ev AuditEvent) {
+	ev.Audit = AuditSchema
+	ev.Time = b.cfg.Now().UTC()
+	if ev.RequestID == "" {
+		ev.RequestID = RequestID(ctx)
+	}
+	if b.cfg.Auditor == nil {
+		return
+	}
+	err := b.cfg.Auditor.Audit(ev)
+	b.cfg.Metrics.observeAudit(ev.Action, ev.Decision, err)
+	if err != nil {
+		b.cfg.Logger.Error("audit event not written",
+			zap.Error(err), zap.String("action", ev.Action), zap.String("decision", ev.Decision),
+			zap.String("request_id", ev.RequestID))
+	}
+}

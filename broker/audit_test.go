@@ -1,0 +1,246 @@
+package broker
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// auditRecorder keeps the events it is given, as JSON lines too, so tests
+// can look at both.
+type auditRecorder struct {
+	mu     sync.Mutex
+	events []AuditEvent
+	buf    bytes.Buffer
+	log    *AuditLog
+}
+
+func newAuditRecorder() *auditRecorder {
+	r := &auditRecorder{}
+	r.log = NewAuditLog(&r.buf)
+	return r
+}
+
+func (r *auditRecorder) Audit(ev AuditEvent) error {
+	r.mu.Lock()
+	r.events = append(r.events, ev)
+	r.mu.Unlock()
+	return r.log.Audit(ev)
+}
+
+func (r *auditRecorder) all() []AuditEvent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]AuditEvent(nil), r.events...)
+}
+
+func TestEveryKubeconfigDecisionIsAuditedOnceWithWhoAndWhat(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	caller := Caller{Identity: west.Identity, CertSHA256: "sha256:abcd"}
+	ctx := WithRequestID(context.Background(), "req-1")
+
+	resp, err := e.b.IssueKubeconfig(ctx, caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "48h"})
+	require.NoError(t, err)
+	_, err = e.b.IssueKubeconfig(WithRequestID(context.Background(), "req-2"), caller, apiv1.KubeconfigRequest{Namespace: "kube-system", ServiceAccount: "admin"})
+	require.Equal(t, KindForbidden, KindOf(err))
+	_, err = e.b.IssueKubeconfig(context.Background(), caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", MinTTL: "13h"})
+	require.Equal(t, KindUnprocessable, KindOf(err))
+	require.NoError(t, e.b.RevokeLease(WithRequestID(context.Background(), "req-4"), caller, resp.LeaseID))
+	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(context.Background(), caller, resp.LeaseID)))
+	e.iss.err = apierrors.NewServiceUnavailable("etcd is down")
+	_, err = e.b.IssueKubeconfig(context.Background(), caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.Equal(t, KindUnavailable, KindOf(err))
+
+	evs := rec.all()
+	require.Len(t, evs, 6, "one event per decision")
+	for _, ev := range evs {
+		require.Equal(t, AuditSchema, ev.Audit)
+		require.False(t, ev.Time.IsZero())
+		require.Equal(t, west.Identity, ev.Identity)
+		require.Equal(t, "sha256:abcd", ev.CertSHA256)
+	}
+
+	allow := evs[0]
+	require.Equal(t, ActionIssue, allow.Action)
+	require.Equal(t, DecisionAllow, allow.Decision)
+	require.Equal(t, "req-1", allow.RequestID)
+	require.Equal(t, "west", allow.Peer)
+	require.Equal(t, "argo", allow.Namespace)
+	require.Equal(t, "admiralty-source", allow.ServiceAccount)
+	require.Equal(t, apiv1.CredentialToken, allow.Credential)
+	require.Equal(t, resp.LeaseID, allow.LeaseID)
+	require.Equal(t, "jti-42", allow.TokenJTI, "the token's jti joins the API server's audit log")
+	require.Equal(t, "48h", allow.RequestedTTL)
+	require.Equal(t, "12h0m0s", allow.GrantedTTL)
+	require.Equal(t, ClampedByGrant, allow.ClampedBy)
+	require.NotEmpty(t, allow.ExpiresAt)
+
+	require.Equal(t, DecisionDeny, evs[1].Decision)
+	require.Equal(t, "req-2", evs[1].RequestID)
+	require.Equal(t, "no grant allows this request", evs[1].Reason)
+	require.Empty(t, evs[1].LeaseID, "nothing was created")
+
+	require.Equal(t, DecisionDeny, evs[2].Decision)
+	require.Contains(t, evs[2].Reason, "minTTL 13h0m0s cannot be granted")
+
+	revoke := evs[3]
+	require.Equal(t, ActionRevoke, revoke.Action)
+	require.Equal(t, DecisionAllow, revoke.Decision)
+	require.Equal(t, "req-4", revoke.RequestID)
+	require.Equal(t, resp.LeaseID, revoke.LeaseID)
+	require.Equal(t, "west", revoke.Peer)
+	require.Equal(t, "argo", revoke.Namespace)
+	require.Equal(t, "admiralty-source", revoke.ServiceAccount)
+
+	require.Equal(t, ActionRevoke, evs[4].Action)
+	require.Equal(t, DecisionDeny, evs[4].Decision)
+
+	require.Equal(t, DecisionError, evs[5].Decision)
+	require.Equal(t, "the Kubernetes API server is unavailable", evs[5].Reason)
+
+	requireNoSecret(t, rec.buf.String())
+	lines := 0
+	sc := bufio.NewScanner(bytes.NewReader(rec.buf.Bytes()))
+	for sc.Scan() {
+		var ev map[string]any
+		require.NoError(t, json.Unmarshal(sc.Bytes(), &ev), sc.Text())
+		require.Equal(t, AuditSchema, ev["audit"])
+		lines++
+	}
+	require.Equal(t, 6, lines)
+}
+
+// requireNoSecret fails if s holds the fake issuer's token or any part of it
+// but the payload (whose jti is meant to be there).
+func requireNoSecret(t *testing.T, s string) {
+	t.Helper()
+	parts := strings.Split(secretToken, ".")
+	require.NotContains(t, s, parts[2], "the token's signature is in the audit log")
+	require.NotContains(t, s, parts[0]+"."+parts[1], "the token is in the audit log")
+}
+
+func TestAnInvalidLeaseIDIsNotCopiedIntoTheAuditLog(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(context.Background(), west, "../../etc/passwd\n{\"audit\":1}")))
+	evs := rec.all()
+	require.Len(t, evs, 1)
+	require.Equal(t, DecisionDeny, evs[0].Decision)
+	require.Empty(t, evs[0].LeaseID)
+}
+
+func TestCertificateDecisionsAreAudited(t *testing.T) {
+	t.Parallel()
+	e := newCertEnv(t, testPolicy)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	e.b.cfg.Metrics = m
+	ctx := WithRequestID(context.Background(), "enroll-1")
+
+	tok, claims := e.joinToken(t, westID)
+	resp, err := e.b.Enroll(ctx, tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+	_, err = e.b.Enroll(ctx, tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	requireUniformUnauthenticated(t, err)
+	_, err = e.b.Enroll(ctx, "not-a-token", apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	requireUniformUnauthenticated(t, err)
+	caller := Caller{Identity: westID, CertSHA256: "sha256:beef"}
+	renewed, err := e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	require.NoError(t, err)
+	_, err = e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+	require.Equal(t, KindForbidden, KindOf(err))
+
+	evs := rec.all()
+	require.Len(t, evs, 5)
+	enrolled := evs[0]
+	require.Equal(t, ActionEnroll, enrolled.Action)
+	require.Equal(t, DecisionAllow, enrolled.Decision)
+	require.Equal(t, "enroll-1", enrolled.RequestID)
+	require.Equal(t, westID, enrolled.Identity)
+	require.Equal(t, claims.ID, enrolled.JoinTokenID)
+	require.Equal(t, resp.SerialNumber, enrolled.Serial)
+	require.NotEmpty(t, enrolled.NotAfter)
+
+	replay := evs[1]
+	require.Equal(t, DecisionDeny, replay.Decision)
+	require.Equal(t, "join token already used", replay.Reason, "the audit log tells what the caller is not told")
+	require.Equal(t, claims.ID, replay.JoinTokenID, "a replay is traced to the token's first use")
+	require.Contains(t, evs[2].Reason, "join token not valid")
+	require.Empty(t, evs[2].Identity)
+
+	require.Equal(t, ActionRenew, evs[3].Action)
+	require.Equal(t, DecisionAllow, evs[3].Decision)
+	require.Equal(t, renewed.SerialNumber, evs[3].Serial)
+	require.Equal(t, "sha256:beef", evs[3].CertSHA256)
+	require.Equal(t, DecisionDeny, evs[4].Decision)
+
+	require.NotContains(t, rec.buf.String(), tok, "the join token is in the audit log")
+	require.Equal(t, 2.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionEnroll, denyJoinToken)))
+	require.Equal(t, 1.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionRenew, denyIdentityMismatch)))
+	require.Equal(t, 1.0, testutil.ToFloat64(m.auditEvents.WithLabelValues(ActionEnroll, DecisionAllow)))
+	require.Equal(t, 2.0, testutil.ToFloat64(m.auditEvents.WithLabelValues(ActionEnroll, DecisionDeny)))
+}
+
+type failingAuditor struct{}
+
+func (failingAuditor) Audit(AuditEvent) error { return errors.New("disk full") }
+
+func TestAnAuditWriteFailureIsCountedAndLoggedButTheDecisionStands(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	e.b.cfg.Metrics, e.b.cfg.Auditor = m, failingAuditor{}
+	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+	require.Equal(t, 1.0, testutil.ToFloat64(m.auditErrors))
+	require.Equal(t, 1, e.logs.FilterMessage("audit event not written").Len())
+}
+
+func TestTheAuditLogNeverInterleavesEvents(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	l := NewAuditLog(&buf)
+	var wg sync.WaitGroup
+	for i := range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range 20 {
+				require.NoError(t, l.Audit(AuditEvent{Audit: AuditSchema, Action: ActionIssue, LeaseID: fmt.Sprintf("%d-%d", i, j), Reason: strings.Repeat("x", 500)}))
+			}
+		}()
+	}
+	wg.Wait()
+	sc := bufio.NewScanner(&buf)
+	sc.Buffer(nil, 1<<20)
+	n := 0
+	for sc.Scan() {
+		var ev AuditEvent
+		require.NoError(t, json.Unmarshal(sc.Bytes(), &ev))
+		n++
+	}
+	require.Equal(t, 1000, n)
+}
