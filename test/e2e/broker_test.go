@@ -199,6 +199,10 @@ func TestBrokerEndToEnd(t *testing.T) {
 		require.Contains(t, stderr, "forbidden")
 	})
 
+	t.Run("every decision is in the audit trail, joined to the API server's by the token's jti", func(t *testing.T) {
+		testAuditTrail(t, e, kubectl)
+	})
+
 	t.Run("a TTL over the grant is clamped and says so", func(t *testing.T) {
 		status, body := e.postKubeconfig(t, west, `{"namespace":"argo","serviceAccount":"runner","ttl":"48h"}`)
 		require.Equal(t, 201, status, body)

@@ -37,6 +37,7 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 	require.NoError(t, err)
 	logs := &syncBuffer{}
 	cmd.Stderr = logs
+	collectLog("dev ("+t.Name()+")", logs.String)
 	require.NoError(t, cmd.Start())
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()

@@ -119,6 +119,12 @@ func runErr(name string, args ...string) (string, string, error) {
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
+	if filepath.Base(name) == "tokenbroker" {
+		// Stdout may be a kubeconfig or a key the command was asked
+		// for; stderr is the log.
+		errOut := stderr.String()
+		collectLog(strings.Join(args[:min(len(args), 2)], " ")+" (stderr)", func() string { return errOut })
+	}
 	return stdout.String(), stderr.String(), err
 }
 
@@ -133,6 +139,7 @@ func startProcess(t *testing.T, bin string, args ...string) *process {
 	t.Helper()
 	p := &process{cmd: exec.Command(bin, args...), logs: &syncBuffer{}, done: make(chan error, 1)}
 	p.cmd.Stdout, p.cmd.Stderr = p.logs, p.logs
+	collectLog(strings.Join(args[:min(len(args), 1)], " ")+" ("+t.Name()+")", p.logs.String)
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	require.NoError(t, p.cmd.Start())
 	go func() { p.done <- p.cmd.Wait() }()
