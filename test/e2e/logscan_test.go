@@ -63,7 +63,7 @@ func scanLogs(sources []logSource) logScan {
 		text := src.text()
 		s.sources++
 		s.bytes += len(text)
-		if strings.HasPrefix(src.name, "serve") {
+		if strings.HasPrefix(src.name, "serve ") { // a broker process, not "cli serve --help"
 			s.servers++
 		}
 		for _, p := range secretPatterns {
@@ -122,11 +122,12 @@ func TestTheLogScanFindsTokensAndKeys(t *testing.T) {
 		"a bare PKCS #8 key":  `"key":"MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQg"`,
 		"a bare SEC 1 EC key": `MHcCAQEEIBx0`,
 	} {
-		s := scanLogs([]logSource{{"serve", func() string { return clean + "\n" + text }}})
+		s := scanLogs([]logSource{{"serve (T)", func() string { return clean + "\n" + text }}})
 		require.NotEmpty(t, s.leaks, name)
 	}
-	s := scanLogs([]logSource{{"serve", func() string { return clean }}})
+	s := scanLogs([]logSource{{"serve (T)", func() string { return clean }}, {"cli serve --help (stderr)", func() string { return "" }}})
 	require.Empty(t, s.leaks)
+	require.Equal(t, 1, s.servers, "a CLI command is not a broker")
 	require.Equal(t, 1, s.auditEvents)
 	require.Equal(t, 1, s.issueWithJTI)
 }

@@ -123,7 +123,7 @@ func runErr(name string, args ...string) (string, string, error) {
 		// Stdout may be a kubeconfig or a key the command was asked
 		// for; stderr is the log.
 		errOut := stderr.String()
-		collectLog(strings.Join(args[:min(len(args), 2)], " ")+" (stderr)", func() string { return errOut })
+		collectLog("cli "+strings.Join(args[:min(len(args), 2)], " ")+" (stderr)", func() string { return errOut })
 	}
 	return stdout.String(), stderr.String(), err
 }
