@@ -61,6 +61,11 @@ func checkCABundle(data []byte) error {
 	return nil
 }
 
+// CheckCABundle reports whether data holds at least one PEM certificate
+// and nothing else, as LoadPolicyFile requires of cluster.caFile and
+// cluster.caData; "tokenbroker config validate" checks a policy with it.
+func CheckCABundle(data []byte) error { return checkCABundle(data) }
+
 func readBounded(path string, limit int64) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {

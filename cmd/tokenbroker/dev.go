@@ -56,6 +56,11 @@ func newDevCommand() *cobra.Command {
 then print a curl command and a kubectl command that work as printed.
 "make dev" starts a local cluster and runs this command against it.
 Ctrl-C stops the broker.`,
+		Example: `  # what "make dev" runs, once bin/localcluster has started a cluster
+  tokenbroker dev --dir .dev --kubeconfig .dev/admin.kubeconfig
+
+  # on other ports
+  tokenbroker dev --kubeconfig admin.kubeconfig --listen-address 127.0.0.1:18443 --ops-address 127.0.0.1:19090`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			v, err := newViper(cmd)

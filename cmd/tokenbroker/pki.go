@@ -116,6 +116,10 @@ issue carry it, so peers trust the root alone.
   DIR/bundle.crt               the trust bundle (= root.crt)
 
 Default lifetime: 5 years (1825d).`,
+		Example: `  tokenbroker pki init --dir ca
+
+  # a root kept offline and an intermediate that signs
+  tokenbroker pki init --dir ca --intermediate --common-name "oc.example CA"`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// 0700: the directory holds the CA key.
@@ -273,6 +277,8 @@ required.
 Default lifetime: 90 days. Default output: CA-DIR/server.crt and
 CA-DIR/server.key (mode 0600); existing files are not overwritten unless
 --force is given.`,
+		Example: `  tokenbroker pki issue server --ca-dir ca --dns broker.example.com,tokenbroker.tokenbroker.svc
+  tokenbroker pki issue server --ca-dir ca --ip 127.0.0.1 --dns localhost`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			opts := pki.ServerOptions{DNSNames: dnsNames, Lifetime: time.Duration(fl.lifetime)}
@@ -321,6 +327,9 @@ Default lifetime: 30 days (enrolled agents get 24h certificates and renew
 them; a hand-issued one is renewed by hand). Default output: CA-DIR/NAME.crt
 and CA-DIR/NAME.key (mode 0600); existing files are not overwritten unless
 --force is given.`,
+		Example: `  tokenbroker pki issue client --ca-dir ca --trust-domain oc.example --cluster west
+  tokenbroker pki issue client --ca-dir ca --trust-domain oc.example --cluster west \
+    --out-cert west/tls.crt --out-key west/tls.key`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			id, err := pki.ClusterIdentity(trustDomain, cluster)

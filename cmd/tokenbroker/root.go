@@ -26,42 +26,45 @@ PKI (see "tokenbroker pki").`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCommand(), newAgentCommand(), newGetCommand(), newDevCommand(), newPKICommand(), newEnrollCommand(), newRenewCommand(), newVersionCommand())
+	root.AddCommand(newServeCommand(), newAgentCommand(), newGetCommand(), newDevCommand(), newPKICommand(), newEnrollCommand(), newRenewCommand(),
+		newLeasesCommand(), newConfigCommand(), newVersionCommand())
 	return root
-}
-
-func newVersionCommand() *cobra.Command {
-	return &cobra.Command{
-		Use:   "version",
-		Short: "Print the version",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			_, err := fmt.Fprintln(cmd.OutOrStdout(), "tokenbroker", version)
-			return err
-		},
-	}
 }
 
 // newViper binds a command's flags to a fresh viper instance that also
 // reads TOKENBROKER_<FLAG> environment variables (dashes become
 // underscores) and, when --config is given, a YAML config file whose keys
-// are the flag names. Precedence: flag, environment, file, default.
+// are the flag names. Precedence: flag, environment, file, default. A key
+// that is no flag, or a value that does not parse as its flag's type (viper
+// would quietly read "60" as 60ns or "yes" as false), is an error.
 func newViper(cmd *cobra.Command) (*viper.Viper, error) {
 	v, err := newFlagViper(cmd)
 	if err != nil {
 		return nil, err
 	}
 	if file, _ := cmd.Flags().GetString("config"); file != "" {
-		v.SetConfigFile(file)
-		if err := v.ReadInConfig(); err != nil {
+		fv := viper.New()
+		fv.SetConfigFile(file)
+		if err := fv.ReadInConfig(); err != nil {
 			return nil, fmt.Errorf("read config file: %w", err)
 		}
-		known := map[string]bool{}
-		cmd.Flags().VisitAll(func(f *pflag.Flag) { known[f.Name] = true })
-		for _, k := range v.AllKeys() {
-			if !known[k] {
-				return nil, fmt.Errorf("config file %s: unknown key %q", file, k)
+		// Every unknown key and every value that does not parse as its
+		// flag's type, all at once ("tokenbroker config validate --kind
+		// serve" reports the same).
+		settings := fv.AllSettings()
+		if probs, _ := flagFileProblems(cmd.Flags(), settings); len(probs) > 0 {
+			errs := make([]error, len(probs))
+			for i, p := range probs {
+				if rest, ok := strings.CutPrefix(p.Detail, unknownKey); ok {
+					errs[i] = fmt.Errorf("config file %s: unknown key %q%s", file, p.Field, rest)
+				} else {
+					errs[i] = fmt.Errorf("config file %s: %s: %s", file, p.Field, p.Detail)
+				}
 			}
+			return nil, errors.Join(errs...)
+		}
+		if err := v.MergeConfigMap(settings); err != nil {
+			return nil, fmt.Errorf("read config file: %w", err)
 		}
 	}
 	return v, nil

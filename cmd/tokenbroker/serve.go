@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
-	"runtime/debug"
 	"strings"
 	"time"
 
@@ -189,6 +187,11 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	if cfg.GCInterval < time.Second {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
 	}
+	for _, kind := range cfg.Credentials {
+		if kind != apiv1.CredentialToken {
+			errs = append(errs, fmt.Errorf("--credentials: unknown or unsupported credential kind %q (this broker issues: %s)", kind, apiv1.CredentialToken))
+		}
+	}
 	if cfg.AuditLog == "" {
 		errs = append(errs, errors.New(`--audit-log must be "stdout", "stderr" or a file path`))
 	}
@@ -270,7 +273,8 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 	if err != nil {
 		return fmt.Errorf("register metrics: %w", err)
 	}
-	metrics.SetBuildInfo(version, vcsRevision(), runtime.Version())
+	build := currentBuild()
+	metrics.SetBuildInfo(build.Version, build.revisionLabel(), build.GoVersion)
 	auditor, closeAudit, err := openAuditLog(cfg.AuditLog)
 	if err != nil {
 		return err
@@ -419,28 +423,6 @@ func earliestNotAfter(certs []*x509.Certificate) time.Time {
 		}
 	}
 	return t
-}
-
-// vcsRevision is the VCS revision the binary was built from, with
-// "-dirty" if the tree had changes, or "unknown".
-func vcsRevision() string {
-	info, ok := debug.ReadBuildInfo()
-	if !ok {
-		return "unknown"
-	}
-	rev, dirty := "unknown", false
-	for _, s := range info.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.modified":
-			dirty = s.Value == "true"
-		}
-	}
-	if dirty {
-		rev += "-dirty"
-	}
-	return rev
 }
 
 // revocationSyncWait bounds how long serve waits for the first read of the

@@ -177,3 +177,8 @@ func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
 	_, _, err = openAuditLog(filepath.Join(t.TempDir(), "missing", "audit.jsonl"))
 	require.ErrorContains(t, err, "--audit-log")
 }
+
+func TestAnUnknownCredentialKindIsRefusedBeforeStart(t *testing.T) {
+	_, err := serveConfigOf(t, append([]string{"--credentials", "token,clientCertificate"}, required...)...)
+	require.ErrorContains(t, err, `unknown or unsupported credential kind "clientCertificate"`)
+}

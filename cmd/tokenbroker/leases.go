@@ -1,0 +1,419 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/duration"
+	"k8s.io/client-go/kubernetes"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+// leasesOptions is the typed configuration of "tokenbroker leases" and
+// "tokenbroker leases revoke".
+type leasesOptions struct {
+	Kubeconfig string
+	Context    string
+	// Namespace is empty for every namespace.
+	Namespace      string
+	AllNamespaces  bool
+	ServiceAccount string
+	Peer           string
+	Output         string
+}
+
+// Output formats of "tokenbroker leases".
+var leasesOutputs = []string{"table", "wide", "json"}
+
+func newLeasesCommand() *cobra.Command {
+	var o leasesOptions
+	cmd := &cobra.Command{
+		Use:   "leases [-n NAMESPACE | -A] [--service-account SA] [--peer NAME] [-o table|wide|json]",
+		Short: "List who holds a credential: the lease Secrets of this cluster (admin)",
+		Long: `List the leases of the cluster the broker runs in, with the administrator's
+Kubernetes credentials: every credential the broker issued that has not been
+collected yet, with the peer that holds it and since when.
+
+A lease is a Secret labelled ` + broker.LabelKind + `=` + broker.LeaseKind + ` in the namespace of the
+ServiceAccount; the token issued with it is bound to it, so it lives no longer
+than the Secret (see "tokenbroker leases revoke"). ISSUED is the Secret's
+creation time, EXPIRES the credential's expiry; a lease that has expired but
+that the broker's garbage collector has not deleted yet shows "expired".
+
+Every namespace is searched unless -n is given (not the kubeconfig context's
+namespace). --peer selects by label on the API server; --service-account is
+matched here, since the ServiceAccount is an annotation. Sorted by namespace,
+ServiceAccount and issue time.
+
+Uses --kubeconfig, else $KUBECONFIG, else ~/.kube/config; it needs the RBAC
+permission to list Secrets in the namespaces searched (cluster-wide without
+-n). Nothing but the Secrets' metadata is printed.`,
+		Example: `  # which peer holds a credential for argo/admiralty-source right now, and since when
+  tokenbroker leases -n argo --service-account admiralty-source
+
+  # every lease of the cluster, with absolute times and the credential kind
+  tokenbroker leases -o wide
+
+  # the leases of the peer "west", as JSON
+  tokenbroker leases --peer west -o json | jq -r '.[] | "\(.namespace)/\(.serviceAccount) \(.expiresAt)"'`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := o.validate(); err != nil {
+				return err
+			}
+			secrets, err := adminSecrets(o.Kubeconfig, o.Context)
+			if err != nil {
+				return err
+			}
+			return runLeases(cmd.Context(), secrets, o, cmd.OutOrStdout(), cmd.ErrOrStderr(), time.Now())
+		},
+	}
+	addAdminKubeFlags(cmd, &o)
+	fs := cmd.Flags()
+	fs.BoolVarP(&o.AllNamespaces, "all-namespaces", "A", false, "every namespace (the default without -n)")
+	fs.StringVar(&o.ServiceAccount, "service-account", "", "only the leases of this ServiceAccount (NAME, or NAMESPACE/NAME)")
+	fs.StringVar(&o.Peer, "peer", "", "only the leases of this peer (its name in the policy)")
+	fs.StringVarP(&o.Output, "output", "o", "table", "output format: table, wide or json")
+	_ = cmd.RegisterFlagCompletionFunc("output", cobra.FixedCompletions(leasesOutputs, cobra.ShellCompDirectiveNoFileComp))
+	cmd.AddCommand(newLeasesRevokeCommand(&o))
+	return cmd
+}
+
+// addAdminKubeFlags adds the flags that say how to reach the cluster, on
+// "leases" and inherited by its subcommands.
+func addAdminKubeFlags(cmd *cobra.Command, o *leasesOptions) {
+	fs := cmd.PersistentFlags()
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "the administrator's kubeconfig of the broker's cluster (default $KUBECONFIG, else ~/.kube/config)")
+	fs.StringVar(&o.Context, "context", "", "kubeconfig context to use (default: its current context)")
+	fs.StringVarP(&o.Namespace, "namespace", "n", "", "only this namespace (default: every namespace)")
+}
+
+func (o *leasesOptions) validate() error {
+	if o.AllNamespaces && o.Namespace != "" {
+		return errors.New("give -n NAMESPACE or -A, not both")
+	}
+	if ns, sa, ok := strings.Cut(o.ServiceAccount, "/"); ok {
+		switch {
+		case o.AllNamespaces:
+			return fmt.Errorf("--service-account %s names a namespace; -A does not go with it", o.ServiceAccount)
+		case o.Namespace != "" && o.Namespace != ns:
+			return fmt.Errorf("--service-account %s is in namespace %s, not -n %s", o.ServiceAccount, ns, o.Namespace)
+		}
+		o.Namespace, o.ServiceAccount = ns, sa
+	}
+	if !slices.Contains(leasesOutputs, o.Output) {
+		return fmt.Errorf("--output must be one of %s, not %q", strings.Join(leasesOutputs, ", "), o.Output)
+	}
+	return nil
+}
+
+// adminSecrets returns a Secrets client with the administrator's
+// credentials, loaded like kubectl loads them.
+func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: context}).ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("load Kubernetes client config: %w", err)
+	}
+	rc.UserAgent = "tokenbroker/" + version
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("create Kubernetes client: %w", err)
+	}
+	return client.CoreV1(), nil
+}
+
+// leaseRecord is one lease as "leases -o json" prints it: the fields of
+// GET /v1/leases (so that one jq filter reads both) and the holder's
+// identity and Secret.
+type leaseRecord struct {
+	ID             string     `json:"id"`
+	Peer           string     `json:"peer"`
+	Identity       string     `json:"identity"`
+	Namespace      string     `json:"namespace"`
+	ServiceAccount string     `json:"serviceAccount"`
+	Credential     string     `json:"credential"`
+	CreatedAt      time.Time  `json:"createdAt"`
+	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
+	Expired        bool       `json:"expired"`
+	Secret         string     `json:"secret"`
+	uid            types.UID
+}
+
+// listLeaseSecrets lists the lease Secrets in namespace ("" for every
+// namespace), of one peer if peer is set, page by page.
+func listLeaseSecrets(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set) ([]corev1.Secret, error) {
+	set := labels.Set{broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind}
+	for k, v := range extra {
+		set[k] = v
+	}
+	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: 500}
+	var out []corev1.Secret
+	for {
+		list, err := secrets.Secrets(namespace).List(ctx, opts)
+		if err != nil {
+			return nil, explainAPIError(err, "list", namespace)
+		}
+		out = append(out, list.Items...)
+		if list.Continue == "" {
+			return out, nil
+		}
+		opts.Continue = list.Continue
+	}
+}
+
+// explainAPIError turns the API server's refusal of verb on Secrets into
+// an error that says which permission is missing.
+func explainAPIError(err error, verb, namespace string) error {
+	scope, canI := "in every namespace", "--all-namespaces"
+	if namespace != "" {
+		scope, canI = "in namespace "+namespace, "-n "+namespace
+	}
+	switch {
+	case apierrors.IsForbidden(err):
+		return fmt.Errorf("%s lease Secrets %s: permission missing: %s secrets %s (check with: kubectl auth can-i %s secrets %s): %w",
+			verb, scope, verb, scope, verb, canI, err)
+	case apierrors.IsUnauthorized(err):
+		return fmt.Errorf("%s lease Secrets: the API server did not accept the kubeconfig's credentials: %w", verb, err)
+	default:
+		return fmt.Errorf("%s lease Secrets %s: %w", verb, scope, err)
+	}
+}
+
+// leaseRecords turns lease Secrets into records, keeps those of
+// serviceAccount if it is set, and sorts them by namespace, ServiceAccount,
+// issue time and id.
+func leaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time) []leaseRecord {
+	out := make([]leaseRecord, 0, len(secrets))
+	for i := range secrets {
+		s := &secrets[i]
+		r := leaseRecord{
+			ID:             s.Labels[broker.LabelLeaseID],
+			Peer:           s.Labels[broker.LabelPeer],
+			Identity:       s.Annotations[broker.AnnotationIdentity],
+			Namespace:      s.Namespace,
+			ServiceAccount: s.Annotations[broker.AnnotationSA],
+			Credential:     s.Annotations[broker.AnnotationCred],
+			CreatedAt:      s.CreationTimestamp.UTC(),
+			Secret:         s.Name,
+			uid:            s.UID,
+		}
+		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
+			continue
+		}
+		if exp, err := time.Parse(time.RFC3339, s.Annotations[broker.AnnotationExpiresAt]); err == nil {
+			exp = exp.UTC()
+			r.ExpiresAt = &exp
+			r.Expired = !now.Before(exp)
+		}
+		out = append(out, r)
+	}
+	sort.SliceStable(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		if a.ServiceAccount != b.ServiceAccount {
+			return a.ServiceAccount < b.ServiceAccount
+		}
+		if !a.CreatedAt.Equal(b.CreatedAt) {
+			return a.CreatedAt.Before(b.CreatedAt)
+		}
+		return a.ID < b.ID
+	})
+	return out
+}
+
+func runLeases(ctx context.Context, secrets corev1client.SecretsGetter, o leasesOptions, out, errOut io.Writer, now time.Time) error {
+	var sel labels.Set
+	if o.Peer != "" {
+		sel = labels.Set{broker.LabelPeer: o.Peer}
+	}
+	list, err := listLeaseSecrets(ctx, secrets, o.Namespace, sel)
+	if err != nil {
+		return err
+	}
+	return printLeases(out, errOut, leaseRecords(list, o.ServiceAccount, now), o.Output, now)
+}
+
+// printLeases writes records in the given format. An empty table is a
+// message on errOut, as kubectl does, so that stdout stays parseable.
+func printLeases(out, errOut io.Writer, records []leaseRecord, format string, now time.Time) error {
+	if format == "json" {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(records)
+	}
+	if len(records) == 0 {
+		_, err := fmt.Fprintln(errOut, "No leases.")
+		return err
+	}
+	wide := format == "wide"
+	tw := tabwriter.NewWriter(out, 0, 8, 3, ' ', 0)
+	header := "NAMESPACE\tSERVICEACCOUNT\tPEER\tIDENTITY\tLEASE\tISSUED\tEXPIRES"
+	if wide {
+		header += "\tCREDENTIAL\tISSUED-AT\tEXPIRES-AT"
+	}
+	fmt.Fprintln(tw, header)
+	for _, r := range records {
+		line := strings.Join([]string{r.Namespace, r.ServiceAccount, orNone(r.Peer), orNone(r.Identity), r.ID,
+			ago(now, r.CreatedAt), leaseExpiry(now, r.ExpiresAt)}, "\t")
+		if wide {
+			exp := "<unknown>"
+			if r.ExpiresAt != nil {
+				exp = r.ExpiresAt.Format(time.RFC3339)
+			}
+			line += "\t" + strings.Join([]string{orNone(r.Credential), r.CreatedAt.Format(time.RFC3339), exp}, "\t")
+		}
+		fmt.Fprintln(tw, line)
+	}
+	return tw.Flush()
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "<none>"
+	}
+	return s
+}
+
+// ago is a past time as kubectl shows ages: "12m ago".
+func ago(now, t time.Time) string {
+	d := now.Sub(t)
+	if d < 0 {
+		d = 0 // clock skew between this machine and the API server
+	}
+	return duration.HumanDuration(d) + " ago"
+}
+
+// leaseExpiry is an expiry as "in 48m", "expired" or "<unknown>".
+func leaseExpiry(now time.Time, exp *time.Time) string {
+	switch {
+	case exp == nil:
+		return "<unknown>"
+	case !now.Before(*exp):
+		return "expired"
+	default:
+		return "in " + duration.HumanDuration(exp.Sub(now))
+	}
+}
+
+func newLeasesRevokeCommand(o *leasesOptions) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "revoke [-n NAMESPACE] LEASE_ID...",
+		Short: "Revoke leases: delete their Secrets, which kills the credentials bound to them (admin)",
+		Long: `Revoke leases with the administrator's Kubernetes credentials, for incident
+response: delete each lease's Secret. The token issued with a lease is bound
+to its Secret, so the API server rejects it once the Secret is gone (within
+about 10 seconds: it caches a token's authentication that long); the peer's
+"GET /v1/leases" no longer shows it.
+
+The lease ids are those "tokenbroker leases" prints (LEASE). Without -n every
+namespace is searched. Needs the RBAC permissions to list and delete Secrets
+there. Each revoked lease is printed; an id that is not found is an error
+(exit status 1) after the others are revoked.
+
+A peer revokes its own leases through the broker (DELETE /v1/leases/ID); to
+stop a peer from getting new credentials, revoke its identity too
+("tokenbroker pki revoke") or remove it from the policy.`,
+		Example: `  tokenbroker leases -n argo --service-account admiralty-source
+  tokenbroker leases revoke -n argo q3fcxb7kumyz4pa2m6dxx5jnle
+
+  # every lease of the peer "west"
+  tokenbroker leases --peer west -o json | jq -r '.[].id' | xargs tokenbroker leases revoke`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, ids []string) error {
+			secrets, err := adminSecrets(o.Kubeconfig, o.Context)
+			if err != nil {
+				return err
+			}
+			return runLeasesRevoke(cmd.Context(), secrets, o.Namespace, ids, cmd.OutOrStdout(), time.Now())
+		},
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, _ string) ([]string, cobra.ShellCompDirective) {
+			return completeLeaseIDs(cmd.Context(), o, args)
+		},
+	}
+	return cmd
+}
+
+// completeLeaseIDs offers the ids of the leases the completing user can
+// list, described by what they are for.
+func completeLeaseIDs(ctx context.Context, o *leasesOptions, done []string) ([]string, cobra.ShellCompDirective) {
+	secrets, err := adminSecrets(o.Kubeconfig, o.Context)
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	list, err := listLeaseSecrets(ctx, secrets, o.Namespace, nil)
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	var out []string
+	for _, r := range leaseRecords(list, "", time.Now()) {
+		if !slices.Contains(done, r.ID) {
+			out = append(out, fmt.Sprintf("%s\t%s/%s, peer %s", r.ID, r.Namespace, r.ServiceAccount, r.Peer))
+		}
+	}
+	return out, cobra.ShellCompDirectiveNoFileComp
+}
+
+// runLeasesRevoke deletes the lease Secrets with the given ids in
+// namespace ("" for every namespace) and reports each to out.
+func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, ids []string, out io.Writer, now time.Time) error {
+	var errs []error
+	for _, id := range ids {
+		if !broker.ValidLeaseID(id) {
+			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
+			continue
+		}
+		list, err := listLeaseSecrets(ctx, secrets, namespace, labels.Set{broker.LabelLeaseID: id})
+		if err != nil {
+			return errors.Join(append(errs, err)...)
+		}
+		if len(list) == 0 {
+			where := "in any namespace"
+			if namespace != "" {
+				where = "in namespace " + namespace
+			}
+			errs = append(errs, fmt.Errorf("lease %s not found %s (expired and collected, or already revoked?)", id, where))
+			continue
+		}
+		for _, r := range leaseRecords(list, "", now) {
+			// The UID precondition deletes exactly the Secret listed, never a
+			// namesake made since.
+			err := secrets.Secrets(r.Namespace).Delete(ctx, r.Secret, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &r.uid}})
+			switch {
+			case apierrors.IsNotFound(err):
+				errs = append(errs, fmt.Errorf("lease %s in namespace %s: deleted meanwhile (expired or revoked by someone else)", id, r.Namespace))
+				continue
+			case err != nil:
+				return errors.Join(append(errs, explainAPIError(err, "delete", r.Namespace))...)
+			}
+			fmt.Fprintf(out, "revoked lease %s: %s/%s held by peer %s (%s), issued %s; Secret %s deleted, the API server rejects its token within about 10s\n",
+				r.ID, r.Namespace, r.ServiceAccount, orNone(r.Peer), orNone(r.Identity), ago(now, r.CreatedAt), r.Secret)
+		}
+	}
+	return errors.Join(errs...)
+}

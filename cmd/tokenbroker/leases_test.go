@@ -1,0 +1,227 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+)
+
+var leasesNow = time.Date(2030, 5, 6, 12, 0, 0, 0, time.UTC)
+
+// leaseSecret is a lease Secret as the broker makes it.
+func leaseSecret(ns, id, peer, sa string, issuedAgo, expiresIn time.Duration) *corev1.Secret {
+	return &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: "tokenbroker-lease-" + id, Namespace: ns, UID: types.UID("uid-" + id),
+			CreationTimestamp: metav1.NewTime(leasesNow.Add(-issuedAgo)),
+			Labels: map[string]string{
+				broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind,
+				broker.LabelLeaseID: id, broker.LabelPeer: peer,
+			},
+			Annotations: map[string]string{
+				broker.AnnotationExpiresAt: leasesNow.Add(expiresIn).Format(time.RFC3339),
+				broker.AnnotationIdentity:  "spiffe://oc.example/cluster/" + peer,
+				broker.AnnotationSA:        sa,
+				broker.AnnotationCred:      "token",
+			},
+		},
+		Type: broker.SecretTypeLease,
+	}
+}
+
+// Lease ids have the broker's shape: 26 characters of a-z and 2-7.
+const (
+	idA = "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	idB = "bbbbbbbbbbbbbbbbbbbbbbbbbb"
+	idC = "cccccccccccccccccccccccccc"
+	idD = "dddddddddddddddddddddddddd"
+	idE = "eeeeeeeeeeeeeeeeeeeeeeeeee"
+)
+
+func leasesClientset() *fake.Clientset {
+	noExpiry := leaseSecret("flux", idE, "west", "reconciler", 3*time.Hour, 0)
+	delete(noExpiry.Annotations, broker.AnnotationExpiresAt)
+	return fake.NewClientset(
+		leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute),
+		leaseSecret("argo", idA, "south", "admiralty-source", 2*time.Hour, -time.Minute),
+		leaseSecret("argo", idC, "west", "runner", 5*time.Minute, 55*time.Minute),
+		leaseSecret("argocd", idD, "north", "argocd-manager", 26*time.Hour, 22*time.Hour),
+		noExpiry,
+		// Not leases: a used join token record and someone else's Secret.
+		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "used", Namespace: "tokenbroker", Labels: map[string]string{
+			broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.UsedJoinTokenKind}}},
+		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "db", Namespace: "argo"}},
+	)
+}
+
+func runLeasesFor(t *testing.T, cs *fake.Clientset, o leasesOptions) (stdout, stderr string, err error) {
+	t.Helper()
+	if o.Output == "" {
+		o.Output = "table"
+	}
+	if err := o.validate(); err != nil {
+		return "", "", err
+	}
+	var out, errOut bytes.Buffer
+	err = runLeases(context.Background(), cs.CoreV1(), o, &out, &errOut, leasesNow)
+	return out.String(), errOut.String(), err
+}
+
+func TestLeasesTableIsSortedWithRelativeTimes(t *testing.T) {
+	t.Parallel()
+	out, _, err := runLeasesFor(t, leasesClientset(), leasesOptions{})
+	require.NoError(t, err)
+	// Ages as kubectl shows them (minutes up to 3h).
+	want := `NAMESPACE   SERVICEACCOUNT     PEER    IDENTITY                            LEASE                        ISSUED     EXPIRES
+argo        admiralty-source   south   spiffe://oc.example/cluster/south   aaaaaaaaaaaaaaaaaaaaaaaaaa   120m ago   expired
+argo        admiralty-source   west    spiffe://oc.example/cluster/west    bbbbbbbbbbbbbbbbbbbbbbbbbb   12m ago    in 48m
+argo        runner             west    spiffe://oc.example/cluster/west    cccccccccccccccccccccccccc   5m ago     in 55m
+argocd      argocd-manager     north   spiffe://oc.example/cluster/north   dddddddddddddddddddddddddd   26h ago    in 22h
+flux        reconciler         west    spiffe://oc.example/cluster/west    eeeeeeeeeeeeeeeeeeeeeeeeee   3h ago     <unknown>
+`
+	require.Equal(t, want, out)
+}
+
+func TestLeasesAnswersWhoHoldsACredentialForAServiceAccount(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	for _, o := range []leasesOptions{
+		{Namespace: "argo", ServiceAccount: "admiralty-source"},
+		{ServiceAccount: "argo/admiralty-source"},
+	} {
+		out, _, err := runLeasesFor(t, cs, o)
+		require.NoError(t, err)
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		require.Len(t, lines, 3, out)
+		require.Contains(t, lines[1], "south")
+		require.Contains(t, lines[2], "west")
+		require.Contains(t, lines[2], idB)
+		require.Contains(t, lines[2], "12m ago")
+	}
+
+	out, _, err := runLeasesFor(t, cs, leasesOptions{Peer: "west", Output: "json"})
+	require.NoError(t, err)
+	var recs []leaseRecord
+	require.NoError(t, json.Unmarshal([]byte(out), &recs))
+	require.Len(t, recs, 3)
+	for _, r := range recs {
+		require.Equal(t, "west", r.Peer)
+	}
+}
+
+func TestLeasesWideAndJSONCarryAbsoluteTimesAndTheCredential(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	out, _, err := runLeasesFor(t, cs, leasesOptions{Namespace: "argocd", Output: "wide"})
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 2)
+	require.Equal(t, []string{"NAMESPACE", "SERVICEACCOUNT", "PEER", "IDENTITY", "LEASE", "ISSUED", "EXPIRES", "CREDENTIAL", "ISSUED-AT", "EXPIRES-AT"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"argocd", "argocd-manager", "north", "spiffe://oc.example/cluster/north", idD, "26h", "ago", "in", "22h", "token",
+		"2030-05-05T10:00:00Z", "2030-05-07T10:00:00Z"}, strings.Fields(lines[1]))
+
+	out, _, err = runLeasesFor(t, cs, leasesOptions{Output: "json"})
+	require.NoError(t, err)
+	var raw []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &raw))
+	require.Len(t, raw, 5)
+	require.Equal(t, map[string]any{
+		"id": idA, "peer": "south", "identity": "spiffe://oc.example/cluster/south", "namespace": "argo",
+		"serviceAccount": "admiralty-source", "credential": "token",
+		"createdAt": "2030-05-06T10:00:00Z", "expiresAt": "2030-05-06T11:59:00Z", "expired": true,
+		"secret": "tokenbroker-lease-" + idA,
+	}, raw[0])
+	require.NotContains(t, raw[4], "expiresAt", "an unreadable expiry is left out")
+}
+
+func TestNoLeasesIsSaidOnStderrAndAnEmptyJSONArrayOnStdout(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	out, errOut, err := runLeasesFor(t, cs, leasesOptions{Namespace: "kube-system"})
+	require.NoError(t, err)
+	require.Empty(t, out)
+	require.Equal(t, "No leases.\n", errOut)
+
+	out, _, err = runLeasesFor(t, cs, leasesOptions{Peer: "nobody", Output: "json"})
+	require.NoError(t, err)
+	require.Equal(t, "[]\n", out)
+}
+
+func TestLeasesSaysWhichPermissionIsMissing(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	cs.PrependReactor("list", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, "",
+			errFromString(`User "jane" cannot list resource "secrets" in API group "" at the cluster scope`))
+	})
+	_, _, err := runLeasesFor(t, cs, leasesOptions{})
+	require.ErrorContains(t, err, "permission missing: list secrets in every namespace (check with: kubectl auth can-i list secrets --all-namespaces)")
+	require.ErrorContains(t, err, `User "jane" cannot list`)
+
+	_, _, err = runLeasesFor(t, cs, leasesOptions{Namespace: "argo"})
+	require.ErrorContains(t, err, "permission missing: list secrets in namespace argo (check with: kubectl auth can-i list secrets -n argo)")
+}
+
+type errFromString string
+
+func (e errFromString) Error() string { return string(e) }
+
+func TestLeasesOptionsAreChecked(t *testing.T) {
+	t.Parallel()
+	for _, o := range []leasesOptions{
+		{Namespace: "argo", AllNamespaces: true, Output: "table"},
+		{Namespace: "argo", ServiceAccount: "flux/reconciler", Output: "table"},
+		{AllNamespaces: true, ServiceAccount: "flux/reconciler", Output: "table"},
+		{Output: "yaml"},
+	} {
+		require.Error(t, o.validate(), "%+v", o)
+	}
+}
+
+func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	ctx := context.Background()
+	var out bytes.Buffer
+	err := runLeasesRevoke(ctx, cs.CoreV1(), "argo", []string{idB, idD, "not-an-id"}, &out, leasesNow)
+	require.ErrorContains(t, err, "lease "+idD+" not found in namespace argo")
+	require.ErrorContains(t, err, `"not-an-id" is not a lease id`)
+	require.Equal(t, "revoked lease "+idB+": argo/admiralty-source held by peer west (spiffe://oc.example/cluster/west), issued 12m ago; Secret tokenbroker-lease-"+idB+" deleted, the API server rejects its token within about 10s\n", out.String())
+	_, err = cs.CoreV1().Secrets("argo").Get(ctx, "tokenbroker-lease-"+idB, metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err), "%v", err)
+
+	// Without -n, every namespace is searched.
+	out.Reset()
+	require.NoError(t, runLeasesRevoke(ctx, cs.CoreV1(), "", []string{idD}, &out, leasesNow))
+	require.Contains(t, out.String(), "revoked lease "+idD+": argocd/argocd-manager")
+
+	// The other leases are untouched.
+	list, err := cs.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: broker.LabelKind + "=" + broker.LeaseKind})
+	require.NoError(t, err)
+	require.Len(t, list.Items, 3)
+}
+
+func TestLeasesRevokeSaysWhichPermissionIsMissing(t *testing.T) {
+	t.Parallel()
+	cs := leasesClientset()
+	cs.PrependReactor("delete", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, "x", errFromString("no"))
+	})
+	err := runLeasesRevoke(context.Background(), cs.CoreV1(), "argo", []string{idB}, new(bytes.Buffer), leasesNow)
+	require.ErrorContains(t, err, "permission missing: delete secrets in namespace argo")
+}
