@@ -10,8 +10,11 @@ BENCH_N ?= 1000
 BENCH_C ?= 1,8,32
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
+# helm for the chart in deploy/helm, built from the Go module proxy.
+HELM_VERSION := v3.19.5
+CHART := deploy/helm/tokenbroker
 
-.PHONY: all build kube localcluster dev test check unit integration bench fuzz clean help
+.PHONY: all build kube helm localcluster dev test check chart-lint unit integration bench fuzz clean help
 
 all: build
 
@@ -19,10 +22,16 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 build: ## build bin/tokenbroker
-	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/tokenbroker ./cmd/tokenbroker
+	$(GO) build -buildvcs=auto -ldflags '$(LDFLAGS)' -o $(BIN)/tokenbroker ./cmd/tokenbroker
 
 kube: ## build kube-apiserver, kube-controller-manager and kubectl from the pinned k8s.io/kubernetes (minutes the first time, then cached)
 	cd test && $(GO) run ./cmd/kubebins
+
+helm: ## build bin/helm (the pinned HELM_VERSION) from the Go module proxy unless it is there
+	@if ! $(GO) version -m $(BIN)/helm 2>/dev/null | grep -Eq '^\s+mod\s+helm\.sh/helm/v3\s+$(HELM_VERSION)\s'; then \
+	  echo "building helm $(HELM_VERSION)"; \
+	  GOBIN=$(BIN) $(GO) install -ldflags '-X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION)' helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
+	fi
 
 localcluster: ## build bin/localcluster, the harness as a command
 	cd test && $(GO) build -o $(BIN)/localcluster ./cmd/localcluster
@@ -30,18 +39,22 @@ localcluster: ## build bin/localcluster, the harness as a command
 dev: build kube localcluster ## start a local cluster, a dev PKI and a broker with a demo policy (Ctrl-C stops everything)
 	$(BIN)/localcluster --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/tokenbroker dev --dir $(CURDIR)/.dev --kubeconfig $(CURDIR)/.dev/admin.kubeconfig
 
-test: check unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
+test: check chart-lint unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 
 check: ## gofmt and go vet on both modules
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^vendor/')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cd test && $(GO) vet ./...
 
+chart-lint: helm ## helm lint --strict of the chart, with its defaults and each ci/ values file
+	$(BIN)/helm lint --strict $(CHART)
+	@set -e; for f in $(CHART)/ci/*-values.yaml; do $(BIN)/helm lint --strict $(CHART) -f $$f; done
+
 unit: ## unit tests with the race detector, and each fuzz target briefly
 	$(GO) test -race -short -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=3s
 
-integration: build kube localcluster ## integration and e2e tests against a real kube-apiserver
+integration: build kube helm localcluster ## integration and e2e tests against a real kube-apiserver
 	cd test && $(GO) test -count=1 -timeout 20m ./...
 
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json

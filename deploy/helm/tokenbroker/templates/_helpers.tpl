@@ -1,0 +1,130 @@
+{{/*
+Chart name, truncated to the 63 characters of a label value.
+*/}}
+{{- define "tokenbroker.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name, the prefix of every object name. A release name that contains the
+chart name is used as is, so that the release "tokenbroker" names its objects
+as deploy/base does. Truncated to leave room for the "-policy" and "-metrics"
+suffixes within 63 characters.
+*/}}
+{{- define "tokenbroker.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 55 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 55 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 55 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version for the helm.sh/chart label.
+*/}}
+{{- define "tokenbroker.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels of every object.
+*/}}
+{{- define "tokenbroker.labels" -}}
+helm.sh/chart: {{ include "tokenbroker.chart" . }}
+{{ include "tokenbroker.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tokenbroker
+{{- end }}
+
+{{/*
+Selector labels: the Deployment's selector (immutable), the Services', the
+PodDisruptionBudget's, the NetworkPolicy's and the pod anti-affinity's.
+*/}}
+{{- define "tokenbroker.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tokenbroker.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The ServiceAccount the broker runs as.
+*/}}
+{{- define "tokenbroker.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tokenbroker.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: the name of an existing ServiceAccount" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Image tag: image.tag, else the chart's appVersion.
+*/}}
+{{- define "tokenbroker.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{/*
+Name of the ConfigMap holding policy.yaml.
+*/}}
+{{- define "tokenbroker.policyConfigMap" -}}
+{{- default (printf "%s-policy" (include "tokenbroker.fullname" .)) .Values.existingPolicyConfigMap }}
+{{- end }}
+
+{{/*
+Name of the kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt. Fails
+rendering when it is not set.
+*/}}
+{{- define "tokenbroker.tlsSecret" -}}
+{{- required "pki.tlsSecret is required: the name of a kubernetes.io/tls Secret in the release namespace with tls.crt, tls.key and ca.crt (e.g. --set pki.tlsSecret=tokenbroker-tls; see docs/operations.md, \"Deploying with Helm\")" .Values.pki.tlsSecret }}
+{{- end }}
+
+{{/*
+Path of the client CA bundle (--client-ca-file).
+*/}}
+{{- define "tokenbroker.clientCAFile" -}}
+{{- $ca := .Values.pki.clientCA }}
+{{- if and $ca.secret $ca.configMap }}
+{{- fail "pki.clientCA: set secret or configMap, not both" }}
+{{- end }}
+{{- if or $ca.secret $ca.configMap }}
+{{- printf "/etc/tokenbroker/client-ca/%s" $ca.key }}
+{{- else }}
+{{- print "/etc/tokenbroker/tls/ca.crt" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The signing CA Secret of enrollment. Fails rendering when enrollment is
+enabled without it.
+*/}}
+{{- define "tokenbroker.enrollmentCASecret" -}}
+{{- required "enrollment.caSecret is required when enrollment.enabled is true: the name of a Secret with the signing CA's certificate and key (see enrollment.caSecretKeys)" .Values.enrollment.caSecret }}
+{{- end }}
+
+{{/*
+Where audit events go (--audit-log). Fails rendering for "off".
+*/}}
+{{- define "tokenbroker.auditLog" -}}
+{{- if eq .Values.audit.log "off" }}
+{{- fail "audit.log: audit cannot be turned off; use stdout, stderr or a file path" }}
+{{- end }}
+{{- .Values.audit.log }}
+{{- end }}
+
+{{/*
+Container port of the enrollment listener. Fails rendering when it collides
+with the API or ops port.
+*/}}
+{{- define "tokenbroker.enrollmentPort" -}}
+{{- $port := int .Values.enrollment.port }}
+{{- if has $port (list 8443 9090) }}
+{{- fail "enrollment.port must differ from 8443 (the API) and 9090 (the ops listener)" }}
+{{- end }}
+{{- $port }}
+{{- end }}
