@@ -127,6 +127,17 @@ func (o *leasesOptions) validate() error {
 // adminSecrets returns a Secrets client with the administrator's
 // credentials, loaded like kubectl loads them.
 func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error) {
+	client, err := adminClient(kubeconfig, context)
+	if err != nil {
+		return nil, err
+	}
+	return client.CoreV1(), nil
+}
+
+// adminClient is a Kubernetes client with the caller's credentials: the
+// kubeconfig file if given, else $KUBECONFIG or ~/.kube/config, in the
+// given context or the current one.
+func adminClient(kubeconfig, context string) (kubernetes.Interface, error) {
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = kubeconfig
 	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: context}).ClientConfig()
@@ -138,7 +149,7 @@ func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error
 	if err != nil {
 		return nil, fmt.Errorf("create Kubernetes client: %w", err)
 	}
-	return client.CoreV1(), nil
+	return client, nil
 }
 
 // leaseRecord is one lease as "leases -o json" prints it: the fields of

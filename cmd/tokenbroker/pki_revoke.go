@@ -9,9 +9,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"k8s.io/client-go/kubernetes"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/tokenbroker/tokenbroker/broker"
 )
@@ -93,16 +91,9 @@ func (o revokeOptions) validate() error {
 // revocationConfigMaps returns the ConfigMaps client of namespace with the
 // caller's Kubernetes credentials.
 func revocationConfigMaps(kubeconfig, namespace string) (corev1client.ConfigMapInterface, error) {
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = kubeconfig
-	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	client, err := adminClient(kubeconfig, "")
 	if err != nil {
-		return nil, fmt.Errorf("load Kubernetes client config: %w", err)
-	}
-	rc.UserAgent = "tokenbroker/" + version
-	client, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return nil, fmt.Errorf("create Kubernetes client: %w", err)
+		return nil, err
 	}
 	return client.CoreV1().ConfigMaps(namespace), nil
 }
