@@ -21,6 +21,10 @@ const (
 	ActionRevoke = "revoke"
 	ActionEnroll = "enroll"
 	ActionRenew  = "renew"
+	// ActionAuthenticate is a caller refused before any other decision:
+	// its client certificate passed the TLS handshake but has expired, has
+	// no identity, comes from a CA no longer trusted or is revoked.
+	ActionAuthenticate = "authenticate"
 
 	DecisionAllow = "allow"
 	DecisionDeny  = "deny"
@@ -93,6 +97,28 @@ func (l *AuditLog) Audit(ev AuditEvent) error {
 	l.buf = append(append(l.buf[:0], line...), '\n')
 	_, err = l.w.Write(l.buf)
 	return err
+}
+
+// Reason codes of a refused caller (ActionAuthenticate), the reason label
+// of tokenbroker_denials_total{action="authenticate"}.
+const (
+	RefusedNoCertificate = "no_certificate"
+	RefusedExpired       = "expired"
+	RefusedIdentity      = "identity"
+	RefusedUntrustedCA   = "untrusted_ca"
+	RefusedRevoked       = "revoked"
+)
+
+// RefuseCaller records a caller the transport refused (401) in the audit
+// trail and the denial metrics: c holds what is known of it (identity and
+// certificate fingerprint, either may be empty), code is one of the
+// Refused* constants and reason says why.
+func (b *Broker) RefuseCaller(ctx context.Context, c Caller, code, reason string) {
+	b.cfg.Metrics.observeDenial(ActionAuthenticate, code)
+	b.audit(ctx, AuditEvent{
+		Action: ActionAuthenticate, Decision: DecisionDeny, Reason: reason,
+		Identity: c.Identity, CertSHA256: c.CertSHA256,
+	})
 }
 
 type requestIDKey struct{}

@@ -265,3 +265,18 @@ func BenchmarkAuditLog(b *testing.B) {
 		}
 	}
 }
+
+func TestARefusedCallerIsAuditedAndCounted(t *testing.T) {
+	t.Parallel()
+	e, _, m := newMetricsEnv(t)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	e.b.RefuseCaller(WithRequestID(context.Background(), "r-401"), Caller{Identity: westID, CertSHA256: "sha256:aa"}, RefusedRevoked, "identity is revoked")
+	evs := rec.all()
+	require.Len(t, evs, 1)
+	require.Equal(t, AuditEvent{
+		Time: evs[0].Time, Audit: AuditSchema, Action: ActionAuthenticate, Decision: DecisionDeny,
+		Reason: "identity is revoked", RequestID: "r-401", Identity: westID, CertSHA256: "sha256:aa",
+	}, evs[0])
+	require.Equal(t, 1.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionAuthenticate, RefusedRevoked)))
+}

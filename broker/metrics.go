@@ -36,10 +36,11 @@ import (
 //	                                                       that shortened them (grant.maxTTL,
 //	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
 //	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
-//	                                                       enroll, renew) and reason code (not_granted,
-//	                                                       min_ttl, credential_unavailable, invalid,
-//	                                                       not_found, join_token, revoked,
-//	                                                       identity_mismatch)
+//	                                                       enroll, renew, authenticate) and reason code
+//	                                                       (not_granted, min_ttl, credential_unavailable,
+//	                                                       invalid, not_found, join_token, revoked,
+//	                                                       identity_mismatch, disabled; for authenticate
+//	                                                       the Refused* codes)
 //	tokenbroker_leases_active                              unexpired lease Secrets seen by the last
 //	                                                       successful GC pass, cluster-wide (every
 //	                                                       replica reports the same: aggregate with max)
@@ -166,7 +167,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"by"}),
 		denials: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_denials_total",
-			Help: "Refused requests, by action (issue, revoke, enroll, renew) and reason code.",
+			Help: "Refused requests, by action (issue, revoke, enroll, renew, authenticate) and reason code.",
 		}, []string{"action", "reason"}),
 		activeLeases: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "tokenbroker_leases_active",

@@ -74,7 +74,7 @@ tokenbroker_credentials_issued_total{credential="token",namespace="flux",peer="w
 # HELP tokenbroker_ttl_clamps_total Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, tokenrequest.minimum, apiserver).
 # TYPE tokenbroker_ttl_clamps_total counter
 tokenbroker_ttl_clamps_total{by="grant.maxTTL"} 1
-# HELP tokenbroker_denials_total Refused requests, by action (issue, revoke, enroll, renew) and reason code.
+# HELP tokenbroker_denials_total Refused requests, by action (issue, revoke, enroll, renew, authenticate) and reason code.
 # TYPE tokenbroker_denials_total counter
 tokenbroker_denials_total{action="issue",reason="invalid"} 1
 tokenbroker_denials_total{action="issue",reason="min_ttl"} 1

@@ -384,7 +384,8 @@ func (f *fakeAnchors) set(certs ...*x509.Certificate) {
 func TestAClientWhoseCAWasRemovedFromTheBundleIsRefused(t *testing.T) {
 	t.Parallel()
 	anchors := &fakeAnchors{}
-	h := newHarness(t, nil, func(c *Config) { c.ClientCAs = anchors })
+	b := &fakeBroker{}
+	h := newHarness(t, b, func(c *Config) { c.ClientCAs = anchors })
 	anchors.set(h.pki.ca.Certificate())
 	require.Equal(t, http.StatusOK, h.do(request{method: http.MethodGet, path: "/v1/whoami"}).Code)
 
@@ -393,6 +394,30 @@ func TestAClientWhoseCAWasRemovedFromTheBundleIsRefused(t *testing.T) {
 	anchors.set(other.Certificate())
 	p := requireProblem(t, h.do(request{method: http.MethodGet, path: "/v1/whoami"}), 401, "unauthenticated")
 	require.Equal(t, classUnauthenticated.detail, p.Detail)
+
+	// The refusal is audited with what is known of the caller.
+	refused := b.refused()
+	require.Len(t, refused, 1)
+	require.Equal(t, broker.RefusedUntrustedCA, refused[0].code)
+	require.Equal(t, testIdentity, refused[0].caller.Identity)
+	require.Equal(t, pki.Fingerprint(h.pki.client.Cert), refused[0].caller.CertSHA256)
+	require.Equal(t, p.RequestID, refused[0].requestID)
+	require.Contains(t, refused[0].reason, "no longer in the client CA bundle")
+}
+
+func TestARevokedCallerIsAuditedAndAnAcceptedOneIsNot(t *testing.T) {
+	t.Parallel()
+	var revoked atomic.Bool
+	b := &fakeBroker{revoked: func(string, ...string) bool { return revoked.Load() }}
+	h := newHarness(t, b)
+	require.Equal(t, http.StatusOK, h.do(request{method: http.MethodGet, path: "/v1/whoami"}).Code)
+	require.Empty(t, b.refused())
+	revoked.Store(true)
+	requireProblem(t, h.do(request{method: http.MethodGet, path: "/v1/whoami"}), 401, "unauthenticated")
+	refused := b.refused()
+	require.Len(t, refused, 1)
+	require.Equal(t, broker.RefusedRevoked, refused[0].code)
+	require.Equal(t, testIdentity, refused[0].caller.Identity)
 }
 
 func TestRevocationEndsKeepAliveConnections(t *testing.T) {

@@ -73,6 +73,16 @@ type RevocationChecker interface {
 	Revoked(identity string, serials ...string) bool
 }
 
+// RefusalAuditor is implemented by a Broker that records refused callers in
+// its audit trail (*broker.Broker does): the authentication middleware
+// calls RefuseCaller for every request it answers 401 on the mutual-TLS
+// listener, with what it knows of the caller (either may be empty), a
+// reason code (see the Refused* constants of the broker package) and the
+// reason.
+type RefusalAuditor interface {
+	RefuseCaller(ctx context.Context, c broker.Caller, code, reason string)
+}
+
 // TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which
 // follows its file). See Config.ClientCAs.
 type TrustAnchors interface {
@@ -85,6 +95,7 @@ var (
 	_ Broker            = (*broker.Broker)(nil)
 	_ CertificateIssuer = (*broker.Broker)(nil)
 	_ RevocationChecker = (*broker.Broker)(nil)
+	_ RefusalAuditor    = (*broker.Broker)(nil)
 	_ TrustAnchors      = (*pki.PoolReloader)(nil)
 )
 

@@ -58,14 +58,16 @@ type fakeBroker struct {
 
 	calls atomic.Int32
 
-	mu      sync.Mutex
-	callers []broker.Caller
+	mu       sync.Mutex
+	callers  []broker.Caller
+	refusals []refusal
 }
 
 var (
 	_ Broker            = (*fakeBroker)(nil)
 	_ CertificateIssuer = (*fakeBroker)(nil)
 	_ RevocationChecker = (*fakeBroker)(nil)
+	_ RefusalAuditor    = (*fakeBroker)(nil)
 )
 
 // plainBroker hides the optional abilities of the Broker it wraps.
@@ -185,6 +187,25 @@ func (f *fakeBroker) TrustBundle() apiv1.TrustBundle {
 		return f.trustBundle()
 	}
 	return apiv1.TrustBundle{CABundle: testBundlePEM, Fingerprints: []string{"sha256:" + strings.Repeat("ab", 32)}}
+}
+
+// refusal is one RefuseCaller call.
+type refusal struct {
+	caller       broker.Caller
+	code, reason string
+	requestID    string
+}
+
+func (f *fakeBroker) RefuseCaller(ctx context.Context, c broker.Caller, code, reason string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.refusals = append(f.refusals, refusal{c, code, reason, broker.RequestID(ctx)})
+}
+
+func (f *fakeBroker) refused() []refusal {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]refusal(nil), f.refusals...)
 }
 
 func (f *fakeBroker) Revoked(identity string, serials ...string) bool {

@@ -173,11 +173,14 @@ func (s *Server) recoverPanics(next http.Handler) http.Handler {
 
 // authenticate puts the caller, taken from the verified client certificate,
 // in the request context. Every failure gets the same 401; the reason is
-// only logged.
+// only logged, and audited if the broker keeps an audit trail.
 func (s *Server) authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p, err := s.authenticatePeer(r)
 		if err != nil {
+			if s.refusals != nil {
+				s.refusals.RefuseCaller(r.Context(), p.caller, err.code, err.Error())
+			}
 			writeError(w, r, &broker.Error{Kind: broker.KindUnauthenticated, Err: err})
 			return
 		}
@@ -188,33 +191,50 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 	})
 }
 
-func (s *Server) authenticatePeer(r *http.Request) (peer, error) {
+// authError is why a caller was refused, with a reason code for the audit
+// trail and metrics.
+type authError struct {
+	code string
+	err  error
+}
+
+func (e *authError) Error() string { return e.err.Error() }
+func (e *authError) Unwrap() error { return e.err }
+
+func refuse(code string, err error) *authError { return &authError{code: code, err: err} }
+
+// authenticatePeer returns the caller; on failure the peer holds what is
+// known of the caller (its certificate's fingerprint and identity, when
+// there is a certificate) for the audit trail.
+func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 	st := r.TLS
 	if st == nil {
-		return peer{}, errors.New("not a TLS connection")
+		return peer{}, refuse(broker.RefusedNoCertificate, errors.New("not a TLS connection"))
 	}
 	// VerifiedChains is set only when the TLS stack verified the chain; a
 	// configuration that merely requests a certificate leaves it empty.
 	if len(st.VerifiedChains) == 0 || len(st.PeerCertificates) == 0 {
-		return peer{}, errors.New("no verified client certificate")
+		return peer{}, refuse(broker.RefusedNoCertificate, errors.New("no verified client certificate"))
 	}
 	cert := st.PeerCertificates[0]
+	known := peer{caller: broker.Caller{CertSHA256: pki.Fingerprint(cert)}, cert: cert}
 	// A keep-alive connection can outlive the certificate it was opened
 	// with.
 	if now := s.cfg.Now(); now.Before(cert.NotBefore) || now.After(cert.NotAfter) {
-		return peer{}, fmt.Errorf("client certificate is not valid at %s (valid %s to %s)",
+		return known, refuse(broker.RefusedExpired, fmt.Errorf("client certificate is not valid at %s (valid %s to %s)",
 			now.UTC().Format("2006-01-02T15:04:05Z"), cert.NotBefore.UTC().Format("2006-01-02T15:04:05Z"),
-			cert.NotAfter.UTC().Format("2006-01-02T15:04:05Z"))
+			cert.NotAfter.UTC().Format("2006-01-02T15:04:05Z")))
 	}
 	id, err := pki.IdentityFromCert(cert)
 	if err != nil {
-		return peer{}, fmt.Errorf("client certificate identity: %w", err)
+		return known, refuse(broker.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))
 	}
+	known.caller.Identity = id
 	// A keep-alive connection can also outlive the trust in its CA (removed
 	// from the bundle at the end of a CA rotation) and the certificate's
 	// good standing (revoked).
 	if s.cfg.ClientCAs != nil && !anchoredIn(st.VerifiedChains, s.cfg.ClientCAs.Certificates()) {
-		return peer{}, errors.New("client certificate's CA is no longer in the client CA bundle")
+		return known, refuse(broker.RefusedUntrustedCA, errors.New("client certificate's CA is no longer in the client CA bundle"))
 	}
 	if s.revocations != nil {
 		serials := make([]string, 0, len(st.VerifiedChains[0]))
@@ -222,13 +242,10 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, error) {
 			serials = append(serials, c.SerialNumber.Text(16))
 		}
 		if s.revocations.Revoked(id, serials...) {
-			return peer{}, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id)
+			return known, refuse(broker.RefusedRevoked, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id))
 		}
 	}
-	return peer{
-		caller: broker.Caller{Identity: id, CertSHA256: pki.Fingerprint(cert)},
-		cert:   cert,
-	}, nil
+	return known, nil
 }
 
 // anchoredIn reports whether one of the verified chains ends at one of

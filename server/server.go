@@ -23,6 +23,7 @@ type Server struct {
 	broker      Broker
 	certs       CertificateIssuer
 	revocations RevocationChecker
+	refusals    RefusalAuditor
 	metrics     *httpMetrics
 	// router is the API listener's route table, enrollRouter the
 	// enrollment listener's; both are built from routeTable.
@@ -65,6 +66,7 @@ func New(cfg Config) (*Server, error) {
 	// Optional abilities of the broker.
 	s.certs, _ = cfg.Broker.(CertificateIssuer)
 	s.revocations, _ = cfg.Broker.(RevocationChecker)
+	s.refusals, _ = cfg.Broker.(RefusalAuditor)
 	s.router = s.routes(listenerAPI)
 	s.enrollRouter = s.routes(listenerEnroll)
 	s.api = s.chain(listenerAPI, s.router)
