@@ -41,10 +41,11 @@ dev: build kube localcluster ## start a local cluster, a dev PKI and a broker wi
 
 test: check chart-lint unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 
-check: ## gofmt and go vet on both modules
+check: ## gofmt and go vet on every module
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^vendor/')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cd test && $(GO) vet ./...
+	cd test/promqlcheck && $(GO) vet ./...
 
 chart-lint: helm ## helm lint --strict of the chart, with its defaults and each ci/ values file
 	$(BIN)/helm lint --strict $(CHART)

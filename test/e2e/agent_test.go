@@ -191,6 +191,8 @@ opsAddress: %q
 			"with its lease gone, east's API server rejects the old token")
 		t.Logf("east rejects the old token %s after the new credential was written (the API server caches token reviews briefly)", time.Since(switched).Round(100*time.Millisecond))
 		require.GreaterOrEqual(t, north.metric(t, "tokenbroker_agent_revocations_total", "result", "success"), 1.0)
+		_, exposition := north.get(t, "/metrics")
+		requireDocumentedExposition(t, exposition, 5)
 	})
 
 	// The other agents and checks do not depend on timing.

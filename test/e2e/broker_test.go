@@ -297,6 +297,7 @@ func TestBrokerEndToEnd(t *testing.T) {
 		require.Contains(t, out, `tokenbroker_issuances_total{outcome="granted"}`)
 		require.Contains(t, out, `tokenbroker_issuances_total{outcome="denied"}`)
 		run(t, "curl", "-sSf", "http://"+e.ops+"/healthz")
+		requireDocumentedExposition(t, out, 15)
 	})
 
 	t.Run("no log line of the broker holds a token", func(t *testing.T) {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -15,7 +14,6 @@ import (
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -366,87 +364,4 @@ func commandLines(block string, prefixes ...string) string {
 		}
 	}
 	return strings.Join(keep, "\n") + "\n"
-}
-
-// metricNameRE finds the metric names a Go file registers.
-var metricNameRE = regexp.MustCompile(`"(tokenbroker_[a-z0-9_]+)"`)
-
-// promIdentRE finds identifiers in a PromQL expression.
-var promIdentRE = regexp.MustCompile(`[a-zA-Z_:][a-zA-Z0-9_:]*`)
-
-// TestTroubleshootingAlertsOfOperationsUseRealMetrics checks the example
-// PrometheusRule of docs/operations.md: it is a well-formed
-// monitoring.coreos.com/v1 PrometheusRule, and every tokenbroker_ metric
-// its expressions use is one the broker or the agent registers.
-func TestTroubleshootingAlertsOfOperationsUseRealMetrics(t *testing.T) {
-	root := repoRoot(t)
-	known := map[string]bool{}
-	for _, f := range []string{"broker/metrics.go", "server/metrics.go", "agent/metrics.go"} {
-		src, err := os.ReadFile(filepath.Join(root, f))
-		require.NoError(t, err)
-		for _, m := range metricNameRE.FindAllStringSubmatch(string(src), -1) {
-			known[m[1]] = true
-		}
-	}
-	require.Contains(t, known, "tokenbroker_issuances_total")
-	require.Contains(t, known, "tokenbroker_agent_refresh_total")
-
-	var rule struct {
-		APIVersion string `json:"apiVersion"`
-		Kind       string `json:"kind"`
-		Metadata   struct {
-			Name      string            `json:"name"`
-			Namespace string            `json:"namespace"`
-			Labels    map[string]string `json:"labels"`
-		} `json:"metadata"`
-		Spec struct {
-			Groups []struct {
-				Name  string `json:"name"`
-				Rules []struct {
-					Alert       string            `json:"alert"`
-					Expr        string            `json:"expr"`
-					For         string            `json:"for"`
-					Labels      map[string]string `json:"labels"`
-					Annotations map[string]string `json:"annotations"`
-				} `json:"rules"`
-			} `json:"groups"`
-		} `json:"spec"`
-	}
-	text := fencedBlock(t, readDoc(t, "docs/operations.md"), "yaml", "apiVersion: monitoring.coreos.com/v1")
-	require.NoError(t, yaml.UnmarshalStrict([]byte(text), &rule))
-	require.Equal(t, "PrometheusRule", rule.Kind)
-	require.NotEmpty(t, rule.Metadata.Name)
-	require.NotEmpty(t, rule.Spec.Groups)
-	alerts := map[string]bool{}
-	durationRE := regexp.MustCompile(`^([0-9]+(ms|s|m|h|d|w|y))+$`)
-	for _, g := range rule.Spec.Groups {
-		require.NotEmpty(t, g.Name)
-		require.NotEmpty(t, g.Rules)
-		for _, r := range g.Rules {
-			require.NotEmpty(t, r.Alert)
-			require.False(t, alerts[r.Alert], "alert %s twice", r.Alert)
-			alerts[r.Alert] = true
-			require.NotEmpty(t, r.Expr, r.Alert)
-			require.NotEmpty(t, r.Labels["severity"], r.Alert)
-			require.NotEmpty(t, r.Annotations["summary"], r.Alert)
-			if r.For != "" {
-				require.Regexp(t, durationRE, r.For, r.Alert)
-			}
-			require.Equal(t, strings.Count(r.Expr, "("), strings.Count(r.Expr, ")"), "%s: unbalanced parentheses", r.Alert)
-			require.Equal(t, strings.Count(r.Expr, "{"), strings.Count(r.Expr, "}"), "%s: unbalanced braces", r.Alert)
-			for _, name := range promIdentRE.FindAllString(r.Expr, -1) {
-				if !strings.HasPrefix(name, "tokenbroker_") {
-					continue
-				}
-				base := name
-				for _, suffix := range []string{"_bucket", "_sum", "_count"} {
-					if strings.HasSuffix(name, suffix) && known[strings.TrimSuffix(name, suffix)] {
-						base = strings.TrimSuffix(name, suffix)
-					}
-				}
-				require.True(t, known[base], "%s uses %s, which nothing registers", r.Alert, name)
-			}
-		}
-	}
-	t.Logf("%d alerts checked", len(alerts))
 }
