@@ -32,6 +32,24 @@ var errNilAnswer = errors.New("broker returned no result and no error")
 // leaseNotFound is the answer for an id that does not have the shape of a
 // lease id (broker.ValidLeaseID), worded as the broker words its own
 // not-found. The id is shortened so a long path is not echoed whole.
+// callerHandler is a handler of the mutual-TLS listener, given the
+// authenticated peer.
+type callerHandler func(w http.ResponseWriter, r *http.Request, p peer)
+
+// withCaller adapts h to net/http: it takes the peer the authentication
+// middleware put in the context, and answers errNoPeer (a bug: the route
+// is served without that middleware) if there is none.
+func withCaller(h callerHandler) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		p, ok := peerFrom(r.Context())
+		if !ok {
+			writeError(w, r, errNoPeer)
+			return
+		}
+		h(w, r, p)
+	}
+}
+
 func leaseNotFound(id string) error {
 	return broker.Errorf(broker.KindNotFound, "lease %q not found", echoKey(id))
 }
@@ -39,16 +57,11 @@ func leaseNotFound(id string) error {
 // createKubeconfig handles POST /v1/kubeconfigs. The Accept header is
 // checked before anything is minted, so a credential is never issued that
 // cannot be delivered.
-func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request) {
+func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer) {
 	w.Header().Add("Vary", "Accept")
 	mediaType, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON, apiv1.MediaTypeYAML)
 	if !ok {
 		writeError(w, r, errNotAcceptable)
-		return
-	}
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
 		return
 	}
 	var req apiv1.KubeconfigRequest
@@ -84,12 +97,7 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request) {
 }
 
 // listLeases handles GET /v1/leases.
-func (s *Server) listLeases(w http.ResponseWriter, r *http.Request) {
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
-		return
-	}
+func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
 	leases, err := s.broker.ListLeases(r.Context(), p.caller)
 	if err != nil {
 		writeError(w, r, err)
@@ -102,12 +110,7 @@ func (s *Server) listLeases(w http.ResponseWriter, r *http.Request) {
 }
 
 // getLease handles GET /v1/leases/{id}.
-func (s *Server) getLease(w http.ResponseWriter, r *http.Request) {
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
-		return
-	}
+func (s *Server) getLease(w http.ResponseWriter, r *http.Request, p peer) {
 	id := chi.URLParam(r, "id")
 	if !broker.ValidLeaseID(id) {
 		writeError(w, r, leaseNotFound(id))
@@ -125,12 +128,7 @@ func (s *Server) getLease(w http.ResponseWriter, r *http.Request) {
 }
 
 // revokeLease handles DELETE /v1/leases/{id}.
-func (s *Server) revokeLease(w http.ResponseWriter, r *http.Request) {
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
-		return
-	}
+func (s *Server) revokeLease(w http.ResponseWriter, r *http.Request, p peer) {
 	id := chi.URLParam(r, "id")
 	if !broker.ValidLeaseID(id) {
 		writeError(w, r, leaseNotFound(id))
@@ -144,12 +142,7 @@ func (s *Server) revokeLease(w http.ResponseWriter, r *http.Request) {
 }
 
 // whoAmI handles GET /v1/whoami.
-func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request) {
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
-		return
-	}
+func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request, p peer) {
 	name, grants := s.broker.WhoAmI(p.caller)
 	if grants == nil {
 		grants = []apiv1.Grant{}
@@ -211,18 +204,13 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 // renewCertificate handles POST /v1/certificates on the mutual-TLS
 // listener: the caller's verified certificate authorizes a new one for the
 // same identity. A bearer token is ignored here.
-func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request) {
+func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer) {
 	if s.certs == nil {
 		writeError(w, r, errRouteNotFound)
 		return
 	}
 	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
 		writeError(w, r, errNotAcceptable)
-		return
-	}
-	p, ok := peerFrom(r.Context())
-	if !ok {
-		writeError(w, r, errNoPeer)
 		return
 	}
 	req, err := s.decodeCertificateRequest(r)

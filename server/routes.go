@@ -30,14 +30,14 @@ type route struct {
 // routeTable is the one route table of the API, for both listeners.
 func (s *Server) routeTable() []route {
 	return []route{
-		{method: http.MethodPost, pattern: "/kubeconfigs", api: s.createKubeconfig},
-		{method: http.MethodGet, pattern: "/leases", api: s.listLeases},
-		{method: http.MethodGet, pattern: "/leases/{id}", api: s.getLease},
-		{method: http.MethodDelete, pattern: "/leases/{id}", api: s.revokeLease},
-		{method: http.MethodGet, pattern: "/whoami", api: s.whoAmI},
+		{method: http.MethodPost, pattern: "/kubeconfigs", api: withCaller(s.createKubeconfig)},
+		{method: http.MethodGet, pattern: "/leases", api: withCaller(s.listLeases)},
+		{method: http.MethodGet, pattern: "/leases/{id}", api: withCaller(s.getLease)},
+		{method: http.MethodDelete, pattern: "/leases/{id}", api: withCaller(s.revokeLease)},
+		{method: http.MethodGet, pattern: "/whoami", api: withCaller(s.whoAmI)},
 		// Renewal with the client certificate on the mTLS listener,
 		// enrollment with a join token on the enrollment listener.
-		{method: http.MethodPost, pattern: "/certificates", api: s.renewCertificate, enroll: s.enrollCertificate},
+		{method: http.MethodPost, pattern: "/certificates", api: withCaller(s.renewCertificate), enroll: s.enrollCertificate},
 		{method: http.MethodGet, pattern: "/trust-bundle", api: s.trustBundle, enroll: s.trustBundle},
 	}
 }
