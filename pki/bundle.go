@@ -8,9 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
-	"sync/atomic"
-	"time"
 )
 
 // ErrFingerprintMismatch is returned (wrapped) by VerifyBundleFingerprint when
@@ -73,14 +70,8 @@ func parseFingerprint(s string) ([]byte, error) {
 //
 // A PoolReloader is safe for concurrent use.
 type PoolReloader struct {
-	reloadSettings
+	polledFiles[poolState]
 	file string
-
-	current atomic.Pointer[poolState]
-
-	mu        sync.Mutex // guards lastCheck and lastSum; held while reading the file
-	lastCheck time.Time
-	lastSum   [sha256.Size]byte
 }
 
 // poolState is one bundle in service; it is never modified once stored.
@@ -93,10 +84,20 @@ type poolState struct {
 // NewPoolReloader loads the bundle now and fails if it is bad; later bad
 // files are reported to the callback instead.
 func NewPoolReloader(file string, opts ...ReloaderOption) (*PoolReloader, error) {
-	p := &PoolReloader{reloadSettings: newReloadSettings(opts), file: file}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if _, err := p.reloadLocked(); err != nil {
+	p := &PoolReloader{file: file}
+	p.polledFiles = polledFiles[poolState]{
+		reloadSettings: newReloadSettings(opts),
+		read: func() ([][]byte, error) {
+			data, err := readFileLimited(file, MaxCertificatesPEMSize)
+			if err != nil {
+				return nil, fmt.Errorf("reload trust bundle: %w", err)
+			}
+			return [][]byte{data}, nil
+		},
+		parse: func(c [][]byte) (*poolState, error) { return parseBundle(c[0]) },
+		what:  "trust bundle " + file,
+	}
+	if err := p.load(); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -116,67 +117,7 @@ func (p *PoolReloader) Certificates() []*x509.Certificate {
 // /v1/trust-bundle serves.
 func (p *PoolReloader) PEM() []byte { return append([]byte(nil), p.state().pem...) }
 
-// Reload reads the file now, whatever the interval, and returns the outcome
-// (nil if the file is unchanged or the new bundle went into service). The
-// callback is called as for a polled reload.
-func (p *PoolReloader) Reload() error {
-	p.mu.Lock()
-	changed, err := p.reloadLocked()
-	p.mu.Unlock()
-	if changed {
-		p.report(err)
-	}
-	return err
-}
-
-func (p *PoolReloader) state() *poolState {
-	p.maybeReload()
-	return p.current.Load()
-}
-
-func (p *PoolReloader) maybeReload() {
-	// A caller never waits for another one's file read: it gets the bundle
-	// in service.
-	if !p.mu.TryLock() {
-		return
-	}
-	// A clock that went backwards counts as time passed.
-	if since := p.now().Sub(p.lastCheck); since >= 0 && since < p.interval {
-		p.mu.Unlock()
-		return
-	}
-	changed, err := p.reloadLocked()
-	p.mu.Unlock()
-	if changed {
-		p.report(err)
-	}
-}
-
-// reloadLocked is CertReloader.reloadLocked for one file.
-func (p *PoolReloader) reloadLocked() (changed bool, err error) {
-	p.lastCheck = p.now()
-	data, err := readFileLimited(p.file, MaxCertificatesPEMSize)
-	if err != nil {
-		err = fmt.Errorf("reload trust bundle: %w", err)
-		if p.lastSum == ([sha256.Size]byte{}) {
-			// Already reported an unreadable state; report only the first.
-			return p.current.Load() == nil, err
-		}
-		p.lastSum = [sha256.Size]byte{}
-		return true, err
-	}
-	sum := sha256.Sum256(data)
-	if p.current.Load() != nil && sum == p.lastSum {
-		return false, nil
-	}
-	p.lastSum = sum
-	st, err := parseBundle(data)
-	if err != nil {
-		return true, fmt.Errorf("reload trust bundle %s: %w", p.file, err)
-	}
-	p.current.Store(st)
-	return true, nil
-}
+func (p *PoolReloader) state() *poolState { return p.get() }
 
 func parseBundle(data []byte) (*poolState, error) {
 	certs, err := ParseCertificatesPEM(data)

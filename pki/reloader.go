@@ -28,14 +28,8 @@ const DefaultReloadInterval = time.Second
 //
 // A CertReloader is safe for concurrent use.
 type CertReloader struct {
-	reloadSettings
+	polledFiles[tls.Certificate]
 	certFile, keyFile string
-
-	current atomic.Pointer[tls.Certificate]
-
-	mu        sync.Mutex // guards lastCheck and lastSum; held while reading files
-	lastCheck time.Time
-	lastSum   [sha256.Size]byte
 }
 
 // reloadSettings are what ReloaderOptions set, shared by CertReloader and
@@ -61,6 +55,108 @@ func (s *reloadSettings) report(err error) {
 	if s.onReload != nil {
 		s.onReload(err)
 	}
+}
+
+// polledFiles is what CertReloader and PoolReloader share: a value parsed
+// from files, polled at most every interval by the callers that use it,
+// replaced only by a good parse of changed content, with every change (good
+// or refused) reported to the callback once.
+type polledFiles[T any] struct {
+	reloadSettings
+	// read reads the files (bounded), wrapping errors with what it read.
+	read func() ([][]byte, error)
+	// parse turns the content into the value to serve, or refuses it.
+	parse func([][]byte) (*T, error)
+	// what names the files in parse errors.
+	what string
+
+	current atomic.Pointer[T]
+
+	mu        sync.Mutex // guards lastCheck and lastSum; held while reading files
+	lastCheck time.Time
+	lastSum   [sha256.Size]byte
+}
+
+// load reads and parses the files for the first time; an error means no
+// value to serve.
+func (f *polledFiles[T]) load() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	_, err := f.reloadLocked()
+	return err
+}
+
+// get returns the value in service after a reload if one is due.
+func (f *polledFiles[T]) get() *T {
+	f.maybeReload()
+	return f.current.Load()
+}
+
+// Reload reads the files now, whatever the interval, and returns the outcome
+// (nil if the files are unchanged or the new content went into service). The
+// callback is called as for a polled reload.
+func (f *polledFiles[T]) Reload() error {
+	f.mu.Lock()
+	changed, err := f.reloadLocked()
+	f.mu.Unlock()
+	if changed {
+		f.report(err)
+	}
+	return err
+}
+
+func (f *polledFiles[T]) maybeReload() {
+	// A caller (a handshake) never waits for another one's file read: it
+	// gets the value in service.
+	if !f.mu.TryLock() {
+		return
+	}
+	// A clock that went backwards counts as time passed.
+	if since := f.now().Sub(f.lastCheck); since >= 0 && since < f.interval {
+		f.mu.Unlock()
+		return
+	}
+	changed, err := f.reloadLocked()
+	f.mu.Unlock()
+	if changed {
+		f.report(err)
+	}
+}
+
+// reloadLocked reads the files and, if their content changed since the last
+// attempt, tries to put them into service. It reports whether the content
+// changed. Read errors are always reported as changes (a missing file is news
+// every time), but only after a successful read changes the remembered sum.
+func (f *polledFiles[T]) reloadLocked() (changed bool, err error) {
+	f.lastCheck = f.now()
+	content, err := f.read()
+	if err != nil {
+		if f.lastSum == ([sha256.Size]byte{}) {
+			// Already reported an unreadable state; report only the first.
+			return f.current.Load() == nil, err
+		}
+		// Cleared, so that the same good content, once readable again,
+		// counts as a change and is reported.
+		f.lastSum = [sha256.Size]byte{}
+		return true, err
+	}
+	h := sha256.New()
+	for _, c := range content {
+		fmt.Fprintf(h, "%d\n", len(c))
+		h.Write(c)
+	}
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	if f.current.Load() != nil && sum == f.lastSum {
+		return false, nil
+	}
+	f.lastSum = sum
+	v, err := f.parse(content)
+	if err != nil {
+		return true, fmt.Errorf("reload %s: %w", f.what, err)
+	}
+	f.current.Store(v)
+	return true, nil
 }
 
 // ReloaderOption configures NewCertReloader and NewPoolReloader.
@@ -92,10 +188,14 @@ func WithReloadClock(now func() time.Time) ReloaderOption {
 // followed by intermediates (as KeyPair.CertPEM does for an intermediate CA);
 // TLS then sends the whole chain.
 func NewCertReloader(certFile, keyFile string, opts ...ReloaderOption) (*CertReloader, error) {
-	r := &CertReloader{reloadSettings: newReloadSettings(opts), certFile: certFile, keyFile: keyFile}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if _, err := r.reloadLocked(); err != nil {
+	r := &CertReloader{certFile: certFile, keyFile: keyFile}
+	r.polledFiles = polledFiles[tls.Certificate]{
+		reloadSettings: newReloadSettings(opts),
+		read:           r.readFiles,
+		parse:          func(c [][]byte) (*tls.Certificate, error) { return r.parse(c[0], c[1]) },
+		what:           certFile,
+	}
+	if err := r.load(); err != nil {
 		return nil, err
 	}
 	return r, nil
@@ -104,94 +204,30 @@ func NewCertReloader(certFile, keyFile string, opts ...ReloaderOption) (*CertRel
 // GetCertificate returns the current pair; it is the tls.Config hook for
 // servers.
 func (r *CertReloader) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-	r.maybeReload()
-	return r.current.Load(), nil
+	return r.get(), nil
 }
 
 // GetClientCertificate returns the current pair; it is the tls.Config hook for
 // clients.
 func (r *CertReloader) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-	r.maybeReload()
-	return r.current.Load(), nil
+	return r.get(), nil
 }
 
 // Leaf returns the certificate in service, for expiry checks and metrics.
 func (r *CertReloader) Leaf() *x509.Certificate {
-	return r.current.Load().Leaf
+	return r.get().Leaf
 }
 
-// Reload reads the files now, whatever the interval, and returns the outcome
-// (nil if the files are unchanged or the new pair went into service). The
-// callback is called as for a polled reload.
-func (r *CertReloader) Reload() error {
-	r.mu.Lock()
-	changed, err := r.reloadLocked()
-	r.mu.Unlock()
-	if changed {
-		r.report(err)
-	}
-	return err
-}
-
-func (r *CertReloader) maybeReload() {
-	// A handshake never waits for another one's file read: it serves the
-	// current pair.
-	if !r.mu.TryLock() {
-		return
-	}
-	// A clock that went backwards counts as time passed.
-	if since := r.now().Sub(r.lastCheck); since >= 0 && since < r.interval {
-		r.mu.Unlock()
-		return
-	}
-	changed, err := r.reloadLocked()
-	r.mu.Unlock()
-	if changed {
-		r.report(err)
-	}
-}
-
-// reloadLocked reads the files and, if their content changed since the last
-// attempt, tries to put them into service. It reports whether the content
-// changed. Read errors are always reported as changes (a missing file is news
-// every time), but only after a successful read changes the remembered sum.
-func (r *CertReloader) reloadLocked() (changed bool, err error) {
-	r.lastCheck = r.now()
+func (r *CertReloader) readFiles() ([][]byte, error) {
 	certPEM, err := readFileLimited(r.certFile, MaxCertificatesPEMSize)
 	if err != nil {
-		return r.readFailed(fmt.Errorf("reload certificate: %w", err))
+		return nil, fmt.Errorf("reload certificate: %w", err)
 	}
 	keyPEM, err := readFileLimited(r.keyFile, MaxPrivateKeyPEMSize)
 	if err != nil {
-		return r.readFailed(fmt.Errorf("reload key: %w", err))
+		return nil, fmt.Errorf("reload key: %w", err)
 	}
-	h := sha256.New()
-	fmt.Fprintf(h, "%d\n", len(certPEM))
-	h.Write(certPEM)
-	h.Write(keyPEM)
-	var sum [sha256.Size]byte
-	h.Sum(sum[:0])
-	if r.current.Load() != nil && sum == r.lastSum {
-		return false, nil
-	}
-	r.lastSum = sum
-	cert, err := r.parse(certPEM, keyPEM)
-	if err != nil {
-		return true, fmt.Errorf("reload %s: %w", r.certFile, err)
-	}
-	r.current.Store(cert)
-	return true, nil
-}
-
-// readFailed records an unreadable file. The sum is cleared so that the same
-// good content, once readable again, counts as a change and is reported.
-func (r *CertReloader) readFailed(err error) (bool, error) {
-	if r.lastSum == ([sha256.Size]byte{}) {
-		// Already reported an unreadable state; report only the first.
-		return r.current.Load() == nil, err
-	}
-	r.lastSum = [sha256.Size]byte{}
-	return true, err
+	return [][]byte{certPEM, keyPEM}, nil
 }
 
 func (r *CertReloader) parse(certPEM, keyPEM []byte) (*tls.Certificate, error) {
