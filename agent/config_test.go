@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // exampleConfig is the complete example of the configuration file; the
@@ -198,7 +200,7 @@ targets:
 			}},
 	} {
 		_, err := ParseConfig([]byte(tc.yaml), "")
-		var ce *ConfigError
+		var ce *apiv1.ValidationError
 		require.True(t, errors.As(err, &ce), "%s: %v", tc.name, err)
 		for _, w := range tc.want {
 			require.Contains(t, err.Error(), w, tc.name)

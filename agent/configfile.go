@@ -35,21 +35,6 @@ const (
 // maxConfigBytes bounds the configuration file; a config is small.
 const maxConfigBytes = 1 << 20
 
-// ConfigError lists every problem found in a configuration, each with the
-// path of its field ("targets[1].outputs[0].secret.format").
-type ConfigError struct {
-	Problems []apiv1.FieldError
-}
-
-// Error lists the problems, each as "field: detail".
-func (e *ConfigError) Error() string {
-	parts := make([]string, len(e.Problems))
-	for i, p := range e.Problems {
-		parts[i] = p.Field + ": " + p.Detail
-	}
-	return "invalid agent config: " + strings.Join(parts, "; ")
-}
-
 // LoadConfig reads, parses, defaults and validates the configuration file
 // at path. Relative paths in it (identity.dir, identity.enroll.tokenFile,
 // kubeconfig, file outputs) are taken relative to the file's directory, as
@@ -191,7 +176,7 @@ func (c *Config) UsesKubernetes() bool {
 }
 
 // Validate reports every problem of a defaulted configuration at once, as
-// a *ConfigError.
+// an *apiv1.ValidationError.
 func (c *Config) Validate() error {
 	v := &validator{}
 	c.validateIdentity(v)
@@ -385,7 +370,7 @@ func (v *validator) err() error {
 	if len(v.probs) == 0 {
 		return nil
 	}
-	return &ConfigError{Problems: v.probs}
+	return &apiv1.ValidationError{Document: "agent config", Problems: v.probs}
 }
 
 func (v *validator) httpsURL(field, s string, required bool) {

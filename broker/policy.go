@@ -100,20 +100,6 @@ type GrantSpec struct {
 	Credential      string   `json:"credential,omitempty"`
 }
 
-// ValidationError lists every problem found in a policy, each with the
-// path of the field it is about.
-type ValidationError struct {
-	Problems []apiv1.FieldError
-}
-
-func (e *ValidationError) Error() string {
-	parts := make([]string, len(e.Problems))
-	for i, p := range e.Problems {
-		parts[i] = p.Field + ": " + p.Detail
-	}
-	return "invalid policy: " + strings.Join(parts, "; ")
-}
-
 // ParsePolicy decodes and validates a policy document (YAML or JSON).
 // Unknown fields are errors, so that a misspelt key never silently widens
 // or narrows what is granted. CAFile is not read here.
@@ -229,7 +215,7 @@ func (p *Policy) Validate() error {
 		}
 	}
 	if len(probs) > 0 {
-		return &ValidationError{Problems: probs}
+		return &apiv1.ValidationError{Document: "policy", Problems: probs}
 	}
 	return nil
 }

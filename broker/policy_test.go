@@ -108,7 +108,7 @@ peers:
     grants: []
 `
 	_, err := ParsePolicy([]byte(doc))
-	var ve *ValidationError
+	var ve *apiv1.ValidationError
 	require.ErrorAs(t, err, &ve)
 	fields := map[string]bool{}
 	for _, p := range ve.Problems {

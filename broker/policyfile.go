@@ -34,7 +34,7 @@ func LoadPolicyFile(path string) (*Policy, error) {
 		p.Cluster.CAData = string(ca)
 	}
 	if err := checkCABundle([]byte(p.Cluster.CAData)); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, &ValidationError{Problems: []apiv1.FieldError{{Field: "cluster.caFile", Detail: err.Error()}}})
+		return nil, fmt.Errorf("%s: %w", path, &apiv1.ValidationError{Document: "policy", Problems: []apiv1.FieldError{{Field: "cluster.caFile", Detail: err.Error()}}})
 	}
 	return p, nil
 }

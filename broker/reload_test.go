@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -98,7 +99,7 @@ func TestPeerCertificateTTLIsValidated(t *testing.T) {
 			require.NoError(t, err, ttl)
 			continue
 		}
-		var ve *ValidationError
+		var ve *apiv1.ValidationError
 		require.ErrorAs(t, err, &ve, ttl)
 		require.Equal(t, "peers[0].certificateTTL", ve.Problems[0].Field)
 	}

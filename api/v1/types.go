@@ -6,7 +6,10 @@
 // syntactic validation of what a client sends.
 package v1
 
-import "time"
+import (
+	"strings"
+	"time"
+)
 
 // Media types used by the API.
 const (
@@ -117,6 +120,25 @@ type Problem struct {
 type FieldError struct {
 	Field  string `json:"field"`
 	Detail string `json:"detail"`
+}
+
+// ValidationError is a document (a policy, an agent configuration) that
+// failed validation: every problem found, each with its field path, so that
+// an operator fixes them all in one go.
+type ValidationError struct {
+	// Document names what was validated, for the message: "policy",
+	// "agent config".
+	Document string
+	Problems []FieldError
+}
+
+// Error lists the problems, each as "field: detail".
+func (e *ValidationError) Error() string {
+	parts := make([]string, len(e.Problems))
+	for i, p := range e.Problems {
+		parts[i] = p.Field + ": " + p.Detail
+	}
+	return "invalid " + e.Document + ": " + strings.Join(parts, "; ")
 }
 
 // MediaTypePEM is the media type of a bare PEM bundle (GET /v1/trust-bundle

@@ -248,13 +248,7 @@ func validatePolicy(path string, doc any) (problems, notes []apiv1.FieldError) {
 		return append(problems, apiv1.FieldError{Detail: err.Error()}), nil
 	}
 	_, err = broker.ParsePolicy(js)
-	problems = append(problems, sc.without(loaderProblems(err, func(err error) ([]apiv1.FieldError, bool) {
-		var ve *broker.ValidationError
-		if errors.As(err, &ve) {
-			return ve.Problems, true
-		}
-		return nil, false
-	}))...)
+	problems = append(problems, sc.without(loaderProblems(err))...)
 
 	// The CA bundle, as LoadPolicyFile reads it. (Lenient decoding: the
 	// shape problems are reported above.)
@@ -306,13 +300,7 @@ func validateAgentConfig(path string, doc any) []apiv1.FieldError {
 		return append(problems, apiv1.FieldError{Detail: err.Error()})
 	}
 	_, err = agent.ParseConfig(js, filepath.Dir(path))
-	problems = append(problems, sc.without(loaderProblems(err, func(err error) ([]apiv1.FieldError, bool) {
-		var ce *agent.ConfigError
-		if errors.As(err, &ce) {
-			return ce.Problems, true
-		}
-		return nil, false
-	}))...)
+	problems = append(problems, sc.without(loaderProblems(err))...)
 	if len(problems) == 0 {
 		if _, err := agent.LoadConfig(path); err != nil {
 			problems = append(problems, apiv1.FieldError{Detail: err.Error()})
@@ -323,12 +311,12 @@ func validateAgentConfig(path string, doc any) []apiv1.FieldError {
 
 // loaderProblems turns a loader's error into problems: its field problems
 // if it has them, else the error itself.
-func loaderProblems(err error, fields func(error) ([]apiv1.FieldError, bool)) []apiv1.FieldError {
+func loaderProblems(err error) []apiv1.FieldError {
 	if err == nil {
 		return nil
 	}
-	if probs, ok := fields(err); ok {
-		return probs
+	if ve := (*apiv1.ValidationError)(nil); errors.As(err, &ve) {
+		return ve.Problems
 	}
 	return []apiv1.FieldError{{Detail: err.Error()}}
 }
