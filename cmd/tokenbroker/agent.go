@@ -84,12 +84,9 @@ guides in docs/guides for the file format.`,
 			if err != nil {
 				return err
 			}
-			log, err := newLogger(cfg.Log)
-			if err != nil {
-				return err
-			}
-			defer func() { _ = log.Sync() }()
-			return runAgent(cmd.Context(), cfg, log)
+			return withLogger(cfg.Log, func(log *zap.Logger) error {
+				return runAgent(cmd.Context(), cfg, log)
+			})
 		},
 	}
 	cmd.Flags().String("config", "", "the agent's config file (YAML): identity, refresh settings, targets and their outputs (required)")

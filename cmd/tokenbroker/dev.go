@@ -81,12 +81,9 @@ Ctrl-C stops the broker.`,
 			if cfg.Kubeconfig == "" {
 				return errors.New("--kubeconfig (or KUBECONFIG) must name the local cluster's admin kubeconfig")
 			}
-			log, err := newLogger(cfg.Log)
-			if err != nil {
-				return err
-			}
-			defer func() { _ = log.Sync() }()
-			return runDev(cmd.Context(), cfg, log, cmd.OutOrStdout())
+			return withLogger(cfg.Log, func(log *zap.Logger) error {
+				return runDev(cmd.Context(), cfg, log, cmd.OutOrStdout())
+			})
 		},
 	}
 	fs := cmd.Flags()

@@ -103,6 +103,17 @@ func logConfigFrom(v *viper.Viper) logConfig {
 	return logConfig{Level: v.GetString("log-level"), Format: v.GetString("log-format")}
 }
 
+// withLogger runs run with the logger c asks for and flushes the log
+// afterwards: the prologue of every long-running command.
+func withLogger(c logConfig, run func(*zap.Logger) error) error {
+	log, err := newLogger(c)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = log.Sync() }()
+	return run(log)
+}
+
 func newLogger(c logConfig) (*zap.Logger, error) {
 	level, err := zapcore.ParseLevel(c.Level)
 	if err != nil {

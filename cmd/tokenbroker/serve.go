@@ -94,12 +94,9 @@ Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
 			if err != nil {
 				return err
 			}
-			log, err := newLogger(cfg.Log)
-			if err != nil {
-				return err
-			}
-			defer func() { _ = log.Sync() }()
-			return runServe(cmd.Context(), cfg, log, nil)
+			return withLogger(cfg.Log, func(log *zap.Logger) error {
+				return runServe(cmd.Context(), cfg, log, nil)
+			})
 		},
 	}
 	addServeFlags(cmd)
