@@ -97,19 +97,7 @@ func TestDeployAgent(t *testing.T) {
 		ctr := pod.Containers[0]
 		require.Equal(t, "ghcr.io/tokenbroker/tokenbroker:latest", ctr.Image)
 
-		sc := ctr.SecurityContext
-		require.NotNil(t, sc)
-		require.Equal(t, ptrTo(true), sc.RunAsNonRoot)
-		require.Equal(t, ptrTo(true), sc.ReadOnlyRootFilesystem)
-		require.Equal(t, ptrTo(false), sc.AllowPrivilegeEscalation)
-		require.NotNil(t, sc.Capabilities)
-		require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
-		require.Empty(t, sc.Capabilities.Add)
-		require.NotNil(t, sc.SeccompProfile)
-		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
-		require.NotNil(t, pod.SecurityContext)
-		require.Equal(t, ptrTo(true), pod.SecurityContext.RunAsNonRoot)
-		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, pod.SecurityContext.SeccompProfile.Type)
+		requireHardened(t, pod)
 
 		require.Len(t, ctr.Ports, 1, "only the operations port")
 		require.Equal(t, "ops", ctr.Ports[0].Name)

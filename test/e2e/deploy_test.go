@@ -64,6 +64,28 @@ func splitManifests(t *testing.T, out string) []manifest {
 	return docs
 }
 
+// requireHardened checks the security contexts of a single-container pod
+// of deploy/: non-root, read-only root filesystem, no privilege
+// escalation, every capability dropped, the runtime's seccomp profile.
+func requireHardened(t *testing.T, pod corev1.PodSpec) {
+	t.Helper()
+	require.Len(t, pod.Containers, 1)
+	sc := pod.Containers[0].SecurityContext
+	require.NotNil(t, sc)
+	require.Equal(t, ptrTo(true), sc.RunAsNonRoot)
+	require.Equal(t, ptrTo(true), sc.ReadOnlyRootFilesystem)
+	require.Equal(t, ptrTo(false), sc.AllowPrivilegeEscalation)
+	require.NotNil(t, sc.Capabilities)
+	require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
+	require.Empty(t, sc.Capabilities.Add)
+	require.NotNil(t, sc.SeccompProfile)
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
+	require.NotNil(t, pod.SecurityContext)
+	require.Equal(t, ptrTo(true), pod.SecurityContext.RunAsNonRoot)
+	require.NotNil(t, pod.SecurityContext.SeccompProfile)
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, pod.SecurityContext.SeccompProfile.Type)
+}
+
 func findManifest(t *testing.T, docs []manifest, kind, name string) manifest {
 	t.Helper()
 	for _, d := range docs {
@@ -132,18 +154,7 @@ func TestDeployBase(t *testing.T) {
 		require.Equal(t, "ghcr.io/tokenbroker/tokenbroker:latest", ctr.Image)
 		require.Equal(t, "tokenbroker", pod.ServiceAccountName)
 
-		sc := ctr.SecurityContext
-		require.NotNil(t, sc)
-		require.Equal(t, ptrTo(true), sc.RunAsNonRoot)
-		require.Equal(t, ptrTo(true), sc.ReadOnlyRootFilesystem)
-		require.Equal(t, ptrTo(false), sc.AllowPrivilegeEscalation)
-		require.NotNil(t, sc.Capabilities)
-		require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
-		require.Empty(t, sc.Capabilities.Add)
-		require.NotNil(t, sc.SeccompProfile)
-		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
-		require.NotNil(t, pod.SecurityContext)
-		require.Equal(t, ptrTo(true), pod.SecurityContext.RunAsNonRoot)
+		requireHardened(t, pod)
 
 		ports := map[string]int32{}
 		for _, p := range ctr.Ports {

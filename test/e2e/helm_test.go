@@ -335,15 +335,8 @@ func TestHelmChartRenders(t *testing.T) {
 		}
 
 		// Spelled out as well, so that a change to both cannot go unnoticed.
-		sc := cc.SecurityContext
-		require.Equal(t, ptrTo(true), sc.RunAsNonRoot)
-		require.Equal(t, ptrTo(true), sc.ReadOnlyRootFilesystem)
-		require.Equal(t, ptrTo(false), sc.AllowPrivilegeEscalation)
-		require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
-		require.Empty(t, sc.Capabilities.Add)
-		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
+		requireHardened(t, cp)
 		require.Equal(t, ptrTo(int64(65532)), cp.SecurityContext.RunAsUser)
-		require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, cp.SecurityContext.SeccompProfile.Type)
 
 		anti := cp.Affinity.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution
 		require.Len(t, anti, 1, "soft anti-affinity by default")
