@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/signal"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -137,7 +140,7 @@ func addServeFlags(cmd *cobra.Command) {
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues (token)")
-	fs.String("audit-log", auditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600); cannot be turned off`)
+	fs.String("audit-log", auditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
 }
 
 // The --audit-log values that are not file paths.
@@ -272,7 +275,7 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 	}
 	build := currentBuild()
 	metrics.SetBuildInfo(build.Version, build.revisionLabel(), build.GoVersion)
-	auditor, closeAudit, err := openAuditLog(cfg.AuditLog)
+	auditor, closeAudit, err := openAuditLog(cfg.AuditLog, log)
 	if err != nil {
 		return err
 	}
@@ -393,21 +396,89 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(
 }
 
 // openAuditLog opens the audit sink named by --audit-log; the returned
-// function closes a file sink.
-func openAuditLog(dest string) (broker.Auditor, func(), error) {
+// function closes a file sink. A file sink is reopened on SIGHUP until it
+// is closed, so that logrotate's rename-and-signal rotation loses no event.
+func openAuditLog(dest string, log *zap.Logger) (broker.Auditor, func(), error) {
 	switch dest {
 	case auditStdout:
 		return broker.NewAuditLog(os.Stdout), func() {}, nil
 	case auditStderr:
 		return broker.NewAuditLog(os.Stderr), func() {}, nil
 	}
-	// O_APPEND: each event is one write, so several writers (or a log
-	// shipper's truncation) never split a line.
-	f, err := os.OpenFile(dest, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	f, err := openAuditFile(dest)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--audit-log: %w", err)
+		return nil, nil, err
 	}
-	return broker.NewAuditLog(f), func() { _ = f.Close() }, nil
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-hup:
+				if err := f.reopen(); err != nil {
+					log.Error("audit log not reopened; still writing to the old file", zap.String("file", dest), zap.Error(err))
+					continue
+				}
+				log.Info("audit log reopened", zap.String("file", dest))
+			}
+		}
+	}()
+	return broker.NewAuditLog(f), func() {
+		signal.Stop(hup)
+		close(stop)
+		<-done
+		_ = f.close()
+	}, nil
+}
+
+// auditFile is an audit log file that can be reopened under the same
+// name. Each event is one Write with O_APPEND, so a line is never split
+// between the old file and the new one.
+type auditFile struct {
+	path string
+	mu   sync.Mutex
+	f    *os.File
+}
+
+func openAuditFile(path string) (*auditFile, error) {
+	a := &auditFile{path: path}
+	if err := a.reopen(); err != nil {
+		return nil, err
+	}
+	return a, nil
+}
+
+func (a *auditFile) Write(p []byte) (int, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.f.Write(p)
+}
+
+// reopen opens the path again (created 0600 if it was moved away) and
+// closes the old file; on failure the old file stays in use.
+func (a *auditFile) reopen() error {
+	f, err := os.OpenFile(a.path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("--audit-log: %w", err)
+	}
+	a.mu.Lock()
+	old := a.f
+	a.f = f
+	a.mu.Unlock()
+	if old != nil {
+		_ = old.Close()
+	}
+	return nil
+}
+
+func (a *auditFile) close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.f.Close()
 }
 
 // earliestNotAfter is the NotAfter of the certificate that expires first,

@@ -4,11 +4,14 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/tokenbroker/tokenbroker/broker"
 )
@@ -156,7 +159,7 @@ func TestTheAuditLogGoesToStdoutByDefaultAndCannotBeTurnedOff(t *testing.T) {
 func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "audit.jsonl")
 	require.NoError(t, os.WriteFile(path, []byte("{\"earlier\":true}\n"), 0o600))
-	a, closeFn, err := openAuditLog(path)
+	a, closeFn, err := openAuditLog(path, zap.NewNop())
 	require.NoError(t, err)
 	require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow}))
 	closeFn()
@@ -167,18 +170,49 @@ func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
 	require.Contains(t, lines[1], `"action":"issue"`)
 
 	fresh := filepath.Join(t.TempDir(), "new.jsonl")
-	_, closeFn, err = openAuditLog(fresh)
+	_, closeFn, err = openAuditLog(fresh, zap.NewNop())
 	require.NoError(t, err)
 	closeFn()
 	st, err := os.Stat(fresh)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 
-	_, _, err = openAuditLog(filepath.Join(t.TempDir(), "missing", "audit.jsonl"))
+	_, _, err = openAuditLog(filepath.Join(t.TempDir(), "missing", "audit.jsonl"), zap.NewNop())
 	require.ErrorContains(t, err, "--audit-log")
 }
 
 func TestAnUnknownCredentialKindIsRefusedBeforeStart(t *testing.T) {
 	_, err := serveConfigOf(t, append([]string{"--credentials", "token,clientCertificate"}, required...)...)
 	require.ErrorContains(t, err, `unknown or unsupported credential kind "clientCertificate"`)
+}
+
+func TestTheAuditLogFileIsReopenedOnSIGHUPForLogrotate(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "audit.jsonl")
+	core, logs := observer.New(zap.InfoLevel)
+	a, closeFn, err := openAuditLog(path, zap.New(core))
+	require.NoError(t, err)
+	defer closeFn()
+	event := func(id string) {
+		require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, RequestID: id}))
+	}
+	event("before")
+	require.NoError(t, os.Rename(path, path+".1")) // what logrotate does first
+	event("after-rename")                          // still the old file, until the signal
+	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGHUP))
+	require.Eventually(t, func() bool { return logs.FilterMessage("audit log reopened").Len() == 1 },
+		5*time.Second, 10*time.Millisecond, "SIGHUP reopens the audit log under its name")
+	event("after-reopen")
+
+	old, err := os.ReadFile(path + ".1")
+	require.NoError(t, err)
+	require.Contains(t, string(old), `"request_id":"before"`)
+	require.Contains(t, string(old), `"request_id":"after-rename"`)
+	cur, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.Equal(t, 1, strings.Count(string(cur), "\n"))
+	require.Contains(t, string(cur), `"request_id":"after-reopen"`)
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }
