@@ -267,13 +267,9 @@ func TestGarbageCollectionDeletesOnlyExpiredLeases(t *testing.T) {
 
 func TestOwnTimeExcludesTheWaitOnTheAPIServer(t *testing.T) {
 	t.Parallel()
-	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
-	require.NoError(t, err)
-	e := newEnv(t)
-	e.b.cfg.Metrics = m
+	e, reg, _ := newMetricsEnv(t)
 	e.iss.delay = 30 * time.Millisecond // an API server that takes its time
-	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 	require.NoError(t, err)
 
 	own := histogramSum(t, reg, "tokenbroker_issuance_own_seconds")
