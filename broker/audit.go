@@ -114,11 +114,8 @@ const (
 // certificate fingerprint, either may be empty), code is one of the
 // Refused* constants and reason says why.
 func (b *Broker) RefuseCaller(ctx context.Context, c Caller, code, reason string) {
-	b.cfg.Metrics.observeDenial(ActionAuthenticate, code)
-	b.audit(ctx, AuditEvent{
-		Action: ActionAuthenticate, Decision: DecisionDeny, Reason: reason,
-		Identity: c.Identity, CertSHA256: c.CertSHA256,
-	})
+	a := &pendingAudit{ev: AuditEvent{Action: ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	b.conclude(ctx, a, DecisionDeny, reason, code)
 }
 
 type requestIDKey struct{}

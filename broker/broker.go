@@ -183,11 +183,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := time.Since(start)
 	b.cfg.Metrics.observeIssue(outcome, total, total-time.Duration(wait.d.Load()))
-	a.ev.Decision, a.ev.Reason = decisionOf(outcome, err)
-	if a.ev.Decision == DecisionDeny {
-		b.cfg.Metrics.observeDenial(ActionIssue, orDefault(a.denial, denialCode(outcome)))
-	}
-	b.audit(ctx, a.ev)
+	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
 }
 
@@ -215,28 +211,34 @@ const (
 	denyDisabled         = "disabled"
 )
 
-// decisionOf maps an outcome to the audit decision, and err to the reason
-// given in the event: the caller-facing detail, which never holds a secret.
-func decisionOf(outcome string, err error) (decision, reason string) {
+// concludeOutcome concludes a kubeconfig or lease request by its outcome
+// (outcomeGranted, or outcomeFor its error): the decision, and as the
+// reason the caller-facing detail of err, which never holds a secret.
+func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome string, err error) {
 	switch outcome {
 	case outcomeGranted:
-		return DecisionAllow, ""
-	case outcomeDenied, outcomeInvalid, outcomeUnprocessable, outcomeNotFound:
-		return DecisionDeny, errDetail(err)
+		b.conclude(ctx, a, DecisionAllow, "", "")
+	case outcomeDenied:
+		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyNotGranted)
+	case outcomeNotFound:
+		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyNotFound)
+	case outcomeInvalid, outcomeUnprocessable:
+		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyInvalid)
 	case outcomeUnavailable:
-		return DecisionError, "the Kubernetes API server is unavailable"
+		b.conclude(ctx, a, DecisionError, "the Kubernetes API server is unavailable", "")
+	default:
+		b.conclude(ctx, a, DecisionError, "internal error", "")
 	}
-	return DecisionError, "internal error"
 }
 
-func denialCode(outcome string) string {
-	switch outcome {
-	case outcomeDenied:
-		return denyNotGranted
-	case outcomeNotFound:
-		return denyNotFound
+// conclude writes a's audit event with its decision and reason (a.reason
+// if set) and counts a denial under a.denial, else under denial.
+func (b *Broker) conclude(ctx context.Context, a *pendingAudit, decision, reason, denial string) {
+	a.ev.Decision, a.ev.Reason = decision, orDefault(a.reason, reason)
+	if decision == DecisionDeny {
+		b.cfg.Metrics.observeDenial(a.ev.Action, orDefault(a.denial, denial))
 	}
-	return denyInvalid
+	b.audit(ctx, a.ev)
 }
 
 // apiWait adds up the time one request spends waiting on the API server,
@@ -247,8 +249,8 @@ type apiWaitKey struct{}
 
 // timeAPI records an API server call that started at start and ended with
 // err: in the per-call histogram, in the error counter and in the
-// request's apiWait, if ctx carries one.
-func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err error) {
+// request's apiWait, if ctx carries one. It returns the call's duration.
+func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err error) time.Duration {
 	d := time.Since(start)
 	b.cfg.Metrics.observeAPI(call, d)
 	if err != nil {
@@ -257,6 +259,7 @@ func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err 
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(d))
 	}
+	return d
 }
 
 func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *pendingAudit) (*apiv1.KubeconfigResponse, string, error) {
@@ -329,8 +332,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Audiences:      req.Audiences,
 		Lease:          issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID},
 	})
-	b.timeAPI(ctx, "issue_"+d.Credential, t0, err)
-	b.cfg.Metrics.observeIssuer(d.Credential, time.Since(t0), err)
+	b.cfg.Metrics.observeIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
 	if err != nil {
 		err = classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
 		return fail(outcomeFor(err), err)

@@ -136,22 +136,16 @@ func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.Certificate
 func (b *Broker) auditCertificate(ctx context.Context, a *pendingAudit, outcome string, resp *apiv1.CertificateResponse, err error) {
 	switch outcome {
 	case certIssued:
-		a.ev.Decision = DecisionAllow
 		a.ev.Serial = resp.SerialNumber
 		a.ev.NotAfter = resp.NotAfter.UTC().Format(time.RFC3339)
-	case certUnavailable, certError:
-		a.ev.Decision, a.ev.Reason = DecisionError, errDetail(err)
-		if outcome == certUnavailable {
-			a.ev.Reason = "the Kubernetes API server is unavailable"
-		}
+		b.conclude(ctx, a, DecisionAllow, "", "")
+	case certUnavailable:
+		b.conclude(ctx, a, DecisionError, "the Kubernetes API server is unavailable", "")
+	case certError:
+		b.conclude(ctx, a, DecisionError, errDetail(err), "")
 	default:
-		a.ev.Decision, a.ev.Reason = DecisionDeny, a.reason
-		if a.ev.Reason == "" {
-			a.ev.Reason = errDetail(err)
-		}
-		b.cfg.Metrics.observeDenial(a.ev.Action, orDefault(a.denial, denyInvalid))
+		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyInvalid)
 	}
-	b.audit(ctx, a.ev)
 }
 
 func (b *Broker) enroll(ctx context.Context, token string, req apiv1.CertificateRequest, a *pendingAudit) (*apiv1.CertificateResponse, string, error) {

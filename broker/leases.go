@@ -59,20 +59,16 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // server reject its credential. Every call ends in one audit event
 // (ActionRevoke).
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
-	ev := AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}
-	err := b.revokeLease(ctx, c, id, &ev)
+	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
+	err := b.revokeLease(ctx, c, id, &a.ev)
+	if !ValidLeaseID(id) {
+		a.ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
+	}
 	outcome := outcomeGranted
 	if err != nil {
 		outcome = outcomeFor(err)
 	}
-	ev.Decision, ev.Reason = decisionOf(outcome, err)
-	if ev.Decision == DecisionDeny {
-		b.cfg.Metrics.observeDenial(ActionRevoke, denialCode(outcome))
-	}
-	if !ValidLeaseID(id) {
-		ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
-	}
-	b.audit(ctx, ev)
+	b.concludeOutcome(ctx, a, outcome, err)
 	return err
 }
 
