@@ -29,6 +29,15 @@ var errNoPeer = errors.New("no authenticated peer in request context")
 // errNilAnswer means the broker returned neither a result nor an error.
 var errNilAnswer = errors.New("broker returned no result and no error")
 
+// answered is err, or errNilAnswer when the broker returned neither a
+// result nor an error, so that a handler never writes a null answer.
+func answered[T any](result *T, err error) error {
+	if err == nil && result == nil {
+		return errNilAnswer
+	}
+	return err
+}
+
 // leaseNotFound is the answer for an id that does not have the shape of a
 // lease id (broker.ValidLeaseID), worded as the broker words its own
 // not-found. The id is shortened so a long path is not echoed whole.
@@ -75,10 +84,7 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer
 	}
 
 	resp, err := s.broker.IssueKubeconfig(r.Context(), p.caller, req)
-	if err == nil && resp == nil {
-		err = errNilAnswer
-	}
-	if err != nil {
+	if err = answered(resp, err); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -117,10 +123,7 @@ func (s *Server) getLease(w http.ResponseWriter, r *http.Request, p peer) {
 		return
 	}
 	lease, err := s.broker.GetLease(r.Context(), p.caller, id)
-	if err == nil && lease == nil {
-		err = errNilAnswer
-	}
-	if err != nil {
+	if err = answered(lease, err); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -188,10 +191,7 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	resp, err := s.certs.Enroll(r.Context(), token, req)
-	if err == nil && resp == nil {
-		err = errNilAnswer
-	}
-	if err != nil {
+	if err = answered(resp, err); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -219,10 +219,7 @@ func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer
 		return
 	}
 	resp, err := s.certs.Renew(r.Context(), p.caller, req)
-	if err == nil && resp == nil {
-		err = errNilAnswer
-	}
-	if err != nil {
+	if err = answered(resp, err); err != nil {
 		writeError(w, r, err)
 		return
 	}
