@@ -4,28 +4,38 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
 )
 
 // buildKubeconfig returns a complete kubeconfig for the ServiceAccount:
-// the cluster's external URL and CA bundle, the token, and a current
-// context in the ServiceAccount's namespace, so that kubectl works with it
-// as is.
+// the cluster's external URL and CA bundle (and its tls-server-name and
+// proxy-url when the policy sets them), the token, and a current context
+// in the ServiceAccount's namespace, so that kubectl works with it as is.
 //
 // It writes the YAML directly: the shape is fixed, and going through
 // sigs.k8s.io/yaml (JSON, then a YAML parse and emit) was a sixth of the
 // broker's CPU per issuance in make bench's profile. Every string is
-// written as a JSON string, which is a valid YAML double-quoted scalar, so
-// no value can break the document; TestKubeconfigMatchesClientcmd checks
-// the result against client-go's own types.
+// written as a JSON string, which is a valid YAML double-quoted scalar
+// (writeQuoted), so no value can break the document or change on the way;
+// TestKubeconfigMatchesClientcmd checks the result against client-go's own
+// types.
 func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount, token string) ([]byte, error) {
 	user := serviceAccount + "@" + cluster.Name
 	ctxName := namespace + "/" + serviceAccount + "@" + cluster.Name
 	var b bytes.Buffer
-	b.Grow(512 + len(token) + base64.StdEncoding.EncodedLen(len(cluster.CAData)))
+	b.Grow(512 + len(token) + len(cluster.TLSServerName) + len(cluster.ProxyURL) + base64.StdEncoding.EncodedLen(len(cluster.CAData)))
 	b.WriteString("apiVersion: v1\nkind: Config\nclusters:\n- name: ")
 	writeQuoted(&b, cluster.Name)
 	b.WriteString("\n  cluster:\n    server: ")
 	writeQuoted(&b, cluster.Server)
+	if cluster.TLSServerName != "" {
+		b.WriteString("\n    tls-server-name: ")
+		writeQuoted(&b, cluster.TLSServerName)
+	}
+	if cluster.ProxyURL != "" {
+		b.WriteString("\n    proxy-url: ")
+		writeQuoted(&b, cluster.ProxyURL)
+	}
 	b.WriteString("\n    certificate-authority-data: ")
 	b.WriteString(base64.StdEncoding.EncodeToString([]byte(cluster.CAData)))
 	b.WriteString("\nusers:\n- name: ")
@@ -47,10 +57,30 @@ func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount, token strin
 }
 
 // writeQuoted writes s as a JSON string, which YAML reads as a
-// double-quoted scalar with the same value.
+// double-quoted scalar with the same value once the characters JSON leaves
+// raw but YAML reads otherwise are escaped too: DEL, the C1 controls
+// (U+0085 NEL is a line break to YAML, folded to a space; the rest are
+// refused) and the noncharacters U+FFFE and U+FFFF (refused).
 func writeQuoted(b *bytes.Buffer, s string) {
-	q, _ := json.Marshal(s) // a string always marshals
-	b.Write(q)
+	q, _ := json.Marshal(s) // a string always marshals, as valid UTF-8
+	if bytes.IndexFunc(q, yamlMisreads) < 0 {
+		b.Write(q)
+		return
+	}
+	for _, r := range string(q) {
+		if yamlMisreads(r) {
+			fmt.Fprintf(b, `\u%04x`, r)
+		} else {
+			b.WriteRune(r)
+		}
+	}
+}
+
+// yamlMisreads reports whether YAML reads r, written raw in a
+// double-quoted scalar, as anything but r. Every such rune is in the
+// Basic Multilingual Plane, so \uXXXX escapes it in JSON and YAML alike.
+func yamlMisreads(r rune) bool {
+	return r >= 0x7f && r <= 0x9f || r == 0xfffe || r == 0xffff
 }
 
 // jtiFromPayload extracts the jti claim from a JWT's base64url payload.

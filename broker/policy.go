@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -66,8 +68,19 @@ type Policy struct {
 type ClusterSpec struct {
 	// Name of the cluster, used for the kubeconfig's cluster and context.
 	Name string `json:"name"`
-	// Server is the external URL of the API server.
+	// Server is the external URL of the API server: https, printable
+	// ASCII, a host, no user info, query or fragment. A path is allowed,
+	// for API servers behind a proxy that serves them under one.
 	Server string `json:"server"`
+	// TLSServerName, if set, is the name the peers' clients send as SNI
+	// and verify the server certificate against instead of Server's host
+	// (kubeconfig tls-server-name): for an SNI router in front of several
+	// API servers, or a server reached by an address its certificate does
+	// not name.
+	TLSServerName string `json:"tlsServerName,omitempty"`
+	// ProxyURL, if set, is the proxy the peers reach Server through
+	// (kubeconfig proxy-url): http, https or socks5, as client-go accepts.
+	ProxyURL string `json:"proxyURL,omitempty"`
 	// CAFile is the PEM bundle that verifies Server; read by the loader.
 	CAFile string `json:"caFile,omitempty"`
 	// CAData is the PEM bundle inline; takes the place of CAFile.
@@ -151,10 +164,20 @@ func (p *Policy) Validate() error {
 	} else if errs := validation.IsDNS1123Label(p.Cluster.Name); len(errs) > 0 {
 		add("cluster.name", "%s", strings.Join(errs, "; "))
 	}
-	if u, err := url.Parse(p.Cluster.Server); p.Cluster.Server == "" {
+	if p.Cluster.Server == "" {
 		add("cluster.server", "is required")
-	} else if err != nil || u.Scheme != "https" || u.Host == "" {
-		add("cluster.server", "must be an https:// URL")
+	} else if detail := urlProblem(p.Cluster.Server, "must be an https:// URL", "https"); detail != "" {
+		add("cluster.server", "%s", detail)
+	}
+	if p.Cluster.TLSServerName != "" {
+		if detail := hostProblem(p.Cluster.TLSServerName); detail != "" {
+			add("cluster.tlsServerName", "must be a DNS name or an IP address, without scheme or port: %s", detail)
+		}
+	}
+	if p.Cluster.ProxyURL != "" {
+		if detail := urlProblem(p.Cluster.ProxyURL, "must be an http://, https:// or socks5:// URL", "http", "https", "socks5"); detail != "" {
+			add("cluster.proxyURL", "%s", detail)
+		}
 	}
 	if p.Cluster.CAFile == "" && p.Cluster.CAData == "" {
 		add("cluster.caFile", "is required (or cluster.caData)")
@@ -218,6 +241,67 @@ func (p *Policy) Validate() error {
 		return &apiv1.ValidationError{Document: "policy", Problems: probs}
 	}
 	return nil
+}
+
+// urlProblem says why s is not a URL the broker may write into the
+// kubeconfigs it hands out, or returns "" when it is one. Such a URL is
+// printable ASCII (bytes 0x21..0x7e): a space or a control character
+// would be read differently, or refused, by the many clients that parse a
+// kubeconfig (YAML reads U+0085 as a line break), and a non-ASCII host can
+// pass for another (ex\u0430mple.com, with a Cyrillic a). It
+// has one of schemes (badScheme is the detail otherwise), a host that is a
+// DNS name or an IP address, no user info, no query and no fragment. A
+// path is allowed. The detail never repeats the URL, which could hold a
+// password.
+func urlProblem(s, badScheme string, schemes ...string) string {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x21 || c > 0x7e {
+			return fmt.Sprintf("must be printable ASCII without spaces: byte 0x%02x at offset %d is not", c, i)
+		}
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		if ue := (*url.Error)(nil); errors.As(err, &ue) {
+			err = ue.Err // without the URL
+		}
+		return fmt.Sprintf("is not a URL: %v", err)
+	}
+	switch {
+	case !slices.Contains(schemes, u.Scheme):
+		return badScheme
+	case u.Host == "":
+		return "must have a host"
+	case u.User != nil:
+		return "must not have user info: every peer's kubeconfig would carry it"
+	case strings.Contains(s, "?"):
+		return "must not have a query"
+	case strings.Contains(s, "#"):
+		return "must not have a fragment"
+	}
+	if detail := hostProblem(u.Hostname()); detail != "" {
+		return "host must be a DNS name or an IP address: " + detail
+	}
+	if port := u.Port(); strings.HasSuffix(u.Host, ":") || port != "" && !validPort(port) {
+		return "port must be a number from 1 to 65535"
+	}
+	return ""
+}
+
+// hostProblem says why h is neither an IP address nor a DNS name
+// (compared without regard to case), or returns "" when it is one.
+func hostProblem(h string) string {
+	if net.ParseIP(h) != nil { // no IPv6 zone: it means nothing to a peer
+		return ""
+	}
+	if errs := validation.IsDNS1123Subdomain(strings.ToLower(h)); len(errs) > 0 {
+		return fmt.Sprintf("%q: %s", h, strings.Join(errs, "; "))
+	}
+	return ""
+}
+
+func validPort(s string) bool {
+	n, err := strconv.Atoi(s)
+	return err == nil && n >= 1 && n <= 65535
 }
 
 // validSPIFFEID checks that id is a cluster identity,

@@ -1,10 +1,12 @@
 package broker
 
 import (
+	"encoding/json"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -93,7 +95,7 @@ func TestForbiddenErrorsDoNotTellWhy(t *testing.T) {
 func TestParsePolicyReportsEveryProblemWithItsPath(t *testing.T) {
 	t.Parallel()
 	doc := `
-cluster: {name: East, server: "http://x"}
+cluster: {name: East, server: "http://x", tlsServerName: "east:6443", proxyURL: "ftp://proxy"}
 ttl: {default: 1m, max: 5m}
 peers:
   - name: west
@@ -115,11 +117,92 @@ peers:
 		fields[p.Field] = true
 	}
 	for _, want := range []string{
-		"cluster.name", "cluster.server", "cluster.caFile", "ttl.max", "ttl.default",
+		"cluster.name", "cluster.server", "cluster.tlsServerName", "cluster.proxyURL", "cluster.caFile", "ttl.max", "ttl.default",
 		"peers[0].identity", "peers[0].grants[0].namespaces", "peers[0].grants[0].serviceAccounts[0]",
 		"peers[0].grants[0].maxTTL", "peers[0].grants[0].credential", "peers[1].name",
 	} {
 		require.True(t, fields[want], "missing problem for %s in %v", want, ve.Problems)
+	}
+}
+
+func TestTheClusterIsReachedOnlyByURLsAndNamesEveryClientReadsAlike(t *testing.T) {
+	t.Parallel()
+	const server = "https://east.example.com:6443"
+	tests := []struct {
+		name       string
+		cluster    ClusterSpec // Name and CAData are filled in
+		wantField  string      // "" when the policy is valid
+		wantDetail string
+	}{
+		{name: "an https URL with a host and port is valid", cluster: ClusterSpec{Server: server}},
+		{name: "an https URL with a path, as capsule-proxy and Rancher serve, is valid", cluster: ClusterSpec{Server: "https://rancher.example.com/k8s/clusters/c-m-abc123"}},
+		{name: "an https URL with an IPv4 address is valid", cluster: ClusterSpec{Server: "https://10.0.0.1:6443"}},
+		{name: "an https URL with an IPv6 address is valid", cluster: ClusterSpec{Server: "https://[2001:db8::1]:6443"}},
+		{name: "an upper-case scheme and host are valid", cluster: ClusterSpec{Server: "HTTPS://East.Example.com"}},
+		{name: "a C1 control character in the path is refused", cluster: ClusterSpec{Server: server + "/a\u0085b"}, wantField: "cluster.server", wantDetail: "byte 0xc2 at offset 31"},
+		{name: "a space is refused", cluster: ClusterSpec{Server: server + "/a b"}, wantField: "cluster.server", wantDetail: "printable ASCII"},
+		{name: "a trailing newline is refused", cluster: ClusterSpec{Server: server + "\n"}, wantField: "cluster.server", wantDetail: "printable ASCII"},
+		{name: "a DEL is refused", cluster: ClusterSpec{Server: server + "/\x7f"}, wantField: "cluster.server", wantDetail: "byte 0x7f"},
+		{name: "a non-ASCII host is refused", cluster: ClusterSpec{Server: "https://ex\u0430mple.com"}, wantField: "cluster.server", wantDetail: "printable ASCII"},
+		{name: "a percent-encoded non-ASCII host is refused", cluster: ClusterSpec{Server: "https://ex%D0%B0mple.com"}, wantField: "cluster.server", wantDetail: "host must be a DNS name or an IP address"},
+		{name: "a host with an IPv6 zone is refused", cluster: ClusterSpec{Server: "https://[fe80::1%25eth0]:6443"}, wantField: "cluster.server", wantDetail: "host must be a DNS name or an IP address"},
+		{name: "user info is refused and not repeated", cluster: ClusterSpec{Server: "https://admin:hunter2@east.example.com"}, wantField: "cluster.server", wantDetail: "must not have user info"},
+		{name: "a URL that does not parse is refused without repeating its password", cluster: ClusterSpec{Server: "https://admin:hunter2@east.example.com:x"}, wantField: "cluster.server", wantDetail: "is not a URL"},
+		{name: "a query is refused", cluster: ClusterSpec{Server: server + "/?timeout=5s"}, wantField: "cluster.server", wantDetail: "must not have a query"},
+		{name: "an empty query is refused", cluster: ClusterSpec{Server: server + "?"}, wantField: "cluster.server", wantDetail: "must not have a query"},
+		{name: "a fragment is refused", cluster: ClusterSpec{Server: server + "#top"}, wantField: "cluster.server", wantDetail: "must not have a fragment"},
+		{name: "an empty fragment is refused", cluster: ClusterSpec{Server: server + "#"}, wantField: "cluster.server", wantDetail: "must not have a fragment"},
+		{name: "the http scheme is refused", cluster: ClusterSpec{Server: "http://east.example.com:6443"}, wantField: "cluster.server", wantDetail: "must be an https:// URL"},
+		{name: "a host without a scheme is refused", cluster: ClusterSpec{Server: "east.example.com:6443"}, wantField: "cluster.server", wantDetail: "must be an https:// URL"},
+		{name: "a URL without a host is refused", cluster: ClusterSpec{Server: "https:///api"}, wantField: "cluster.server", wantDetail: "must have a host"},
+		{name: "a port without a host is refused", cluster: ClusterSpec{Server: "https://:6443"}, wantField: "cluster.server", wantDetail: "host must be"},
+		{name: "a port out of range is refused", cluster: ClusterSpec{Server: "https://east.example.com:65536"}, wantField: "cluster.server", wantDetail: "port must be"},
+		{name: "an empty port is refused", cluster: ClusterSpec{Server: "https://east.example.com:"}, wantField: "cluster.server", wantDetail: "port must be"},
+		{name: "a port that is not a number is refused without repeating the URL", cluster: ClusterSpec{Server: "https://east.example.com:https"}, wantField: "cluster.server", wantDetail: "is not a URL: invalid port"},
+
+		{name: "a DNS name as TLS server name is valid", cluster: ClusterSpec{Server: server, TLSServerName: "east.internal"}},
+		{name: "an IP address as TLS server name is valid", cluster: ClusterSpec{Server: server, TLSServerName: "10.0.0.1"}},
+		{name: "a TLS server name with a port is refused", cluster: ClusterSpec{Server: server, TLSServerName: "east.internal:6443"}, wantField: "cluster.tlsServerName", wantDetail: "must be a DNS name or an IP address"},
+		{name: "a URL as TLS server name is refused", cluster: ClusterSpec{Server: server, TLSServerName: "https://east.internal"}, wantField: "cluster.tlsServerName", wantDetail: "must be a DNS name or an IP address"},
+		{name: "a wildcard TLS server name is refused", cluster: ClusterSpec{Server: server, TLSServerName: "*.example.com"}, wantField: "cluster.tlsServerName", wantDetail: "must be a DNS name or an IP address"},
+		{name: "a non-ASCII TLS server name is refused", cluster: ClusterSpec{Server: server, TLSServerName: "ex\u0430mple.com"}, wantField: "cluster.tlsServerName", wantDetail: "must be a DNS name or an IP address"},
+		{name: "a TLS server name with a C1 control character is refused", cluster: ClusterSpec{Server: server, TLSServerName: "east\u0085"}, wantField: "cluster.tlsServerName", wantDetail: "must be a DNS name or an IP address"},
+
+		{name: "an http proxy is valid", cluster: ClusterSpec{Server: server, ProxyURL: "http://proxy.example.com:3128"}},
+		{name: "an https proxy is valid", cluster: ClusterSpec{Server: server, ProxyURL: "https://proxy.example.com"}},
+		{name: "a socks5 proxy is valid", cluster: ClusterSpec{Server: server, ProxyURL: "socks5://127.0.0.1:1080"}},
+		{name: "a proxy with a scheme client-go does not know is refused", cluster: ClusterSpec{Server: server, ProxyURL: "socks4://proxy.example.com:1080"}, wantField: "cluster.proxyURL", wantDetail: "must be an http://, https:// or socks5:// URL"},
+		{name: "a proxy without a scheme is refused", cluster: ClusterSpec{Server: server, ProxyURL: "proxy.example.com:3128"}, wantField: "cluster.proxyURL", wantDetail: "must be an http://, https:// or socks5:// URL"},
+		{name: "a proxy with a space is refused", cluster: ClusterSpec{Server: server, ProxyURL: "http://proxy.example.com :3128"}, wantField: "cluster.proxyURL", wantDetail: "printable ASCII"},
+		{name: "a proxy with a password is refused and the password not repeated", cluster: ClusterSpec{Server: server, ProxyURL: "http://user:hunter2@proxy.example.com:3128"}, wantField: "cluster.proxyURL", wantDetail: "must not have user info"},
+		{name: "a proxy with a query is refused", cluster: ClusterSpec{Server: server, ProxyURL: "http://proxy.example.com:3128?x=1"}, wantField: "cluster.proxyURL", wantDetail: "must not have a query"},
+		{name: "a proxy with a fragment is refused", cluster: ClusterSpec{Server: server, ProxyURL: "http://proxy.example.com:3128#x"}, wantField: "cluster.proxyURL", wantDetail: "must not have a fragment"},
+		{name: "a proxy without a host is refused", cluster: ClusterSpec{Server: server, ProxyURL: "http://"}, wantField: "cluster.proxyURL", wantDetail: "must have a host"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			p := &Policy{Cluster: tc.cluster}
+			p.Cluster.Name, p.Cluster.CAData = "east", "x"
+			p.defaults()
+			err := p.Validate()
+			if tc.wantField == "" {
+				require.NoError(t, err)
+				// And the same through the JSON names, as a policy file is read.
+				js, err := json.Marshal(p)
+				require.NoError(t, err)
+				parsed, err := ParsePolicy(js)
+				require.NoError(t, err)
+				require.Equal(t, p.Cluster, parsed.Cluster)
+				return
+			}
+			var ve *apiv1.ValidationError
+			require.ErrorAs(t, err, &ve)
+			require.Len(t, ve.Problems, 1, "%v", ve.Problems)
+			require.Equal(t, tc.wantField, ve.Problems[0].Field)
+			require.Contains(t, ve.Problems[0].Detail, tc.wantDetail)
+			require.NotContains(t, err.Error(), "hunter2")
+		})
 	}
 }
 
@@ -166,10 +249,33 @@ func FuzzParsePolicy(f *testing.F) {
 	f.Add([]byte(testPolicy))
 	f.Add([]byte("cluster: {name: a}\n"))
 	f.Add([]byte("{}"))
+	// U+0085 (NEL) is a line break to YAML: escaped, raw and in JSON.
+	f.Add([]byte(`cluster: {name: east, server: "https://east.example.com:6443/a\u0085b", caData: x}` + "\n"))
+	f.Add([]byte("cluster: {name: east, server: \"https://east.example.com:6443/a\u0085b\", caData: x}\n"))
+	f.Add([]byte(`{"cluster": {"name": "east", "server": "https://east.example.com:6443/a\u0085b", "caData": "x"}}`))
+	f.Add([]byte(`cluster: {name: east, server: "https://10.0.0.1:6443/k8s", tlsServerName: east.internal, proxyURL: "socks5://proxy:1080", caData: x}` + "\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		p, err := ParsePolicy(data)
-		if err == nil {
-			require.NoError(t, p.Validate())
+		if err != nil {
+			return
 		}
+		require.NoError(t, p.Validate())
+		// What a valid policy puts in a kubeconfig is printable ASCII, so
+		// every client reads it alike, and reads back as it was.
+		c := p.Cluster
+		for field, v := range map[string]string{"server": c.Server, "tlsServerName": c.TLSServerName, "proxyURL": c.ProxyURL} {
+			for i := 0; i < len(v); i++ {
+				require.True(t, v[i] >= 0x21 && v[i] <= 0x7e, "cluster.%s %q has byte 0x%02x at offset %d", field, v, v[i], i)
+			}
+		}
+		kc, err := buildKubeconfig(c, "argo", "runner", "t")
+		require.NoError(t, err)
+		cfg, err := clientcmd.Load(kc)
+		require.NoError(t, err, string(kc))
+		got := cfg.Clusters[c.Name]
+		require.NotNil(t, got, string(kc))
+		require.Equal(t, c.Server, got.Server)
+		require.Equal(t, c.TLSServerName, got.TLSServerName)
+		require.Equal(t, c.ProxyURL, got.ProxyURL)
 	})
 }
