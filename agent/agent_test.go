@@ -182,6 +182,7 @@ targets:
   - name: east
     broker: %[1]q
     request: {namespace: argo, serviceAccount: admiralty-source, ttl: 1h}
+    refresh: {revokeGrace: 1m}
     outputs:
       - secret: {namespace: admiralty, name: east, format: admiralty}
       - file: {path: %[4]q}

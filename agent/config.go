@@ -18,7 +18,7 @@ import "github.com/tokenbroker/tokenbroker/broker"
 //	    broker: https://east.example.com:8444
 //	    caFingerprint: sha256:3f1c...
 //	    tokenFile: /var/run/tokenbroker/join/token
-//	refresh: {fraction: 0.66, jitter: 0.1, minBackoff: 1s, maxBackoff: 5m, revokeGrace: 1m}
+//	refresh: {fraction: 0.66, jitter: 0.1, minBackoff: 1s, maxBackoff: 5m, revokeGrace: 10m}
 //	targets:
 //	  - name: east
 //	    broker: https://east.example.com:8443
@@ -26,7 +26,9 @@ import "github.com/tokenbroker/tokenbroker/broker"
 //	    refresh: {revokeGrace: 5m}                 # overrides the top level, field by field
 //	    outputs:
 //	      - secret: {namespace: admiralty, name: east, format: admiralty}
-//	      - secret: {namespace: argocd, name: east, format: argocd, labels: {team: a}, annotations: {owner: b}}
+//	      - secret: {namespace: argocd, name: east, format: argocd, labels: {team: a}, annotations: {owner: b},
+//	                 argocd: {project: team-a, namespaces: [apps], clusterResources: false, shard: 1}}
+//	      - secret: {namespace: kargo, name: east, format: kubeconfig, key: kubeconfig.yaml, adopt: true}
 //	      - file: {path: /shared/east.kubeconfig}   # and /shared/east.kubeconfig.meta
 //	opsAddress: ":9091"
 //	kubeconfig: ""                                 # the source cluster; empty: in-cluster
@@ -89,7 +91,10 @@ type RefreshConfig struct {
 	MinBackoff broker.Duration `json:"minBackoff,omitempty"`
 	MaxBackoff broker.Duration `json:"maxBackoff,omitempty"`
 	// RevokeGrace is how long the previous lease lives on after its
-	// successor was written, so consumers can switch; default 1m.
+	// successor was written, so consumers can switch; default 10m, long
+	// enough for an Admiralty rollout, a Flux reconcile (HelmRelease
+	// spec.timeout defaults to 5m) or an Argo CD sync. It must be shorter
+	// than the credential's remaining life when it is replaced.
 	RevokeGrace broker.Duration `json:"revokeGrace,omitempty"`
 }
 
@@ -129,23 +134,57 @@ type OutputConfig struct {
 // Secret output formats.
 const (
 	FormatAdmiralty  = "admiralty"  // key "config", as Admiralty's Target kubeconfigSecret reads it
-	FormatArgoCD     = "argocd"     // Argo CD cluster Secret: name, server, config (bearerToken, tlsClientConfig.caData)
+	FormatArgoCD     = "argocd"     // Argo CD cluster Secret: name, server, config (bearerToken, tlsClientConfig.{caData,serverName}, proxyUrl)
 	FormatFlux       = "flux"       // key "value", label reconcile.fluxcd.io/watch: Enabled
 	FormatKubeconfig = "kubeconfig" // key "kubeconfig"
 )
 
 // SecretOutput is a Secret in the source cluster, of type Opaque,
 // labelled app.kubernetes.io/managed-by: tokenbroker-agent and annotated
-// with the lease (see the Annotation constants). The agent never takes over
-// a Secret without that label.
+// with the lease (see the Annotation constants). The agent writes only
+// the keys, labels and annotations it owns (recorded in the
+// tokenbroker.io/owned annotation) and keeps every other one, so that
+// what a user or `argocd cluster set` adds survives a refresh. It never
+// takes over a Secret without its label unless Adopt says so.
 type SecretOutput struct {
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
 	Format    string `json:"format"`
+	// Key is the data key that holds the kubeconfig in the admiralty, flux
+	// and kubeconfig formats; default "config", "value" and "kubeconfig".
+	// Kargo's chart reads "kubeconfig.yaml"; capsule-proxy users name the
+	// key in Flux's secretRef. The argocd format has fixed keys.
+	Key string `json:"key,omitempty"`
+	// ArgoCD sets the optional keys of an Argo CD cluster Secret (format
+	// argocd only). A key left unset here is not the agent's: whatever a
+	// user or `argocd cluster set` writes there stays.
+	ArgoCD *ArgoCDOptions `json:"argocd,omitempty"`
 	// Labels and annotations added to the Secret; the agent's own keys
 	// are refused.
 	Labels      map[string]string `json:"labels,omitempty"`
 	Annotations map[string]string `json:"annotations,omitempty"`
+	// Adopt lets the agent take over a Secret of that name that exists
+	// without its label (one made by hand, say), keeping every key it
+	// does not write. Without it the agent refuses to touch such a Secret.
+	Adopt bool `json:"adopt,omitempty"`
+}
+
+// ArgoCDOptions are the optional keys of an Argo CD cluster Secret, as
+// Argo CD's util/db.SecretToCluster reads them.
+type ArgoCDOptions struct {
+	// Name is the cluster's name in Argo CD; default: the target's name.
+	Name string `json:"name,omitempty"`
+	// Project restricts the cluster to one AppProject.
+	Project string `json:"project,omitempty"`
+	// Namespaces makes Argo CD manage only these namespaces of the
+	// cluster (written comma-separated), as the token's RBAC usually
+	// allows no more.
+	Namespaces []string `json:"namespaces,omitempty"`
+	// ClusterResources lets a namespaced cluster manage cluster-scoped
+	// resources too; meaningful only with Namespaces.
+	ClusterResources *bool `json:"clusterResources,omitempty"`
+	// Shard pins the cluster to one application-controller shard.
+	Shard *int64 `json:"shard,omitempty"`
 }
 
 // FileOutput is a kubeconfig file, written atomically with mode 0600 when

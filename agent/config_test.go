@@ -78,7 +78,7 @@ targets:
 	require.Equal(t, 0.1, cfg.Refresh.Jitter)
 	require.Equal(t, time.Second, time.Duration(cfg.Refresh.MinBackoff))
 	require.Equal(t, 5*time.Minute, time.Duration(cfg.Refresh.MaxBackoff))
-	require.Equal(t, time.Minute, time.Duration(cfg.Refresh.RevokeGrace))
+	require.Equal(t, 10*time.Minute, time.Duration(cfg.Refresh.RevokeGrace), "long enough for a rollout, a Flux reconcile or an Argo CD sync")
 	require.Equal(t, 0.66, cfg.Identity.RenewAt)
 	require.Equal(t, "https://east.example.com:8443", cfg.Identity.RenewBroker, "the first target's broker")
 	require.Equal(t, ":9091", cfg.OpsAddress)
@@ -175,6 +175,43 @@ targets:
 				`targets[0].outputs[0].secret.labels: "app.kubernetes.io/managed-by" is set by the agent`,
 				`targets[0].outputs[0].secret.annotations: "tokenbroker.io/lease-id" is set by the agent`,
 			}},
+		{"consumer options that conflict with the format", `identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs:
+      - secret: {namespace: a, name: argo, format: argocd, key: kubeconfig, labels: {argocd.argoproj.io/secret-type: repository},
+                 argocd: {project: Team_A, namespaces: [apps, apps, Bad], clusterResources: true, shard: -1}}
+      - secret: {namespace: a, name: flux, format: flux, key: "bad/key", labels: {reconcile.fluxcd.io/watch: Disabled}, argocd: {project: p}}
+      - secret: {namespace: a, name: watched, format: kubeconfig, key: kubeconfig.yaml, labels: {reconcile.fluxcd.io/watch: Enabled}}`,
+			[]string{
+				"targets[0].outputs[0].secret.key: the argocd format has fixed keys",
+				`targets[0].outputs[0].secret.labels: "argocd.argoproj.io/secret-type" is set by the agent for format argocd`,
+				"targets[0].outputs[0].secret.argocd.project:",
+				`targets[0].outputs[0].secret.argocd.namespaces[1]: duplicate namespace "apps"`,
+				"targets[0].outputs[0].secret.argocd.namespaces[2]:",
+				"targets[0].outputs[0].secret.argocd.shard: must not be negative",
+				"targets[0].outputs[1].secret.key:",
+				`targets[0].outputs[1].secret.labels: "reconcile.fluxcd.io/watch" is set by the agent for format flux`,
+				`targets[0].outputs[1].secret.argocd: is only for format argocd, not "flux"`,
+			}},
+		{"a revokeGrace the credential does not live to see", `identity: {dir: /id}
+refresh: {fraction: 0.5}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, ttl: 10m}
+    outputs: [{file: {path: /out/east}}]
+  - name: west
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, ttl: 1h}
+    refresh: {fraction: 0.9, revokeGrace: 6m}
+    outputs: [{file: {path: /out/west}}]`,
+			[]string{
+				"targets[0].refresh.revokeGrace: 10m0s is not shorter than what is left of the credential when it is replaced (request.ttl 10m0s × (1 − fraction 0.5) = 5m0s)",
+				"targets[1].refresh.revokeGrace: 6m0s is not shorter than what is left of the credential when it is replaced (request.ttl 1h0m0s × (1 − fraction 0.9) = 6m0s)",
+			}},
 		{"duplicate names and outputs", `identity: {secret: {namespace: ns, name: id}}
 targets:
   - name: east
@@ -206,6 +243,29 @@ targets:
 			require.Contains(t, err.Error(), w, tc.name)
 		}
 	}
+}
+
+func TestConsumerOptionsThatFitTheirFormatAreAccepted(t *testing.T) {
+	t.Parallel()
+	cfg, err := ParseConfig([]byte(`identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, ttl: 24h}
+    outputs:
+      - secret: {namespace: argocd, name: east, format: argocd, adopt: true,
+                 argocd: {name: east-prod, project: team-a, namespaces: [apps], clusterResources: true, shard: 0}}
+      - secret: {namespace: kargo, name: east, format: kubeconfig, key: kubeconfig.yaml}
+      - secret: {namespace: tenant, name: east, format: kubeconfig, key: kubeconfig, labels: {reconcile.fluxcd.io/watch: Enabled}}
+      - secret: {namespace: flux-system, name: east, format: flux, key: value.yaml}
+`), "")
+	require.NoError(t, err)
+	outs := cfg.Targets[0].Outputs
+	require.True(t, outs[0].Secret.Adopt)
+	require.Equal(t, int64(0), *outs[0].Secret.ArgoCD.Shard, "shard 0 is a shard, not unset")
+	require.Equal(t, "kubeconfig.yaml", outs[1].Secret.dataKey())
+	require.Equal(t, "value.yaml", outs[3].Secret.dataKey())
+	require.Equal(t, 10*time.Minute, time.Duration(cfg.RefreshFor(0).RevokeGrace), "the default grace fits a 24h token")
 }
 
 func TestARequestIsValidatedOnItsOwn(t *testing.T) {

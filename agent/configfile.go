@@ -27,7 +27,7 @@ const (
 	DefaultJitter      = 0.1
 	DefaultMinBackoff  = time.Second
 	DefaultMaxBackoff  = 5 * time.Minute
-	DefaultRevokeGrace = time.Minute
+	DefaultRevokeGrace = 10 * time.Minute
 	DefaultRenewAt     = 0.66
 	DefaultOpsAddress  = ":9091"
 )
@@ -211,6 +211,7 @@ func (c *Config) Validate() error {
 		if t.Refresh != nil {
 			v.refresh(path+".refresh", *t.Refresh)
 		}
+		v.graceFits(path, t.Request, c.RefreshFor(i))
 		if len(t.Outputs) == 0 {
 			v.add(path+".outputs", "at least one output is required")
 		}
@@ -325,9 +326,6 @@ func validateRequest(v *validator, path string, r RequestConfig) {
 }
 
 func validateSecretOutput(v *validator, path string, s *SecretOutput) {
-	// The agent sets these; a configuration may not override them.
-	reservedLabels := []string{LabelManagedBy, labelArgoCDSecretType, labelFluxWatch}
-	reservedAnnotations := []string{AnnotationLeaseID, AnnotationExpiresAt, AnnotationObtainedAt, AnnotationTarget, AnnotationRequest}
 	v.objectRef(path, ObjectRef{Namespace: s.Namespace, Name: s.Name})
 	switch s.Format {
 	case FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig:
@@ -336,6 +334,21 @@ func validateSecretOutput(v *validator, path string, s *SecretOutput) {
 	default:
 		v.add(path+".format", "unknown format %q (%s, %s, %s or %s)", s.Format, FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig)
 	}
+	if s.Key != "" {
+		if s.Format == FormatArgoCD {
+			v.add(path+".key", "the argocd format has fixed keys (name, server, config, and those of argocd:); use the kubeconfig format for a kubeconfig under a key of your own")
+		} else if msgs := validation.IsConfigMapKey(s.Key); len(msgs) > 0 {
+			v.add(path+".key", "%s", strings.Join(msgs, "; "))
+		}
+	}
+	if a := s.ArgoCD; a != nil {
+		if s.Format != FormatArgoCD {
+			v.add(path+".argocd", "is only for format argocd, not %q", s.Format)
+		}
+		validateArgoCD(v, path+".argocd", a)
+	}
+	// The agent sets these; a configuration may not override them.
+	setByFormat := formatLabels(s.Format)
 	for k, val := range s.Labels {
 		if msgs := validation.IsQualifiedName(k); len(msgs) > 0 {
 			v.add(path+".labels", "key %q: %s", k, strings.Join(msgs, "; "))
@@ -343,17 +356,43 @@ func validateSecretOutput(v *validator, path string, s *SecretOutput) {
 		if msgs := validation.IsValidLabelValue(val); len(msgs) > 0 {
 			v.add(path+".labels", "value of %q: %s", k, strings.Join(msgs, "; "))
 		}
-		if slices.Contains(reservedLabels, k) {
-			v.add(path+".labels", "%q is set by the agent", k)
+		if k == LabelManagedBy || slices.Contains(setByFormat, k) {
+			v.add(path+".labels", "%q is set by the agent for format %s", k, s.Format)
 		}
 	}
 	for k := range s.Annotations {
 		if msgs := validation.IsQualifiedName(k); len(msgs) > 0 {
 			v.add(path+".annotations", "key %q: %s", k, strings.Join(msgs, "; "))
 		}
-		if slices.Contains(reservedAnnotations, k) {
+		if slices.Contains(agentAnnotations, k) {
 			v.add(path+".annotations", "%q is set by the agent", k)
 		}
+	}
+}
+
+func validateArgoCD(v *validator, path string, a *ArgoCDOptions) {
+	if a.Name != "" && strings.TrimSpace(a.Name) != a.Name {
+		v.add(path+".name", "must not start or end with white space")
+	}
+	if a.Project != "" {
+		if msgs := validation.IsDNS1123Subdomain(a.Project); len(msgs) > 0 {
+			v.add(path+".project", "%s", strings.Join(msgs, "; "))
+		}
+	}
+	seen := map[string]bool{}
+	for i, ns := range a.Namespaces {
+		if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
+			v.add(fmt.Sprintf("%s.namespaces[%d]", path, i), "%s", strings.Join(msgs, "; "))
+		} else if seen[ns] {
+			v.add(fmt.Sprintf("%s.namespaces[%d]", path, i), "duplicate namespace %q", ns)
+		}
+		seen[ns] = true
+	}
+	if a.ClusterResources != nil && *a.ClusterResources && len(a.Namespaces) == 0 {
+		v.add(path+".clusterResources", "means something only with namespaces: a cluster without namespaces already manages cluster-scoped resources")
+	}
+	if a.Shard != nil && *a.Shard < 0 {
+		v.add(path+".shard", "must not be negative")
 	}
 }
 
@@ -429,5 +468,22 @@ func (v *validator) refresh(path string, r RefreshConfig) {
 	}
 	if r.RevokeGrace < 0 {
 		v.add(path+".revokeGrace", "must not be negative")
+	}
+}
+
+// graceFits refuses a revokeGrace that outlives the replaced credential:
+// a credential asked for with ttl is replaced after fraction of it, so it
+// has ttl×(1−fraction) left, and a grace longer than that promises
+// consumers a switch-over time that the credential does not have. Without
+// a ttl the broker decides the lifetime; the refresher warns at run time.
+func (v *validator) graceFits(target string, req RequestConfig, r RefreshConfig) {
+	ttl, err := time.ParseDuration(req.TTL)
+	if err != nil || ttl <= 0 || r.Fraction <= 0 || r.Fraction >= 1 {
+		return // reported elsewhere, or unknown
+	}
+	left := time.Duration(float64(ttl) * (1 - r.Fraction)).Round(time.Second)
+	if grace := time.Duration(r.RevokeGrace); grace >= left {
+		v.add(target+".refresh.revokeGrace", "%s is not shorter than what is left of the credential when it is replaced (request.ttl %s × (1 − fraction %g) = %s): the replaced credential would expire before its grace ends; shorten revokeGrace, lower refresh.fraction or ask for a longer ttl",
+			grace, ttl, r.Fraction, left)
 	}
 }

@@ -28,9 +28,12 @@ type Credential struct {
 	// Token is the bearer token inside Kubeconfig.
 	Token string
 	// Server is the API server URL of the kubeconfig's current context,
-	// and CAData the PEM bundle that verifies it.
-	Server string
-	CAData []byte
+	// and CAData the PEM bundle that verifies it. TLSServerName and
+	// ProxyURL are its tls-server-name and proxy-url, if any.
+	Server        string
+	CAData        []byte
+	TLSServerName string
+	ProxyURL      string
 	// ObtainedAt is when the answer arrived, ExpiresAt when the credential
 	// expires; the granted lifetime is the difference.
 	ObtainedAt time.Time
@@ -129,24 +132,31 @@ func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time
 	if !resp.ExpiresAt.After(obtainedAt) {
 		return nil, fmt.Errorf("%w: lease %s expired at %s, before it arrived", ErrBadAnswer, resp.LeaseID, resp.ExpiresAt.UTC().Format(time.RFC3339))
 	}
-	return &Credential{
+	c := &Credential{
 		LeaseID:      resp.LeaseID,
-		Kubeconfig:   []byte(resp.Kubeconfig),
-		Token:        kc.token,
-		Server:       kc.server,
-		CAData:       kc.caData,
 		ObtainedAt:   obtainedAt,
 		ExpiresAt:    resp.ExpiresAt,
 		RequestedTTL: resp.RequestedTTL,
 		GrantedTTL:   resp.GrantedTTL,
 		ClampedBy:    resp.ClampedBy,
-	}, nil
+	}
+	c.setKubeconfig([]byte(resp.Kubeconfig), kc)
+	return c, nil
+}
+
+// setKubeconfig sets the kubeconfig and what the outputs read of it.
+func (c *Credential) setKubeconfig(raw []byte, kc kubeconfigParts) {
+	c.Kubeconfig = raw
+	c.Token, c.Server, c.CAData = kc.token, kc.server, kc.caData
+	c.TLSServerName, c.ProxyURL = kc.tlsServerName, kc.proxyURL
 }
 
 type kubeconfigParts struct {
-	server string
-	caData []byte
-	token  string
+	server        string
+	caData        []byte
+	tlsServerName string
+	proxyURL      string
+	token         string
 }
 
 // parseKubeconfig reads the current context's server, CA bundle and token.
@@ -171,7 +181,13 @@ func parseKubeconfig(data []byte) (kubeconfigParts, error) {
 	if !ok || user.Token == "" {
 		return kubeconfigParts{}, errors.New("the kubeconfig's current context has no token")
 	}
-	return kubeconfigParts{server: cluster.Server, caData: cluster.CertificateAuthorityData, token: user.Token}, nil
+	return kubeconfigParts{
+		server:        cluster.Server,
+		caData:        cluster.CertificateAuthorityData,
+		tlsServerName: cluster.TLSServerName,
+		proxyURL:      cluster.ProxyURL,
+		token:         user.Token,
+	}, nil
 }
 
 // tokenIssuedAt reads the iat claim of a JWT without verifying it, for a

@@ -225,7 +225,7 @@ func newRefresherFixture(t *testing.T, rc RefreshConfig, outs ...output) *refres
 	require.NoError(t, err)
 	core, logs := observer.New(zap.DebugLevel)
 	rc.fill(RefreshConfig{Fraction: DefaultFraction, Jitter: DefaultJitter, MinBackoff: brokerDuration(DefaultMinBackoff),
-		MaxBackoff: brokerDuration(DefaultMaxBackoff), RevokeGrace: brokerDuration(DefaultRevokeGrace)})
+		MaxBackoff: brokerDuration(DefaultMaxBackoff), RevokeGrace: brokerDuration(time.Minute)}) // the tests count in minutes of a 1h token
 	req := RequestConfig{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"}
 	r := &refresher{
 		name:    "east",

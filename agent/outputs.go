@@ -11,6 +11,9 @@ import (
 	"fmt"
 	"io/fs"
 	"maps"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -41,20 +44,72 @@ const (
 	// that a restarted agent whose target now asks for something else
 	// (another ServiceAccount, say) does not adopt the old credential.
 	AnnotationRequest = "tokenbroker.io/request"
+	// AnnotationOwned records, as JSON {"data":[…],"labels":[…],
+	// "annotations":[…]}, the keys the agent wrote, so that it can remove
+	// one it no longer writes (a data key renamed in the config) without
+	// ever touching a key someone else wrote.
+	AnnotationOwned = "tokenbroker.io/owned"
+	// AnnotationOutput is a digest of the output's settings, so that a
+	// restarted agent whose config changed them (a renamed key, a label,
+	// an Argo CD option) rewrites the Secret instead of adopting it as it
+	// is until the next refresh.
+	AnnotationOutput = "tokenbroker.io/output"
 
 	labelArgoCDSecretType = "argocd.argoproj.io/secret-type"
 	labelFluxWatch        = "reconcile.fluxcd.io/watch"
 )
 
+// agentAnnotations are the annotations the agent writes on every Secret.
+var agentAnnotations = []string{AnnotationLeaseID, AnnotationExpiresAt, AnnotationObtainedAt, AnnotationTarget, AnnotationRequest, AnnotationOwned, AnnotationOutput}
+
+// formatLabels are the labels a format sets for its consumer.
+func formatLabels(format string) []string {
+	switch format {
+	case FormatArgoCD:
+		return []string{labelArgoCDSecretType}
+	case FormatFlux:
+		return []string{labelFluxWatch}
+	}
+	return nil
+}
+
 // The data keys of the Secret formats.
 const (
-	keyAdmiralty  = "config"     // Admiralty's Target spec.kubeconfigSecret default key
-	keyFlux       = "value"      // Flux's kubeConfig.secretRef default key
-	keyKubeconfig = "kubeconfig" // the plain format
-	keyArgoName   = "name"
-	keyArgoServer = "server"
-	keyArgoConfig = "config"
+	keyAdmiralty      = "config"     // Admiralty's Target spec.kubeconfigSecret default key
+	keyFlux           = "value"      // Flux's kubeConfig.secretRef default key
+	keyKubeconfig     = "kubeconfig" // the plain format
+	keyArgoName       = "name"
+	keyArgoServer     = "server"
+	keyArgoConfig     = "config"
+	keyArgoProject    = "project"
+	keyArgoNamespaces = "namespaces"
+	keyArgoClusterRes = "clusterResources"
+	keyArgoShard      = "shard"
 )
+
+// digest identifies the output's settings (AnnotationOutput).
+func (o SecretOutput) digest() string {
+	b, _ := json.Marshal(o) // cannot fail: strings, bools, numbers
+	sum := sha256.Sum256(b)
+	return "sha256:" + hex.EncodeToString(sum[:8])
+}
+
+// dataKey is the key that holds the kubeconfig, "" for the argocd format.
+func (o SecretOutput) dataKey() string {
+	if o.Format == FormatArgoCD {
+		return ""
+	}
+	if o.Key != "" {
+		return o.Key
+	}
+	switch o.Format {
+	case FormatAdmiralty:
+		return keyAdmiralty
+	case FormatFlux:
+		return keyFlux
+	}
+	return keyKubeconfig
+}
 
 // metaSuffix names the sidecar file next to a file output that records the
 // lease, as the annotations do for a Secret.
@@ -62,9 +117,9 @@ const metaSuffix = ".meta"
 
 // ErrForeignSecret is returned (wrapped) when an output's Secret exists but
 // was not written by the agent (no app.kubernetes.io/managed-by:
-// tokenbroker-agent label). The agent never takes such a Secret over:
-// delete it, or label it, to hand it to the agent. Not retryable by itself.
-var ErrForeignSecret = errors.New("the Secret exists and is not managed by tokenbroker-agent")
+// tokenbroker-agent label) and the output does not say adopt: true. The
+// agent never takes such a Secret over by itself. Not retryable by itself.
+var ErrForeignSecret = errors.New("the Secret exists and is not managed by tokenbroker-agent (set adopt: true on the output to take it over and keep its other keys, or delete it)")
 
 // writeResult is the outcome of writing one output, also the result label
 // of tokenbroker_agent_output_writes_total.
@@ -84,6 +139,10 @@ type stored struct {
 	// kubeconfig is nil when the format does not hold a whole kubeconfig
 	// (argocd).
 	kubeconfig []byte
+	// outdated means the output holds the lease but was written under
+	// other settings (another key, labels, Argo CD options): it must be
+	// written again, not adopted as it is.
+	outdated bool
 }
 
 // output is one place a credential is written.
@@ -122,14 +181,83 @@ func requestDigest(brokerURL string, req RequestConfig) string {
 type argoClusterConfig struct {
 	BearerToken     string        `json:"bearerToken"`
 	TLSClientConfig argoTLSConfig `json:"tlsClientConfig"`
+	ProxyURL        string        `json:"proxyUrl,omitempty"`
 }
 
 type argoTLSConfig struct {
-	Insecure bool   `json:"insecure"`
-	CAData   string `json:"caData,omitempty"`
+	Insecure   bool   `json:"insecure"`
+	ServerName string `json:"serverName,omitempty"`
+	CAData     string `json:"caData,omitempty"`
 }
 
-// renderSecret returns the Secret an output should hold for c.
+// ownedKeys is the content of the tokenbroker.io/owned annotation.
+type ownedKeys struct {
+	Data        []string `json:"data"`
+	Labels      []string `json:"labels"`
+	Annotations []string `json:"annotations"`
+}
+
+// ownedBy lists the keys of s, which holds only what the agent writes.
+func ownedBy(s *corev1.Secret) ownedKeys {
+	return ownedKeys{
+		Data:        slices.Sorted(maps.Keys(s.Data)),
+		Labels:      slices.Sorted(maps.Keys(s.Labels)),
+		Annotations: slices.Sorted(maps.Keys(s.Annotations)),
+	}
+}
+
+// ownedFrom reads the record of what the agent wrote to s; a missing or
+// unreadable record owns nothing beyond what the agent writes now.
+func ownedFrom(s *corev1.Secret) ownedKeys {
+	var o ownedKeys
+	if raw := s.Annotations[AnnotationOwned]; raw != "" {
+		_ = json.Unmarshal([]byte(raw), &o) // a bad record owns nothing
+	}
+	return o
+}
+
+// renderArgoCD fills the keys of an Argo CD cluster Secret.
+func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[string][]byte) error {
+	if c.Token == "" || c.Server == "" {
+		return errors.New("the argocd format needs a server and a bearer token")
+	}
+	cfg := argoClusterConfig{BearerToken: c.Token, ProxyURL: c.ProxyURL}
+	cfg.TLSClientConfig.ServerName = c.TLSServerName
+	if len(c.CAData) > 0 {
+		cfg.TLSClientConfig.CAData = base64.StdEncoding.EncodeToString(c.CAData)
+	}
+	js, err := json.Marshal(cfg)
+	if err != nil {
+		return fmt.Errorf("render argocd config: %w", err)
+	}
+	data[keyArgoName] = []byte(meta.target)
+	data[keyArgoServer] = []byte(c.Server)
+	data[keyArgoConfig] = js
+	a := o.ArgoCD
+	if a == nil {
+		return nil
+	}
+	if a.Name != "" {
+		data[keyArgoName] = []byte(a.Name)
+	}
+	if a.Project != "" {
+		data[keyArgoProject] = []byte(a.Project)
+	}
+	if len(a.Namespaces) > 0 {
+		data[keyArgoNamespaces] = []byte(strings.Join(a.Namespaces, ","))
+	}
+	if a.ClusterResources != nil {
+		data[keyArgoClusterRes] = []byte(strconv.FormatBool(*a.ClusterResources))
+	}
+	if a.Shard != nil {
+		data[keyArgoShard] = []byte(strconv.FormatInt(*a.Shard, 10))
+	}
+	return nil
+}
+
+// renderSecret returns what the agent owns of the Secret an output
+// should hold for c: its data keys, labels and annotations, with the
+// tokenbroker.io/owned record of them.
 func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secret, error) {
 	labels := map[string]string{}
 	maps.Copy(labels, o.Labels)
@@ -141,36 +269,24 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 	annotations[AnnotationObtainedAt] = c.ObtainedAt.UTC().Format(time.RFC3339)
 	annotations[AnnotationTarget] = meta.target
 	annotations[AnnotationRequest] = meta.request
+	annotations[AnnotationOutput] = o.digest()
 
 	data := map[string][]byte{}
 	switch o.Format {
-	case FormatAdmiralty:
-		data[keyAdmiralty] = c.Kubeconfig
+	case FormatAdmiralty, FormatKubeconfig:
+		data[o.dataKey()] = c.Kubeconfig
 	case FormatFlux:
-		data[keyFlux] = c.Kubeconfig
+		data[o.dataKey()] = c.Kubeconfig
 		labels[labelFluxWatch] = "Enabled"
-	case FormatKubeconfig:
-		data[keyKubeconfig] = c.Kubeconfig
 	case FormatArgoCD:
-		if c.Token == "" || c.Server == "" {
-			return nil, errors.New("the argocd format needs a server and a bearer token")
+		if err := renderArgoCD(o, meta, c, data); err != nil {
+			return nil, err
 		}
-		cfg := argoClusterConfig{BearerToken: c.Token}
-		if len(c.CAData) > 0 {
-			cfg.TLSClientConfig.CAData = base64.StdEncoding.EncodeToString(c.CAData)
-		}
-		js, err := json.Marshal(cfg)
-		if err != nil {
-			return nil, fmt.Errorf("render argocd config: %w", err)
-		}
-		data[keyArgoName] = []byte(meta.target)
-		data[keyArgoServer] = []byte(c.Server)
-		data[keyArgoConfig] = js
 		labels[labelArgoCDSecretType] = "cluster"
 	default:
 		return nil, fmt.Errorf("unknown Secret format %q", o.Format)
 	}
-	return &corev1.Secret{
+	s := &corev1.Secret{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace:   o.Namespace,
@@ -180,7 +296,10 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 		},
 		Type: corev1.SecretTypeOpaque,
 		Data: data,
-	}, nil
+	}
+	owned, _ := json.Marshal(ownedBy(s)) // cannot fail: strings only
+	annotations[AnnotationOwned] = string(owned)
+	return s, nil
 }
 
 // secretOutput is a Secret in the source cluster.
@@ -209,56 +328,63 @@ func (o *secretOutput) write(ctx context.Context, meta outputMeta, c *Credential
 	if err != nil {
 		return false, fmt.Errorf("get Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, err)
 	}
-	if cur.Labels[LabelManagedBy] != ManagedByAgent {
+	if cur.Labels[LabelManagedBy] != ManagedByAgent && !o.cfg.Adopt {
 		return false, fmt.Errorf("Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, ErrForeignSecret)
 	}
 	if cur.Type != want.Type {
 		return false, fmt.Errorf("Secret %s/%s has type %s, not %s; delete it so that the agent can make it again", o.cfg.Namespace, o.cfg.Name, cur.Type, want.Type)
 	}
-	if upToDate(cur, want) {
+	upd, changed := merge(cur, want)
+	if !changed {
 		return false, nil
 	}
-	// Labels and annotations that others added stay; data is the agent's.
-	upd := cur.DeepCopy()
-	upd.Data = want.Data
-	upd.StringData = nil
-	if upd.Labels == nil {
-		upd.Labels = map[string]string{}
-	}
-	maps.Copy(upd.Labels, want.Labels)
-	if upd.Annotations == nil {
-		upd.Annotations = map[string]string{}
-	}
-	maps.Copy(upd.Annotations, want.Annotations)
 	if _, err := api.Update(ctx, upd, metav1.UpdateOptions{}); err != nil {
 		return false, fmt.Errorf("update Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, err)
 	}
 	return true, nil
 }
 
-// upToDate reports whether cur holds exactly want's data and carries want's
-// labels and annotations. Consumers such as Admiralty restart on every
-// change of the Secret, so an identical write must never happen.
-func upToDate(cur, want *corev1.Secret) bool {
-	if len(cur.Data) != len(want.Data) {
-		return false
+// merge returns cur with what the agent owns replaced by want: want's data
+// keys, labels and annotations set, and those the agent wrote before
+// (cur's owned record) but no longer writes removed. Every other key is
+// left as it is. changed is false when cur already holds exactly that:
+// consumers such as Admiralty restart on every change of the Secret, so an
+// identical write must never happen.
+func merge(cur, want *corev1.Secret) (upd *corev1.Secret, changed bool) {
+	prev := ownedFrom(cur)
+	upd = cur.DeepCopy()
+	upd.StringData = nil
+	upd.Data, changed = mergeMap(upd.Data, want.Data, prev.Data, bytes.Equal)
+	var c bool
+	upd.Labels, c = mergeMap(upd.Labels, want.Labels, prev.Labels, func(a, b string) bool { return a == b })
+	changed = changed || c
+	upd.Annotations, c = mergeMap(upd.Annotations, want.Annotations, prev.Annotations, func(a, b string) bool { return a == b })
+	return upd, changed || c
+}
+
+// mergeMap sets want's entries in m and deletes the keys of prevOwned that
+// want lacks; it reports whether m changed.
+func mergeMap[V any](m, want map[string]V, prevOwned []string, equal func(a, b V) bool) (map[string]V, bool) {
+	if m == nil {
+		m = map[string]V{}
 	}
-	for k, v := range want.Data {
-		if got, ok := cur.Data[k]; !ok || !bytes.Equal(got, v) {
-			return false
+	changed := false
+	for _, k := range prevOwned {
+		if _, keep := want[k]; keep {
+			continue
+		}
+		if _, ok := m[k]; ok {
+			delete(m, k)
+			changed = true
 		}
 	}
-	for k, v := range want.Labels {
-		if got, ok := cur.Labels[k]; !ok || got != v {
-			return false
+	for k, v := range want {
+		if got, ok := m[k]; !ok || !equal(got, v) {
+			m[k] = v
+			changed = true
 		}
 	}
-	for k, v := range want.Annotations {
-		if got, ok := cur.Annotations[k]; !ok || got != v {
-			return false
-		}
-	}
-	return true
+	return m, changed
 }
 
 func (o *secretOutput) read(ctx context.Context) (*stored, error) {
@@ -270,6 +396,9 @@ func (o *secretOutput) read(ctx context.Context) (*stored, error) {
 		return nil, fmt.Errorf("get Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, err)
 	}
 	if s.Labels[LabelManagedBy] != ManagedByAgent {
+		if o.cfg.Adopt {
+			return nil, nil // nothing the agent wrote, yet
+		}
 		return nil, fmt.Errorf("Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, ErrForeignSecret)
 	}
 	st, err := parseStored(s.Annotations[AnnotationLeaseID], s.Annotations[AnnotationExpiresAt], s.Annotations[AnnotationObtainedAt])
@@ -278,13 +407,9 @@ func (o *secretOutput) read(ctx context.Context) (*stored, error) {
 	}
 	st.target = s.Annotations[AnnotationTarget]
 	st.request = s.Annotations[AnnotationRequest]
-	switch o.cfg.Format {
-	case FormatAdmiralty:
-		st.kubeconfig = s.Data[keyAdmiralty]
-	case FormatFlux:
-		st.kubeconfig = s.Data[keyFlux]
-	case FormatKubeconfig:
-		st.kubeconfig = s.Data[keyKubeconfig]
+	st.outdated = s.Annotations[AnnotationOutput] != o.cfg.digest()
+	if key := o.cfg.dataKey(); key != "" {
+		st.kubeconfig = s.Data[key]
 	}
 	return st, nil
 }

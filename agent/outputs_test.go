@@ -21,19 +21,36 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
 
+// The golden files' input is a kubeconfig the broker's own builder wrote:
+// broker/testdata/*.golden, which TestTheGoldenKubeconfigIsWhatTheBrokerBuilds
+// (in broker) keeps equal to buildKubeconfig's output. Regenerate both
+// with: go test ./broker -run TestTheGoldenKubeconfig -update && go test ./agent -update
+const (
+	brokerGolden         = "../broker/testdata/kubeconfig.golden"
+	brokerGoldenSNIProxy = "../broker/testdata/kubeconfig-sni-proxy.golden"
+)
+
 // goldenCredential is the fixed input of the golden files.
 func goldenCredential(t *testing.T) *Credential {
 	t.Helper()
-	resp := goldenResponse()
+	return goldenCredentialFrom(t, brokerGolden)
+}
+
+func goldenCredentialFrom(t *testing.T, kubeconfigFile string) *Credential {
+	t.Helper()
+	resp := goldenResponse(t, kubeconfigFile)
 	c, err := credentialFromResponse(&resp, time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
 	require.NoError(t, err)
 	return c
 }
 
-func goldenResponse() apiv1KubeconfigResponse {
+func goldenResponse(t *testing.T, kubeconfigFile string) apiv1KubeconfigResponse {
+	t.Helper()
+	kc, err := os.ReadFile(kubeconfigFile)
+	require.NoError(t, err)
 	return apiv1KubeconfigResponse{
 		LeaseID:      "k7b3xq2mzw4rd5tn6vy2abcdef",
-		Kubeconfig:   testKubeconfig("https://east.example.com:6443", "eyJhbGciOiJSUzI1NiJ9.eyJpYXQiOjE4OTM1NTk0NDV9.c2ln"),
+		Kubeconfig:   string(kc),
 		Token:        "eyJhbGciOiJSUzI1NiJ9.eyJpYXQiOjE4OTM1NTk0NDV9.c2ln",
 		ExpiresAt:    time.Date(2030, 1, 2, 15, 4, 5, 0, time.UTC),
 		RequestedTTL: "12h",
@@ -66,19 +83,32 @@ func TestEverySecretFormatMatchesItsGoldenFile(t *testing.T) {
 				Annotations: map[string]string{"example.com/owner": "ops"},
 			}, goldenMeta, goldenCredential(t))
 			require.NoError(t, err)
-			// The golden file shows the data as text (stringData), so that a
-			// reviewer reads what the consumer reads.
-			readable := s.DeepCopy()
-			readable.StringData = map[string]string{}
-			for k, v := range s.Data {
-				readable.StringData[k] = string(v)
-			}
-			readable.Data = nil
-			out, err := yaml.Marshal(readable)
-			require.NoError(t, err)
-			checkGolden(t, "secret-"+format+".yaml", out)
+			checkGolden(t, "secret-"+format+".yaml", readableSecret(t, s))
 		})
 	}
+	// Behind an SNI router and a proxy, with the Argo CD options: what
+	// Argo CD reads as tlsClientConfig.serverName and proxyUrl.
+	shard := int64(1)
+	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD,
+		ArgoCD: &ArgoCDOptions{Project: "team-a", Namespaces: []string{"argo"}, Shard: &shard}},
+		goldenMeta, goldenCredentialFrom(t, brokerGoldenSNIProxy))
+	require.NoError(t, err)
+	checkGolden(t, "secret-argocd-sni-proxy.yaml", readableSecret(t, s))
+}
+
+// readableSecret is s as YAML with its data as text (stringData), so that
+// a reviewer of a golden file reads what the consumer reads.
+func readableSecret(t *testing.T, s *corev1.Secret) []byte {
+	t.Helper()
+	readable := s.DeepCopy()
+	readable.StringData = map[string]string{}
+	for k, v := range s.Data {
+		readable.StringData[k] = string(v)
+	}
+	readable.Data = nil
+	out, err := yaml.Marshal(readable)
+	require.NoError(t, err)
+	return out
 }
 
 func TestTheFileOutputMatchesItsGoldenFiles(t *testing.T) {
@@ -232,6 +262,9 @@ func TestASecretTheAgentDoesNotManageIsNeverTakenOver(t *testing.T) {
 	f.r.step(context.Background())
 	require.Equal(t, 1.0, counter(t, f, "writes", "east", "secret:admiralty/east", "failed"))
 	require.Equal(t, 1.0, counter(t, f, "refresh", "east", "failure"))
+	logged := f.logs.FilterMessage("cannot write an output; it keeps what it holds").All()
+	require.Len(t, logged, 1, "the refusal is logged")
+	require.Contains(t, logged[0].ContextMap()["error"], "set adopt: true on the output to take it over", "the log line names the way out")
 	require.Equal(t, leaseID(1), other.lease())
 	s, err := cs.CoreV1().Secrets("admiralty").Get(context.Background(), "east", metav1.GetOptions{})
 	require.NoError(t, err)

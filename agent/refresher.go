@@ -190,6 +190,7 @@ func (r *refresher) recover(ctx context.Context) {
 		if st.request != r.meta.request || !now.Before(st.expiresAt) {
 			continue
 		}
+
 		found[i] = st
 		if best == nil || st.expiresAt.After(best.expiresAt) {
 			best = st
@@ -210,8 +211,15 @@ func (r *refresher) recover(ctx context.Context) {
 		}
 		if cred.Kubeconfig == nil && st.kubeconfig != nil {
 			if kc, err := parseKubeconfig(st.kubeconfig); err == nil {
-				cred.Kubeconfig, cred.Token, cred.Server, cred.CAData = st.kubeconfig, kc.token, kc.server, kc.caData
+				cred.setKubeconfig(st.kubeconfig, kc)
 			}
+		}
+		if st.outdated {
+			// It holds the lease under old settings (a renamed key, a
+			// label, an Argo CD option): not held, so it is written again,
+			// with this credential if some output holds its kubeconfig,
+			// else with a new one.
+			continue
 		}
 		held[i] = &grant{leaseID: best.leaseID, obtainedAt: best.obtainedAt, expiresAt: best.expiresAt}
 	}
@@ -277,6 +285,12 @@ func (r *refresher) attempt(ctx context.Context) {
 		r.log.Info("obtained a credential",
 			zap.String("lease_id", cred.LeaseID), zap.Time("expires_at", cred.ExpiresAt),
 			zap.String("granted_ttl", cred.GrantedTTL), zap.String("clamped_by", cred.ClampedBy))
+		if left := cred.ExpiresAt.Sub(r.refreshAt); left < r.grace {
+			// The config check covers a ttl it knows; this is a lifetime
+			// the broker chose or clamped.
+			r.log.Warn("revokeGrace is longer than what is left of this credential when it is replaced: consumers will see it expire before the grace ends; shorten refresh.revokeGrace or lower refresh.fraction",
+				zap.String("lease_id", cred.LeaseID), zap.Duration("revoke_grace", r.grace), zap.Duration("left_at_refresh", left.Round(time.Second)))
+		}
 	}
 	if err := r.writeAll(ctx, r.cur); err != nil {
 		r.fail(r.clock.Now(), err)

@@ -310,3 +310,16 @@ func TestHealthFailsWhenACredentialExpiredOrWillBeforeTheNextAttempt(t *testing.
 		require.True(t, strings.HasPrefix(err.Error(), "target east: "), tc.name)
 	}
 }
+
+func TestAGrantedLifetimeTooShortForTheGraceIsWarnedAbout(t *testing.T) {
+	t.Parallel()
+	const warning = "revokeGrace is longer than what is left of this credential when it is replaced: consumers will see it expire before the grace ends; shorten refresh.revokeGrace or lower refresh.fraction"
+	// The fake broker grants 1h; refreshed at 2/3, 20 minutes are left.
+	short := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(30 * time.Minute)}, &memOutput{name: "a"})
+	short.r.step(context.Background())
+	require.Len(t, short.logs.FilterMessage(warning).All(), 1)
+
+	fits := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(10 * time.Minute)}, &memOutput{name: "a"})
+	fits.r.step(context.Background())
+	require.Empty(t, fits.logs.FilterMessage(warning).All())
+}
