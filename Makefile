@@ -13,8 +13,11 @@ FUZZTIME ?= 30s
 # helm for the chart in deploy/helm, built from the Go module proxy.
 HELM_VERSION := v3.19.5
 CHART := deploy/helm/tokenbroker
+# The consumer checkers of `make conformance`, each a nested module pinned to
+# one consumer's release (test/conformance/consumers, docs/testing.md).
+CONSUMERS := admiralty argocd flux kargo
 
-.PHONY: all build kube helm localcluster dev test check chart-lint unit integration bench fuzz clean help
+.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz clean help
 
 all: build
 
@@ -46,6 +49,7 @@ check: ## gofmt and go vet on every module
 	$(GO) vet ./...
 	cd test && $(GO) vet ./...
 	cd test/promqlcheck && $(GO) vet ./...
+	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(GO) vet ./...); done
 
 chart-lint: helm ## helm lint --strict of the chart, with its defaults and each ci/ values file
 	$(BIN)/helm lint --strict $(CHART)
@@ -55,8 +59,17 @@ unit: ## unit tests with the race detector, and each fuzz target briefly
 	$(GO) test -race -short -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=3s
 
-integration: build kube helm localcluster ## integration and e2e tests against a real kube-apiserver
+integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
 	cd test && $(GO) test -count=1 -timeout 20m ./...
+
+conformance-bins: ## build the consumer checkers (Argo CD, Flux, and the Admiralty and Kargo mirrors) into bin/
+	@set -e; for m in $(CONSUMERS); do \
+	  echo "building bin/conformance-$$m"; \
+	  (cd test/conformance/consumers/$$m && $(GO) build -o $(BIN)/conformance-$$m .); \
+	done
+
+conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers
+	cd test && $(GO) test -count=1 -timeout 10m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader' -v ./e2e/
 
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...

@@ -42,6 +42,8 @@ const (
 	admiraltyGuide   = "docs/guides/admiralty.md"
 	argoCDGuide      = "docs/guides/argocd.md"
 	fluxGuide        = "docs/guides/flux.md"
+	kargoGuide       = "docs/guides/kargo.md"
+	capsuleGuide     = "docs/guides/capsule.md"
 	agentSecretsWait = 30 * time.Second
 )
 
