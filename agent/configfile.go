@@ -356,7 +356,7 @@ func validateSecretOutput(v *validator, path string, s *SecretOutput) {
 		if msgs := validation.IsValidLabelValue(val); len(msgs) > 0 {
 			v.add(path+".labels", "value of %q: %s", k, strings.Join(msgs, "; "))
 		}
-		if k == LabelManagedBy || slices.Contains(setByFormat, k) {
+		if _, byFormat := setByFormat[k]; k == LabelManagedBy || byFormat {
 			v.add(path+".labels", "%q is set by the agent for format %s", k, s.Format)
 		}
 	}

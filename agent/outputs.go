@@ -62,13 +62,14 @@ const (
 // agentAnnotations are the annotations the agent writes on every Secret.
 var agentAnnotations = []string{AnnotationLeaseID, AnnotationExpiresAt, AnnotationObtainedAt, AnnotationTarget, AnnotationRequest, AnnotationOwned, AnnotationOutput}
 
-// formatLabels are the labels a format sets for its consumer.
-func formatLabels(format string) []string {
+// formatLabels are the labels a format sets for its consumer; a
+// configuration may not set them on that format.
+func formatLabels(format string) map[string]string {
 	switch format {
 	case FormatArgoCD:
-		return []string{labelArgoCDSecretType}
+		return map[string]string{labelArgoCDSecretType: "cluster"}
 	case FormatFlux:
-		return []string{labelFluxWatch}
+		return map[string]string{labelFluxWatch: "Enabled"}
 	}
 	return nil
 }
@@ -88,11 +89,7 @@ const (
 )
 
 // digest identifies the output's settings (AnnotationOutput).
-func (o SecretOutput) digest() string {
-	b, _ := json.Marshal(o) // cannot fail: strings, bools, numbers
-	sum := sha256.Sum256(b)
-	return "sha256:" + hex.EncodeToString(sum[:8])
-}
+func (o SecretOutput) digest() string { return shortDigest(o) }
 
 // dataKey is the key that holds the kubeconfig, "" for the argocd format.
 func (o SecretOutput) dataKey() string {
@@ -167,10 +164,17 @@ type outputMeta struct {
 // requestDigest identifies what a target asks for: its broker and its
 // request.
 func requestDigest(brokerURL string, req RequestConfig) string {
-	b, _ := json.Marshal(struct {
+	return shortDigest(struct {
 		Broker  string        `json:"broker"`
 		Request RequestConfig `json:"request"`
-	}{brokerURL, req}) // cannot fail: strings only
+	}{brokerURL, req})
+}
+
+// shortDigest is "sha256:" and 16 hex digits of v's JSON: enough to tell
+// settings apart in an annotation, not a security boundary. v holds only
+// strings, bools, numbers, slices and maps of them, so it always marshals.
+func shortDigest(v any) string {
+	b, _ := json.Marshal(v)
 	sum := sha256.Sum256(b)
 	return "sha256:" + hex.EncodeToString(sum[:8])
 }
@@ -273,19 +277,16 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 
 	data := map[string][]byte{}
 	switch o.Format {
-	case FormatAdmiralty, FormatKubeconfig:
+	case FormatAdmiralty, FormatFlux, FormatKubeconfig:
 		data[o.dataKey()] = c.Kubeconfig
-	case FormatFlux:
-		data[o.dataKey()] = c.Kubeconfig
-		labels[labelFluxWatch] = "Enabled"
 	case FormatArgoCD:
 		if err := renderArgoCD(o, meta, c, data); err != nil {
 			return nil, err
 		}
-		labels[labelArgoCDSecretType] = "cluster"
 	default:
 		return nil, fmt.Errorf("unknown Secret format %q", o.Format)
 	}
+	maps.Copy(labels, formatLabels(o.Format))
 	s := &corev1.Secret{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
 		ObjectMeta: metav1.ObjectMeta{
@@ -354,12 +355,12 @@ func merge(cur, want *corev1.Secret) (upd *corev1.Secret, changed bool) {
 	prev := ownedFrom(cur)
 	upd = cur.DeepCopy()
 	upd.StringData = nil
+	same := func(a, b string) bool { return a == b }
+	var labels, annotations bool
 	upd.Data, changed = mergeMap(upd.Data, want.Data, prev.Data, bytes.Equal)
-	var c bool
-	upd.Labels, c = mergeMap(upd.Labels, want.Labels, prev.Labels, func(a, b string) bool { return a == b })
-	changed = changed || c
-	upd.Annotations, c = mergeMap(upd.Annotations, want.Annotations, prev.Annotations, func(a, b string) bool { return a == b })
-	return upd, changed || c
+	upd.Labels, labels = mergeMap(upd.Labels, want.Labels, prev.Labels, same)
+	upd.Annotations, annotations = mergeMap(upd.Annotations, want.Annotations, prev.Annotations, same)
+	return upd, changed || labels || annotations
 }
 
 // mergeMap sets want's entries in m and deletes the keys of prevOwned that

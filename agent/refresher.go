@@ -190,7 +190,6 @@ func (r *refresher) recover(ctx context.Context) {
 		if st.request != r.meta.request || !now.Before(st.expiresAt) {
 			continue
 		}
-
 		found[i] = st
 		if best == nil || st.expiresAt.After(best.expiresAt) {
 			best = st
