@@ -301,7 +301,7 @@ func hostProblem(h string) string {
 
 func validPort(s string) bool {
 	n, err := strconv.Atoi(s)
-	return err == nil && n >= 1 && n <= 65535
+	return err == nil && len(validation.IsValidPortNum(n)) == 0
 }
 
 // validSPIFFEID checks that id is a cluster identity,
