@@ -3,8 +3,11 @@ module github.com/tokenbroker/tokenbroker/test
 go 1.26.0
 
 require (
+	github.com/prometheus/client_golang v1.25.0
+	github.com/prometheus/common v0.72.0
 	github.com/stretchr/testify v1.12.1
 	github.com/tokenbroker/tokenbroker v0.0.0-00010101000000-000000000000
+	github.com/tokenbroker/tokenbroker/test/conformance/consumers/check v0.0.0
 	go.etcd.io/etcd/server/v3 v3.6.4
 	go.uber.org/zap v1.28.0
 	golang.org/x/sys v0.48.0
@@ -12,6 +15,7 @@ require (
 	k8s.io/apimachinery v0.34.4
 	k8s.io/client-go v0.34.4
 	k8s.io/kubernetes v1.34.4
+	sigs.k8s.io/yaml v1.6.0
 )
 
 require (
@@ -113,9 +117,7 @@ require (
 	github.com/pkg/errors v0.9.1 // indirect
 	github.com/pmezard/go-difflib v1.0.0 // indirect
 	github.com/pquerna/cachecontrol v0.1.0 // indirect
-	github.com/prometheus/client_golang v1.25.0 // indirect
 	github.com/prometheus/client_model v0.6.3 // indirect
-	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
 	github.com/robfig/cron/v3 v3.0.1 // indirect
 	github.com/russross/blackfriday/v2 v2.1.0 // indirect
@@ -192,7 +194,6 @@ require (
 	sigs.k8s.io/kustomize/kyaml v0.20.1 // indirect
 	sigs.k8s.io/randfill v1.0.0 // indirect
 	sigs.k8s.io/structured-merge-diff/v6 v6.3.0 // indirect
-	sigs.k8s.io/yaml v1.6.0 // indirect
 )
 
 replace (
@@ -230,3 +231,7 @@ replace (
 )
 
 replace github.com/tokenbroker/tokenbroker => ../
+
+// The checkers' command-line contract, shared with test/e2e's conformance
+// test; it requires nothing newer than this module's k8s.io.
+replace github.com/tokenbroker/tokenbroker/test/conformance/consumers/check => ./conformance/consumers/check

@@ -81,10 +81,10 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "# east: kubectl apply -f source.yaml"))
 	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "# east, only without Admiralty's source controller"))
 
-	// The broker in east: the PKI and process of startBroker, restarted
-	// with the signing CA, the enrollment listener and the guide's policy
-	// (hosts and paths replaced) plus the two test peers.
-	e := startBroker(t, east)
+	// The broker in east: the PKI and arguments of startBroker, with the
+	// signing CA, the enrollment listener and the guide's policy (hosts
+	// and paths replaced) plus the two test peers.
+	e := newBrokerEnv(t, east)
 	pkiDir := filepath.Join(e.dir, "pki")
 	enrollAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	policy := replaceAll(t, fencedBlock(t, guide, "yaml", "cluster:"),
@@ -106,7 +106,6 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 	writeFile(t, e.policy, policy)
 	e.args = append(e.args, "--enroll-address", enrollAddr, "--namespace", "default",
 		"--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"))
-	stopProcess(t, e.proc)
 	e.launch(t)
 
 	joinToken := func(t *testing.T, cluster string) (file, fingerprint string) {

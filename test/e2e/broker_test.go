@@ -99,6 +99,16 @@ func setUpTarget(t *testing.T, c *testcluster.Cluster) {
 // "tokenbroker serve" against c, with extra serve arguments if given.
 func startBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
 	t.Helper()
+	e := newBrokerEnv(t, c, extra...)
+	e.launch(t)
+	t.Logf("broker ready %s after start", e.startup.Round(time.Millisecond))
+	return e
+}
+
+// newBrokerEnv makes startBroker's PKI, policy and arguments without
+// starting the broker, for a test that changes them first.
+func newBrokerEnv(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
+	t.Helper()
 	bin := tokenbrokerBinary(t)
 	dir := t.TempDir()
 	pkiDir := filepath.Join(dir, "pki")
@@ -141,8 +151,6 @@ peers:
 			"--client-ca-file", filepath.Join(pkiDir, "ca.crt"), "--policy-file", policy, "--kubeconfig", c.KubeconfigPath,
 		}, extra...),
 	}
-	e.launch(t)
-	t.Logf("broker ready %s after start", e.startup.Round(time.Millisecond))
 	return e
 }
 

@@ -22,6 +22,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/tokenbroker/tokenbroker/test/conformance/consumers/check"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -51,16 +52,6 @@ func consumerBinary(t *testing.T, consumer string) string {
 	return p
 }
 
-// checkResult is what a checker prints (test/conformance/consumers/check).
-type checkResult struct {
-	Consumer   string         `json:"consumer"`
-	Server     string         `json:"server"`
-	Status     int            `json:"status"`
-	ConfigMaps []string       `json:"configMaps"`
-	Error      string         `json:"error"`
-	Cluster    map[string]any `json:"cluster"`
-}
-
 // consumerCheck is one Secret loaded by one consumer.
 type consumerCheck struct {
 	consumer  string
@@ -79,15 +70,13 @@ func (c consumerCheck) String() string {
 
 // run loads the Secret (or another of that name) with the consumer's code
 // and lists ConfigMaps in east's namespace argo with the client it got.
-func (c consumerCheck) run(t *testing.T, bins map[string]string, source *testcluster.Cluster, name string, extra ...string) checkResult {
+// impersonate, if not "", is a ServiceAccount for Flux to impersonate.
+func (c consumerCheck) run(t *testing.T, bins map[string]string, source *testcluster.Cluster, name, impersonate string) check.Result {
 	t.Helper()
-	args := append([]string{"--kubeconfig", source.KubeconfigPath, "--namespace", c.namespace, "--name", name, "--list-namespace", "argo"}, extra...)
-	if c.key != "" {
-		args = append(args, "--key", c.key)
-	}
-	stdout, stderr, err := runErr(bins[c.consumer], args...)
+	args := check.Args{Kubeconfig: source.KubeconfigPath, Namespace: c.namespace, Name: name, Key: c.key, ListNamespace: "argo", ServiceAccount: impersonate}
+	stdout, stderr, err := runErr(bins[c.consumer], args.CommandLine()...)
 	require.NoError(t, err, "%s refused the Secret %s: %s", c.consumer, name, stderr)
-	var r checkResult
+	var r check.Result
 	require.NoError(t, json.Unmarshal([]byte(stdout), &r), stdout)
 	return r
 }
@@ -123,7 +112,7 @@ func TestConsumersLoadTheAgentsSecretsWithTheirOwnCode(t *testing.T) {
 	// serving certificate; east.tokenbroker.test is not).
 	eastPort := strings.TrimPrefix(east.URL, "https://127.0.0.1:")
 	proxy := startConnectProxy(t, "east.tokenbroker.test:"+eastPort, "127.0.0.1:"+eastPort)
-	e := startBroker(t, east)
+	e := newBrokerEnv(t, east)
 	writeFile(t, e.policy, fmt.Sprintf(`cluster:
   name: east
   server: https://east.tokenbroker.test:%s
@@ -138,7 +127,6 @@ peers:
       - namespaces: [argo]
         serviceAccounts: [runner]
 `, eastPort, proxy.addr))
-	stopProcess(t, e.proc)
 	e.launch(t)
 
 	// west: the agent's identity (the west client certificate of
@@ -207,7 +195,7 @@ opsAddress: %q
 	t.Run("each consumer's own loader reaches east through the proxy with the SNI name, as the granted ServiceAccount", func(t *testing.T) {
 		before := proxy.tunnels.Load()
 		for _, c := range checks {
-			r := c.run(t, bins, west, c.name)
+			r := c.run(t, bins, west, c.name, "")
 			require.Equal(t, 200, r.Status, "%s: %s", c, r.Error)
 			require.Contains(t, r.ConfigMaps, "hello", c.String())
 		}
@@ -215,7 +203,7 @@ opsAddress: %q
 	})
 
 	t.Run("Argo CD reads the options the agent writes and the keys others added", func(t *testing.T) {
-		r := consumerCheck{consumer: consumerArgoCD, namespace: "argocd"}.run(t, bins, west, "east")
+		r := consumerCheck{consumer: consumerArgoCD, namespace: "argocd"}.run(t, bins, west, "east", "")
 		require.Equal(t, "https://east.tokenbroker.test:"+eastPort, r.Server)
 		require.Equal(t, map[string]any{
 			"name": "east", "server": "https://east.tokenbroker.test:" + eastPort, "project": "team-a",
@@ -227,11 +215,11 @@ opsAddress: %q
 
 	t.Run("Flux impersonating a ServiceAccount on the target needs the impersonate RBAC the Flux guide gives", func(t *testing.T) {
 		flux := checks[2]
-		impersonate := []string{"--service-account", "flux-reconciler"}
-		r := flux.run(t, bins, west, flux.name, impersonate...)
+		const impersonate = "flux-reconciler"
+		r := flux.run(t, bins, west, flux.name, impersonate)
 		require.Equal(t, http.StatusForbidden, r.Status, "runner may not impersonate yet: %s", r.Error)
 		grantImpersonation(t, east, "argo", "runner", flux.namespace, "flux-reconciler")
-		require.Eventually(t, func() bool { return flux.run(t, bins, west, flux.name, impersonate...).Status == 200 },
+		require.Eventually(t, func() bool { return flux.run(t, bins, west, flux.name, impersonate).Status == 200 },
 			10*time.Second, 200*time.Millisecond, "with the guide's RBAC Flux lists ConfigMaps as system:serviceaccount:flux-system:flux-reconciler")
 	})
 
@@ -243,23 +231,23 @@ opsAddress: %q
 			require.NotEqual(t, lease1, s.Annotations[annLeaseID], "%s: every output holds the new lease", c)
 			require.Equal(t, "kept", string(s.Data["foreign"]), "%s: a key the agent does not own survives the refresh", c)
 			require.Equal(t, "a", s.Labels["example.com/team"], "%s: so does a label", c)
-			r := c.run(t, bins, west, c.name)
+			r := c.run(t, bins, west, c.name, "")
 			require.Equal(t, 200, r.Status, "%s with the new credential: %s", c, r.Error)
-			prev := c.run(t, bins, west, c.name+"-previous")
+			prev := c.run(t, bins, west, c.name+"-previous", "")
 			require.Equal(t, 200, prev.Status, "%s: the previous credential works during the grace: %s", c, prev.Error)
 		}
 		require.Less(t, time.Since(switched), grace, "the checks above ran within the grace")
 		t.Logf("lease %s replaced by %s; all %d loads with both credentials took %s", lease1, sec.Annotations[annLeaseID], 2*len(checks), time.Since(switched).Round(time.Millisecond))
 
 		for _, c := range checks {
-			require.Eventually(t, func() bool { return c.run(t, bins, west, c.name+"-previous").Status == http.StatusUnauthorized },
+			require.Eventually(t, func() bool { return c.run(t, bins, west, c.name+"-previous", "").Status == http.StatusUnauthorized },
 				grace+30*time.Second, 500*time.Millisecond, "%s: the previous credential is refused once the grace is over", c)
 		}
 		refused := time.Since(switched)
 		require.GreaterOrEqual(t, refused, grace, "not refused before the grace ended")
 		t.Logf("every consumer's previous credential was refused %s after the switch (grace %s, then the API server's token cache)", refused.Round(100*time.Millisecond), grace)
 		for _, c := range checks {
-			r := c.run(t, bins, west, c.name)
+			r := c.run(t, bins, west, c.name, "")
 			require.Equal(t, 200, r.Status, "%s re-reading the Secret still works: %s", c, r.Error)
 		}
 	})

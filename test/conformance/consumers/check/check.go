@@ -66,6 +66,19 @@ type ErrRefused struct{ Err error }
 func (e ErrRefused) Error() string { return "the consumer refused the Secret: " + e.Err.Error() }
 func (e ErrRefused) Unwrap() error { return e.Err }
 
+// CommandLine is a's flags as Main parses them, for whoever runs a
+// checker (test/e2e): one place for the contract on both sides.
+func (a Args) CommandLine() []string {
+	args := []string{"--kubeconfig", a.Kubeconfig, "--namespace", a.Namespace, "--name", a.Name, "--list-namespace", a.ListNamespace}
+	if a.Key != "" {
+		args = append(args, "--key", a.Key)
+	}
+	if a.ServiceAccount != "" {
+		args = append(args, "--service-account", a.ServiceAccount)
+	}
+	return args
+}
+
 // Main parses the flags, runs check and prints its Result as one JSON line.
 func Main(consumer string, check func(ctx context.Context, a Args) (*Result, error)) {
 	var a Args
