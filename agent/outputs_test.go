@@ -193,10 +193,8 @@ func TestASecretIsWrittenOnlyWhenItsContentChanges(t *testing.T) {
 	require.False(t, wrote)
 	require.Equal(t, []string{"create"}, writeActions(cs), "an identical Secret is never written again")
 
-	next := *c
-	next.LeaseID, next.Token = "k7b3xq2mzw4rd5tn6vy2abcdeg", "new-token"
-	next.Kubeconfig = []byte(testKubeconfig("https://east.example.com:6443", "new-token"))
-	wrote, err = o.write(ctx, goldenMeta, &next)
+	next := nextCredential(c)
+	wrote, err = o.write(ctx, goldenMeta, next)
 	require.NoError(t, err)
 	require.True(t, wrote)
 	require.Equal(t, []string{"create", "update"}, writeActions(cs))
@@ -208,37 +206,6 @@ func TestASecretIsWrittenOnlyWhenItsContentChanges(t *testing.T) {
 	require.Equal(t, next.ObtainedAt, st.obtainedAt)
 	require.Equal(t, "east", st.target)
 	require.Equal(t, next.Kubeconfig, st.kubeconfig)
-}
-
-func TestLabelsAndAnnotationsOthersAddedSurviveAnUpdate(t *testing.T) {
-	t.Parallel()
-	cs := fake.NewClientset()
-	o := &secretOutput{cfg: SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, secrets: cs.CoreV1()}
-	ctx := context.Background()
-	c := goldenCredential(t)
-	_, err := o.write(ctx, goldenMeta, c)
-	require.NoError(t, err)
-	s, err := cs.CoreV1().Secrets("argocd").Get(ctx, "east", metav1.GetOptions{})
-	require.NoError(t, err)
-	s.Labels["argocd.argoproj.io/extra"] = "x"
-	s.Annotations["managed-by"] = "argocd.argoproj.io"
-	_, err = cs.CoreV1().Secrets("argocd").Update(ctx, s, metav1.UpdateOptions{})
-	require.NoError(t, err)
-
-	// Others' additions alone do not make the Secret stale.
-	wrote, err := o.write(ctx, goldenMeta, c)
-	require.NoError(t, err)
-	require.False(t, wrote)
-
-	next := *c
-	next.LeaseID = "k7b3xq2mzw4rd5tn6vy2abcdeg"
-	_, err = o.write(ctx, goldenMeta, &next)
-	require.NoError(t, err)
-	s, err = cs.CoreV1().Secrets("argocd").Get(ctx, "east", metav1.GetOptions{})
-	require.NoError(t, err)
-	require.Equal(t, "x", s.Labels["argocd.argoproj.io/extra"])
-	require.Equal(t, "argocd.argoproj.io", s.Annotations["managed-by"])
-	require.Equal(t, next.LeaseID, s.Annotations[AnnotationLeaseID])
 }
 
 func TestASecretTheAgentDoesNotManageIsNeverTakenOver(t *testing.T) {
