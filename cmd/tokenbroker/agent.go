@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/server"
 )
 
 // agentCommandConfig is the typed configuration of "tokenbroker agent":
@@ -112,11 +113,12 @@ func runAgent(ctx context.Context, cfg agentCommandConfig, log *zap.Logger) erro
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	deps := agent.Deps{Logger: log, Registry: reg}
 	if acfg.UsesKubernetes() {
-		rc, err := kubeRESTConfig(acfg.Kubeconfig, agentKubeQPS, agentKubeBurst)
+		rc, err := restConfig(acfg.Kubeconfig, "")
 		if err != nil {
 			return err
 		}
-		rc.WarningHandler = zapWarnings{log.Named("kubernetes")}
+		rc.QPS, rc.Burst = agentKubeQPS, agentKubeBurst
+		rc.WarningHandler = server.ZapWarnings{Log: log.Named("kubernetes")}
 		cs, err := kubernetes.NewForConfig(rc)
 		if err != nil {
 			return fmt.Errorf("create Kubernetes client: %w", err)

@@ -21,7 +21,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/server"
 )
 
 // devConfig is the typed configuration of "tokenbroker dev".
@@ -75,12 +77,6 @@ Ctrl-C stops the broker.`,
 				Kubectl:       v.GetString("kubectl"),
 				Log:           logConfigFrom(v),
 			}
-			if cfg.Kubeconfig == "" {
-				cfg.Kubeconfig = os.Getenv("KUBECONFIG")
-			}
-			if cfg.Kubeconfig == "" {
-				return errors.New("--kubeconfig (or KUBECONFIG) must name the local cluster's admin kubeconfig")
-			}
 			return withLogger(cfg.Log, func(log *zap.Logger) error {
 				return runDev(cmd.Context(), cfg, log, cmd.OutOrStdout())
 			})
@@ -105,9 +101,9 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create %s: %w", dir, err)
 	}
-	admin, err := kubeRESTConfig(cfg.Kubeconfig, 50, 100)
+	admin, err := restConfig(cfg.Kubeconfig, "")
 	if err != nil {
-		return err
+		return fmt.Errorf("--kubeconfig (or $KUBECONFIG) must name the local cluster's admin kubeconfig: %w", err)
 	}
 	client, err := kubernetes.NewForConfig(admin)
 	if err != nil {
@@ -129,7 +125,7 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 		return err
 	}
 
-	scfg := serveConfig{
+	opts := server.Options{
 		ListenAddress: cfg.ListenAddress,
 		OpsAddress:    cfg.OpsAddress,
 		TLSCertFile:   files.serverCert,
@@ -140,23 +136,26 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 		// revocation ConfigMap is looked for there.
 		Namespace:     metav1.NamespaceDefault,
 		ClientCertTTL: pki.DefaultClientLifetime,
-		Kubeconfig:    cfg.Kubeconfig,
+		Kube:          admin,
 		KubeQPS:       defaultKubeQPS,
 		KubeBurst:     defaultKubeBurst,
 		GCInterval:    time.Minute,
-		MaxBodyBytes:  64 << 10,
-		Credentials:   []string{"token"},
+		MaxBodyBytes:  server.DefaultMaxBodyBytes,
+		Credentials:   []string{apiv1.CredentialToken},
 		// Stdout is for the commands printed below; audit events go
 		// with the log.
-		AuditLog: auditStderr,
+		AuditLog: server.AuditStderr,
+		Build:    currentBuild().server(),
+		Logger:   log,
 	}
 	kubectl := cfg.Kubectl
 	if kubectl == "" {
 		kubectl = findKubectl()
 	}
-	return runServe(ctx, scfg, log, func(api, ops string) {
-		printDevCommands(out, dir, files, api, ops, kubectl)
-	})
+	opts.Started = func(s server.Started) {
+		printDevCommands(out, dir, files, s.API.String(), s.Ops.String(), kubectl)
+	}
+	return server.Run(ctx, opts)
 }
 
 type devFiles struct{ caCert, caKey, serverCert, serverKey, clientCert, clientKey string }

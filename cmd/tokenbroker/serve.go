@@ -2,55 +2,30 @@ package main
 
 import (
 	"context"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"os"
-	"os/signal"
+	"slices"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
-	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 )
 
-// serveConfig is the typed configuration of "tokenbroker serve".
+// serveConfig is the typed configuration of "tokenbroker serve": the
+// broker's options plus what only the command knows.
 type serveConfig struct {
-	ListenAddress string
-	EnrollAddress string
-	OpsAddress    string
-	TLSCertFile   string
-	TLSKeyFile    string
-	ClientCAFile  string
-	CACertFile    string
-	CAKeyFile     string
-	ClientCertTTL time.Duration
-	PolicyFile    string
-	Namespace     string
-	Kubeconfig    string
-	KubeQPS       float32
-	KubeBurst     int
-	GCInterval    time.Duration
-	MaxBodyBytes  int64
-	Pprof         bool
-	Credentials   []string
-	AuditLog      string
-	Log           logConfig
+	server.Options
+	Kubeconfig string
+	Log        logConfig
 }
 
 // defaultNamespace is the broker's namespace when neither --namespace nor
@@ -98,7 +73,7 @@ Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
 				return err
 			}
 			return withLogger(cfg.Log, func(log *zap.Logger) error {
-				return runServe(cmd.Context(), cfg, log, nil)
+				return runServe(cmd.Context(), cfg, log)
 			})
 		},
 	}
@@ -133,24 +108,18 @@ func addServeFlags(cmd *cobra.Command) {
 	fs.Duration("client-cert-ttl", pki.DefaultClientLifetime, "lifetime of issued client certificates unless the policy sets peers[].certificateTTL")
 	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants; reloaded when it changes")
 	fs.String("namespace", "", "the broker's own namespace (used join tokens, revocation ConfigMap); default $POD_NAMESPACE, else "+defaultNamespace)
-	fs.String("kubeconfig", "", "kubeconfig of the broker's own identity; empty means in-cluster")
+	fs.String("kubeconfig", "", "kubeconfig of the broker's own identity; default $KUBECONFIG, else ~/.kube/config, else in-cluster")
 	fs.Float32("kube-qps", defaultKubeQPS, "client-side rate limit for the broker's Kubernetes client (requests per second)")
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
-	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues (token)")
-	fs.String("audit-log", auditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
+	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+")")
+	fs.String("audit-log", server.AuditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
 }
 
-// The --audit-log values that are not file paths.
-const (
-	auditStdout = "stdout"
-	auditStderr = "stderr"
-)
-
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
-	cfg := serveConfig{
+	cfg := serveConfig{Options: server.Options{
 		ListenAddress: v.GetString("listen-address"),
 		EnrollAddress: v.GetString("enroll-address"),
 		OpsAddress:    v.GetString("ops-address"),
@@ -162,7 +131,6 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		ClientCertTTL: v.GetDuration("client-cert-ttl"),
 		PolicyFile:    v.GetString("policy-file"),
 		Namespace:     namespaceOrDefault(v.GetString("namespace")),
-		Kubeconfig:    v.GetString("kubeconfig"),
 		KubeQPS:       float32(v.GetFloat64("kube-qps")),
 		KubeBurst:     v.GetInt("kube-burst"),
 		GCInterval:    v.GetDuration("gc-interval"),
@@ -170,8 +138,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		Pprof:         v.GetBool("pprof"),
 		Credentials:   v.GetStringSlice("credentials"),
 		AuditLog:      v.GetString("audit-log"),
-		Log:           logConfigFrom(v),
-	}
+	}, Kubeconfig: v.GetString("kubeconfig"), Log: logConfigFrom(v)}
 	var errs []error
 	for flag, val := range map[string]string{
 		"tls-cert-file": cfg.TLSCertFile, "tls-key-file": cfg.TLSKeyFile,
@@ -188,8 +155,8 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
 	}
 	for _, kind := range cfg.Credentials {
-		if kind != apiv1.CredentialToken {
-			errs = append(errs, fmt.Errorf("--credentials: unknown or unsupported credential kind %q (this broker issues: %s)", kind, apiv1.CredentialToken))
+		if !slices.Contains(server.CredentialKinds(), kind) {
+			errs = append(errs, fmt.Errorf("--credentials: unknown or unsupported credential kind %q (this broker issues: %s)", kind, strings.Join(server.CredentialKinds(), ", ")))
 		}
 	}
 	if cfg.AuditLog == "" {
@@ -225,297 +192,15 @@ func namespaceOrDefault(ns string) string {
 	return defaultNamespace
 }
 
-// kubeRESTConfig loads the broker's own Kubernetes credentials and lifts
-// client-go's default client-side limit (5 QPS, burst 10), which would
-// otherwise throttle a broker to a handful of issuances a second.
-func kubeRESTConfig(kubeconfig string, qps float32, burst int) (*rest.Config, error) {
-	var rc *rest.Config
-	var err error
-	if kubeconfig == "" {
-		rc, err = rest.InClusterConfig()
-	} else {
-		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("load Kubernetes client config: %w", err)
-	}
-	rc.QPS, rc.Burst = qps, burst
-	// Protobuf for the built-in types the broker calls (Secrets,
-	// TokenRequest) costs the broker and the API server less CPU than JSON.
-	rc.ContentType = "application/vnd.kubernetes.protobuf"
-	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
-	rc.UserAgent = "tokenbroker/" + version
-	return rc, nil
-}
-
-// runServe is the composition root of the broker. ready, if not nil, is
-// called once all listeners accept connections.
-func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger, ready func(api, ops string)) error {
-	policy, err := broker.LoadPolicyFile(cfg.PolicyFile)
+// runServe runs the broker as configured; server.Run is its composition
+// root.
+func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger) error {
+	rc, err := restConfig(cfg.Kubeconfig, "")
 	if err != nil {
 		return err
 	}
-	rc, err := kubeRESTConfig(cfg.Kubeconfig, cfg.KubeQPS, cfg.KubeBurst)
-	if err != nil {
-		return err
-	}
-	// API server warnings (such as a shortened token) go to our log in
-	// its format, not to stderr through klog.
-	rc.WarningHandler = zapWarnings{log.Named("kubernetes")}
-	client, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return fmt.Errorf("create Kubernetes client: %w", err)
-	}
-
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	metrics, err := broker.NewMetrics(reg)
-	if err != nil {
-		return fmt.Errorf("register metrics: %w", err)
-	}
-	build := currentBuild()
-	metrics.SetBuildInfo(build.Version, build.revisionLabel(), build.GoVersion)
-	auditor, closeAudit, err := openAuditLog(cfg.AuditLog, log)
-	if err != nil {
-		return err
-	}
-	defer closeAudit()
-
-	// Issuers are chosen explicitly; an unknown kind fails closed.
-	iss := map[string]broker.Issuer{}
-	for _, kind := range cfg.Credentials {
-		switch kind {
-		case apiv1.CredentialToken:
-			iss[kind] = tokenrequest.New(client.CoreV1())
-		default:
-			return fmt.Errorf("--credentials: unknown or unsupported credential kind %q", kind)
-		}
-	}
-
-	certs, err := pki.NewCertReloader(cfg.TLSCertFile, cfg.TLSKeyFile,
-		pki.WithReloadCallback(reloadReporter(log, metrics, broker.ConfigServerCertificate, cfg.TLSCertFile)))
-	if err != nil {
-		return fmt.Errorf("load server certificate: %w", err)
-	}
-	clientCAs, err := pki.NewPoolReloader(cfg.ClientCAFile,
-		pki.WithReloadCallback(reloadReporter(log, metrics, broker.ConfigClientCA, cfg.ClientCAFile)))
-	if err != nil {
-		return fmt.Errorf("load client CA bundle: %w", err)
-	}
-	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
-	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
-	// A nil *pki.CA must not become a non-nil interface.
-	var ca broker.CertificateAuthority
-	if cfg.CACertFile != "" {
-		c, err := pki.LoadCA(cfg.CACertFile, cfg.CAKeyFile)
-		if err != nil {
-			return fmt.Errorf("load signing CA: %w", err)
-		}
-		ca = c
-		metrics.WatchCertificateExpiry(broker.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
-		log.Info("issuing client certificates",
-			zap.String("ca", pki.Fingerprint(c.Certificate())),
-			zap.Duration("default_ttl", cfg.ClientCertTTL))
-	}
-
-	store := broker.NewPolicyStore(policy)
-	revocations := broker.NewRevocationList(client.CoreV1(), cfg.Namespace, log.Named("revocations"), metrics)
-	b, err := broker.New(broker.Config{
-		Secrets:        client.CoreV1(),
-		Issuers:        iss,
-		Policy:         store,
-		Logger:         log.Named("broker"),
-		Metrics:        metrics,
-		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
-		Namespace:      cfg.Namespace,
-		CA:             ca,
-		Trust:          clientCAs,
-		CertificateTTL: cfg.ClientCertTTL,
-		Revocations:    revocations,
-		Auditor:        auditor,
-	})
-	if err != nil {
-		return err
-	}
-
-	scfg := server.Config{
-		Addr:         cfg.ListenAddress,
-		OpsAddr:      cfg.OpsAddress,
-		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
-		ClientCAs:    clientCAs,
-		MaxBodyBytes: cfg.MaxBodyBytes,
-		Pprof:        cfg.Pprof,
-		Logger:       log.Named("http"),
-		Registerer:   reg,
-		Gatherer:     reg,
-		Broker:       b,
-	}
-	if cfg.EnrollAddress != "" {
-		scfg.EnrollAddr = cfg.EnrollAddress
-		scfg.EnrollTLSConfig = pki.EnrollmentTLSConfig(certs)
-	}
-	srv, err := server.New(scfg)
-	if err != nil {
-		return err
-	}
-
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	go revocations.Run(ctx)
-	go broker.NewPolicyWatcher(cfg.PolicyFile, store, log.Named("policy"), metrics, 0).Run(ctx)
-	go b.RunGC(ctx, cfg.GCInterval)
-	// Until the deny list is read every caller is refused (fail closed);
-	// wait for it a little so that a healthy start serves at once.
-	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
-	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
-		log.Warn("revocation list not read yet; every caller is refused until it is",
-			zap.String("namespace", cfg.Namespace), zap.Error(err))
-	}
-	cancelSync()
-	go func() {
-		select {
-		case <-srv.Listening():
-			fields := []zap.Field{
-				zap.String("api", srv.Addr().String()),
-				zap.String("ops", srv.OpsAddr().String()),
-				zap.String("cluster", policy.Cluster.Name),
-				zap.Int("peers", len(policy.Peers)),
-				zap.String("namespace", cfg.Namespace),
-			}
-			if a := srv.EnrollAddr(); a != nil {
-				fields = append(fields, zap.String("enroll", a.String()))
-			}
-			log.Info("broker listening", fields...)
-			if ready != nil {
-				ready(srv.Addr().String(), srv.OpsAddr().String())
-			}
-		case <-ctx.Done():
-		}
-	}()
-	return srv.Run(ctx)
-}
-
-// openAuditLog opens the audit sink named by --audit-log; the returned
-// function closes a file sink. A file sink is reopened on SIGHUP until it
-// is closed, so that logrotate's rename-and-signal rotation loses no event.
-func openAuditLog(dest string, log *zap.Logger) (broker.Auditor, func(), error) {
-	switch dest {
-	case auditStdout:
-		return broker.NewAuditLog(os.Stdout), func() {}, nil
-	case auditStderr:
-		return broker.NewAuditLog(os.Stderr), func() {}, nil
-	}
-	f, err := openAuditFile(dest)
-	if err != nil {
-		return nil, nil, err
-	}
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	stop, done := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			select {
-			case <-stop:
-				return
-			case <-hup:
-				if err := f.reopen(); err != nil {
-					log.Error("audit log not reopened; still writing to the old file", zap.String("file", dest), zap.Error(err))
-					continue
-				}
-				log.Info("audit log reopened", zap.String("file", dest))
-			}
-		}
-	}()
-	return broker.NewAuditLog(f), func() {
-		signal.Stop(hup)
-		close(stop)
-		<-done
-		_ = f.close()
-	}, nil
-}
-
-// auditFile is an audit log file that can be reopened under the same
-// name. Each event is one Write with O_APPEND, so a line is never split
-// between the old file and the new one.
-type auditFile struct {
-	path string
-	mu   sync.Mutex
-	f    *os.File
-}
-
-func openAuditFile(path string) (*auditFile, error) {
-	a := &auditFile{path: path}
-	if err := a.reopen(); err != nil {
-		return nil, err
-	}
-	return a, nil
-}
-
-func (a *auditFile) Write(p []byte) (int, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.f.Write(p)
-}
-
-// reopen opens the path again (created 0600 if it was moved away) and
-// closes the old file; on failure the old file stays in use.
-func (a *auditFile) reopen() error {
-	f, err := os.OpenFile(a.path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
-	if err != nil {
-		return fmt.Errorf("--audit-log: %w", err)
-	}
-	a.mu.Lock()
-	old := a.f
-	a.f = f
-	a.mu.Unlock()
-	if old != nil {
-		_ = old.Close()
-	}
-	return nil
-}
-
-func (a *auditFile) close() error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.f.Close()
-}
-
-// earliestNotAfter is the NotAfter of the certificate that expires first,
-// or the zero time for none.
-func earliestNotAfter(certs []*x509.Certificate) time.Time {
-	var t time.Time
-	for _, c := range certs {
-		if t.IsZero() || c.NotAfter.Before(t) {
-			t = c.NotAfter
-		}
-	}
-	return t
-}
-
-// revocationSyncWait bounds how long serve waits for the first read of the
-// revocation list before it starts listening anyway.
-const revocationSyncWait = 10 * time.Second
-
-// reloadReporter logs and counts the reloads of one configuration file.
-func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) func(error) {
-	return func(err error) {
-		m.ObserveReload(config, err)
-		if err != nil {
-			log.Error("reload refused; keeping the previous one", zap.String("config", config), zap.String("file", file), zap.Error(err))
-			return
-		}
-		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
-	}
-}
-
-// zapWarnings logs the API server's warning headers.
-type zapWarnings struct{ log *zap.Logger }
-
-// HandleWarningHeader implements rest.WarningHandler.
-func (w zapWarnings) HandleWarningHeader(code int, agent, text string) {
-	if code != 299 || text == "" {
-		return
-	}
-	w.log.Info("API server warning", zap.String("warning", text))
+	opts := cfg.Options
+	opts.Kube, opts.Logger = rc, log
+	opts.Build = currentBuild().server()
+	return server.Run(ctx, opts)
 }

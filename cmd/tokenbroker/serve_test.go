@@ -4,16 +4,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
-
-	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 // serveConfigOf parses args like "tokenbroker serve" would, without running.
@@ -52,10 +47,23 @@ func TestServeDefaultsSuitABroker(t *testing.T) {
 	require.Equal(t, []string{"token"}, cfg.Credentials)
 	require.Equal(t, "json", cfg.Log.Format)
 
-	rc, err := kubeRESTConfig(writeKubeconfig(t), cfg.KubeQPS, cfg.KubeBurst)
+}
+
+func TestOneKubeconfigLoaderWithKubectlsRules(t *testing.T) {
+	explicit := writeKubeconfig(t)
+	rc, err := restConfig(explicit, "")
 	require.NoError(t, err)
-	require.Equal(t, float32(2000), rc.QPS)
-	require.Equal(t, 4000, rc.Burst)
+	require.Equal(t, "https://127.0.0.1:1", rc.Host)
+	require.Equal(t, "x", rc.BearerToken)
+
+	// Without --kubeconfig, $KUBECONFIG is read, as kubectl reads it.
+	t.Setenv("KUBECONFIG", explicit)
+	rc, err = restConfig("", "")
+	require.NoError(t, err)
+	require.Equal(t, "https://127.0.0.1:1", rc.Host)
+
+	_, err = restConfig(explicit, "no-such-context")
+	require.ErrorContains(t, err, "no-such-context")
 }
 
 func TestServeReportsEveryMissingFlag(t *testing.T) {
@@ -156,63 +164,7 @@ func TestTheAuditLogGoesToStdoutByDefaultAndCannotBeTurnedOff(t *testing.T) {
 	require.ErrorContains(t, err, "--audit-log")
 }
 
-func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "audit.jsonl")
-	require.NoError(t, os.WriteFile(path, []byte("{\"earlier\":true}\n"), 0o600))
-	a, closeFn, err := openAuditLog(path, zap.NewNop())
-	require.NoError(t, err)
-	require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow}))
-	closeFn()
-	b, err := os.ReadFile(path)
-	require.NoError(t, err)
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	require.Len(t, lines, 2, "the earlier content is kept")
-	require.Contains(t, lines[1], `"action":"issue"`)
-
-	fresh := filepath.Join(t.TempDir(), "new.jsonl")
-	_, closeFn, err = openAuditLog(fresh, zap.NewNop())
-	require.NoError(t, err)
-	closeFn()
-	st, err := os.Stat(fresh)
-	require.NoError(t, err)
-	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
-
-	_, _, err = openAuditLog(filepath.Join(t.TempDir(), "missing", "audit.jsonl"), zap.NewNop())
-	require.ErrorContains(t, err, "--audit-log")
-}
-
 func TestAnUnknownCredentialKindIsRefusedBeforeStart(t *testing.T) {
 	_, err := serveConfigOf(t, append([]string{"--credentials", "token,clientCertificate"}, required...)...)
 	require.ErrorContains(t, err, `unknown or unsupported credential kind "clientCertificate"`)
-}
-
-func TestTheAuditLogFileIsReopenedOnSIGHUPForLogrotate(t *testing.T) {
-	dir := t.TempDir()
-	path := filepath.Join(dir, "audit.jsonl")
-	core, logs := observer.New(zap.InfoLevel)
-	a, closeFn, err := openAuditLog(path, zap.New(core))
-	require.NoError(t, err)
-	defer closeFn()
-	event := func(id string) {
-		require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, RequestID: id}))
-	}
-	event("before")
-	require.NoError(t, os.Rename(path, path+".1")) // what logrotate does first
-	event("after-rename")                          // still the old file, until the signal
-	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGHUP))
-	require.Eventually(t, func() bool { return logs.FilterMessage("audit log reopened").Len() == 1 },
-		5*time.Second, 10*time.Millisecond, "SIGHUP reopens the audit log under its name")
-	event("after-reopen")
-
-	old, err := os.ReadFile(path + ".1")
-	require.NoError(t, err)
-	require.Contains(t, string(old), `"request_id":"before"`)
-	require.Contains(t, string(old), `"request_id":"after-rename"`)
-	cur, err := os.ReadFile(path)
-	require.NoError(t, err)
-	require.Equal(t, 1, strings.Count(string(cur), "\n"))
-	require.Contains(t, string(cur), `"request_id":"after-reopen"`)
-	st, err := os.Stat(path)
-	require.NoError(t, err)
-	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/tokenbroker/tokenbroker/server"
 )
 
 // buildInfo is what "tokenbroker version" reports: the release version set
@@ -64,6 +66,11 @@ func buildInfoFrom(ldflagsVersion string, bi *debug.BuildInfo, ok bool) buildInf
 		}
 	}
 	return b
+}
+
+// server is the build as the broker reports it.
+func (b buildInfo) server() server.Build {
+	return server.Build{Version: b.Version, Revision: b.revisionLabel(), GoVersion: b.GoVersion}
 }
 
 // revisionLabel is the revision for tokenbroker_build_info: the commit,

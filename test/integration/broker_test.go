@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -191,6 +192,11 @@ func TestAgainstARealAPIServer(t *testing.T) {
 				require.NotContains(t, string(b), sig, "log field %s", k)
 			}
 		}
+		// The audit log, as shipped, records the issuance without it.
+		audit, err := os.ReadFile(s.auditLog)
+		require.NoError(t, err)
+		require.Contains(t, string(audit), `"lease_id":"`+resp.LeaseID+`"`)
+		require.NotContains(t, string(audit), sig)
 	})
 }
 

@@ -66,7 +66,7 @@ func joinToken(t *testing.T, ca *pki.CA, identity string) string {
 
 // counter returns the value of a counter of reg with the given labels, 0 if
 // it has not been counted yet.
-func counter(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+func counter(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
 	mfs, err := reg.Gather()
 	require.NoError(t, err)

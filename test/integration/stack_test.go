@@ -24,7 +24,6 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
-	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
@@ -40,11 +39,11 @@ const (
 	reloadInterval = 200 * time.Millisecond
 )
 
-// stack is a broker and its HTTP server running in this process against a
-// real kube-apiserver, reached over real (mutual) TLS, wired as "tokenbroker
-// serve" wires it: reloading server certificate, client-CA bundle and
-// policy, the revocation list watched in the API, a signing CA, and the
-// enrollment listener.
+// stack is a broker running in this process against a real kube-apiserver,
+// reached over real (mutual) TLS, started by server.Run, the composition
+// root "tokenbroker serve" runs: reloading server certificate, client-CA
+// bundle and policy, the revocation list watched in the API, a signing CA,
+// the enrollment listener, lease GC and the audit log (a file).
 type stack struct {
 	cluster *testcluster.Cluster
 	broker  *broker.Broker
@@ -54,7 +53,9 @@ type stack struct {
 	ca        *pki.CA
 	dir       string
 	logs      *observer.ObservedLogs
-	reg       *prometheus.Registry
+	reg       prometheus.Gatherer
+	// auditLog is the broker's audit log file.
+	auditLog string
 
 	serverCert, serverKey string
 	// clientCAFile is the client-CA bundle file the broker follows; it
@@ -92,6 +93,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 		serverCert: filepath.Join(dir, "server.crt"), serverKey: filepath.Join(dir, "server.key"),
 		clientCAFile: filepath.Join(dir, "client-ca.crt"),
 		policyFile:   filepath.Join(dir, "policy.yaml"),
+		auditLog:     filepath.Join(dir, "audit.jsonl"),
 	}
 	s.rotateServerCertificate(t, ca)
 	require.NoError(t, os.WriteFile(s.clientCAFile, ca.BundlePEM(), 0o644))
@@ -99,72 +101,54 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	caFile := filepath.Join(dir, "cluster-ca.crt")
 	require.NoError(t, os.WriteFile(caFile, c.CAData, 0o644))
 	s.writePolicy(t, policy)
-	p, err := broker.LoadPolicyFile(s.policyFile)
-	require.NoError(t, err)
 	ensureNamespace(t, c, brokerNamespace)
+	caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
+	require.NoError(t, ca.WriteFiles(caCert, caKey))
 
 	core, logs := observer.New(zap.DebugLevel)
-	log := zap.New(core)
-	reg := prometheus.NewRegistry()
-	metrics, err := broker.NewMetrics(reg)
-	require.NoError(t, err)
-	reported := func(config string) pki.ReloaderOption {
-		return pki.WithReloadCallback(func(err error) { metrics.ObserveReload(config, err) })
-	}
-	certs, err := pki.NewCertReloader(s.serverCert, s.serverKey, pki.WithReloadInterval(reloadInterval), reported(broker.ConfigServerCertificate))
-	require.NoError(t, err)
-	clientCAs, err := pki.NewPoolReloader(s.clientCAFile, pki.WithReloadInterval(reloadInterval), reported(broker.ConfigClientCA))
-	require.NoError(t, err)
-
-	store := broker.NewPolicyStore(p)
-	revocations := broker.NewRevocationList(c.Client.CoreV1(), brokerNamespace, log, metrics)
-	b, err := broker.New(broker.Config{
-		Secrets: c.Client.CoreV1(),
-		Issuers: map[string]broker.Issuer{apiv1.CredentialToken: tokenrequest.New(c.Client.CoreV1())},
-		Policy:  store,
-		Logger:  log,
-		Metrics: metrics,
-		// Readiness asks the API server's /readyz, as "tokenbroker serve" does.
-		APIServerReady: broker.APIServerReadyz(c.Client.Discovery().RESTClient()),
-		Namespace:      brokerNamespace,
-		CA:             ca,
-		Trust:          clientCAs,
-		Revocations:    revocations,
-	})
-	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	enrollLn, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	opsLn, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv, err := server.New(server.Config{
-		Listener:        ln,
-		EnrollListener:  enrollLn,
-		OpsListener:     opsLn,
-		TLSConfig:       pki.ServerTLSConfigReloading(certs, clientCAs),
-		ClientCAs:       clientCAs,
-		EnrollTLSConfig: pki.EnrollmentTLSConfig(certs),
-		Logger:          log,
-		Registerer:      reg,
-		Gatherer:        reg,
-		Broker:          b,
-	})
-	require.NoError(t, err)
+	started := make(chan server.Started, 1)
 	ctx, cancel := context.WithCancel(context.Background())
-	go revocations.Run(ctx)
-	go broker.NewPolicyWatcher(s.policyFile, store, log, metrics, reloadInterval).Run(ctx)
-	require.NoError(t, revocations.WaitForSync(ctx))
 	done := make(chan error, 1)
-	go func() { done <- srv.Run(ctx) }()
+	go func() {
+		// The composition root "tokenbroker serve" runs, with GC and the
+		// audit log as shipped; only the files are quicker to reload.
+		done <- server.Run(ctx, server.Options{
+			ListenAddress:  "127.0.0.1:0",
+			EnrollAddress:  "127.0.0.1:0",
+			OpsAddress:     "127.0.0.1:0",
+			TLSCertFile:    s.serverCert,
+			TLSKeyFile:     s.serverKey,
+			ClientCAFile:   s.clientCAFile,
+			CACertFile:     caCert,
+			CAKeyFile:      caKey,
+			ClientCertTTL:  pki.DefaultClientLifetime,
+			PolicyFile:     s.policyFile,
+			Namespace:      brokerNamespace,
+			Kube:           c.Config,
+			KubeQPS:        1000,
+			KubeBurst:      2000,
+			GCInterval:     time.Minute,
+			ReloadInterval: reloadInterval,
+			MaxBodyBytes:   server.DefaultMaxBodyBytes,
+			Credentials:    []string{apiv1.CredentialToken},
+			AuditLog:       s.auditLog,
+			Logger:         zap.New(core),
+			Started:        func(st server.Started) { started <- st },
+		})
+	}()
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-done)
 	})
-	<-srv.Listening()
-	s.broker, s.logs, s.reg = b, logs, reg
-	s.url = "https://" + ln.Addr().String()
-	s.enrollURL = "https://" + enrollLn.Addr().String()
+	var st server.Started
+	select {
+	case st = <-started:
+	case err := <-done:
+		t.Fatalf("the broker did not start: %v", err)
+	}
+	s.broker, s.logs, s.reg = st.Broker, logs, st.Metrics
+	s.url = "https://" + st.API.String()
+	s.enrollURL = "https://" + st.Enroll.String()
 	return s
 }
 

@@ -1,0 +1,308 @@
+package server
+
+import (
+	"context"
+	"crypto/x509"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.uber.org/zap"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// Options is the configuration of a whole broker process: what
+// "tokenbroker serve" reads from its flags, what "tokenbroker dev" fills in
+// for a demo, and what the integration tests start. Run is the one place
+// that turns it into running parts, so that all three run the same thing.
+type Options struct {
+	// ListenAddress, EnrollAddress and OpsAddress are the listeners'
+	// addresses (":0" picks a free port; Started reports it). An empty
+	// EnrollAddress means no enrollment listener.
+	ListenAddress string
+	EnrollAddress string
+	OpsAddress    string
+	// TLSCertFile and TLSKeyFile are the server certificate and key,
+	// reloaded when they change.
+	TLSCertFile string
+	TLSKeyFile  string
+	// ClientCAFile verifies peers and is served as the trust bundle;
+	// reloaded when it changes.
+	ClientCAFile string
+	// CACertFile and CAKeyFile are the signing CA for enrollment and
+	// renewal; empty disables both.
+	CACertFile string
+	CAKeyFile  string
+	// ClientCertTTL is the lifetime of issued client certificates unless
+	// the policy sets one for the peer.
+	ClientCertTTL time.Duration
+	// PolicyFile is the policy, reloaded when it changes.
+	PolicyFile string
+	// Namespace is the broker's own namespace: lease Secrets, used join
+	// tokens, the revocation ConfigMap.
+	Namespace string
+	// Kube is the broker's own Kubernetes client configuration. Run
+	// copies it and sets the client-side limit, the content type and the
+	// user agent.
+	Kube *rest.Config
+	// KubeQPS and KubeBurst are the client-side limit of that client.
+	KubeQPS   float32
+	KubeBurst int
+	// GCInterval is how often expired lease Secrets are deleted.
+	GCInterval time.Duration
+	// ReloadInterval is how often the certificate, bundle and policy
+	// files are looked at; zero means each one's default (about a
+	// second). Tests shorten it.
+	ReloadInterval time.Duration
+	// MaxBodyBytes bounds a request body.
+	MaxBodyBytes int64
+	// Pprof serves net/http/pprof on the operations listener.
+	Pprof bool
+	// Credentials are the credential kinds this broker issues (see
+	// CredentialKinds).
+	Credentials []string
+	// AuditLog is where audit events go: AuditStdout, AuditStderr or a
+	// file path (see OpenAuditLog).
+	AuditLog string
+	// Build is reported as tokenbroker_build_info and in the user agent.
+	Build Build
+	// Logger receives the operational log. Nil means no logging.
+	Logger *zap.Logger
+	// Started, if set, is called once every listener accepts connections.
+	Started func(Started)
+}
+
+// Build identifies the running binary.
+type Build struct {
+	Version   string
+	Revision  string
+	GoVersion string
+}
+
+// Started is what a running broker reports to Options.Started.
+type Started struct {
+	API, Ops net.Addr
+	// Enroll is nil without an enrollment listener.
+	Enroll net.Addr
+	// Broker is the domain core, for readiness checks in tests.
+	Broker *broker.Broker
+	// Metrics is the process's metrics registry, as /metrics serves it.
+	Metrics prometheus.Gatherer
+}
+
+// revocationSyncWait bounds how long Run waits for the first read of the
+// revocation list before it starts listening anyway.
+const revocationSyncWait = 10 * time.Second
+
+// Run builds the broker from opts and serves until ctx is done. It is the
+// composition root of the broker: every part "tokenbroker serve" runs is
+// made and started here, and nowhere else.
+func Run(ctx context.Context, opts Options) error {
+	log := opts.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	policy, err := broker.LoadPolicyFile(opts.PolicyFile)
+	if err != nil {
+		return err
+	}
+	client, err := kubeClient(opts, log)
+	if err != nil {
+		return err
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics, err := broker.NewMetrics(reg)
+	if err != nil {
+		return fmt.Errorf("register metrics: %w", err)
+	}
+	metrics.SetBuildInfo(opts.Build.Version, opts.Build.Revision, opts.Build.GoVersion)
+	auditor, closeAudit, err := OpenAuditLog(opts.AuditLog, log)
+	if err != nil {
+		return err
+	}
+	defer closeAudit()
+
+	iss, err := NewIssuers(opts.Credentials, client)
+	if err != nil {
+		return err
+	}
+
+	reloadOpts := func(config, file string) []pki.ReloaderOption {
+		o := []pki.ReloaderOption{pki.WithReloadCallback(reloadReporter(log, metrics, config, file))}
+		if opts.ReloadInterval > 0 {
+			o = append(o, pki.WithReloadInterval(opts.ReloadInterval))
+		}
+		return o
+	}
+	certs, err := pki.NewCertReloader(opts.TLSCertFile, opts.TLSKeyFile, reloadOpts(broker.ConfigServerCertificate, opts.TLSCertFile)...)
+	if err != nil {
+		return fmt.Errorf("load server certificate: %w", err)
+	}
+	clientCAs, err := pki.NewPoolReloader(opts.ClientCAFile, reloadOpts(broker.ConfigClientCA, opts.ClientCAFile)...)
+	if err != nil {
+		return fmt.Errorf("load client CA bundle: %w", err)
+	}
+	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
+	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
+	// A nil *pki.CA must not become a non-nil interface.
+	var ca broker.CertificateAuthority
+	if opts.CACertFile != "" {
+		c, err := pki.LoadCA(opts.CACertFile, opts.CAKeyFile)
+		if err != nil {
+			return fmt.Errorf("load signing CA: %w", err)
+		}
+		ca = c
+		metrics.WatchCertificateExpiry(broker.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
+		log.Info("issuing client certificates",
+			zap.String("ca", pki.Fingerprint(c.Certificate())),
+			zap.Duration("default_ttl", opts.ClientCertTTL))
+	}
+
+	store := broker.NewPolicyStore(policy)
+	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
+	b, err := broker.New(broker.Config{
+		Secrets:        client.CoreV1(),
+		Issuers:        iss,
+		Policy:         store,
+		Logger:         log.Named("broker"),
+		Metrics:        metrics,
+		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
+		Namespace:      opts.Namespace,
+		CA:             ca,
+		Trust:          clientCAs,
+		CertificateTTL: opts.ClientCertTTL,
+		Revocations:    revocations,
+		Auditor:        auditor,
+	})
+	if err != nil {
+		return err
+	}
+
+	scfg := Config{
+		Addr:         opts.ListenAddress,
+		OpsAddr:      opts.OpsAddress,
+		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
+		ClientCAs:    clientCAs,
+		MaxBodyBytes: opts.MaxBodyBytes,
+		Pprof:        opts.Pprof,
+		Logger:       log.Named("http"),
+		Registerer:   reg,
+		Gatherer:     reg,
+		Broker:       b,
+	}
+	if opts.EnrollAddress != "" {
+		scfg.EnrollAddr = opts.EnrollAddress
+		scfg.EnrollTLSConfig = pki.EnrollmentTLSConfig(certs)
+	}
+	srv, err := New(scfg)
+	if err != nil {
+		return err
+	}
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go revocations.Run(ctx)
+	go broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval).Run(ctx)
+	go b.RunGC(ctx, opts.GCInterval)
+	// Until the deny list is read every caller is refused (fail closed);
+	// wait for it a little so that a healthy start serves at once.
+	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
+	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
+		log.Warn("revocation list not read yet; every caller is refused until it is",
+			zap.String("namespace", opts.Namespace), zap.Error(err))
+	}
+	cancelSync()
+	go func() {
+		select {
+		case <-srv.Listening():
+			fields := []zap.Field{
+				zap.String("api", srv.Addr().String()),
+				zap.String("ops", srv.OpsAddr().String()),
+				zap.String("cluster", policy.Cluster.Name),
+				zap.Int("peers", len(policy.Peers)),
+				zap.String("namespace", opts.Namespace),
+			}
+			if a := srv.EnrollAddr(); a != nil {
+				fields = append(fields, zap.String("enroll", a.String()))
+			}
+			log.Info("broker listening", fields...)
+			if opts.Started != nil {
+				opts.Started(Started{API: srv.Addr(), Ops: srv.OpsAddr(), Enroll: srv.EnrollAddr(), Broker: b, Metrics: reg})
+			}
+		case <-ctx.Done():
+		}
+	}()
+	return srv.Run(ctx)
+}
+
+// kubeClient is the broker's Kubernetes client. It lifts client-go's
+// default client-side limit (5 QPS, burst 10), which would otherwise
+// throttle a broker to a handful of issuances a second, and speaks
+// protobuf, which costs the broker and the API server less CPU than JSON
+// for the built-in types it calls (Secrets, TokenRequest).
+func kubeClient(opts Options, log *zap.Logger) (kubernetes.Interface, error) {
+	if opts.Kube == nil {
+		return nil, fmt.Errorf("no Kubernetes client configuration")
+	}
+	client, err := kubernetes.NewForConfig(kubeRESTConfig(opts, log))
+	if err != nil {
+		return nil, fmt.Errorf("create Kubernetes client: %w", err)
+	}
+	return client, nil
+}
+
+func kubeRESTConfig(opts Options, log *zap.Logger) *rest.Config {
+	rc := rest.CopyConfig(opts.Kube)
+	rc.QPS, rc.Burst = opts.KubeQPS, opts.KubeBurst
+	rc.ContentType = "application/vnd.kubernetes.protobuf"
+	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	rc.UserAgent = "tokenbroker/" + opts.Build.Version
+	// API server warnings (such as a shortened token) go to our log in
+	// its format, not to stderr through klog.
+	rc.WarningHandler = ZapWarnings{Log: log.Named("kubernetes")}
+	return rc
+}
+
+// earliestNotAfter is the NotAfter of the certificate that expires first,
+// or the zero time for none.
+func earliestNotAfter(certs []*x509.Certificate) time.Time {
+	var t time.Time
+	for _, c := range certs {
+		if t.IsZero() || c.NotAfter.Before(t) {
+			t = c.NotAfter
+		}
+	}
+	return t
+}
+
+// reloadReporter logs and counts the reloads of one configuration file.
+func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) func(error) {
+	return func(err error) {
+		m.ObserveReload(config, err)
+		if err != nil {
+			log.Error("reload refused; keeping the previous one", zap.String("config", config), zap.String("file", file), zap.Error(err))
+			return
+		}
+		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
+	}
+}
+
+// ZapWarnings logs the API server's warning headers; the broker and the
+// agent set it as their client's rest.WarningHandler.
+type ZapWarnings struct{ Log *zap.Logger }
+
+// HandleWarningHeader implements rest.WarningHandler.
+func (w ZapWarnings) HandleWarningHeader(code int, agent, text string) {
+	if code != 299 || text == "" {
+		return
+	}
+	w.Log.Info("API server warning", zap.String("warning", text))
+}
