@@ -1,6 +1,6 @@
 package agent
 
-import "github.com/tokenbroker/tokenbroker/broker"
+import apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 
 // Config is the agent's configuration file (agent.yaml), read by
 // LoadConfig: strict YAML (an unknown key is an error), defaults filled in
@@ -88,14 +88,14 @@ type RefreshConfig struct {
 	Jitter float64 `json:"jitter,omitempty"`
 	// MinBackoff and MaxBackoff bound the capped exponential backoff after
 	// a failed fetch; defaults 1s and 5m.
-	MinBackoff broker.Duration `json:"minBackoff,omitempty"`
-	MaxBackoff broker.Duration `json:"maxBackoff,omitempty"`
+	MinBackoff apiv1.Duration `json:"minBackoff,omitempty"`
+	MaxBackoff apiv1.Duration `json:"maxBackoff,omitempty"`
 	// RevokeGrace is how long the previous lease lives on after its
 	// successor was written, so consumers can switch; default 10m, long
 	// enough for an Admiralty rollout, a Flux reconcile (HelmRelease
 	// spec.timeout defaults to 5m) or an Argo CD sync. It must be shorter
 	// than the credential's remaining life when it is replaced.
-	RevokeGrace broker.Duration `json:"revokeGrace,omitempty"`
+	RevokeGrace apiv1.Duration `json:"revokeGrace,omitempty"`
 }
 
 // TargetConfig is one kubeconfig the agent keeps fresh.

@@ -15,10 +15,10 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 // Defaults of the configuration file, filled in by Config.Default.
@@ -112,9 +112,9 @@ func (c *Config) Default() {
 	c.Refresh.fill(RefreshConfig{
 		Fraction:    DefaultFraction,
 		Jitter:      DefaultJitter,
-		MinBackoff:  broker.Duration(DefaultMinBackoff),
-		MaxBackoff:  broker.Duration(DefaultMaxBackoff),
-		RevokeGrace: broker.Duration(DefaultRevokeGrace),
+		MinBackoff:  apiv1.Duration(DefaultMinBackoff),
+		MaxBackoff:  apiv1.Duration(DefaultMaxBackoff),
+		RevokeGrace: apiv1.Duration(DefaultRevokeGrace),
 	})
 	for i := range c.Targets {
 		if c.Targets[i].Refresh != nil {
@@ -303,26 +303,9 @@ func (r RequestConfig) Validate() error {
 }
 
 func validateRequest(v *validator, path string, r RequestConfig) {
-	if r.Namespace == "" {
-		v.add(path+".namespace", "is required")
-	} else if msgs := validation.IsDNS1123Label(r.Namespace); len(msgs) > 0 {
-		v.add(path+".namespace", "%s", strings.Join(msgs, "; "))
-	}
-	if r.ServiceAccount == "" {
-		v.add(path+".serviceAccount", "is required")
-	} else if msgs := validation.IsDNS1123Subdomain(r.ServiceAccount); len(msgs) > 0 {
-		v.add(path+".serviceAccount", "%s", strings.Join(msgs, "; "))
-	}
-	ttl := v.duration(path+".ttl", r.TTL)
-	minTTL := v.duration(path+".minTTL", r.MinTTL)
-	if ttl > 0 && minTTL > ttl {
-		v.add(path+".minTTL", "must not be longer than ttl")
-	}
-	for i, a := range r.Audiences {
-		if strings.TrimSpace(a) == "" {
-			v.add(fmt.Sprintf("%s.audiences[%d]", path, i), "must not be empty")
-		}
-	}
+	// The broker's own rule set, so that the agent never sends a request
+	// the broker would refuse as malformed.
+	v.probs = append(v.probs, apiv1.FieldErrors(apiv1.ValidateKubeconfigRequest(r.APIRequest(), field.NewPath(path)))...)
 }
 
 func validateSecretOutput(v *validator, path string, s *SecretOutput) {

@@ -13,7 +13,6 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 // Credential is one kubeconfig obtained from a broker, with what the
@@ -119,7 +118,7 @@ func Fetch(ctx context.Context, api KubeconfigAPI, req RequestConfig, now func()
 }
 
 func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time) (*Credential, error) {
-	if !broker.ValidLeaseID(resp.LeaseID) {
+	if !apiv1.ValidLeaseID(resp.LeaseID) {
 		return nil, fmt.Errorf("%w: lease id %q is not a lease id", ErrBadAnswer, resp.LeaseID)
 	}
 	kc, err := parseKubeconfig([]byte(resp.Kubeconfig))

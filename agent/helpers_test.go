@@ -18,7 +18,6 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 // t0 is the fake clock's start.
@@ -252,7 +251,7 @@ func newRefresherFixture(t *testing.T, rc RefreshConfig, outs ...output) *refres
 
 func b64(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
 
-func brokerDuration(d time.Duration) broker.Duration { return broker.Duration(d) }
+func brokerDuration(d time.Duration) apiv1.Duration { return apiv1.Duration(d) }
 
 // memOutput is an output in memory that can be told to fail.
 type memOutput struct {

@@ -21,7 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // Labels and annotations on the Secrets the agent writes. The annotations
@@ -420,7 +420,7 @@ func parseStored(leaseID, expiresAt, obtainedAt string) (*stored, error) {
 	if leaseID == "" {
 		return nil, nil
 	}
-	if !broker.ValidLeaseID(leaseID) {
+	if !apiv1.ValidLeaseID(leaseID) {
 		return nil, fmt.Errorf("recorded lease id %q is not a lease id", leaseID)
 	}
 	exp, err := time.Parse(time.RFC3339, expiresAt)
@@ -497,7 +497,7 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 	if err != nil {
 		return nil, err
 	}
-	if m.LeaseID == "" || !broker.ValidLeaseID(m.LeaseID) {
+	if m.LeaseID == "" || !apiv1.ValidLeaseID(m.LeaseID) {
 		return nil, fmt.Errorf("%s%s: no valid lease id", o.path, metaSuffix)
 	}
 	return &stored{

@@ -4,9 +4,10 @@ import (
 	"context"
 	"crypto/x509"
 	"errors"
-	"github.com/tokenbroker/tokenbroker/pki"
 	"sync"
 	"time"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 
 	"go.uber.org/zap"
 

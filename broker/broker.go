@@ -54,20 +54,6 @@ const (
 // they are valid label values and Secret name suffixes.
 var leaseIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
 
-// ValidLeaseID reports whether id has the shape of a lease id, so that
-// lookups of anything else never reach the API server.
-func ValidLeaseID(id string) bool {
-	if len(id) != 26 {
-		return false
-	}
-	for _, c := range id {
-		if (c < 'a' || c > 'z') && (c < '2' || c > '7') {
-			return false
-		}
-	}
-	return true
-}
-
 // Config is what a Broker needs. Secrets, Issuers, Policy and Logger are
 // required.
 type Config struct {

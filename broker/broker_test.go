@@ -84,7 +84,7 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h", Audiences: []string{"aud"},
 	})
 	require.NoError(t, err)
-	require.True(t, ValidLeaseID(resp.LeaseID), resp.LeaseID)
+	require.True(t, apiv1.ValidLeaseID(resp.LeaseID), resp.LeaseID)
 	require.Equal(t, "2h0m0s", resp.GrantedTTL)
 	require.Empty(t, resp.ClampedBy)
 

@@ -61,7 +61,7 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
 	err := b.revokeLease(ctx, c, id, &a.ev)
-	if !ValidLeaseID(id) {
+	if !apiv1.ValidLeaseID(id) {
 		a.ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
 	}
 	outcome := outcomeGranted
@@ -93,7 +93,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 
 func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Secret, error) {
 	notFound := Errorf(KindNotFound, "lease %q not found", id)
-	if !ValidLeaseID(id) {
+	if !apiv1.ValidLeaseID(id) {
 		return nil, notFound
 	}
 	p, err := b.policy()

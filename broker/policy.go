@@ -34,27 +34,6 @@ const (
 // maxPolicyBytes bounds the policy file; a policy is small.
 const maxPolicyBytes = 1 << 20
 
-// Duration is a time.Duration written as a Go duration string ("1h") in
-// YAML and JSON.
-type Duration time.Duration
-
-// UnmarshalJSON accepts a Go duration string.
-func (d *Duration) UnmarshalJSON(b []byte) error {
-	var s string
-	if err := json.Unmarshal(b, &s); err != nil {
-		return errors.New(`must be a duration string such as "1h"`)
-	}
-	v, err := time.ParseDuration(s)
-	if err != nil {
-		return fmt.Errorf("must be a duration such as \"1h\": %w", err)
-	}
-	*d = Duration(v)
-	return nil
-}
-
-// MarshalJSON writes the duration as a Go duration string.
-func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
-
 // Policy says which peers may obtain which credentials. The zero Policy
 // denies everything.
 type Policy struct {
@@ -89,8 +68,8 @@ type ClusterSpec struct {
 
 // TTLSpec holds the lifetimes that apply when a grant says nothing.
 type TTLSpec struct {
-	Default Duration `json:"default"`
-	Max     Duration `json:"max"`
+	Default apiv1.Duration `json:"default"`
+	Max     apiv1.Duration `json:"max"`
 }
 
 // PeerSpec is a cluster allowed to talk to the broker.
@@ -101,16 +80,16 @@ type PeerSpec struct {
 	// CertificateTTL is the lifetime of the client certificates the broker
 	// issues to this peer at enrollment and renewal; zero means the
 	// broker's default ("serve --client-cert-ttl").
-	CertificateTTL Duration `json:"certificateTTL,omitempty"`
+	CertificateTTL apiv1.Duration `json:"certificateTTL,omitempty"`
 }
 
 // GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
 // in the listed namespaces (every combination).
 type GrantSpec struct {
-	Namespaces      []string `json:"namespaces"`
-	ServiceAccounts []string `json:"serviceAccounts"`
-	MaxTTL          Duration `json:"maxTTL,omitempty"`
-	Credential      string   `json:"credential,omitempty"`
+	Namespaces      []string       `json:"namespaces"`
+	ServiceAccounts []string       `json:"serviceAccounts"`
+	MaxTTL          apiv1.Duration `json:"maxTTL,omitempty"`
+	Credential      string         `json:"credential,omitempty"`
 }
 
 // ParsePolicy decodes and validates a policy document (YAML or JSON).
@@ -139,10 +118,10 @@ func ParsePolicy(data []byte) (*Policy, error) {
 
 func (p *Policy) defaults() {
 	if p.TTL.Default == 0 {
-		p.TTL.Default = Duration(time.Hour)
+		p.TTL.Default = apiv1.Duration(time.Hour)
 	}
 	if p.TTL.Max == 0 {
-		p.TTL.Max = Duration(24 * time.Hour)
+		p.TTL.Max = apiv1.Duration(24 * time.Hour)
 	}
 	for i := range p.Peers {
 		for j := range p.Peers[i].Grants {

@@ -32,7 +32,7 @@ type Broker interface {
 	// ListLeases returns the caller's own leases.
 	ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
 	// GetLease returns one of the caller's leases. id has passed
-	// broker.ValidLeaseID; a lease that does not exist and one that is not
+	// apiv1.ValidLeaseID; a lease that does not exist and one that is not
 	// the caller's must both be KindNotFound with the same detail.
 	GetLease(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error)
 	// RevokeLease revokes one of the caller's leases; id as for GetLease.

@@ -39,7 +39,7 @@ func answered[T any](result *T, err error) error {
 }
 
 // leaseNotFound is the answer for an id that does not have the shape of a
-// lease id (broker.ValidLeaseID), worded as the broker words its own
+// lease id (apiv1.ValidLeaseID), worded as the broker words its own
 // not-found. The id is shortened so a long path is not echoed whole.
 // callerHandler is a handler of the mutual-TLS listener, given the
 // authenticated peer.
@@ -118,7 +118,7 @@ func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
 // getLease handles GET /v1/leases/{id}.
 func (s *Server) getLease(w http.ResponseWriter, r *http.Request, p peer) {
 	id := chi.URLParam(r, "id")
-	if !broker.ValidLeaseID(id) {
+	if !apiv1.ValidLeaseID(id) {
 		writeError(w, r, leaseNotFound(id))
 		return
 	}
@@ -133,7 +133,7 @@ func (s *Server) getLease(w http.ResponseWriter, r *http.Request, p peer) {
 // revokeLease handles DELETE /v1/leases/{id}.
 func (s *Server) revokeLease(w http.ResponseWriter, r *http.Request, p peer) {
 	id := chi.URLParam(r, "id")
-	if !broker.ValidLeaseID(id) {
+	if !apiv1.ValidLeaseID(id) {
 		writeError(w, r, leaseNotFound(id))
 		return
 	}

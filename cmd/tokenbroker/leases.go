@@ -23,6 +23,7 @@ import (
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 )
 
@@ -395,7 +396,7 @@ func completeLeaseIDs(ctx context.Context, o *leasesOptions, done []string) ([]s
 func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, ids []string, out io.Writer, now time.Time) error {
 	var errs []error
 	for _, id := range ids {
-		if !broker.ValidLeaseID(id) {
+		if !apiv1.ValidLeaseID(id) {
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
