@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -255,7 +254,7 @@ func (a *Agent) startIdentity(ctx context.Context) error {
 // the broker refuses a second use anyway.
 func (a *Agent) enroll(ctx context.Context) error {
 	e := a.cfg.Identity.Enroll
-	token, err := readTokenFile(e.TokenFile)
+	token, err := pki.ReadJoinToken(e.TokenFile, nil)
 	if err != nil {
 		return err
 	}
@@ -312,26 +311,6 @@ func (a *Agent) sleep(ctx context.Context, d time.Duration) error {
 	case <-t.C():
 		return nil
 	}
-}
-
-func readTokenFile(name string) (string, error) {
-	f, err := os.Open(name)
-	if err != nil {
-		return "", fmt.Errorf("read join token: %w", err)
-	}
-	defer f.Close()
-	raw, err := io.ReadAll(io.LimitReader(f, pki.MaxJoinTokenBytes+2))
-	if err != nil {
-		return "", fmt.Errorf("read join token: %w", err)
-	}
-	token := strings.TrimSpace(string(raw))
-	if len(token) > pki.MaxJoinTokenBytes {
-		return "", fmt.Errorf("the join token in %s is over %d bytes", name, pki.MaxJoinTokenBytes)
-	}
-	if token == "" {
-		return "", fmt.Errorf("the join token file %s is empty", name)
-	}
-	return token, nil
 }
 
 // Handler serves the operations endpoints: /healthz (503 with the reason

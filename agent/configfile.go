@@ -5,10 +5,8 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/url"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -19,6 +17,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Defaults of the configuration file, filled in by Config.Default.
@@ -40,12 +39,7 @@ const maxConfigBytes = 1 << 20
 // kubeconfig, file outputs) are taken relative to the file's directory, as
 // the broker's policy file does with caFile.
 func LoadConfig(path string) (Config, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return Config{}, fmt.Errorf("read agent config: %w", err)
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, maxConfigBytes+1))
+	data, err := pki.ReadFileLimit(path, maxConfigBytes)
 	if err != nil {
 		return Config{}, fmt.Errorf("read agent config: %w", err)
 	}

@@ -3,10 +3,7 @@ package agent
 import (
 	"bytes"
 	"errors"
-	"fmt"
-	"io"
 	"io/fs"
-	"os"
 
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -27,41 +24,15 @@ func WriteKubeconfigFile(path string, kubeconfig []byte) (written bool, err erro
 }
 
 func writeFileIfChanged(path string, data []byte, mode fs.FileMode) (bool, error) {
-	old, st, err := readFileBounded(path, maxOutputFileBytes)
+	old, st, err := pki.ReadFileLimitStat(path, maxOutputFileBytes)
 	if err == nil && bytes.Equal(old, data) && st.Mode().Perm() == mode && st.Mode().IsRegular() {
 		return false, nil
 	}
-	if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, errTooLarge) {
+	if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, pki.ErrFileTooLarge) {
 		return false, err
 	}
 	if err := pki.WriteFileAtomic(path, data, mode); err != nil {
 		return false, err
 	}
 	return true, nil
-}
-
-var errTooLarge = errors.New("file too large")
-
-// readFileBounded reads at most limit bytes of a regular file.
-func readFileBounded(path string, limit int64) ([]byte, fs.FileInfo, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, nil, err
-	}
-	if !st.Mode().IsRegular() {
-		return nil, st, fmt.Errorf("%s is not a regular file", path)
-	}
-	data, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, st, fmt.Errorf("read %s: %w", path, err)
-	}
-	if int64(len(data)) > limit {
-		return nil, st, fmt.Errorf("%s: %w (over %d bytes)", path, errTooLarge, limit)
-	}
-	return data, st, nil
 }

@@ -148,7 +148,7 @@ func (s dirStore) load(context.Context) (*identity, error) {
 		return nil, err
 	}
 	read := func(name string, limit int64) ([]byte, error) {
-		data, _, err := readFileBounded(filepath.Join(string(s.dir), name), limit)
+		data, _, err := pki.ReadFileLimitStat(filepath.Join(string(s.dir), name), limit)
 		return data, err
 	}
 	certPEM, certErr := read(CertFile, pki.MaxCertificatesPEMSize)

@@ -22,6 +22,7 @@ import (
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Labels and annotations on the Secrets the agent writes. The annotations
@@ -479,7 +480,7 @@ func (o *fileOutput) write(_ context.Context, meta outputMeta, c *Credential) (b
 }
 
 func (o *fileOutput) read(context.Context) (*stored, error) {
-	raw, _, err := readFileBounded(o.path+metaSuffix, maxOutputFileBytes)
+	raw, _, err := pki.ReadFileLimitStat(o.path+metaSuffix, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -490,7 +491,7 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 	if err := json.Unmarshal(raw, &m); err != nil {
 		return nil, fmt.Errorf("%s%s: %w", o.path, metaSuffix, err)
 	}
-	kc, _, err := readFileBounded(o.path, maxOutputFileBytes)
+	kc, _, err := pki.ReadFileLimitStat(o.path, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}

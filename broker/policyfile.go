@@ -4,17 +4,17 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"sync/atomic"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // LoadPolicyFile reads, parses and validates the policy at path and the CA
 // bundle it names. A relative caFile is taken relative to the policy file.
 func LoadPolicyFile(path string) (*Policy, error) {
-	data, err := readBounded(path, maxPolicyBytes)
+	data, err := pki.ReadFileLimit(path, maxPolicyBytes)
 	if err != nil {
 		return nil, fmt.Errorf("read policy: %w", err)
 	}
@@ -27,7 +27,7 @@ func LoadPolicyFile(path string) (*Policy, error) {
 		if !filepath.IsAbs(caFile) {
 			caFile = filepath.Join(filepath.Dir(path), caFile)
 		}
-		ca, err := readBounded(caFile, maxPolicyBytes)
+		ca, err := pki.ReadFileLimit(caFile, maxPolicyBytes)
 		if err != nil {
 			return nil, fmt.Errorf("%s: cluster.caFile: %w", path, err)
 		}
@@ -65,22 +65,6 @@ func checkCABundle(data []byte) error {
 // and nothing else, as LoadPolicyFile requires of cluster.caFile and
 // cluster.caData; "tokenbroker config validate" checks a policy with it.
 func CheckCABundle(data []byte) error { return checkCABundle(data) }
-
-func readBounded(path string, limit int64) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if st.Size() > limit {
-		return nil, fmt.Errorf("%s is %d bytes, over the limit of %d", path, st.Size(), limit)
-	}
-	return os.ReadFile(path)
-}
 
 // PolicyStore holds the policy in force. Readers never block; a reload
 // swaps the whole policy at once.

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // DefaultPolicyReloadInterval is how often WatchPolicyFile looks at the
@@ -89,7 +91,7 @@ func (w *PolicyWatcher) Check() error {
 // the policy file cannot be read.
 func (w *PolicyWatcher) digest() [sha256.Size]byte {
 	h := sha256.New()
-	data, err := readBounded(w.path, maxPolicyBytes)
+	data, err := pki.ReadFileLimit(w.path, maxPolicyBytes)
 	if err != nil {
 		return [sha256.Size]byte{}
 	}
@@ -101,7 +103,7 @@ func (w *PolicyWatcher) digest() [sha256.Size]byte {
 		if !filepath.IsAbs(caFile) {
 			caFile = filepath.Join(filepath.Dir(w.path), caFile)
 		}
-		ca, _ := readBounded(caFile, maxPolicyBytes)
+		ca, _ := pki.ReadFileLimit(caFile, maxPolicyBytes)
 		h.Write([]byte{0})
 		h.Write(ca)
 	}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
@@ -242,4 +243,31 @@ func isTokenID(id string) bool {
 		}
 	}
 	return true
+}
+
+// ReadJoinToken reads a join token from a file, or from r for "-": the
+// token without surrounding white space, at most MaxJoinTokenBytes. The
+// agent and "tokenbroker enroll" read it with this.
+func ReadJoinToken(name string, r io.Reader) (string, error) {
+	var raw []byte
+	var err error
+	switch {
+	case name == "-" && r == nil:
+		return "", errors.New("read join token: no standard input here")
+	case name == "-":
+		raw, err = io.ReadAll(io.LimitReader(r, MaxJoinTokenBytes+2))
+	default:
+		raw, err = ReadFileLimit(name, MaxJoinTokenBytes+2)
+	}
+	if err != nil {
+		return "", fmt.Errorf("read join token: %w", err)
+	}
+	token := strings.TrimSpace(string(raw))
+	switch {
+	case len(token) > MaxJoinTokenBytes:
+		return "", fmt.Errorf("the join token in %s is over %d bytes", name, MaxJoinTokenBytes)
+	case token == "":
+		return "", fmt.Errorf("the join token in %s is empty", name)
+	}
+	return token, nil
 }

@@ -11,8 +11,6 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 )
 
 // Limits on PEM input. Certificates and keys come from files and from peers,
@@ -174,20 +172,12 @@ func decodeOne(data []byte) (*pem.Block, []byte, error) {
 	return block, rest, nil
 }
 
-// readFileLimited reads at most limit bytes of a file and fails, wrapping
-// ErrPEMTooLarge, if it is longer.
+// readFileLimited is ReadFileLimit for PEM files: a file over the limit
+// also wraps ErrPEMTooLarge, as PEM input over a limit does.
 func readFileLimited(name string, limit int64) ([]byte, error) {
-	f, err := os.Open(name)
-	if err != nil {
-		return nil, err
+	data, err := ReadFileLimit(name, limit)
+	if errors.Is(err, ErrFileTooLarge) {
+		return nil, fmt.Errorf("%w: %w", ErrPEMTooLarge, err)
 	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", name, err)
-	}
-	if int64(len(data)) > limit {
-		return nil, fmt.Errorf("read %s: %w: limit %d bytes", name, ErrPEMTooLarge, limit)
-	}
-	return data, nil
+	return data, err
 }

@@ -69,30 +69,17 @@ from a flag, so that it does not end up in shell history or ps output.`,
 }
 
 func readJoinToken(file string, stdin io.Reader) (string, error) {
-	var raw []byte
-	var err error
-	switch file {
-	case "":
-		raw = []byte(os.Getenv("TOKENBROKER_JOIN_TOKEN"))
-		if len(raw) == 0 {
+	if file == "" {
+		token := strings.TrimSpace(os.Getenv("TOKENBROKER_JOIN_TOKEN"))
+		if token == "" {
 			return "", errors.New("give the join token with --token-file or $TOKENBROKER_JOIN_TOKEN")
 		}
-	case "-":
-		raw, err = io.ReadAll(io.LimitReader(stdin, pki.MaxJoinTokenBytes+2))
-		if err != nil {
-			return "", fmt.Errorf("read join token: %w", err)
+		if len(token) > pki.MaxJoinTokenBytes {
+			return "", fmt.Errorf("the join token is over %d bytes", pki.MaxJoinTokenBytes)
 		}
-	default:
-		raw, err = os.ReadFile(file)
-		if err != nil {
-			return "", fmt.Errorf("read join token: %w", err)
-		}
+		return token, nil
 	}
-	token := strings.TrimSpace(string(raw))
-	if len(token) > pki.MaxJoinTokenBytes {
-		return "", fmt.Errorf("the join token is over %d bytes", pki.MaxJoinTokenBytes)
-	}
-	return token, nil
+	return pki.ReadJoinToken(file, stdin)
 }
 
 func newRenewCommand() *cobra.Command {

@@ -507,16 +507,10 @@ refused.
 // readInput reads a certificate file, or stdin for "-", bounded like every
 // PEM input.
 func readInput(name string, stdin io.Reader) ([]byte, error) {
-	r := stdin
 	if name != "-" {
-		f, err := os.Open(name)
-		if err != nil {
-			return nil, err
-		}
-		defer f.Close()
-		r = f
+		return pki.ReadFileLimit(name, pki.MaxCertificatesPEMSize)
 	}
-	data, err := io.ReadAll(io.LimitReader(r, pki.MaxCertificatesPEMSize+1))
+	data, err := io.ReadAll(io.LimitReader(stdin, pki.MaxCertificatesPEMSize+1))
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", name, err)
 	}

@@ -10,6 +10,8 @@ import (
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/tokenbroker/tokenbroker/api/schema"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -52,10 +54,10 @@ func newViper(cmd *cobra.Command) (*viper.Viper, error) {
 		// flag's type, all at once ("tokenbroker config validate --kind
 		// serve" reports the same).
 		settings := fv.AllSettings()
-		if probs, _ := flagFileProblems(cmd.Flags(), settings); len(probs) > 0 {
+		if probs, _ := schema.FlagFileProblems(cmd.Flags(), settings); len(probs) > 0 {
 			errs := make([]error, len(probs))
 			for i, p := range probs {
-				if rest, ok := strings.CutPrefix(p.Detail, unknownKey); ok {
+				if rest, ok := strings.CutPrefix(p.Detail, schema.UnknownKey); ok {
 					errs[i] = fmt.Errorf("config file %s: unknown key %q%s", file, p.Field, rest)
 				} else {
 					errs[i] = fmt.Errorf("config file %s: %s: %s", file, p.Field, p.Detail)
