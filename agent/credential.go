@@ -2,17 +2,15 @@ package agent
 
 import (
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"go.uber.org/zap/zapcore"
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Credential is one kubeconfig obtained from a broker, with what the
@@ -192,19 +190,9 @@ func parseKubeconfig(data []byte) (kubeconfigParts, error) {
 // tokenIssuedAt reads the iat claim of a JWT without verifying it, for a
 // credential found in an output that does not say when it was obtained.
 func tokenIssuedAt(token string) (time.Time, bool) {
-	parts := strings.Split(token, ".")
-	if len(parts) != 3 {
+	claims, err := pki.UnverifiedClaims(token)
+	if err != nil || claims.IssuedAt == nil || claims.IssuedAt.IsZero() {
 		return time.Time{}, false
 	}
-	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
-	if err != nil {
-		return time.Time{}, false
-	}
-	var claims struct {
-		IAT int64 `json:"iat"`
-	}
-	if json.Unmarshal(raw, &claims) != nil || claims.IAT == 0 {
-		return time.Time{}, false
-	}
-	return time.Unix(claims.IAT, 0), true
+	return claims.IssuedAt.Time, true
 }

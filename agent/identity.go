@@ -5,13 +5,13 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/golang-jwt/jwt/v5"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -257,23 +257,18 @@ type joinTokenClaims struct {
 // token.
 func parseJoinToken(token string) (joinTokenClaims, error) {
 	token = strings.TrimSpace(token)
-	parts := strings.Split(token, ".")
-	if len(parts) != 3 || len(token) > pki.MaxJoinTokenBytes {
+	if strings.Count(token, ".") != 2 || len(token) > pki.MaxJoinTokenBytes {
 		return joinTokenClaims{}, errors.New("the join token is not a JWT")
 	}
-	raw, err := base64.RawURLEncoding.DecodeString(parts[1])
-	if err != nil {
+	claims, err := pki.UnverifiedClaims(token)
+	switch {
+	case errors.Is(err, jwt.ErrTokenMalformed):
 		return joinTokenClaims{}, errors.New("the join token is not a JWT")
-	}
-	var claims struct {
-		Sub string `json:"sub"`
-		JTI string `json:"jti"`
-	}
-	if err := json.Unmarshal(raw, &claims); err != nil || claims.Sub == "" {
+	case err != nil || claims.Subject == "":
 		return joinTokenClaims{}, errors.New("the join token names no identity (sub)")
 	}
-	if _, _, err := pki.ParseIdentity(claims.Sub); err != nil {
+	if _, _, err := pki.ParseIdentity(claims.Subject); err != nil {
 		return joinTokenClaims{}, fmt.Errorf("the join token's subject: %w", err)
 	}
-	return joinTokenClaims{sub: claims.Sub, jti: claims.JTI}, nil
+	return joinTokenClaims{sub: claims.Subject, jti: claims.ID}, nil
 }

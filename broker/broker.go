@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -568,11 +567,11 @@ func errDetail(err error) string {
 // tokenJTI returns the jti claim of a JWT without verifying it, for the
 // audit log; the token itself is never logged.
 func tokenJTI(token string) string {
-	parts := strings.Split(token, ".")
-	if len(parts) != 3 {
+	claims, err := pki.UnverifiedClaims(token)
+	if err != nil {
 		return ""
 	}
-	return jtiFromPayload(parts[1])
+	return claims.ID
 }
 
 // APIServerReadyz returns a readiness check that asks the API server's

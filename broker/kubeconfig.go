@@ -90,18 +90,3 @@ func writeQuoted(b *bytes.Buffer, s string) {
 func yamlMisreads(r rune) bool {
 	return r >= 0x7f && r <= 0x9f || r == 0xfffe || r == 0xffff
 }
-
-// jtiFromPayload extracts the jti claim from a JWT's base64url payload.
-func jtiFromPayload(payload string) string {
-	raw, err := base64.RawURLEncoding.DecodeString(payload)
-	if err != nil {
-		return ""
-	}
-	var claims struct {
-		JTI string `json:"jti"`
-	}
-	if json.Unmarshal(raw, &claims) != nil {
-		return ""
-	}
-	return claims.JTI
-}
