@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -35,8 +36,8 @@ type Deps struct {
 	// nil makes a new one. Process and Go collectors are the caller's
 	// choice.
 	Registry *prometheus.Registry
-	// Clock drives every schedule; nil means RealClock.
-	Clock Clock
+	// Clock drives every schedule; nil means the wall clock.
+	Clock clock.Clock
 	// Rand is the jitter source; nil means math/rand/v2's. It must be safe
 	// for concurrent use.
 	Rand Rand
@@ -50,7 +51,7 @@ type Deps struct {
 type Agent struct {
 	cfg      Config
 	log      *zap.Logger
-	clock    Clock
+	clock    clock.Clock
 	rand     Rand
 	registry *prometheus.Registry
 	metrics  *metrics
@@ -88,7 +89,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		a.log = zap.NewNop()
 	}
 	if a.clock == nil {
-		a.clock = RealClock{}
+		a.clock = clock.RealClock{}
 	}
 	if a.rand == nil {
 		a.rand = systemRand{}
@@ -303,14 +304,7 @@ func (a *Agent) enroll(ctx context.Context) error {
 }
 
 func (a *Agent) sleep(ctx context.Context, d time.Duration) error {
-	t := a.clock.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C():
-		return nil
-	}
+	return sleepUntil(ctx, a.clock, a.clock.Now().Add(d))
 }
 
 // Handler serves the operations endpoints: /healthz (503 with the reason

@@ -208,7 +208,7 @@ targets:
 		require.Eventually(t, cond, 10*time.Second, 5*time.Millisecond, msg)
 	}
 	// Idle means both loops (refresher and renewer) wait on their timers.
-	idle := func() bool { return clock.waiters() == 2 }
+	idle := func() bool { return clock.Waiters() == 2 }
 	secretLease := func() string {
 		s, err := cs.CoreV1().Secrets("admiralty").Get(context.Background(), "east", metav1.GetOptions{})
 		if err != nil {
@@ -233,11 +233,11 @@ targets:
 	firstSerial := serials[0]
 
 	// At 2/3 of the hour: a new lease; the old one is revoked a minute later.
-	clock.Set(start.Add(40 * time.Minute))
+	clock.SetTime(start.Add(40 * time.Minute))
 	eventually("second lease", func() bool { return secretLease() == leaseID(2) && idle() })
 	_, revoked, _ := b.snapshot()
 	require.Empty(t, revoked, "not before the grace")
-	clock.Set(start.Add(41 * time.Minute))
+	clock.SetTime(start.Add(41 * time.Minute))
 	eventually("revoked", func() bool { _, r, _ := b.snapshot(); return len(r) == 1 && idle() })
 	_, revoked, _ = b.snapshot()
 	require.Equal(t, []string{leaseID(1)}, revoked)
@@ -245,24 +245,24 @@ targets:
 	// The certificate (2h from issuance, NotBefore backdated 5m) renews at
 	// 0.66 of its lifetime from issuance, 79.2 minutes in; the next
 	// request presents the new one.
-	clock.Set(start.Add(79*time.Minute + 30*time.Second))
+	clock.SetTime(start.Add(79*time.Minute + 30*time.Second))
 	eventually("renewed", func() bool {
 		return testutil.ToFloat64(a.metrics.renewals.WithLabelValues(resultSuccess)) == 1 && idle()
 	})
 	stored, err := cs.CoreV1().Secrets("tokenbroker-agent").Get(ctx, "agent-identity", metav1.GetOptions{})
 	require.NoError(t, err)
 	require.NotEqual(t, id.Data["tls.crt"], stored.Data["tls.crt"], "the renewed certificate is stored")
-	clock.Set(start.Add(80 * time.Minute))
+	clock.SetTime(start.Add(80 * time.Minute))
 	eventually("third lease", func() bool { return secretLease() == leaseID(3) && idle() })
 	_, _, serials = b.snapshot()
 	require.NotEqual(t, firstSerial, serials[len(serials)-1], "the renewed certificate is presented")
-	clock.Set(start.Add(81 * time.Minute))
+	clock.SetTime(start.Add(81 * time.Minute))
 	eventually("lease 2 revoked", func() bool { _, r, _ := b.snapshot(); return len(r) == 2 && idle() })
 
 	// The broker goes down at the next refresh: the outputs keep lease 3,
 	// the failure shows in the metrics, and the agent recovers.
 	b.setDown(true)
-	clock.Set(start.Add(120 * time.Minute))
+	clock.SetTime(start.Add(120 * time.Minute))
 	eventually("failure counted", func() bool {
 		return testutil.ToFloat64(a.metrics.refresh.WithLabelValues("east", resultFailure)) == 1 && idle()
 	})
@@ -270,7 +270,7 @@ targets:
 	code, _ = httpGet(t, ops+"/healthz")
 	require.Equal(t, http.StatusOK, code, "the retry comes long before lease 3 expires")
 	b.setDown(false)
-	clock.Set(start.Add(120*time.Minute + time.Second))
+	clock.SetTime(start.Add(120*time.Minute + time.Second))
 	eventually("recovered", func() bool { return secretLease() == leaseID(4) && idle() })
 
 	// Metrics are served, expiries computed at scrape time.
@@ -357,7 +357,7 @@ func TestReadinessWaitsForEveryOutputAndHealthForExpiredCertificates(t *testing.
 	code, _ = httpGet(t, srv.URL+"/healthz")
 	require.Equal(t, http.StatusOK, code)
 
-	clock.Set(t0.Add(25 * time.Hour))
+	clock.SetTime(t0.Add(25 * time.Hour))
 	code, body = httpGet(t, srv.URL+"/healthz")
 	require.Equal(t, http.StatusServiceUnavailable, code)
 	require.Contains(t, body, "client certificate expired at")

@@ -1,25 +1,31 @@
 package agent
 
 import (
+	"context"
+
 	"math/rand/v2"
 	"time"
+
+	"k8s.io/utils/clock"
 )
 
-// Clock is the agent's source of time. Tests inject a fake one to drive
-// the refresh and renewal schedules without waiting.
-type Clock interface {
-	Now() time.Time
-	// NewTimer returns a timer that fires once, d from now.
-	NewTimer(d time.Duration) Timer
-}
-
-// Timer is a one-shot timer made by a Clock.
-type Timer interface {
-	// C delivers the time once the timer fires.
-	C() <-chan time.Time
-	// Stop prevents the timer from firing; it reports whether it stopped
-	// it.
-	Stop() bool
+// sleepUntil waits until c reaches wake or ctx is done, and returns
+// ctx.Err(). A wake time already passed returns at once, without a timer.
+// Every wait of the agent goes through it, so that a fake clock
+// (k8s.io/utils/clock/testing) drives them all in tests.
+func sleepUntil(ctx context.Context, c clock.Clock, wake time.Time) error {
+	d := wake.Sub(c.Now())
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := c.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C():
+		return nil
+	}
 }
 
 // Rand is the agent's source of jitter: Float64 returns a number in
@@ -28,22 +34,6 @@ type Timer interface {
 type Rand interface {
 	Float64() float64
 }
-
-// RealClock is the wall clock.
-type RealClock struct{}
-
-var _ Clock = RealClock{}
-
-// Now returns time.Now().
-func (RealClock) Now() time.Time { return time.Now() }
-
-// NewTimer returns a time.Timer.
-func (RealClock) NewTimer(d time.Duration) Timer { return realTimer{time.NewTimer(d)} }
-
-type realTimer struct{ t *time.Timer }
-
-func (t realTimer) C() <-chan time.Time { return t.t.C }
-func (t realTimer) Stop() bool          { return t.t.Stop() }
 
 // systemRand is math/rand/v2's top-level source: randomly seeded and safe
 // for concurrent use. Jitter needs no cryptographic randomness.

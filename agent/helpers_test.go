@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 	"k8s.io/apimachinery/pkg/runtime"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -23,78 +24,11 @@ import (
 // t0 is the fake clock's start.
 var t0 = time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
 
-// fakeClock is a Clock that moves only when told.
-type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*fakeTimer
-}
+// fakeClock moves only when told (SetTime, Step) and counts the timers
+// waiting on it (Waiters).
+type fakeClock = clocktesting.FakeClock
 
-func newFakeClock(t time.Time) *fakeClock { return &fakeClock{now: t} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) NewTimer(d time.Duration) Timer {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &fakeTimer{c: c, at: c.now.Add(d), ch: make(chan time.Time, 1)}
-	if d <= 0 {
-		t.ch <- c.now
-		return t
-	}
-	c.timers = append(c.timers, t)
-	return t
-}
-
-// Set moves the clock to t and fires the timers due.
-func (c *fakeClock) Set(t time.Time) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = t
-	keep := c.timers[:0]
-	for _, tm := range c.timers {
-		if !tm.at.After(t) {
-			tm.ch <- t
-		} else {
-			keep = append(keep, tm)
-		}
-	}
-	c.timers = keep
-}
-
-// Advance moves the clock by d.
-func (c *fakeClock) Advance(d time.Duration) { c.Set(c.Now().Add(d)) }
-
-// waiters returns how many timers are pending.
-func (c *fakeClock) waiters() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.timers)
-}
-
-type fakeTimer struct {
-	c  *fakeClock
-	at time.Time
-	ch chan time.Time
-}
-
-func (t *fakeTimer) C() <-chan time.Time { return t.ch }
-
-func (t *fakeTimer) Stop() bool {
-	t.c.mu.Lock()
-	defer t.c.mu.Unlock()
-	for i, x := range t.c.timers {
-		if x == t {
-			t.c.timers = append(t.c.timers[:i], t.c.timers[i+1:]...)
-			return true
-		}
-	}
-	return false
-}
+func newFakeClock(t time.Time) *fakeClock { return clocktesting.NewFakeClock(t) }
 
 // fixedRand always returns v.
 type fixedRand float64

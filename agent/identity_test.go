@@ -234,11 +234,11 @@ func TestTheCertificateIsRenewedAtRenewAtOfItsLifetime(t *testing.T) {
 	due := issued.Add(time.Duration(0.66 * float64(lifetime)))
 
 	require.Equal(t, due, f.r.step(ctx))
-	f.clock.Set(due.Add(-time.Second))
+	f.clock.SetTime(due.Add(-time.Second))
 	require.Equal(t, due, f.r.step(ctx))
 	require.Zero(t, f.pki.renews)
 
-	f.clock.Set(due)
+	f.clock.SetTime(due)
 	wake := f.r.step(ctx)
 	cur := f.r.holder.get()
 	require.NotEqual(t, old.leaf().SerialNumber, cur.leaf().SerialNumber)
@@ -259,13 +259,13 @@ func TestAFailedRenewalKeepsTheWorkingCertificateAndBacksOff(t *testing.T) {
 	old := f.r.holder.get()
 	due := f.r.step(ctx)
 	f.pki.fail = errors.New("broker down")
-	f.clock.Set(due)
+	f.clock.SetTime(due)
 	var delays []time.Duration
 	for range 4 {
 		now := f.clock.Now()
 		wake := f.r.step(ctx)
 		delays = append(delays, wake.Sub(now))
-		f.clock.Set(wake)
+		f.clock.SetTime(wake)
 	}
 	require.Equal(t, []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}, delays)
 	require.Same(t, old, f.r.holder.get(), "never replaced by a failed renewal")

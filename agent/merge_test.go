@@ -178,7 +178,7 @@ func TestARestartAppliesChangedOutputSettingsAtOnce(t *testing.T) {
 	relabelled := base
 	relabelled.Labels = map[string]string{"team": "b"}
 	f := newRefresherFixture(t, RefreshConfig{}, out(relabelled))
-	f.clock.Set(t0.Add(5 * time.Minute))
+	f.clock.SetTime(t0.Add(5 * time.Minute))
 	f.r.step(ctx)
 	require.Zero(t, f.broker.issued(), "the Secret holds the kubeconfig: no fetch")
 	s := getSecret(t, cs, "kargo", "east")
@@ -190,7 +190,7 @@ func TestARestartAppliesChangedOutputSettingsAtOnce(t *testing.T) {
 	renamed := relabelled
 	renamed.Key = "kubeconfig.yaml"
 	g := newRefresherFixture(t, RefreshConfig{}, out(renamed))
-	g.clock.Set(t0.Add(6 * time.Minute))
+	g.clock.SetTime(t0.Add(6 * time.Minute))
 	g.r.step(ctx)
 	require.Equal(t, 1, g.broker.issued())
 	s = getSecret(t, cs, "kargo", "east")
@@ -200,7 +200,7 @@ func TestARestartAppliesChangedOutputSettingsAtOnce(t *testing.T) {
 
 	// Unchanged settings: adopted as they are, nothing written.
 	h := newRefresherFixture(t, RefreshConfig{}, out(renamed))
-	h.clock.Set(t0.Add(7 * time.Minute))
+	h.clock.SetTime(t0.Add(7 * time.Minute))
 	before := len(writeActions(cs))
 	h.r.step(ctx)
 	require.Zero(t, h.broker.issued())

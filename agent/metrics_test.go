@@ -34,9 +34,9 @@ tokenbroker_agent_credential_expiry_seconds{target="east"} CRED
 `)
 	}
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want(3600, 86400))))
-	f.clock.Advance(10 * time.Minute)
+	f.clock.Step(10 * time.Minute)
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want(3000, 85800))), "no stale value")
-	f.clock.Advance(2 * time.Hour)
+	f.clock.Step(2 * time.Hour)
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(want(-4200, 78600))), "negative once expired")
 }
 
@@ -45,7 +45,7 @@ func TestRefreshOutcomesAreCountedPerTarget(t *testing.T) {
 	f := newRefresherFixture(t, RefreshConfig{}, &memOutput{name: "a"})
 	f.r.step(context.Background())
 	f.broker.setFail(errBrokerDown)
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	f.r.step(context.Background())
 	require.NoError(t, testutil.GatherAndCompare(f.reg, strings.NewReader(`
 # HELP tokenbroker_agent_refresh_total Attempts to obtain a credential and write it to every output of a target, by result (success, failure).

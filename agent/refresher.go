@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 )
@@ -47,7 +48,7 @@ type refresher struct {
 	outputs []output
 	sched   schedule
 	grace   time.Duration
-	clock   Clock
+	clock   clock.Clock
 	log     *zap.Logger
 	metrics *metrics
 
@@ -129,14 +130,9 @@ func (r *refresher) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			break
 		}
-		t := r.clock.NewTimer(max(wake.Sub(r.clock.Now()), 0))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-		case <-t.C():
-			continue
+		if sleepUntil(ctx, r.clock, wake) != nil {
+			break
 		}
-		break
 	}
 	if n := len(r.revokes); n > 0 {
 		r.log.Info("shutting down; replaced leases will expire by themselves", zap.Int("pending_revocations", n))

@@ -46,11 +46,11 @@ func TestTheFirstStepFetchesWritesEveryOutputAndSchedulesAtTwoThirds(t *testing.
 	require.True(t, f.r.status().ready())
 
 	// Nothing happens before the refresh is due.
-	f.clock.Set(t0.Add(39 * time.Minute))
+	f.clock.SetTime(t0.Add(39 * time.Minute))
 	require.Equal(t, t0.Add(40*time.Minute), f.r.step(ctx))
 	require.Equal(t, 1, f.broker.issued())
 
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	require.Equal(t, t0.Add(41*time.Minute), f.r.step(ctx), "woken for the revocation of the replaced lease")
 	require.Equal(t, leaseID(2), a.lease())
 	require.Equal(t, t0.Add(80*time.Minute), f.r.status().nextAttempt, "the next refresh is scheduled from the new grant")
@@ -65,13 +65,13 @@ func TestAFailingFetchLeavesTheOutputsUntouchedAndBacksOff(t *testing.T) {
 	require.Equal(t, 1, a.writes)
 
 	f.broker.setFail(errBrokerDown)
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	var delays []time.Duration
 	for range 5 {
 		now := f.clock.Now()
 		wake := f.r.step(ctx)
 		delays = append(delays, wake.Sub(now))
-		f.clock.Set(wake)
+		f.clock.SetTime(wake)
 	}
 	require.Equal(t, []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second}, delays)
 	require.Equal(t, 1, a.writes, "a failed fetch must never touch an output")
@@ -105,7 +105,7 @@ func TestTheReplacedLeaseIsRevokedOnlyAfterEveryOutputHoldsItsSuccessorAndTheGra
 
 	// The refresh obtains lease 2 but output b cannot take it.
 	b.setFail(errors.New("volume full"))
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	wake := f.r.step(ctx)
 	require.Equal(t, leaseID(2), a.lease())
 	require.Equal(t, leaseID(1), b.lease(), "b keeps its working credential")
@@ -115,7 +115,7 @@ func TestTheReplacedLeaseIsRevokedOnlyAfterEveryOutputHoldsItsSuccessorAndTheGra
 	require.Equal(t, t0.Add(time.Hour), exp, "the expiry that counts is b's older one")
 
 	// Well past the grace, lease 1 is still in b: no revocation.
-	f.clock.Set(wake.Add(5 * time.Minute))
+	f.clock.SetTime(wake.Add(5 * time.Minute))
 	b.setFail(errors.New("still full"))
 	wake = f.r.step(ctx)
 	require.Empty(t, f.broker.revokedLeases())
@@ -123,16 +123,16 @@ func TestTheReplacedLeaseIsRevokedOnlyAfterEveryOutputHoldsItsSuccessorAndTheGra
 
 	// b recovers: lease 2 everywhere; lease 1 is revoked a grace later.
 	b.setFail(nil)
-	f.clock.Set(wake)
+	f.clock.SetTime(wake)
 	written := f.clock.Now()
 	next := f.r.step(ctx)
 	require.Equal(t, leaseID(2), b.lease())
 	require.Equal(t, written.Add(time.Minute), next, "woken for the revocation")
 	require.Empty(t, f.broker.revokedLeases(), "not before the grace")
-	f.clock.Set(written.Add(time.Minute - time.Second))
+	f.clock.SetTime(written.Add(time.Minute - time.Second))
 	f.r.step(ctx)
 	require.Empty(t, f.broker.revokedLeases())
-	f.clock.Set(written.Add(time.Minute))
+	f.clock.SetTime(written.Add(time.Minute))
 	f.r.step(ctx)
 	require.Equal(t, []string{leaseID(1)}, f.broker.revokedLeases())
 	require.Equal(t, 1.0, counter(t, f, "revocations", "east", "success"))
@@ -146,19 +146,19 @@ func TestAFailedRevocationIsCountedAndNotRetried(t *testing.T) {
 	f := newRefresherFixture(t, RefreshConfig{}, a)
 	ctx := context.Background()
 	f.r.step(ctx)
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	f.r.step(ctx)
 	f.broker.revErr = errBrokerDown
-	f.clock.Set(t0.Add(41 * time.Minute))
+	f.clock.SetTime(t0.Add(41 * time.Minute))
 	wake := f.r.step(ctx)
 	require.Equal(t, 1.0, counter(t, f, "revocations", "east", "failure"))
 	require.Equal(t, t0.Add(80*time.Minute), wake, "nothing more to revoke")
 
 	// A lease already gone counts as revoked.
 	f.broker.revErr = &client.ProblemError{Status: http.StatusNotFound}
-	f.clock.Set(t0.Add(80 * time.Minute))
+	f.clock.SetTime(t0.Add(80 * time.Minute))
 	f.r.step(ctx)
-	f.clock.Set(t0.Add(81 * time.Minute))
+	f.clock.SetTime(t0.Add(81 * time.Minute))
 	f.r.step(ctx)
 	require.Equal(t, 1.0, counter(t, f, "revocations", "east", "success"))
 }
@@ -171,7 +171,7 @@ func TestARestartAdoptsAStillValidCredentialInsteadOfFetching(t *testing.T) {
 
 	// A new process, 10 minutes later, with the same outputs.
 	f := newRefresherFixture(t, RefreshConfig{}, a, b)
-	f.clock.Set(t0.Add(10 * time.Minute))
+	f.clock.SetTime(t0.Add(10 * time.Minute))
 	wake := f.r.step(context.Background())
 	require.Zero(t, f.broker.issued(), "no fetch on restart")
 	require.Equal(t, t0.Add(40*time.Minute), wake, "scheduled from when the credential was obtained")
@@ -179,9 +179,9 @@ func TestARestartAdoptsAStillValidCredentialInsteadOfFetching(t *testing.T) {
 	require.Equal(t, 1, a.writes)
 
 	// At the refresh the adopted lease is replaced and revoked after the grace.
-	f.clock.Set(t0.Add(40 * time.Minute))
+	f.clock.SetTime(t0.Add(40 * time.Minute))
 	f.r.step(context.Background())
-	f.clock.Set(t0.Add(41 * time.Minute))
+	f.clock.SetTime(t0.Add(41 * time.Minute))
 	f.r.step(context.Background())
 	require.Equal(t, []string{leaseID(1)}, f.broker.revokedLeases())
 }
@@ -194,7 +194,7 @@ func TestARestartWritesAnAdoptedCredentialToANewOutput(t *testing.T) {
 
 	added := &memOutput{name: "added"}
 	f := newRefresherFixture(t, RefreshConfig{}, a, added)
-	f.clock.Set(t0.Add(5 * time.Minute))
+	f.clock.SetTime(t0.Add(5 * time.Minute))
 	wake := f.r.step(context.Background())
 	require.Zero(t, f.broker.issued())
 	require.Equal(t, leaseID(1), added.lease())
@@ -208,10 +208,10 @@ func TestARestartFetchesWhenTheHeldCredentialExpiredAndRevokesItsLease(t *testin
 
 	f := newRefresherFixture(t, RefreshConfig{}, a)
 	f.broker.n = 10 // another process of the broker: other lease ids
-	f.clock.Set(t0.Add(2 * time.Hour))
+	f.clock.SetTime(t0.Add(2 * time.Hour))
 	f.r.step(context.Background())
 	require.Equal(t, leaseID(11), a.lease())
-	f.clock.Set(t0.Add(2*time.Hour + time.Minute))
+	f.clock.SetTime(t0.Add(2*time.Hour + time.Minute))
 	f.r.step(context.Background())
 	require.Equal(t, []string{leaseID(1)}, f.broker.revokedLeases())
 }
@@ -225,7 +225,7 @@ func TestARestartDoesNotAdoptACredentialForAnotherRequest(t *testing.T) {
 	f.broker.n = 10
 	f.r.req.ServiceAccount = "other"
 	f.r.meta.request = requestDigest("https://east.example.com:8443", f.r.req)
-	f.clock.Set(t0.Add(time.Minute))
+	f.clock.SetTime(t0.Add(time.Minute))
 	f.r.step(context.Background())
 	require.Equal(t, 11, f.broker.issued(), "the stored credential is for another ServiceAccount: one fetch")
 	require.Equal(t, leaseID(11), a.lease())
@@ -271,14 +271,14 @@ func TestTheRunLoopFollowsTheFakeClock(t *testing.T) {
 		t.Helper()
 		require.Eventually(t, cond, 5*time.Second, time.Millisecond)
 	}
-	waitFor(func() bool { return f.clock.waiters() == 1 && a.lease() == leaseID(1) })
-	f.clock.Set(t0.Add(40 * time.Minute))
-	waitFor(func() bool { return f.clock.waiters() == 1 && a.lease() == leaseID(2) })
-	f.clock.Set(t0.Add(41 * time.Minute))
-	waitFor(func() bool { return len(f.broker.revokedLeases()) == 1 && f.clock.waiters() == 1 })
+	waitFor(func() bool { return f.clock.Waiters() == 1 && a.lease() == leaseID(1) })
+	f.clock.SetTime(t0.Add(40 * time.Minute))
+	waitFor(func() bool { return f.clock.Waiters() == 1 && a.lease() == leaseID(2) })
+	f.clock.SetTime(t0.Add(41 * time.Minute))
+	waitFor(func() bool { return len(f.broker.revokedLeases()) == 1 && f.clock.Waiters() == 1 })
 	cancel()
 	<-done
-	require.Equal(t, 0, f.clock.waiters(), "the timer is stopped")
+	require.Equal(t, 0, f.clock.Waiters(), "the timer is stopped")
 }
 
 func TestHealthFailsWhenACredentialExpiredOrWillBeforeTheNextAttempt(t *testing.T) {

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/utils/clock"
+
 	"github.com/tokenbroker/tokenbroker/pki"
 
 	"go.uber.org/zap"
@@ -31,7 +33,7 @@ type renewer struct {
 	holder    *identityHolder
 	api       renewAPI
 	sched     schedule
-	clock     Clock
+	clock     clock.Clock
 	log       *zap.Logger
 	metrics   *metrics
 	onRenewed func()
@@ -51,12 +53,8 @@ func (r *renewer) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		t := r.clock.NewTimer(max(wake.Sub(r.clock.Now()), 0))
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if sleepUntil(ctx, r.clock, wake) != nil {
 			return
-		case <-t.C():
 		}
 	}
 }
