@@ -137,7 +137,7 @@ func RequestID(ctx context.Context) string {
 // decision the operational log also records.
 func (b *Broker) audit(ctx context.Context, ev AuditEvent) {
 	ev.Audit = AuditSchema
-	ev.Time = b.cfg.Now().UTC()
+	ev.Time = b.cfg.Clock.Now().UTC()
 	if ev.RequestID == "" {
 		ev.RequestID = RequestID(ctx)
 	}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"sync/atomic"
 	"time"
@@ -16,8 +17,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -67,9 +70,11 @@ type Config struct {
 	APIServerReady func(ctx context.Context) error
 	// Metrics, if set, records issuance outcomes and API call time.
 	Metrics *Metrics
-	// Now and Rand default to time.Now and crypto/rand.
-	Now  func() time.Time
-	Rand io.Reader
+	// Clock is the broker's one source of time, for expiries, audit times
+	// and the durations it measures; nil means the wall clock. Rand
+	// defaults to crypto/rand.
+	Clock clock.WithTicker
+	Rand  io.Reader
 	// CleanupTimeout bounds one deletion of a lease after a failed
 	// request; default 10s. CleanupRetryFor is how long a deletion that
 	// failed because the API server was unavailable is retried in the
@@ -121,8 +126,8 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.CertificateTTL < MinCertificateTTL || cfg.CertificateTTL > MaxCertificateTTL {
 		return nil, fmt.Errorf("broker: CertificateTTL must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
+	if cfg.Clock == nil {
+		cfg.Clock = clock.RealClock{}
 	}
 	if cfg.Rand == nil {
 		cfg.Rand = rand.Reader
@@ -135,7 +140,7 @@ func New(cfg Config) (*Broker, error) {
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Now)
+		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Clock.Now)
 	}
 	return b, nil
 }
@@ -154,7 +159,7 @@ func (b *Broker) policy() (*Policy, error) {
 // the TTL strings are parsed again here so that the broker never trusts its
 // caller. Every call ends in one audit event (ActionIssue).
 func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
-	start := time.Now()
+	start := b.cfg.Clock.Now()
 	wait := new(apiWait)
 	a := &pendingAudit{ev: AuditEvent{
 		Action:         ActionIssue,
@@ -166,7 +171,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 		RequestedTTL:   req.TTL,
 	}}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
-	total := time.Since(start)
+	total := b.cfg.Clock.Since(start)
 	b.cfg.Metrics.observeIssue(outcome, total, total-time.Duration(wait.d.Load()))
 	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
@@ -236,7 +241,7 @@ type apiWaitKey struct{}
 // err: in the per-call histogram, in the error counter and in the
 // request's apiWait, if ctx carries one. It returns the call's duration.
 func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err error) time.Duration {
-	d := time.Since(start)
+	d := b.cfg.Clock.Since(start)
 	b.cfg.Metrics.observeAPI(call, d)
 	if err != nil {
 		b.cfg.Metrics.observeAPIError(call, apiErrorReason(err))
@@ -285,9 +290,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	a.ev.LeaseID = id
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
-	now := b.cfg.Now()
+	now := b.cfg.Clock.Now()
 	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
-	t0 := time.Now()
+	t0 := b.cfg.Clock.Now()
 	created, err := b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
 	b.timeAPI(ctx, "create_lease", t0, err)
 	if err != nil {
@@ -308,8 +313,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcome, err
 	}
 
-	issueStart := b.cfg.Now()
-	t0 = time.Now()
+	issueStart := b.cfg.Clock.Now()
+	t0 = b.cfg.Clock.Now()
 	cred, err := issuer.Issue(ctx, issuers.Request{
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
@@ -431,7 +436,7 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 // setExpiry records a new expiry on a lease Secret.
 func (b *Broker) setExpiry(ctx context.Context, s *corev1.Secret, at time.Time) error {
 	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, AnnotationExpiresAt, at.UTC().Format(time.RFC3339))
-	t0 := time.Now()
+	t0 := b.cfg.Clock.Now()
 	_, err := b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
 	b.timeAPI(ctx, "patch_lease", t0, err)
 	if err != nil {
@@ -493,11 +498,15 @@ func neverSent(err error) bool {
 // (or s turns out not to exist) or CleanupRetryFor has passed; after that
 // the GC removes the lease once it expires.
 func (b *Broker) retryDelete(s *corev1.Secret, log *zap.Logger) {
-	deadline := time.Now().Add(b.cfg.CleanupRetryFor)
-	wait := 250 * time.Millisecond
-	for time.Now().Before(deadline) {
-		time.Sleep(wait)
-		wait = min(2*wait, 10*time.Second)
+	deadline := b.cfg.Clock.Now().Add(b.cfg.CleanupRetryFor)
+	backoff := wait.Backoff{Duration: 250 * time.Millisecond, Factor: 2, Cap: 10 * time.Second, Steps: math.MaxInt32}
+	for {
+		// Step keeps returning the cap once it is reached.
+		d := backoff.Step()
+		if !b.cfg.Clock.Now().Add(d).Before(deadline) {
+			break
+		}
+		<-b.cfg.Clock.After(d)
 		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
 		err := b.deleteSecret(ctx, s)
 		cancel()
@@ -518,7 +527,7 @@ func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
 		uid := s.UID
 		opts.Preconditions = &metav1.Preconditions{UID: &uid}
 	}
-	t0 := time.Now()
+	t0 := b.cfg.Clock.Now()
 	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, opts)
 	if isNotFound(err) {
 		err = nil // gone already: what a delete wants

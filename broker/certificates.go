@@ -312,7 +312,7 @@ func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims
 		},
 		Type: SecretTypeUsedJoinToken,
 	}
-	t0 := time.Now()
+	t0 := b.cfg.Clock.Now()
 	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})
 	b.timeAPI(ctx, "create_used_join_token", t0, err)
 	switch {
@@ -335,15 +335,15 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 	if p := b.cfg.Policy.Load(); p != nil {
 		ttl = p.CertificateTTL(identity, ttl)
 	}
-	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Now()) - caExpirySlack; ttl > left && left >= MinCertificateTTL {
+	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Clock.Now()) - caExpirySlack; ttl > left && left >= MinCertificateTTL {
 		log.Warn("certificate lifetime shortened: the signing CA expires sooner; rotate the CA",
 			zap.Duration("ttl", ttl), zap.Duration("granted", left.Truncate(time.Second)),
 			zap.Time("ca_not_after", b.cfg.CA.Certificate().NotAfter))
 		ttl = left.Truncate(time.Second)
 	}
-	t0 := time.Now()
+	t0 := b.cfg.Clock.Now()
 	kp, err := b.cfg.CA.SignClient(csr, identity, ttl)
-	b.cfg.Metrics.observeAPI("sign_client_certificate", time.Since(t0))
+	b.cfg.Metrics.observeAPI("sign_client_certificate", b.cfg.Clock.Since(t0))
 	if err != nil {
 		if errors.Is(err, pki.ErrInvalidCSR) {
 			return nil, &Error{Kind: KindInvalid, Detail: "the request is invalid",

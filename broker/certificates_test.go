@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -326,12 +327,12 @@ func TestUsedJoinTokenRecordsAreCollectedAfterExpiryAndNeverListedAsLeases(t *te
 	require.Zero(t, n, "the record is kept while the token could still be presented")
 
 	// Past exp, but within the margin the verifier's leeway needs.
-	e.b.cfg.Now = func() time.Time { return claims.ExpiresAt.Add(time.Minute) }
+	e.b.cfg.Clock = clocktesting.NewFakeClock(claims.ExpiresAt.Add(time.Minute))
 	n, err = e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
 	require.Zero(t, n)
 
-	e.b.cfg.Now = func() time.Time { return claims.ExpiresAt.Add(usedJoinTokenMargin + time.Second) }
+	e.b.cfg.Clock = clocktesting.NewFakeClock(claims.ExpiresAt.Add(usedJoinTokenMargin + time.Second))
 	n, err = e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)

@@ -137,7 +137,7 @@ func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, se
 	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String()}
 	var out []corev1.Secret
 	for _, ns := range namespaces {
-		t0 := time.Now()
+		t0 := b.cfg.Clock.Now()
 		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
 		b.timeAPI(ctx, call, t0, err)
 		if err != nil {
@@ -171,9 +171,9 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 // join token record without one is kept for usedJoinTokenFallbackRetention.
 // Safe to run on several replicas at once.
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
-	start := time.Now()
+	start := b.cfg.Clock.Now()
 	n, active, err := b.collectGarbage(ctx)
-	b.cfg.Metrics.observeGC(time.Since(start), active, b.cfg.Now(), err)
+	b.cfg.Metrics.observeGC(b.cfg.Clock.Since(start), active, b.cfg.Clock.Now(), err)
 	return n, err
 }
 
@@ -182,7 +182,7 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	// Every kind at once, including lease Secrets made before the kind
 	// label existed.
-	now := b.cfg.Now()
+	now := b.cfg.Clock.Now()
 	maxTTL := 24 * time.Hour
 	var namespaces []string
 	if p := b.cfg.Policy.Load(); p != nil {

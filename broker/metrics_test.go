@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	k8stesting "k8s.io/client-go/testing"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -122,7 +123,7 @@ func TestGarbageCollectionReportsActiveLeasesAndItsRuns(t *testing.T) {
 	require.Equal(t, 3.0, testutil.ToFloat64(m.activeLeases))
 
 	later := time.Now().Add(11 * time.Minute)
-	e.b.cfg.Now = func() time.Time { return later }
+	e.b.cfg.Clock = clocktesting.NewFakeClock(later)
 	_, err = e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 2.0, testutil.ToFloat64(m.activeLeases))
@@ -174,14 +175,26 @@ tokenbroker_build_info{goversion="go1.26.8",revision="abc123",version="v1.2.3"} 
 func TestANilMetricsRecordsNothing(t *testing.T) {
 	t.Parallel()
 	var m *Metrics
-	m.observeGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant)
-	m.observeDenial(ActionIssue, denyInvalid)
-	m.observeGC(time.Second, 1, time.Now(), nil)
-	m.observeAPIError("x", "other")
-	m.observeAudit(ActionIssue, DecisionAllow, nil)
-	m.observeIssuer("token", time.Second, nil)
-	m.WatchCertificateExpiry(CertificateCA, time.Now)
-	m.SetBuildInfo("v", "r", "g")
+	// A broker built without metrics (the tests' and the GC replica's)
+	// calls every method on nil: each must be a no-op, not a panic.
+	for name, call := range map[string]func(){
+		"observeGrant":           func() { m.observeGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant) },
+		"observeDenial":          func() { m.observeDenial(ActionIssue, denyInvalid) },
+		"observeGC":              func() { m.observeGC(time.Second, 1, time.Now(), nil) },
+		"observeAPIError":        func() { m.observeAPIError("x", "other") },
+		"observeAudit":           func() { m.observeAudit(ActionIssue, DecisionAllow, nil) },
+		"observeIssuer":          func() { m.observeIssuer("token", time.Second, nil) },
+		"WatchCertificateExpiry": func() { m.WatchCertificateExpiry(CertificateCA, time.Now) },
+		"SetBuildInfo":           func() { m.SetBuildInfo("v", "r", "g") },
+		"ObserveReload":          func() { m.ObserveReload(ConfigPolicy, nil) },
+	} {
+		require.NotPanics(t, call, name)
+	}
+	// And a whole issuance through a broker without metrics works.
+	e := newEnv(t)
+	require.Nil(t, e.b.cfg.Metrics)
+	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
 }
 
 func histogramCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -40,6 +41,36 @@ type load struct {
 func runLoad(t *testing.T, e *brokerEnv, client *http.Client, conc, n int, stop <-chan struct{}) *load {
 	t.Helper()
 	l := &load{statuses: map[int]int{}}
+	l.run(e, client, conc, n, stop)
+	return l
+}
+
+// startLoad runs a load until stop is closed; done delivers it then. The
+// test watches its progress with waitFor instead of sleeping.
+func startLoad(e *brokerEnv, client *http.Client, conc int, stop <-chan struct{}) (l *load, done <-chan *load) {
+	l = &load{statuses: map[int]int{}}
+	ch := make(chan *load, 1)
+	go func() {
+		l.run(e, client, conc, 0, stop)
+		ch <- l
+	}()
+	return l, ch
+}
+
+// count is how many answers with status the load has had so far.
+func (l *load) count(status int) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.statuses[status]
+}
+
+// waitFor waits until the load has had more than n answers with status.
+func (l *load) waitFor(t *testing.T, status, n int, why string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return l.count(status) > n }, time.Minute, 20*time.Millisecond, why)
+}
+
+func (l *load) run(e *brokerEnv, client *http.Client, conc, n int, stop <-chan struct{}) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	body := []byte(`{"namespace":"argo","serviceAccount":"runner","ttl":"10m"}`)
@@ -61,7 +92,6 @@ func runLoad(t *testing.T, e *brokerEnv, client *http.Client, conc, n int, stop 
 		}()
 	}
 	wg.Wait()
-	return l
 }
 
 func (l *load) one(client *http.Client, url string, body []byte) {
@@ -140,7 +170,7 @@ func collectLater(t *testing.T, c *testcluster.Cluster, e *brokerEnv) int {
 		Secrets: c.Client.CoreV1(),
 		Policy:  broker.NewPolicyStore(p),
 		Logger:  zap.NewNop(),
-		Now:     func() time.Time { return time.Now().Add(11 * time.Minute) },
+		Clock:   clocktesting.NewFakeClock(time.Now().Add(11 * time.Minute)),
 	})
 	require.NoError(t, err)
 	n, err := later.CollectGarbage(context.Background())
@@ -221,12 +251,11 @@ func TestAPIServerOutageUnderLoad(t *testing.T) {
 	e := startBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
-	done := make(chan *load)
-	go func() { done <- runLoad(t, e, client, 8, 0, stop) }()
+	running, done := startLoad(e, client, 8, stop)
 
-	time.Sleep(time.Second)
+	running.waitFor(t, http.StatusCreated, 20, "issuances before the outage")
 	require.NoError(t, c.StopAPIServer())
-	time.Sleep(2 * time.Second)
+	running.waitFor(t, http.StatusServiceUnavailable, 20, "503s during the outage")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, c.StartAPIServer(ctx))
@@ -234,7 +263,7 @@ func TestAPIServerOutageUnderLoad(t *testing.T) {
 		status, _, err := e.curl(t, "", "http://"+e.ops+"/readyz")
 		return err == nil && status == 200
 	}, 30*time.Second, 100*time.Millisecond, "ready again without a restart")
-	time.Sleep(2 * time.Second)
+	running.waitFor(t, http.StatusCreated, running.count(http.StatusCreated)+20, "issuances after the outage")
 	close(stop)
 	l := <-done
 
@@ -262,9 +291,8 @@ func TestBrokerKilledMidRun(t *testing.T) {
 	e := startBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
-	done := make(chan *load)
-	go func() { done <- runLoad(t, e, client, 16, 0, stop) }()
-	time.Sleep(time.Second)
+	running, done := startLoad(e, client, 16, stop)
+	running.waitFor(t, http.StatusCreated, 20, "the load is under way")
 	require.NoError(t, e.proc.cmd.Process.Signal(syscall.SIGKILL))
 	err := <-e.proc.done
 	e.proc.done <- err
@@ -325,9 +353,8 @@ func TestGracefulShutdown(t *testing.T) {
 	e := startBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
-	done := make(chan *load)
-	go func() { done <- runLoad(t, e, client, 16, 0, stop) }()
-	time.Sleep(time.Second)
+	running, done := startLoad(e, client, 16, stop)
+	running.waitFor(t, http.StatusCreated, 20, "the load is under way")
 	require.NoError(t, e.proc.cmd.Process.Signal(syscall.SIGTERM))
 	select {
 	case err := <-e.proc.done:

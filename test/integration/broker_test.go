@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -168,7 +169,7 @@ func TestAgainstARealAPIServer(t *testing.T) {
 			Secrets: s.cluster.Client.CoreV1(),
 			Policy:  broker.NewPolicyStore(p),
 			Logger:  zapNop(),
-			Now:     func() time.Time { return time.Now().Add(11 * time.Minute) },
+			Clock:   clocktesting.NewFakeClock(time.Now().Add(11 * time.Minute)),
 		})
 		require.NoError(t, err)
 		n, err := later.CollectGarbage(context.Background())
