@@ -134,7 +134,7 @@ type OutputConfig struct {
 // Secret output formats.
 const (
 	FormatAdmiralty  = "admiralty"  // key "config", as Admiralty's Target kubeconfigSecret reads it
-	FormatArgoCD     = "argocd"     // Argo CD cluster Secret: name, server, config (bearerToken, tlsClientConfig.{caData,serverName}, proxyUrl)
+	FormatArgoCD     = "argocd"     // Argo CD cluster Secret: name, server, config (bearerToken or tlsClientConfig.{certData,keyData}, tlsClientConfig.{caData,serverName}, proxyUrl)
 	FormatFlux       = "flux"       // key "value", label reconcile.fluxcd.io/watch: Enabled
 	FormatKubeconfig = "kubeconfig" // key "kubeconfig"
 )

@@ -22,8 +22,12 @@ type Credential struct {
 	LeaseID string
 	// Kubeconfig is the kubeconfig as the broker built it.
 	Kubeconfig []byte
-	// Token is the bearer token inside Kubeconfig.
-	Token string
+	// Token is the bearer token inside Kubeconfig, for a token
+	// credential; CertData and KeyData are the client certificate and key
+	// (PEM) inside it, for a client-certificate credential.
+	Token    string
+	CertData []byte
+	KeyData  []byte
 	// Server is the API server URL of the kubeconfig's current context,
 	// and CAData the PEM bundle that verifies it. TLSServerName and
 	// ProxyURL are its tls-server-name and proxy-url, if any.
@@ -67,12 +71,21 @@ func (c *Credential) Response() apiv1.KubeconfigResponse {
 	return apiv1.KubeconfigResponse{
 		LeaseID:      c.LeaseID,
 		Kubeconfig:   string(c.Kubeconfig),
+		Credential:   c.Kind(),
 		Token:        c.Token,
 		ExpiresAt:    c.ExpiresAt.UTC(),
 		RequestedTTL: c.RequestedTTL,
 		GrantedTTL:   c.GrantedTTL,
 		ClampedBy:    c.ClampedBy,
 	}
+}
+
+// Kind is the credential kind of the kubeconfig's user.
+func (c *Credential) Kind() string {
+	if len(c.CertData) > 0 {
+		return apiv1.CredentialClientCertificate
+	}
+	return apiv1.CredentialToken
 }
 
 func (c *Credential) grant() grant {
@@ -145,6 +158,7 @@ func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time
 func (c *Credential) setKubeconfig(raw []byte, kc kubeconfigParts) {
 	c.Kubeconfig = raw
 	c.Token, c.Server, c.CAData = kc.token, kc.server, kc.caData
+	c.CertData, c.KeyData = kc.certData, kc.keyData
 	c.TLSServerName, c.ProxyURL = kc.tlsServerName, kc.proxyURL
 }
 
@@ -154,9 +168,13 @@ type kubeconfigParts struct {
 	tlsServerName string
 	proxyURL      string
 	token         string
+	certData      []byte
+	keyData       []byte
 }
 
-// parseKubeconfig reads the current context's server, CA bundle and token.
+// parseKubeconfig reads the current context's server, CA bundle and
+// credential: a token, or a client certificate and key (clientcmd's
+// AuthInfo, inline data only).
 // Errors never quote the document: it holds the token.
 func parseKubeconfig(data []byte) (kubeconfigParts, error) {
 	if len(data) == 0 {
@@ -175,7 +193,8 @@ func parseKubeconfig(data []byte) (kubeconfigParts, error) {
 		return kubeconfigParts{}, errors.New("the kubeconfig's current context has no server")
 	}
 	user, ok := cfg.AuthInfos[ctx.AuthInfo]
-	if !ok || user.Token == "" {
+	cert := ok && len(user.ClientCertificateData) > 0 && len(user.ClientKeyData) > 0
+	if !ok || user.Token == "" && !cert {
 		return kubeconfigParts{}, errors.New("the kubeconfig's current context has no token")
 	}
 	return kubeconfigParts{
@@ -184,6 +203,8 @@ func parseKubeconfig(data []byte) (kubeconfigParts, error) {
 		tlsServerName: cluster.TLSServerName,
 		proxyURL:      cluster.ProxyURL,
 		token:         user.Token,
+		certData:      user.ClientCertificateData,
+		keyData:       user.ClientKeyData,
 	}, nil
 }
 

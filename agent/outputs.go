@@ -184,7 +184,7 @@ func shortDigest(v any) string {
 // subset of Argo CD's ClusterConfig, whose caData is []byte in Go and so
 // base64 of the PEM bundle in JSON.
 type argoClusterConfig struct {
-	BearerToken     string        `json:"bearerToken"`
+	BearerToken     string        `json:"bearerToken,omitempty"`
 	TLSClientConfig argoTLSConfig `json:"tlsClientConfig"`
 	ProxyURL        string        `json:"proxyUrl,omitempty"`
 }
@@ -193,6 +193,10 @@ type argoTLSConfig struct {
 	Insecure   bool   `json:"insecure"`
 	ServerName string `json:"serverName,omitempty"`
 	CAData     string `json:"caData,omitempty"`
+	// CertData and KeyData are a client certificate credential: base64
+	// of the PEM, as Argo CD's []byte fields are in JSON.
+	CertData string `json:"certData,omitempty"`
+	KeyData  string `json:"keyData,omitempty"`
 }
 
 // ownedKeys is the content of the tokenbroker.io/owned annotation.
@@ -223,10 +227,14 @@ func ownedFrom(s *corev1.Secret) ownedKeys {
 
 // renderArgoCD fills the keys of an Argo CD cluster Secret.
 func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[string][]byte) error {
-	if c.Token == "" || c.Server == "" {
-		return errors.New("the argocd format needs a server and a bearer token")
+	if c.Token == "" && len(c.CertData) == 0 || c.Server == "" {
+		return errors.New("the argocd format needs a server and a bearer token or a client certificate")
 	}
 	cfg := argoClusterConfig{BearerToken: c.Token, ProxyURL: c.ProxyURL}
+	if len(c.CertData) > 0 {
+		cfg.TLSClientConfig.CertData = base64.StdEncoding.EncodeToString(c.CertData)
+		cfg.TLSClientConfig.KeyData = base64.StdEncoding.EncodeToString(c.KeyData)
+	}
 	cfg.TLSClientConfig.ServerName = c.TLSServerName
 	if len(c.CAData) > 0 {
 		cfg.TLSClientConfig.CAData = base64.StdEncoding.EncodeToString(c.CAData)

@@ -16,7 +16,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"sigs.k8s.io/yaml"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
@@ -309,5 +313,51 @@ func TestACredentialNeverPrintsItsSecrets(t *testing.T) {
 	for _, s := range []string{c.String(), c.GoString()} {
 		require.NotContains(t, s, c.Token)
 		require.Contains(t, s, c.LeaseID)
+	}
+}
+
+// certCredential is a client-certificate credential as the broker's
+// kubeconfig carries it (client-certificate-data, client-key-data).
+func certCredential(t *testing.T) *Credential {
+	t.Helper()
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["east"] = &clientcmdapi.Cluster{Server: "https://east.example.com:6443", CertificateAuthorityData: []byte(testCA)}
+	cfg.AuthInfos["runner@east"] = &clientcmdapi.AuthInfo{ClientCertificateData: []byte("CERT PEM"), ClientKeyData: []byte("KEY PEM")}
+	cfg.Contexts["ctx"] = &clientcmdapi.Context{Cluster: "east", AuthInfo: "runner@east", Namespace: "argo"}
+	cfg.CurrentContext = "ctx"
+	kc, err := clientcmd.Write(*cfg)
+	require.NoError(t, err)
+	c, err := credentialFromResponse(&apiv1.KubeconfigResponse{
+		LeaseID: "k7b3xq2mzw4rd5tn6vy2abcdef", Kubeconfig: string(kc), Credential: apiv1.CredentialClientCertificate,
+		ExpiresAt: time.Date(2030, 1, 2, 15, 4, 5, 0, time.UTC),
+	}, time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	require.NoError(t, err)
+	return c
+}
+
+func TestAClientCertificateCredentialReachesEveryFormat(t *testing.T) {
+	t.Parallel()
+	c := certCredential(t)
+	require.Equal(t, apiv1.CredentialClientCertificate, c.Kind())
+	require.Equal(t, []byte("CERT PEM"), c.CertData)
+	require.NotContains(t, c.String(), "KEY PEM")
+
+	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, goldenMeta, c)
+	require.NoError(t, err)
+	var cfg map[string]any
+	require.NoError(t, json.Unmarshal(s.Data["config"], &cfg))
+	require.NotContains(t, cfg, "bearerToken", "no empty token next to the certificate")
+	tls := cfg["tlsClientConfig"].(map[string]any)
+	require.Equal(t, base64.StdEncoding.EncodeToString([]byte("CERT PEM")), tls["certData"])
+	require.Equal(t, base64.StdEncoding.EncodeToString([]byte("KEY PEM")), tls["keyData"])
+
+	for _, format := range []string{FormatAdmiralty, FormatFlux, FormatKubeconfig} {
+		s, err := renderSecret(SecretOutput{Namespace: "ns", Name: "east", Format: format}, goldenMeta, c)
+		require.NoError(t, err, format)
+		found := false
+		for _, v := range s.Data {
+			found = found || string(v) == string(c.Kubeconfig)
+		}
+		require.True(t, found, "%s carries the kubeconfig as the broker built it", format)
 	}
 }

@@ -58,10 +58,13 @@ type AuditEvent struct {
 	Credential     string `json:"credential,omitempty"`
 	LeaseID        string `json:"lease_id,omitempty"`
 	TokenJTI       string `json:"token_jti,omitempty"`
-	RequestedTTL   string `json:"requested_ttl,omitempty"`
-	GrantedTTL     string `json:"granted_ttl,omitempty"`
-	ClampedBy      string `json:"clamped_by,omitempty"`
-	ExpiresAt      string `json:"expires_at,omitempty"`
+	// CertificateSerial names an issued client-certificate credential
+	// (hexadecimal), as TokenJTI names a token.
+	CertificateSerial string `json:"certificate_serial,omitempty"`
+	RequestedTTL      string `json:"requested_ttl,omitempty"`
+	GrantedTTL        string `json:"granted_ttl,omitempty"`
+	ClampedBy         string `json:"clamped_by,omitempty"`
+	ExpiresAt         string `json:"expires_at,omitempty"`
 	// JoinTokenID is the jti of the join token an enrollment used (not
 	// the token), so that a replayed token can be traced to its first use.
 	JoinTokenID string `json:"join_token_jti,omitempty"`

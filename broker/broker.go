@@ -30,6 +30,12 @@ import (
 // Issuer mints one kind of credential. Errors are returned unclassified;
 // the broker classifies Kubernetes API errors itself.
 type Issuer interface {
+	// Kind is the credential kind it issues (issuers.KindToken, …).
+	Kind() string
+	// Limits are the TTL bounds and the revocation of its credentials.
+	Limits() issuers.Limits
+	// Issue mints a credential for req, within Limits. Errors from the API
+	// server are returned wrapped and unclassified.
 	Issue(ctx context.Context, req issuers.Request) (issuers.Credential, error)
 }
 
@@ -283,6 +289,17 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		a.denial = denyCredential
 		return nil, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
 	}
+	// The issuer's own bounds (the API server's minimum lifetime) after
+	// the policy's.
+	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {
+		d.TTL, d.ClampedBy = ttl, by
+		if minTTL > 0 && d.TTL < minTTL {
+			log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
+			a.denial = denyMinTTL
+			return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
+				"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
+		}
+	}
 
 	id, err := b.newLeaseID()
 	if err != nil {
@@ -354,17 +371,27 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 	}
 
-	kc, err := buildKubeconfig(p.Cluster, req.Namespace, req.ServiceAccount, cred.Token)
+	if cred.Kind() != issuer.Kind() {
+		return fail(outcomeError, fmt.Errorf("the %s issuer returned a %s credential", issuer.Kind(), cred.Kind()))
+	}
+	kc, err := buildKubeconfig(p.Cluster, req.Namespace, req.ServiceAccount, cred)
 	if err != nil {
 		return fail(outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
-	jti := tokenJTI(cred.Token)
+	// The audit names the credential without holding it: a token's jti,
+	// a certificate's serial.
+	ref := credentialID(cred)
 	log.Info("decision", zap.Bool("allowed", true),
 		zap.String("granted_ttl", granted.String()),
 		zap.String("clamped_by", clampedBy),
 		zap.Time("expires_at", cred.ExpiresAt),
-		zap.String("token_jti", jti))
-	a.ev.TokenJTI, a.ev.GrantedTTL, a.ev.ClampedBy = jti, granted.String(), clampedBy
+		zap.String(ref.logKey, ref.value))
+	a.ev.GrantedTTL, a.ev.ClampedBy = granted.String(), clampedBy
+	if cred.Kind() == issuers.KindToken {
+		a.ev.TokenJTI = ref.value
+	} else {
+		a.ev.CertificateSerial = ref.value
+	}
 	a.ev.ExpiresAt = cred.ExpiresAt.UTC().Format(time.RFC3339)
 	b.cfg.Metrics.observeGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
@@ -374,6 +401,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,
 		Kubeconfig:   string(kc),
+		Credential:   cred.Kind(),
 		Token:        cred.Token,
 		ExpiresAt:    cred.ExpiresAt.UTC(),
 		RequestedTTL: reqTTL,
@@ -573,14 +601,25 @@ func errDetail(err error) string {
 	return err.Error()
 }
 
-// tokenJTI returns the jti claim of a JWT without verifying it, for the
-// audit log; the token itself is never logged.
-func tokenJTI(token string) string {
-	claims, err := pki.UnverifiedClaims(token)
-	if err != nil {
-		return ""
+// credentialRef names a credential in the log and the audit trail
+// without holding it.
+type credentialRef struct{ logKey, value string }
+
+// credentialID is a token's jti (read without verifying it) or a
+// certificate's serial in hexadecimal.
+func credentialID(c issuers.Credential) credentialRef {
+	if c.Kind() == issuers.KindClientCertificate {
+		serial := ""
+		if leaf, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(leaf) > 0 {
+			serial = leaf[0].SerialNumber.Text(16)
+		}
+		return credentialRef{"certificate_serial", serial}
 	}
-	return claims.ID
+	jti := ""
+	if claims, err := pki.UnverifiedClaims(c.Token); err == nil {
+		jti = claims.ID
+	}
+	return credentialRef{"token_jti", jti}
 }
 
 // APIServerReadyz returns a readiness check that asks the API server's

@@ -1,6 +1,7 @@
 package broker
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"strings"
@@ -21,6 +22,8 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/issuers"
+	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // fakeIssuer stands in for the API server's TokenRequest in pure-logic
@@ -31,10 +34,21 @@ type fakeIssuer struct {
 	shorten time.Duration // grant this much less than asked
 	delay   time.Duration // answer this late on clock, like a slow API server
 	clock   *clocktesting.FakeClock
+	cert    *issuers.Credential // issue this client certificate instead of a token
 	got     []issuers.Request
 }
 
 const secretToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJqdGktNDIifQ.c2lnbmF0dXJlLXRoYXQtbXVzdC1uZXZlci1iZS1sb2dnZWQ"
+
+func (f *fakeIssuer) Kind() string {
+	if f.cert != nil {
+		return issuers.KindClientCertificate
+	}
+	return issuers.KindToken
+}
+
+// Limits are those of the TokenRequest issuer.
+func (f *fakeIssuer) Limits() issuers.Limits { return tokenrequest.New(nil).Limits() }
 
 func (f *fakeIssuer) Issue(_ context.Context, req issuers.Request) (issuers.Credential, error) {
 	f.mu.Lock()
@@ -45,6 +59,9 @@ func (f *fakeIssuer) Issue(_ context.Context, req issuers.Request) (issuers.Cred
 	}
 	if f.err != nil {
 		return issuers.Credential{}, f.err
+	}
+	if f.cert != nil {
+		return *f.cert, nil
 	}
 	// Whole seconds, like a JWT exp.
 	return issuers.Credential{Token: secretToken, ExpiresAt: time.Now().Add(req.TTL - f.shorten).Truncate(time.Second)}, nil
@@ -111,6 +128,47 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	require.Equal(t, "Secret", e.iss.got[0].Lease.Kind)
 	require.Equal(t, s.Name, e.iss.got[0].Lease.Name)
 	require.Equal(t, []string{"aud"}, e.iss.got[0].Audiences)
+}
+
+func TestATTLUnderTheIssuersMinimumIsRaisedToIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1m"})
+	require.NoError(t, err)
+	require.Equal(t, "10m0s", resp.GrantedTTL)
+	require.Equal(t, tokenrequest.ClampedByMinimum, resp.ClampedBy)
+	require.Equal(t, 10*time.Minute, e.iss.got[0].TTL, "the issuer is asked within its limits")
+}
+
+func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var audit bytes.Buffer
+	e.b.cfg.Auditor = NewAuditLog(&audit)
+	ca, err := pki.NewCA(pki.CAOptions{CommonName: "kube client CA"})
+	require.NoError(t, err)
+	id, err := pki.ClusterIdentity("oc.example", "runner")
+	require.NoError(t, err)
+	kp, err := ca.IssueClient(pki.ClientOptions{Identity: id})
+	require.NoError(t, err)
+	leaf, err := pki.ParseCertificatesPEM(kp.CertPEM)
+	require.NoError(t, err)
+	e.iss.cert = &issuers.Credential{CertificatePEM: kp.CertPEM, KeyPEM: kp.KeyPEM, NotBefore: leaf[0].NotBefore, ExpiresAt: leaf[0].NotAfter}
+
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
+	require.NoError(t, err)
+	require.Equal(t, apiv1.CredentialClientCertificate, resp.Credential)
+	require.Empty(t, resp.Token)
+	require.Equal(t, leaf[0].NotAfter.UTC(), resp.ExpiresAt)
+	cfg, err := clientcmd.Load([]byte(resp.Kubeconfig))
+	require.NoError(t, err)
+	rc, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
+	require.NoError(t, err)
+	require.Equal(t, kp.CertPEM, rc.CertData)
+	require.Equal(t, kp.KeyPEM, rc.KeyData)
+	require.Empty(t, rc.BearerToken)
+	require.Contains(t, audit.String(), `"certificate_serial":"`+leaf[0].SerialNumber.Text(16)+`"`)
+	require.NotContains(t, audit.String(), "token_jti")
 }
 
 func TestFailedIssuanceLeavesNoLease(t *testing.T) {

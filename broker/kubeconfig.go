@@ -4,12 +4,16 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+
+	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
 // buildKubeconfig returns a complete kubeconfig for the ServiceAccount:
 // the cluster's external URL and CA bundle (and its tls-server-name and
-// proxy-url when the policy sets them), the token, and a current context
-// in the ServiceAccount's namespace, so that kubectl works with it as is.
+// proxy-url when the policy sets them), the credential as clientcmd's
+// AuthInfo carries it (token, or client-certificate-data and
+// client-key-data), and a current context in the ServiceAccount's
+// namespace, so that kubectl works with it as is.
 //
 // It writes the YAML directly: the shape is fixed, and going through
 // sigs.k8s.io/yaml (JSON, then a YAML parse and emit) was a sixth of the
@@ -18,11 +22,11 @@ import (
 // (writeQuoted), so no value can break the document or change on the way;
 // TestKubeconfigMatchesClientcmd checks the result against client-go's own
 // types.
-func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount, token string) ([]byte, error) {
+func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount string, cred issuers.Credential) ([]byte, error) {
 	user := serviceAccount + "@" + cluster.Name
 	ctxName := namespace + "/" + serviceAccount + "@" + cluster.Name
 	var b bytes.Buffer
-	b.Grow(512 + len(token) + len(cluster.TLSServerName) + len(cluster.ProxyURL) + base64.StdEncoding.EncodedLen(len(cluster.CAData)))
+	b.Grow(512 + len(cred.Token) + base64.StdEncoding.EncodedLen(len(cred.CertificatePEM)+len(cred.KeyPEM)) + len(cluster.TLSServerName) + len(cluster.ProxyURL) + base64.StdEncoding.EncodedLen(len(cluster.CAData)))
 	b.WriteString("apiVersion: v1\nkind: Config\nclusters:\n- name: ")
 	writeQuoted(&b, cluster.Name)
 	b.WriteString("\n  cluster:\n    server: ")
@@ -39,8 +43,17 @@ func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount, token strin
 	b.WriteString(base64.StdEncoding.EncodeToString([]byte(cluster.CAData)))
 	b.WriteString("\nusers:\n- name: ")
 	writeQuoted(&b, user)
-	b.WriteString("\n  user:\n    token: ")
-	writeQuoted(&b, token)
+	b.WriteString("\n  user:")
+	switch cred.Kind() {
+	case issuers.KindClientCertificate:
+		b.WriteString("\n    client-certificate-data: ")
+		b.WriteString(base64.StdEncoding.EncodeToString(cred.CertificatePEM))
+		b.WriteString("\n    client-key-data: ")
+		b.WriteString(base64.StdEncoding.EncodeToString(cred.KeyPEM))
+	default:
+		b.WriteString("\n    token: ")
+		writeQuoted(&b, cred.Token)
+	}
 	b.WriteString("\ncontexts:\n- name: ")
 	writeQuoted(&b, ctxName)
 	b.WriteString("\n  context:\n    cluster: ")

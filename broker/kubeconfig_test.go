@@ -12,6 +12,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	clientcmdlatest "k8s.io/client-go/tools/clientcmd/api/latest"
 	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
+
+	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
 // update rewrites the golden files in testdata/ from what the code writes:
@@ -36,7 +38,7 @@ func TestKubeconfigMatchesClientcmd(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			got, err := buildKubeconfig(tc.cluster, tc.ns, tc.sa, tc.token)
+			got, err := buildKubeconfig(tc.cluster, tc.ns, tc.sa, issuers.Credential{Token: tc.token})
 			require.NoError(t, err)
 
 			// What client-go's own types hold, converted as clientcmd.Load
@@ -80,7 +82,7 @@ func TestClientGoConnectsWithTheServerNameAndProxyOfTheKubeconfig(t *testing.T) 
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			kc, err := buildKubeconfig(tc.cluster, "argo", "runner", secretToken)
+			kc, err := buildKubeconfig(tc.cluster, "argo", "runner", issuers.Credential{Token: secretToken})
 			require.NoError(t, err)
 			rc, err := clientcmd.RESTConfigFromKubeConfig(kc)
 			require.NoError(t, err)
@@ -123,7 +125,7 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			got, err := buildKubeconfig(tc.cluster, "argo", "admiralty-source", token)
+			got, err := buildKubeconfig(tc.cluster, "argo", "admiralty-source", issuers.Credential{Token: token})
 			require.NoError(t, err)
 			path := filepath.Join("testdata", tc.file)
 			if *update {
@@ -150,6 +152,6 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 func BenchmarkBuildKubeconfig(b *testing.B) {
 	c := ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: string(make([]byte, 600))}
 	for b.Loop() {
-		_, _ = buildKubeconfig(c, "argo", "runner", secretToken)
+		_, _ = buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: secretToken})
 	}
 }

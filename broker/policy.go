@@ -19,8 +19,11 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// MinTokenTTL is the shortest lifetime the TokenRequest API accepts.
-const MinTokenTTL = 10 * time.Minute
+// MinCredentialTTL is the shortest ttl.max, ttl.default or grant maxTTL a
+// policy may set: the API server grants no credential for less (a
+// TokenRequest's and a CSR's expirationSeconds both have a 600s floor).
+// Each issuer declares its own limits too (broker.Issuer.Limits).
+const MinCredentialTTL = 10 * time.Minute
 
 // Bounds of a client certificate's lifetime (peers[].certificateTTL and
 // "serve --client-cert-ttl"). Certificates renew themselves well before
@@ -165,11 +168,11 @@ func (p *Policy) Validate() error {
 		add("cluster.caData", "give caFile or caData, not both")
 	}
 	maxTTL := time.Duration(p.TTL.Max)
-	if maxTTL < MinTokenTTL {
-		add("ttl.max", "must be at least %s", MinTokenTTL)
+	if maxTTL < MinCredentialTTL {
+		add("ttl.max", "must be at least %s", MinCredentialTTL)
 	}
-	if d := time.Duration(p.TTL.Default); d < MinTokenTTL || d > maxTTL {
-		add("ttl.default", "must be between %s and ttl.max", MinTokenTTL)
+	if d := time.Duration(p.TTL.Default); d < MinCredentialTTL || d > maxTTL {
+		add("ttl.default", "must be between %s and ttl.max", MinCredentialTTL)
 	}
 	names := map[string]bool{}
 	ids := map[string]bool{}
@@ -208,8 +211,8 @@ func (p *Policy) Validate() error {
 					add(fmt.Sprintf("%s.serviceAccounts[%d]", gpath, k), "%s", strings.Join(errs, "; "))
 				}
 			}
-			if g.MaxTTL != 0 && (time.Duration(g.MaxTTL) < MinTokenTTL || time.Duration(g.MaxTTL) > maxTTL) {
-				add(gpath+".maxTTL", "must be between %s and ttl.max (%s)", MinTokenTTL, maxTTL)
+			if g.MaxTTL != 0 && (time.Duration(g.MaxTTL) < MinCredentialTTL || time.Duration(g.MaxTTL) > maxTTL) {
+				add(gpath+".maxTTL", "must be between %s and ttl.max (%s)", MinCredentialTTL, maxTTL)
 			}
 			if g.Credential != apiv1.CredentialToken && g.Credential != apiv1.CredentialClientCertificate {
 				add(gpath+".credential", "must be %q or %q", apiv1.CredentialToken, apiv1.CredentialClientCertificate)
@@ -350,10 +353,9 @@ type Decision struct {
 
 // Clamp reasons, as reported in clampedBy.
 const (
-	ClampedByGrant        = "grant.maxTTL"
-	ClampedByPolicy       = "policy.maxTTL"
-	ClampedByTokenMinimum = "tokenrequest.minimum"
-	ClampedByAPIServer    = "apiserver"
+	ClampedByGrant     = "grant.maxTTL"
+	ClampedByPolicy    = "policy.maxTTL"
+	ClampedByAPIServer = "apiserver"
 )
 
 // Decide authorizes a request and chooses its TTL. requested and minTTL
@@ -409,16 +411,15 @@ func (p *Policy) grantMax(g *GrantSpec) time.Duration {
 	return time.Duration(p.TTL.Max)
 }
 
-// clamp bounds ttl by the grant's maximum (or the policy's) and raises it
-// to the TokenRequest minimum.
+// clamp bounds ttl by the grant's maximum (or the policy's). The issuer's
+// own limits (a minimum lifetime) are applied by the broker once it knows
+// the issuer.
 func (p *Policy) clamp(g *GrantSpec, ttl time.Duration) (time.Duration, string) {
 	switch {
 	case g.MaxTTL != 0 && ttl > time.Duration(g.MaxTTL):
 		return time.Duration(g.MaxTTL), ClampedByGrant
 	case ttl > time.Duration(p.TTL.Max):
 		return time.Duration(p.TTL.Max), ClampedByPolicy
-	case ttl < MinTokenTTL:
-		return MinTokenTTL, ClampedByTokenMinimum
 	}
 	return ttl, ""
 }

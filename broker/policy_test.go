@@ -9,6 +9,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
 const testPolicy = `
@@ -55,7 +56,7 @@ func TestDecide(t *testing.T) {
 		{name: "no TTL means the policy default", identity: west, ns: "argo", sa: "admiralty-source", wantTTL: time.Hour},
 		{name: "a TTL over the grant's max is clamped to it", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, wantTTL: 12 * time.Hour, wantClamp: ClampedByGrant},
 		{name: "a TTL over the policy max is clamped when the grant has no max", identity: west, ns: "flux", sa: "reader", ttl: 48 * time.Hour, wantTTL: 24 * time.Hour, wantClamp: ClampedByPolicy},
-		{name: "a TTL under the TokenRequest minimum is raised to it", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Minute, wantTTL: 10 * time.Minute, wantClamp: ClampedByTokenMinimum},
+		{name: "a TTL under the issuer's minimum is the issuer's to raise, not the policy's", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Minute, wantTTL: time.Minute},
 		{name: "a minTTL the grant can give is accepted", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, minTTL: 12 * time.Hour, wantTTL: 12 * time.Hour, wantClamp: ClampedByGrant},
 		{name: "a minTTL above the grant's max is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, minTTL: 13 * time.Hour, wantKind: KindUnprocessable},
 		{name: "a minTTL above the requested TTL is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Hour, minTTL: 2 * time.Hour, wantKind: KindUnprocessable},
@@ -268,7 +269,7 @@ func FuzzParsePolicy(f *testing.F) {
 				require.True(t, v[i] >= 0x21 && v[i] <= 0x7e, "cluster.%s %q has byte 0x%02x at offset %d", field, v, v[i], i)
 			}
 		}
-		kc, err := buildKubeconfig(c, "argo", "runner", "t")
+		kc, err := buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: "t"})
 		require.NoError(t, err)
 		cfg, err := clientcmd.Load(kc)
 		require.NoError(t, err, string(kc))

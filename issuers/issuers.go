@@ -1,8 +1,9 @@
 // Package issuers holds what every credential issuer shares: the request an
-// issuer is given and the credential it returns. The issuers themselves
-// live in sub-packages (tokenrequest, and later clientcert); the broker
-// declares the small interface it needs and the composition root picks the
-// issuers explicitly.
+// issuer is given, the credential it returns and the limits it declares.
+// The issuers themselves live in sub-packages (tokenrequest, and later a
+// CSR-based client-certificate issuer); the broker declares the small
+// interface it needs, and the composition root registers the issuers in
+// one table (server/issuers.go).
 package issuers
 
 import (
@@ -11,16 +12,27 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
+// The credential kinds, as requests and policies name them (the same
+// strings as api/v1's CredentialToken and CredentialClientCertificate).
+const (
+	KindToken             = "token"
+	KindClientCertificate = "clientCertificate"
+)
+
 // Request asks for a credential for one ServiceAccount.
 type Request struct {
 	Namespace      string
 	ServiceAccount string
-	// TTL is the lifetime asked for; the API server may shorten it.
+	// TTL is the lifetime asked for, within the issuer's Limits; the API
+	// server may shorten it.
 	TTL time.Duration
 	// Audiences of the credential; empty means the API server's default.
+	// Only tokens have audiences.
 	Audiences []string
-	// Lease is the object the credential is bound to: deleting it revokes
-	// the credential.
+	// Lease is the broker's record of the credential. An issuer whose
+	// credential the API server can bind to an object binds it to the
+	// lease (a token: deleting the lease revokes it at once); an issuer
+	// that cannot says how revocation works in its Limits.
 	Lease ObjectRef
 }
 
@@ -31,11 +43,64 @@ type ObjectRef struct {
 	UID  types.UID
 }
 
-// Credential is what an issuer produced. It is secret: never log it.
+// Credential is what an issuer produced: a bearer token, or a client
+// certificate and its private key, as a kubeconfig's user carries them
+// (clientcmd's AuthInfo: token, or client-certificate-data and
+// client-key-data). It is secret: never log it.
 type Credential struct {
 	// Token is a bearer token, for token credentials.
 	Token string
+	// CertificatePEM is the client certificate (leaf first, then any
+	// intermediates) and KeyPEM its private key, for client-certificate
+	// credentials.
+	CertificatePEM []byte
+	KeyPEM         []byte
+	// NotBefore is when the credential starts to be valid: zero for a
+	// token (at once), the certificate's NotBefore for a certificate
+	// (which a signer may backdate).
+	NotBefore time.Time
 	// ExpiresAt is the expiry the API server granted, which can be earlier
-	// than asked for.
+	// than asked for: read from what was issued, never computed.
 	ExpiresAt time.Time
+}
+
+// Kind is KindClientCertificate for a credential with a certificate, else
+// KindToken.
+func (c Credential) Kind() string {
+	if len(c.CertificatePEM) > 0 {
+		return KindClientCertificate
+	}
+	return KindToken
+}
+
+// Limits is what an issuer declares about the credentials it mints.
+type Limits struct {
+	// MinTTL is the shortest lifetime the API server grants; a shorter
+	// TTL is raised to it and reported with MinClampedBy.
+	MinTTL       time.Duration
+	MinClampedBy string
+	// MaxTTL, if not zero, is the longest lifetime the issuer can give; a
+	// longer TTL is lowered to it and reported with MaxClampedBy.
+	MaxTTL       time.Duration
+	MaxClampedBy string
+	// Revocation says how a credential is revoked before it expires, for
+	// the docs, whoami and the audit log: RevokedByLease when deleting
+	// the lease object is enough.
+	Revocation string
+}
+
+// RevokedByLease: the API server refuses the credential once the lease
+// object it is bound to is deleted (a bound ServiceAccount token).
+const RevokedByLease = "lease"
+
+// Clamp bounds ttl by the limits and says which one decided ("" if
+// none).
+func (l Limits) Clamp(ttl time.Duration) (time.Duration, string) {
+	switch {
+	case l.MaxTTL > 0 && ttl > l.MaxTTL:
+		return l.MaxTTL, l.MaxClampedBy
+	case ttl < l.MinTTL:
+		return l.MinTTL, l.MinClampedBy
+	}
+	return ttl, ""
 }

@@ -44,8 +44,13 @@ type KubeconfigRequest struct {
 
 // KubeconfigResponse is the 201 answer of POST /v1/kubeconfigs.
 type KubeconfigResponse struct {
-	LeaseID      string    `json:"leaseId"`
-	Kubeconfig   string    `json:"kubeconfig"`
+	LeaseID    string `json:"leaseId"`
+	Kubeconfig string `json:"kubeconfig"`
+	// Credential is the kind of credential the kubeconfig carries:
+	// CredentialToken (its user has a token, also given in Token) or
+	// CredentialClientCertificate (client-certificate-data and
+	// client-key-data).
+	Credential   string    `json:"credential,omitempty"`
 	Token        string    `json:"token,omitempty"`
 	ExpiresAt    time.Time `json:"expiresAt"`
 	RequestedTTL string    `json:"requestedTTL"`

@@ -24,6 +24,23 @@ type Issuer struct {
 // New returns an Issuer that calls TokenRequest through sa.
 func New(sa corev1client.ServiceAccountsGetter) *Issuer { return &Issuer{sa: sa} }
 
+// MinTTL is the shortest lifetime the TokenRequest API accepts
+// (expirationSeconds ≥ 600).
+const MinTTL = 10 * time.Minute
+
+// ClampedByMinimum reports a TTL raised to MinTTL.
+const ClampedByMinimum = "tokenrequest.minimum"
+
+// Kind is issuers.KindToken.
+func (*Issuer) Kind() string { return issuers.KindToken }
+
+// Limits: at least ten minutes, no maximum of its own (the API server's
+// --service-account-max-token-expiration may shorten a token, which the
+// broker reports), revoked by deleting the lease the token is bound to.
+func (*Issuer) Limits() issuers.Limits {
+	return issuers.Limits{MinTTL: MinTTL, MinClampedBy: ClampedByMinimum, Revocation: issuers.RevokedByLease}
+}
+
 // Issue creates a token for req.ServiceAccount bound to req.Lease. Errors
 // from the API server are returned wrapped, unclassified; a transport error
 // or a 5xx is retryable, a 4xx is not.
