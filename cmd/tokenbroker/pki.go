@@ -1,15 +1,8 @@
 package main
 
 import (
-	"bytes"
-	"crypto/ecdsa"
-	"crypto/ed25519"
 	"crypto/rand"
-	"crypto/rsa"
-	"crypto/sha256"
 	"crypto/x509"
-	"encoding/asn1"
-	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
@@ -35,11 +28,11 @@ const (
 	cliCALifetime     = pki.DefaultCALifetime
 	cliServerLifetime = pki.DefaultServerLifetime
 	cliClientLifetime = 30 * 24 * time.Hour
-	caCertName        = "ca.crt"
-	caKeyName         = "ca.key"
-	rootCertName      = "root.crt"
-	rootKeyName       = "root.key"
-	bundleName        = "bundle.crt"
+	caCertName        = pki.CADirCert
+	caKeyName         = pki.CADirKey
+	rootCertName      = pki.CADirRootCert
+	rootKeyName       = pki.CADirRootKey
+	bundleName        = pki.CADirBundle
 	maxLifetimeDays   = 100 * 365
 )
 
@@ -122,59 +115,16 @@ Default lifetime: 5 years (1825d).`,
   tokenbroker pki init --dir ca --intermediate --common-name "oc.example CA"`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			// 0700: the directory holds the CA key.
-			if err := os.MkdirAll(dir, 0o700); err != nil {
-				return fmt.Errorf("create CA directory: %w", err)
+			ca, root, err := pki.InitCADir(dir, pki.CADirOptions{CommonName: commonName, Lifetime: time.Duration(lifetime),
+				Intermediate: intermediate, Force: force, Now: env.now, Rand: env.rand})
+			if err != nil {
+				return withForceHint(err)
 			}
 			path := func(name string) string { return filepath.Join(dir, name) }
-			files := []string{caCertName, caKeyName, bundleName}
-			if intermediate {
-				files = append(files, rootCertName, rootKeyName)
-			}
-			if !force {
-				// Refuse before writing anything, so that a refusal leaves
-				// no half-made CA behind.
-				for _, f := range files {
-					if _, err := os.Lstat(path(f)); err == nil {
-						return withForceHint(fmt.Errorf("%s: %w (refusing to overwrite)", path(f), fs.ErrExist))
-					}
-				}
-			}
-			opts := pki.CAOptions{CommonName: commonName, Lifetime: time.Duration(lifetime), Now: env.now, Rand: env.rand}
-			if intermediate {
-				opts.PathLen = 1
-				opts.CommonName = commonName + " root"
-			}
-			root, err := pki.NewCA(opts)
-			if err != nil {
-				return err
-			}
-			ca := root
-			if intermediate {
-				ca, err = root.NewIntermediate(pki.CAOptions{CommonName: commonName + " intermediate"})
-				if err != nil {
-					return err
-				}
-			}
-			write := func(c *pki.CA, certFile, keyFile string) error {
-				if force {
-					return c.ReplaceFiles(certFile, keyFile)
-				}
-				return c.WriteFiles(certFile, keyFile)
-			}
 			out := cmd.ErrOrStderr()
 			if intermediate {
-				if err := write(root, path(rootCertName), path(rootKeyName)); err != nil {
-					return withForceHint(err)
-				}
 				fmt.Fprintf(out, "root certificate:         %s\n", path(rootCertName))
 				fmt.Fprintf(out, "root key:                 %s (mode 0600; move it offline)\n", path(rootKeyName))
-			}
-			if err := write(ca, path(caCertName), path(caKeyName)); err != nil {
-				return withForceHint(err)
-			}
-			if err := pki.WriteCertificatesFile(path(bundleName), root.BundlePEM(), force); err != nil {
-				return withForceHint(err)
 			}
 			label := "CA"
 			if intermediate {
@@ -357,16 +307,9 @@ and CA-DIR/NAME.key (mode 0600); existing files are not overwritten unless
 	return cmd
 }
 
-// loadCAWith loads the signing CA of a directory made by `pki init`, with
-// its root from bundle.crt when the directory has one (directories made
-// before bundle.crt existed hold a root CA in ca.crt alone).
+// loadCAWith loads the signing CA of a directory made by "pki init".
 func loadCAWith(dir string, env pkiEnv) (*pki.CA, error) {
-	opts := pki.CAOptions{Now: env.now, Rand: env.rand}
-	certFile, keyFile, bundleFile := filepath.Join(dir, caCertName), filepath.Join(dir, caKeyName), filepath.Join(dir, bundleName)
-	if _, err := os.Stat(bundleFile); errors.Is(err, fs.ErrNotExist) {
-		return pki.LoadCAWithOptions(certFile, keyFile, opts)
-	}
-	return pki.LoadCAChain(certFile, keyFile, bundleFile, opts)
+	return pki.LoadCADir(dir, pki.CAOptions{Now: env.now, Rand: env.rand})
 }
 
 func printCert(out io.Writer, subject string, notAfter time.Time, fingerprint string) {
@@ -425,38 +368,6 @@ func (d *durationValue) Type() string { return "duration" }
 
 // --- pki inspect ---
 
-// certDescription is what `pki inspect` says about one certificate or CSR;
-// it is also the JSON form (-o json prints a list of them).
-type certDescription struct {
-	// Type is "certificate" or "certificateRequest".
-	Type           string     `json:"type"`
-	Subject        string     `json:"subject"`
-	Issuer         string     `json:"issuer,omitempty"`
-	Identity       string     `json:"identity,omitempty"`
-	IdentityError  string     `json:"identityError,omitempty"`
-	DNSNames       []string   `json:"dnsNames,omitempty"`
-	IPAddresses    []string   `json:"ipAddresses,omitempty"`
-	URIs           []string   `json:"uris,omitempty"`
-	EmailAddresses []string   `json:"emailAddresses,omitempty"`
-	SerialNumber   string     `json:"serialNumber,omitempty"`
-	NotBefore      *time.Time `json:"notBefore,omitempty"`
-	NotAfter       *time.Time `json:"notAfter,omitempty"`
-	// ExpiresIn is NotAfter minus now in seconds, negative once expired.
-	ExpiresIn   *int64   `json:"expiresInSeconds,omitempty"`
-	KeyType     string   `json:"keyType"`
-	KeyUsage    []string `json:"keyUsage,omitempty"`
-	ExtKeyUsage []string `json:"extKeyUsage,omitempty"`
-	IsCA        bool     `json:"isCA"`
-	// MaxPathLen is set for a CA with a path length constraint.
-	MaxPathLen *int `json:"maxPathLen,omitempty"`
-	SelfSigned bool `json:"selfSigned,omitempty"`
-	// Fingerprint is "sha256:<hex>" of the DER encoding.
-	Fingerprint string `json:"fingerprint"`
-	// EnrollmentError, for a CSR, says why a broker would refuse it; empty
-	// when it would be accepted.
-	EnrollmentError string `json:"enrollmentError,omitempty"`
-}
-
 func newPKIInspectCommand(env pkiEnv) *cobra.Command {
 	var output string
 	cmd := &cobra.Command{
@@ -481,7 +392,7 @@ refused.
 			if err != nil {
 				return err
 			}
-			descs, err := describePEM(data, env.now())
+			descs, err := pki.Describe(data, env.now())
 			if err != nil {
 				return err
 			}
@@ -520,104 +431,7 @@ func readInput(name string, stdin io.Reader) ([]byte, error) {
 	return data, nil
 }
 
-// describePEM describes the certificates or the CSR in data.
-func describePEM(data []byte, now time.Time) ([]certDescription, error) {
-	trimmed := bytes.TrimLeft(data, " \t\r\n")
-	if bytes.Contains(trimmed, []byte("PRIVATE KEY-----")) {
-		return nil, errors.New("this is a private key file; inspect describes certificates and CSRs only")
-	}
-	if bytes.HasPrefix(trimmed, []byte("-----BEGIN CERTIFICATE REQUEST-----")) {
-		d, err := describeCSR(data)
-		if err != nil {
-			return nil, err
-		}
-		return []certDescription{d}, nil
-	}
-	certs, err := pki.ParseCertificatesPEM(data)
-	if err != nil {
-		return nil, err
-	}
-	descs := make([]certDescription, 0, len(certs))
-	for _, c := range certs {
-		descs = append(descs, describeCert(c, now))
-	}
-	return descs, nil
-}
-
-func describeCert(c *x509.Certificate, now time.Time) certDescription {
-	notBefore, notAfter := c.NotBefore.UTC(), c.NotAfter.UTC()
-	expiresIn := int64(notAfter.Sub(now) / time.Second)
-	d := certDescription{
-		Type:           "certificate",
-		Subject:        c.Subject.String(),
-		Issuer:         c.Issuer.String(),
-		DNSNames:       c.DNSNames,
-		EmailAddresses: c.EmailAddresses,
-		SerialNumber:   c.SerialNumber.Text(16),
-		NotBefore:      &notBefore,
-		NotAfter:       &notAfter,
-		ExpiresIn:      &expiresIn,
-		KeyType:        keyType(c.PublicKey),
-		KeyUsage:       keyUsageNames(c.KeyUsage),
-		ExtKeyUsage:    extKeyUsageNames(c.ExtKeyUsage, c.UnknownExtKeyUsage),
-		IsCA:           c.BasicConstraintsValid && c.IsCA,
-		SelfSigned:     bytes.Equal(c.RawIssuer, c.RawSubject) && c.CheckSignatureFrom(c) == nil,
-		Fingerprint:    pki.Fingerprint(c),
-	}
-	for _, ip := range c.IPAddresses {
-		d.IPAddresses = append(d.IPAddresses, ip.String())
-	}
-	for _, u := range c.URIs {
-		d.URIs = append(d.URIs, u.String())
-	}
-	if d.IsCA && (c.MaxPathLen > 0 || c.MaxPathLenZero) {
-		n := c.MaxPathLen
-		d.MaxPathLen = &n
-	}
-	if !d.IsCA {
-		if id, err := pki.IdentityFromCert(c); err == nil {
-			d.Identity = id
-		} else if len(c.URIs) > 0 {
-			d.IdentityError = err.Error()
-		}
-	}
-	return d
-}
-
-func describeCSR(data []byte) (certDescription, error) {
-	block, _ := pem.Decode(bytes.TrimLeft(data, " \t\r\n"))
-	if block == nil {
-		return certDescription{}, errors.New("malformed PEM certificate request")
-	}
-	csr, err := x509.ParseCertificateRequest(block.Bytes)
-	if err != nil {
-		return certDescription{}, fmt.Errorf("parse certificate request: %w", err)
-	}
-	sum := sha256.Sum256(csr.Raw)
-	d := certDescription{
-		Type:           "certificateRequest",
-		Subject:        csr.Subject.String(),
-		DNSNames:       csr.DNSNames,
-		EmailAddresses: csr.EmailAddresses,
-		KeyType:        keyType(csr.PublicKey),
-		Fingerprint:    "sha256:" + hex.EncodeToString(sum[:]),
-	}
-	for _, ip := range csr.IPAddresses {
-		d.IPAddresses = append(d.IPAddresses, ip.String())
-	}
-	for _, u := range csr.URIs {
-		d.URIs = append(d.URIs, u.String())
-	}
-	// The broker's verdict, with the broker's parser.
-	if _, id, err := pki.ParseCSRPEM(data); err != nil {
-		d.EnrollmentError = err.Error()
-	} else {
-		d.Identity = id
-	}
-	return d, nil
-}
-
-func writeDescription(out io.Writer, d certDescription, i, n int, now time.Time) {
+func writeDescription(out io.Writer, d pki.Description, i, n int, now time.Time) {
 	title := "Certificate"
 	if d.Type == "certificateRequest" {
 		title = "Certificate request"
@@ -704,68 +518,6 @@ func roughDuration(d time.Duration) string {
 	default:
 		return fmt.Sprintf("%dm %ds", minutes, (d%time.Minute)/time.Second)
 	}
-}
-
-func keyType(pub any) string {
-	switch k := pub.(type) {
-	case *ecdsa.PublicKey:
-		return "ECDSA " + k.Curve.Params().Name
-	case *rsa.PublicKey:
-		return fmt.Sprintf("RSA %d", k.N.BitLen())
-	case ed25519.PublicKey:
-		return "Ed25519"
-	default:
-		return fmt.Sprintf("unknown (%T)", pub)
-	}
-}
-
-var keyUsageBits = []struct {
-	bit  x509.KeyUsage
-	name string
-}{
-	{x509.KeyUsageDigitalSignature, "digitalSignature"},
-	{x509.KeyUsageContentCommitment, "contentCommitment"},
-	{x509.KeyUsageKeyEncipherment, "keyEncipherment"},
-	{x509.KeyUsageDataEncipherment, "dataEncipherment"},
-	{x509.KeyUsageKeyAgreement, "keyAgreement"},
-	{x509.KeyUsageCertSign, "keyCertSign"},
-	{x509.KeyUsageCRLSign, "cRLSign"},
-	{x509.KeyUsageEncipherOnly, "encipherOnly"},
-	{x509.KeyUsageDecipherOnly, "decipherOnly"},
-}
-
-func keyUsageNames(u x509.KeyUsage) []string {
-	var names []string
-	for _, b := range keyUsageBits {
-		if u&b.bit != 0 {
-			names = append(names, b.name)
-		}
-	}
-	return names
-}
-
-func extKeyUsageNames(usages []x509.ExtKeyUsage, unknown []asn1.ObjectIdentifier) []string {
-	known := map[x509.ExtKeyUsage]string{
-		x509.ExtKeyUsageAny:             "any",
-		x509.ExtKeyUsageServerAuth:      "serverAuth",
-		x509.ExtKeyUsageClientAuth:      "clientAuth",
-		x509.ExtKeyUsageCodeSigning:     "codeSigning",
-		x509.ExtKeyUsageEmailProtection: "emailProtection",
-		x509.ExtKeyUsageTimeStamping:    "timeStamping",
-		x509.ExtKeyUsageOCSPSigning:     "OCSPSigning",
-	}
-	var names []string
-	for _, u := range usages {
-		if n, ok := known[u]; ok {
-			names = append(names, n)
-		} else {
-			names = append(names, fmt.Sprintf("extKeyUsage(%d)", u))
-		}
-	}
-	for _, oid := range unknown {
-		names = append(names, oid.String())
-	}
-	return names
 }
 
 // --- pki join-token ---

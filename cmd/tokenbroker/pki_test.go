@@ -445,7 +445,7 @@ func TestPKIInspect(t *testing.T) {
 		t.Parallel()
 		out, _, err := runPKIStreams(t, "inspect", "-o", "json", filepath.Join(dir, "west.crt"))
 		require.NoError(t, err)
-		var descs []certDescription
+		var descs []pki.Description
 		require.NoError(t, json.Unmarshal([]byte(out), &descs))
 		require.Len(t, descs, 2)
 		require.Equal(t, "certificate", descs[0].Type)
@@ -474,7 +474,7 @@ func TestPKIInspect(t *testing.T) {
 		require.Contains(t, out, "enrollment:     accepted for spiffe://oc.example/cluster/east")
 		out, _, err = runPKIStreams(t, "inspect", "-o", "json", csrFile)
 		require.NoError(t, err)
-		var descs []certDescription
+		var descs []pki.Description
 		require.NoError(t, json.Unmarshal([]byte(out), &descs))
 		require.Len(t, descs, 1)
 		require.Equal(t, "certificateRequest", descs[0].Type)
