@@ -12,6 +12,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -256,4 +258,90 @@ func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
 		case <-t.C:
 		}
 	}
+}
+
+// LeaseRecord is one lease as "leases -o json" prints it: the fields of
+// GET /v1/leases (so that one jq filter reads both) and the holder's
+// identity and Secret.
+type LeaseRecord struct {
+	ID             string     `json:"id"`
+	Peer           string     `json:"peer"`
+	Identity       string     `json:"identity"`
+	Namespace      string     `json:"namespace"`
+	ServiceAccount string     `json:"serviceAccount"`
+	Credential     string     `json:"credential"`
+	CreatedAt      time.Time  `json:"createdAt"`
+	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
+	Expired        bool       `json:"expired"`
+	Secret         string     `json:"secret"`
+	// UID is the Secret's, for a delete with a precondition.
+	UID types.UID `json:"-"`
+}
+
+// ListLeaseSecrets lists the lease Secrets in namespace ("" for every
+// namespace) whose labels also match extra, page by page, with whatever
+// credentials secrets has: "tokenbroker leases" lists as the
+// administrator, not as the
+func ListLeaseSecrets(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set) ([]corev1.Secret, error) {
+	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}
+	for k, v := range extra {
+		set[k] = v
+	}
+	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: 500}
+	var out []corev1.Secret
+	for {
+		list, err := secrets.Secrets(namespace).List(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, list.Items...)
+		if list.Continue == "" {
+			return out, nil
+		}
+		opts.Continue = list.Continue
+	}
+}
+
+// LeaseRecords turns lease Secrets into records, keeps those of
+// serviceAccount if it is set, and sorts them by namespace, ServiceAccount,
+// issue time and id.
+func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time) []LeaseRecord {
+	out := make([]LeaseRecord, 0, len(secrets))
+	for i := range secrets {
+		s := &secrets[i]
+		r := LeaseRecord{
+			ID:             s.Labels[LabelLeaseID],
+			Peer:           s.Labels[LabelPeer],
+			Identity:       s.Annotations[AnnotationIdentity],
+			Namespace:      s.Namespace,
+			ServiceAccount: s.Annotations[AnnotationSA],
+			Credential:     s.Annotations[AnnotationCred],
+			CreatedAt:      s.CreationTimestamp.UTC(),
+			Secret:         s.Name,
+			UID:            s.UID,
+		}
+		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
+			continue
+		}
+		if exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt]); err == nil {
+			exp = exp.UTC()
+			r.ExpiresAt = &exp
+			r.Expired = !now.Before(exp)
+		}
+		out = append(out, r)
+	}
+	sort.SliceStable(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Namespace != b.Namespace {
+			return a.Namespace < b.Namespace
+		}
+		if a.ServiceAccount != b.ServiceAccount {
+			return a.ServiceAccount < b.ServiceAccount
+		}
+		if !a.CreatedAt.Equal(b.CreatedAt) {
+			return a.CreatedAt.Before(b.CreatedAt)
+		}
+		return a.ID < b.ID
+	})
+	return out
 }

@@ -7,21 +7,17 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
-	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/client-go/kubernetes"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
-	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -139,57 +135,15 @@ func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error
 // kubeconfig file if given, else $KUBECONFIG or ~/.kube/config, in the
 // given context or the current one.
 func adminClient(kubeconfig, context string) (kubernetes.Interface, error) {
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = kubeconfig
-	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: context}).ClientConfig()
+	rc, err := restConfig(kubeconfig, context)
 	if err != nil {
-		return nil, fmt.Errorf("load Kubernetes client config: %w", err)
+		return nil, err
 	}
-	rc.UserAgent = "tokenbroker/" + version
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return nil, fmt.Errorf("create Kubernetes client: %w", err)
 	}
 	return client, nil
-}
-
-// leaseRecord is one lease as "leases -o json" prints it: the fields of
-// GET /v1/leases (so that one jq filter reads both) and the holder's
-// identity and Secret.
-type leaseRecord struct {
-	ID             string     `json:"id"`
-	Peer           string     `json:"peer"`
-	Identity       string     `json:"identity"`
-	Namespace      string     `json:"namespace"`
-	ServiceAccount string     `json:"serviceAccount"`
-	Credential     string     `json:"credential"`
-	CreatedAt      time.Time  `json:"createdAt"`
-	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
-	Expired        bool       `json:"expired"`
-	Secret         string     `json:"secret"`
-	uid            types.UID
-}
-
-// listLeaseSecrets lists the lease Secrets in namespace ("" for every
-// namespace), of one peer if peer is set, page by page.
-func listLeaseSecrets(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set) ([]corev1.Secret, error) {
-	set := labels.Set{broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind}
-	for k, v := range extra {
-		set[k] = v
-	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: 500}
-	var out []corev1.Secret
-	for {
-		list, err := secrets.Secrets(namespace).List(ctx, opts)
-		if err != nil {
-			return nil, explainAPIError(err, "list", namespace)
-		}
-		out = append(out, list.Items...)
-		if list.Continue == "" {
-			return out, nil
-		}
-		opts.Continue = list.Continue
-	}
 }
 
 // explainAPIError turns the API server's refusal of verb on Secrets into
@@ -210,65 +164,21 @@ func explainAPIError(err error, verb, namespace string) error {
 	}
 }
 
-// leaseRecords turns lease Secrets into records, keeps those of
-// serviceAccount if it is set, and sorts them by namespace, ServiceAccount,
-// issue time and id.
-func leaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time) []leaseRecord {
-	out := make([]leaseRecord, 0, len(secrets))
-	for i := range secrets {
-		s := &secrets[i]
-		r := leaseRecord{
-			ID:             s.Labels[broker.LabelLeaseID],
-			Peer:           s.Labels[broker.LabelPeer],
-			Identity:       s.Annotations[broker.AnnotationIdentity],
-			Namespace:      s.Namespace,
-			ServiceAccount: s.Annotations[broker.AnnotationSA],
-			Credential:     s.Annotations[broker.AnnotationCred],
-			CreatedAt:      s.CreationTimestamp.UTC(),
-			Secret:         s.Name,
-			uid:            s.UID,
-		}
-		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
-			continue
-		}
-		if exp, err := time.Parse(time.RFC3339, s.Annotations[broker.AnnotationExpiresAt]); err == nil {
-			exp = exp.UTC()
-			r.ExpiresAt = &exp
-			r.Expired = !now.Before(exp)
-		}
-		out = append(out, r)
-	}
-	sort.SliceStable(out, func(i, j int) bool {
-		a, b := out[i], out[j]
-		if a.Namespace != b.Namespace {
-			return a.Namespace < b.Namespace
-		}
-		if a.ServiceAccount != b.ServiceAccount {
-			return a.ServiceAccount < b.ServiceAccount
-		}
-		if !a.CreatedAt.Equal(b.CreatedAt) {
-			return a.CreatedAt.Before(b.CreatedAt)
-		}
-		return a.ID < b.ID
-	})
-	return out
-}
-
 func runLeases(ctx context.Context, secrets corev1client.SecretsGetter, o leasesOptions, out, errOut io.Writer, now time.Time) error {
 	var sel labels.Set
 	if o.Peer != "" {
 		sel = labels.Set{broker.LabelPeer: o.Peer}
 	}
-	list, err := listLeaseSecrets(ctx, secrets, o.Namespace, sel)
+	list, err := broker.ListLeaseSecrets(ctx, secrets, o.Namespace, sel)
 	if err != nil {
-		return err
+		return explainAPIError(err, "list", o.Namespace)
 	}
-	return printLeases(out, errOut, leaseRecords(list, o.ServiceAccount, now), o.Output, now)
+	return printLeases(out, errOut, broker.LeaseRecords(list, o.ServiceAccount, now), o.Output, now)
 }
 
 // printLeases writes records in the given format. An empty table is a
 // message on errOut, as kubectl does, so that stdout stays parseable.
-func printLeases(out, errOut io.Writer, records []leaseRecord, format string, now time.Time) error {
+func printLeases(out, errOut io.Writer, records []broker.LeaseRecord, format string, now time.Time) error {
 	if format == "json" {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
@@ -378,12 +288,12 @@ func completeLeaseIDs(ctx context.Context, o *leasesOptions, done []string) ([]s
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	list, err := listLeaseSecrets(ctx, secrets, o.Namespace, nil)
+	list, err := broker.ListLeaseSecrets(ctx, secrets, o.Namespace, nil)
 	if err != nil {
 		return nil, cobra.ShellCompDirectiveNoFileComp
 	}
 	var out []string
-	for _, r := range leaseRecords(list, "", time.Now()) {
+	for _, r := range broker.LeaseRecords(list, "", time.Now()) {
 		if !slices.Contains(done, r.ID) {
 			out = append(out, fmt.Sprintf("%s\t%s/%s, peer %s", r.ID, r.Namespace, r.ServiceAccount, r.Peer))
 		}
@@ -400,9 +310,9 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
-		list, err := listLeaseSecrets(ctx, secrets, namespace, labels.Set{broker.LabelLeaseID: id})
+		list, err := broker.ListLeaseSecrets(ctx, secrets, namespace, labels.Set{broker.LabelLeaseID: id})
 		if err != nil {
-			return errors.Join(append(errs, err)...)
+			return errors.Join(append(errs, explainAPIError(err, "list", namespace))...)
 		}
 		if len(list) == 0 {
 			where := "in any namespace"
@@ -412,10 +322,10 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("lease %s not found %s (expired and collected, or already revoked?)", id, where))
 			continue
 		}
-		for _, r := range leaseRecords(list, "", now) {
+		for _, r := range broker.LeaseRecords(list, "", now) {
 			// The UID precondition deletes exactly the Secret listed, never a
 			// namesake made since.
-			err := secrets.Secrets(r.Namespace).Delete(ctx, r.Secret, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &r.uid}})
+			err := secrets.Secrets(r.Namespace).Delete(ctx, r.Secret, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &r.UID}})
 			switch {
 			case apierrors.IsNotFound(err):
 				errs = append(errs, fmt.Errorf("lease %s in namespace %s: deleted meanwhile (expired or revoked by someone else)", id, r.Namespace))

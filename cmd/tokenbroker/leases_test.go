@@ -116,7 +116,7 @@ func TestLeasesAnswersWhoHoldsACredentialForAServiceAccount(t *testing.T) {
 
 	out, _, err := runLeasesFor(t, cs, leasesOptions{Peer: "west", Output: "json"})
 	require.NoError(t, err)
-	var recs []leaseRecord
+	var recs []broker.LeaseRecord
 	require.NoError(t, json.Unmarshal([]byte(out), &recs))
 	require.Len(t, recs, 3)
 	for _, r := range recs {
