@@ -2,10 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,12 +12,8 @@ import (
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
-	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -36,13 +30,6 @@ type devConfig struct {
 	Log           logConfig
 }
 
-const (
-	devTrustDomain = "dev.tokenbroker.local"
-	devPeer        = "west"
-	devNamespace   = "demo"
-	devSA          = "demo"
-)
-
 func newDevCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "dev",
@@ -50,10 +37,10 @@ func newDevCommand() *cobra.Command {
 		Long: `Set up everything a demo needs and run the broker in the foreground:
 
   - a dev PKI in --dir (CA, server certificate for 127.0.0.1/localhost, and a
-    client certificate for the peer spiffe://` + devTrustDomain + `/cluster/` + devPeer + `),
-  - the namespace "` + devNamespace + `" with the ServiceAccount "` + devSA + `", allowed to read
+    client certificate for the peer spiffe://` + server.DevTrustDomain + `/cluster/` + server.DevPeer + `),
+  - the namespace "` + server.DevNamespace + `" with the ServiceAccount "` + server.DevServiceAccount + `", allowed to read
     ConfigMaps, Pods and Services there, and a ConfigMap to look at,
-  - a policy that lets the peer "` + devPeer + `" obtain kubeconfigs for it,
+  - a policy that lets the peer "` + server.DevPeer + `" obtain kubeconfigs for it,
 
 then print a curl command and a kubectl command that work as printed.
 "make dev" starts a local cluster and runs this command against it.
@@ -109,28 +96,17 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 	if err != nil {
 		return fmt.Errorf("create Kubernetes client: %w", err)
 	}
-	if err := devObjects(ctx, client); err != nil {
-		return err
-	}
-	files, err := devPKI(dir, cfg.ListenAddress)
+	files, policyFile, err := server.PrepareDev(ctx, client, admin, dir, cfg.ListenAddress)
 	if err != nil {
-		return err
-	}
-	clusterCA, err := clusterCAData(admin)
-	if err != nil {
-		return err
-	}
-	policyFile := filepath.Join(dir, "policy.yaml")
-	if err := writeDevPolicy(policyFile, admin.Host, clusterCA); err != nil {
 		return err
 	}
 
 	opts := server.Options{
 		ListenAddress: cfg.ListenAddress,
 		OpsAddress:    cfg.OpsAddress,
-		TLSCertFile:   files.serverCert,
-		TLSKeyFile:    files.serverKey,
-		ClientCAFile:  files.caCert,
+		TLSCertFile:   files.ServerCert,
+		TLSKeyFile:    files.ServerKey,
+		ClientCAFile:  files.CACert,
 		PolicyFile:    policyFile,
 		// The local cluster's default namespace always exists; the
 		// revocation ConfigMap is looked for there.
@@ -158,128 +134,6 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 	return server.Run(ctx, opts)
 }
 
-type devFiles struct{ caCert, caKey, serverCert, serverKey, clientCert, clientKey string }
-
-// devPKI keeps an existing dev CA (so a browser or script that trusts it
-// keeps working) and issues fresh leaf certificates on every start.
-func devPKI(dir, listen string) (devFiles, error) {
-	f := devFiles{
-		caCert: filepath.Join(dir, "ca.crt"), caKey: filepath.Join(dir, "ca.key"),
-		serverCert: filepath.Join(dir, "server.crt"), serverKey: filepath.Join(dir, "server.key"),
-		clientCert: filepath.Join(dir, devPeer+".crt"), clientKey: filepath.Join(dir, devPeer+".key"),
-	}
-	ca, err := pki.LoadCA(f.caCert, f.caKey)
-	if errors.Is(err, os.ErrNotExist) {
-		ca, err = pki.NewCA(pki.CAOptions{CommonName: "tokenbroker dev CA"})
-		if err == nil {
-			err = ca.WriteFiles(f.caCert, f.caKey)
-		}
-	}
-	if err != nil {
-		return f, fmt.Errorf("dev CA: %w", err)
-	}
-	ips := []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}
-	if host, _, err := net.SplitHostPort(listen); err == nil {
-		if ip := net.ParseIP(host); ip != nil && !ip.IsUnspecified() && !ip.IsLoopback() {
-			ips = append(ips, ip)
-		}
-	}
-	srv, err := ca.IssueServer(pki.ServerOptions{DNSNames: []string{"localhost"}, IPAddresses: ips})
-	if err != nil {
-		return f, fmt.Errorf("dev server certificate: %w", err)
-	}
-	if err := srv.WriteFiles(f.serverCert, f.serverKey); err != nil {
-		return f, err
-	}
-	id, err := pki.ClusterIdentity(devTrustDomain, devPeer)
-	if err != nil {
-		return f, err
-	}
-	cli, err := ca.IssueClient(pki.ClientOptions{Identity: id})
-	if err != nil {
-		return f, fmt.Errorf("dev client certificate: %w", err)
-	}
-	return f, cli.WriteFiles(f.clientCert, f.clientKey)
-}
-
-func clusterCAData(rc *rest.Config) ([]byte, error) {
-	if len(rc.CAData) > 0 {
-		return rc.CAData, nil
-	}
-	if rc.CAFile != "" {
-		return os.ReadFile(rc.CAFile)
-	}
-	return nil, errors.New("the admin kubeconfig has no certificate-authority; the dev broker needs the cluster's CA")
-}
-
-func writeDevPolicy(path, server string, clusterCA []byte) error {
-	caFile := filepath.Join(filepath.Dir(path), "cluster-ca.crt")
-	if err := os.WriteFile(caFile, clusterCA, 0o644); err != nil {
-		return err
-	}
-	policy := fmt.Sprintf(`# Demo policy written by "tokenbroker dev"; see docs/policy.md.
-cluster:
-  name: dev
-  server: %s
-  caFile: cluster-ca.crt
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: %s
-    identity: spiffe://%s/cluster/%s
-    grants:
-      - namespaces: [%s]
-        serviceAccounts: [%s]
-        maxTTL: 2h
-`, server, devPeer, devTrustDomain, devPeer, devNamespace, devSA)
-	return os.WriteFile(path, []byte(policy), 0o644)
-}
-
-// devObjects creates the demo namespace, ServiceAccount, a read-only
-// binding and a ConfigMap; existing objects are left as they are.
-func devObjects(ctx context.Context, c kubernetes.Interface) error {
-	create := func(what string, err error) error {
-		if err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("create %s: %w", what, err)
-		}
-		return nil
-	}
-	opts := metav1.CreateOptions{}
-	_, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: devNamespace}}, opts)
-	if err := create("namespace", err); err != nil {
-		return err
-	}
-	_, err = c.CoreV1().ServiceAccounts(devNamespace).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: devSA}}, opts)
-	if err := create("ServiceAccount", err); err != nil {
-		return err
-	}
-	// An explicit Role rather than the aggregated "view" ClusterRole, whose
-	// rules only exist where the controller manager aggregates them.
-	_, err = c.RbacV1().Roles(devNamespace).Create(ctx, &rbacv1.Role{
-		ObjectMeta: metav1.ObjectMeta{Name: devSA + "-view"},
-		Rules: []rbacv1.PolicyRule{{
-			APIGroups: []string{""},
-			Resources: []string{"configmaps", "pods", "services"},
-			Verbs:     []string{"get", "list", "watch"},
-		}},
-	}, opts)
-	if err := create("Role", err); err != nil {
-		return err
-	}
-	_, err = c.RbacV1().RoleBindings(devNamespace).Create(ctx, &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: devSA + "-view"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: devSA + "-view"},
-		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: devSA, Namespace: devNamespace}},
-	}, opts)
-	if err := create("RoleBinding", err); err != nil {
-		return err
-	}
-	_, err = c.CoreV1().ConfigMaps(devNamespace).Create(ctx, &corev1.ConfigMap{
-		ObjectMeta: metav1.ObjectMeta{Name: "hello"},
-		Data:       map[string]string{"greeting": "hello from the target cluster"},
-	}, opts)
-	return create("ConfigMap", err)
-}
-
 func findKubectl() string {
 	if p, err := exec.LookPath("kubectl"); err == nil {
 		return p
@@ -297,16 +151,16 @@ func fileExists(p string) bool {
 	return err == nil
 }
 
-func printDevCommands(out io.Writer, dir string, f devFiles, api, ops, kubectl string) {
+func printDevCommands(out io.Writer, dir string, f server.DevFiles, api, ops, kubectl string) {
 	kc := filepath.Join(dir, "kubeconfig")
-	body := fmt.Sprintf(`{"namespace":"%s","serviceAccount":"%s","ttl":"1h"}`, devNamespace, devSA)
+	body := fmt.Sprintf(`{"namespace":"%s","serviceAccount":"%s","ttl":"1h"}`, server.DevNamespace, server.DevServiceAccount)
 	var b strings.Builder
 	fmt.Fprintf(&b, "\ntokenbroker dev is ready: the broker listens on https://%s (ops on http://%s).\n\n", api, ops)
-	fmt.Fprintf(&b, "Ask it for a kubeconfig (as the peer %q):\n\n", devPeer)
+	fmt.Fprintf(&b, "Ask it for a kubeconfig (as the peer %q):\n\n", server.DevPeer)
 	fmt.Fprintf(&b, "  curl -sS --fail-with-body --cert %s --key %s --cacert %s -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '%s' https://%s/v1/kubeconfigs -o %s\n\n",
-		f.clientCert, f.clientKey, f.caCert, body, api, kc)
+		f.ClientCert, f.ClientKey, f.CACert, body, api, kc)
 	fmt.Fprintf(&b, "Use it:\n\n  %s --kubeconfig %s get configmaps\n\n", kubectl, kc)
-	fmt.Fprintf(&b, "See who you are to the broker:\n\n  curl -sS --cert %s --key %s --cacert %s https://%s/v1/whoami\n\n", f.clientCert, f.clientKey, f.caCert, api)
+	fmt.Fprintf(&b, "See who you are to the broker:\n\n  curl -sS --cert %s --key %s --cacert %s https://%s/v1/whoami\n\n", f.ClientCert, f.ClientKey, f.CACert, api)
 	b.WriteString("Ctrl-C stops the broker and the local cluster.\n")
 	_, _ = io.WriteString(out, b.String())
 }

@@ -1,0 +1,173 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// The demo environment of "tokenbroker dev": a dev PKI, demo objects in
+// the local cluster and a policy that lets one peer, DevPeer, obtain
+// kubeconfigs for DevNamespace/DevServiceAccount.
+const (
+	DevTrustDomain    = "dev.tokenbroker.local"
+	DevPeer           = "west"
+	DevNamespace      = "demo"
+	DevServiceAccount = "demo"
+)
+
+// DevFiles are the files of the dev PKI.
+type DevFiles struct{ CACert, CAKey, ServerCert, ServerKey, ClientCert, ClientKey string }
+
+// devPKI keeps an existing dev CA (so a browser or script that trusts it
+// keeps working) and issues fresh leaf certificates on every start.
+func devPKI(dir, listen string) (DevFiles, error) {
+	f := DevFiles{
+		CACert: filepath.Join(dir, "ca.crt"), CAKey: filepath.Join(dir, "ca.key"),
+		ServerCert: filepath.Join(dir, "server.crt"), ServerKey: filepath.Join(dir, "server.key"),
+		ClientCert: filepath.Join(dir, DevPeer+".crt"), ClientKey: filepath.Join(dir, DevPeer+".key"),
+	}
+	ca, err := pki.LoadCA(f.CACert, f.CAKey)
+	if errors.Is(err, os.ErrNotExist) {
+		ca, err = pki.NewCA(pki.CAOptions{CommonName: "tokenbroker dev CA"})
+		if err == nil {
+			err = ca.WriteFiles(f.CACert, f.CAKey)
+		}
+	}
+	if err != nil {
+		return f, fmt.Errorf("dev CA: %w", err)
+	}
+	ips := []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}
+	if host, _, err := net.SplitHostPort(listen); err == nil {
+		if ip := net.ParseIP(host); ip != nil && !ip.IsUnspecified() && !ip.IsLoopback() {
+			ips = append(ips, ip)
+		}
+	}
+	srv, err := ca.IssueServer(pki.ServerOptions{DNSNames: []string{"localhost"}, IPAddresses: ips})
+	if err != nil {
+		return f, fmt.Errorf("dev server certificate: %w", err)
+	}
+	if err := srv.WriteFiles(f.ServerCert, f.ServerKey); err != nil {
+		return f, err
+	}
+	id, err := pki.ClusterIdentity(DevTrustDomain, DevPeer)
+	if err != nil {
+		return f, err
+	}
+	cli, err := ca.IssueClient(pki.ClientOptions{Identity: id})
+	if err != nil {
+		return f, fmt.Errorf("dev client certificate: %w", err)
+	}
+	return f, cli.WriteFiles(f.ClientCert, f.ClientKey)
+}
+
+func clusterCAData(rc *rest.Config) ([]byte, error) {
+	if len(rc.CAData) > 0 {
+		return rc.CAData, nil
+	}
+	if rc.CAFile != "" {
+		return os.ReadFile(rc.CAFile)
+	}
+	return nil, errors.New("the admin kubeconfig has no certificate-authority; the dev broker needs the cluster's CA")
+}
+
+func writeDevPolicy(path, server string, clusterCA []byte) error {
+	caFile := filepath.Join(filepath.Dir(path), "cluster-ca.crt")
+	if err := os.WriteFile(caFile, clusterCA, 0o644); err != nil {
+		return err
+	}
+	policy := fmt.Sprintf(`# Demo policy written by "tokenbroker dev"; see docs/policy.md.
+cluster:
+  name: dev
+  server: %s
+  caFile: cluster-ca.crt
+ttl: {default: 1h, max: 24h}
+peers:
+  - name: %s
+    identity: spiffe://%s/cluster/%s
+    grants:
+      - namespaces: [%s]
+        serviceAccounts: [%s]
+        maxTTL: 2h
+`, server, DevPeer, DevTrustDomain, DevPeer, DevNamespace, DevServiceAccount)
+	return os.WriteFile(path, []byte(policy), 0o644)
+}
+
+// devObjects creates the demo namespace, ServiceAccount, a read-only
+// binding and a ConfigMap; existing objects are left as they are.
+func devObjects(ctx context.Context, c kubernetes.Interface) error {
+	create := func(what string, err error) error {
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("create %s: %w", what, err)
+		}
+		return nil
+	}
+	opts := metav1.CreateOptions{}
+	_, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: DevNamespace}}, opts)
+	if err := create("namespace", err); err != nil {
+		return err
+	}
+	_, err = c.CoreV1().ServiceAccounts(DevNamespace).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: DevServiceAccount}}, opts)
+	if err := create("ServiceAccount", err); err != nil {
+		return err
+	}
+	// An explicit Role rather than the aggregated "view" ClusterRole, whose
+	// rules only exist where the controller manager aggregates them.
+	_, err = c.RbacV1().Roles(DevNamespace).Create(ctx, &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: DevServiceAccount + "-view"},
+		Rules: []rbacv1.PolicyRule{{
+			APIGroups: []string{""},
+			Resources: []string{"configmaps", "pods", "services"},
+			Verbs:     []string{"get", "list", "watch"},
+		}},
+	}, opts)
+	if err := create("Role", err); err != nil {
+		return err
+	}
+	_, err = c.RbacV1().RoleBindings(DevNamespace).Create(ctx, &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: DevServiceAccount + "-view"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: DevServiceAccount + "-view"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: DevServiceAccount, Namespace: DevNamespace}},
+	}, opts)
+	if err := create("RoleBinding", err); err != nil {
+		return err
+	}
+	_, err = c.CoreV1().ConfigMaps(DevNamespace).Create(ctx, &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: "hello"},
+		Data:       map[string]string{"greeting": "hello from the target cluster"},
+	}, opts)
+	return create("ConfigMap", err)
+}
+
+// PrepareDev sets up what a demo broker needs against a local cluster:
+// the demo namespace, ServiceAccount, Role and ConfigMap (existing ones
+// are kept), a dev PKI in dir (an existing dev CA is kept) and a policy
+// that lets the peer DevPeer obtain kubeconfigs for the demo
+// ServiceAccount. It returns the files and the policy file.
+func PrepareDev(ctx context.Context, client kubernetes.Interface, admin *rest.Config, dir, listen string) (DevFiles, string, error) {
+	if err := devObjects(ctx, client); err != nil {
+		return DevFiles{}, "", err
+	}
+	files, err := devPKI(dir, listen)
+	if err != nil {
+		return DevFiles{}, "", err
+	}
+	clusterCA, err := clusterCAData(admin)
+	if err != nil {
+		return DevFiles{}, "", err
+	}
+	policyFile := filepath.Join(dir, "policy.yaml")
+	return files, policyFile, writeDevPolicy(policyFile, admin.Host, clusterCA)
+}
