@@ -9,6 +9,17 @@ import (
 	"k8s.io/utils/clock"
 )
 
+// runSteps calls step and sleeps until the time it returns, over and
+// over, until ctx is done: the loop of the refreshers and the renewer.
+func runSteps(ctx context.Context, c clock.Clock, step func(context.Context) time.Time) {
+	for {
+		wake := step(ctx)
+		if ctx.Err() != nil || sleepUntil(ctx, c, wake) != nil {
+			return
+		}
+	}
+}
+
 // sleepUntil waits until c reaches wake or ctx is done, and returns
 // ctx.Err(). A wake time already passed returns at once, without a timer.
 // Every wait of the agent goes through it, so that a fake clock

@@ -125,15 +125,7 @@ func (r *refresher) update(fn func(*targetStatus)) {
 // revoke the current lease (consumers keep working) and drops the pending
 // revocations of replaced leases, which expire by themselves.
 func (r *refresher) run(ctx context.Context) {
-	for {
-		wake := r.step(ctx)
-		if ctx.Err() != nil {
-			break
-		}
-		if sleepUntil(ctx, r.clock, wake) != nil {
-			break
-		}
-	}
+	runSteps(ctx, r.clock, r.step)
 	if n := len(r.revokes); n > 0 {
 		r.log.Info("shutting down; replaced leases will expire by themselves", zap.Int("pending_revocations", n))
 	}

@@ -47,17 +47,7 @@ type renewer struct {
 	next     time.Time
 }
 
-func (r *renewer) run(ctx context.Context) {
-	for {
-		wake := r.step(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if sleepUntil(ctx, r.clock, wake) != nil {
-			return
-		}
-	}
-}
+func (r *renewer) run(ctx context.Context) { runSteps(ctx, r.clock, r.step) }
 
 // step renews if due and returns when to run again.
 func (r *renewer) step(ctx context.Context) time.Time {

@@ -180,16 +180,20 @@ func (b *Broker) enroll(ctx context.Context, token string, req apiv1.Certificate
 		}
 		return nil, outcomeOfCert(err), err
 	}
-	resp, err := b.sign(csr, claims.Identity, log)
+	// If signing fails, the token is used up: a CA that cannot sign is an
+	// operator problem, and a second chance would need a second record.
+	return b.signLogged(csr, claims.Identity, log, "enrollment failed after the join token was used", "certificate enrolled")
+}
+
+// signLogged signs csr for identity and logs the outcome with failed or
+// done.
+func (b *Broker) signLogged(csr *x509.CertificateRequest, identity string, log *zap.Logger, failed, done string) (*apiv1.CertificateResponse, string, error) {
+	resp, err := b.sign(csr, identity, log)
 	if err != nil {
-		// The token is used up: a CA that cannot sign is an operator
-		// problem, and a second chance would need a second record.
-		log.Error("enrollment failed after the join token was used", zap.Error(err))
+		log.Error(failed, zap.Error(err))
 		return nil, outcomeOfCert(err), err
 	}
-	log.Info("certificate enrolled",
-		zap.String("serial", resp.SerialNumber),
-		zap.Time("not_after", resp.NotAfter))
+	log.Info(done, zap.String("serial", resp.SerialNumber), zap.Time("not_after", resp.NotAfter))
 	return resp, certIssued, nil
 }
 
@@ -226,15 +230,7 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 		log.Info("renewal refused", zap.String("reason", errDetail(err)), zap.Error(err))
 		return nil, outcomeOfCert(err), err
 	}
-	resp, err := b.sign(csr, c.Identity, log)
-	if err != nil {
-		log.Error("renewal failed", zap.Error(err))
-		return nil, outcomeOfCert(err), err
-	}
-	log.Info("certificate renewed",
-		zap.String("serial", resp.SerialNumber),
-		zap.Time("not_after", resp.NotAfter))
-	return resp, certIssued, nil
+	return b.signLogged(csr, c.Identity, log, "renewal failed", "certificate renewed")
 }
 
 // TrustBundle returns the CA bundle in force and the fingerprints of its

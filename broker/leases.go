@@ -309,16 +309,11 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 	out := make([]LeaseRecord, 0, len(secrets))
 	for i := range secrets {
 		s := &secrets[i]
+		l := leaseFromSecret(s)
 		r := LeaseRecord{
-			ID:             s.Labels[LabelLeaseID],
-			Peer:           s.Labels[LabelPeer],
-			Identity:       s.Annotations[AnnotationIdentity],
-			Namespace:      s.Namespace,
-			ServiceAccount: s.Annotations[AnnotationSA],
-			Credential:     s.Annotations[AnnotationCred],
-			CreatedAt:      s.CreationTimestamp.UTC(),
-			Secret:         s.Name,
-			UID:            s.UID,
+			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount,
+			Credential: l.Credential, CreatedAt: l.CreatedAt,
+			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID,
 		}
 		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
 			continue

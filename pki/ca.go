@@ -268,13 +268,9 @@ func LoadCAChain(certFile, keyFile, bundleFile string, opts CAOptions) (*CA, err
 	if bundleFile == "" {
 		return ca, nil
 	}
-	bundlePEM, err := readFileLimited(bundleFile, MaxCertificatesPEMSize)
+	bundle, err := loadCertificatesFile(bundleFile, "CA trust bundle")
 	if err != nil {
-		return nil, fmt.Errorf("load CA trust bundle: %w", err)
-	}
-	bundle, err := ParseCertificatesPEM(bundlePEM)
-	if err != nil {
-		return nil, fmt.Errorf("load CA trust bundle from %s: %w", bundleFile, err)
+		return nil, err
 	}
 	if err := ca.setRootFrom(bundle); err != nil {
 		return nil, fmt.Errorf("load CA from %s with bundle %s: %w", certFile, bundleFile, err)

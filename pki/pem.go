@@ -140,13 +140,9 @@ func ParsePrivateKeyPEM(data []byte) (crypto.Signer, error) {
 // ParseCertificatesPEM) into a new pool that holds only them, never the
 // system roots.
 func LoadCertPool(file string) (*x509.CertPool, error) {
-	data, err := readFileLimited(file, MaxCertificatesPEMSize)
+	certs, err := loadCertificatesFile(file, "cert pool")
 	if err != nil {
-		return nil, fmt.Errorf("load cert pool: %w", err)
-	}
-	certs, err := ParseCertificatesPEM(data)
-	if err != nil {
-		return nil, fmt.Errorf("load cert pool from %s: %w", file, err)
+		return nil, err
 	}
 	pool := x509.NewCertPool()
 	for _, c := range certs {
@@ -170,6 +166,20 @@ func decodeOne(data []byte) (*pem.Block, []byte, error) {
 		return nil, nil, errors.New("PEM headers (such as encryption) are not supported")
 	}
 	return block, rest, nil
+}
+
+// loadCertificatesFile reads and parses a PEM file of certificates; what
+// names it in errors.
+func loadCertificatesFile(file, what string) ([]*x509.Certificate, error) {
+	data, err := readFileLimited(file, MaxCertificatesPEMSize)
+	if err != nil {
+		return nil, fmt.Errorf("load %s: %w", what, err)
+	}
+	certs, err := ParseCertificatesPEM(data)
+	if err != nil {
+		return nil, fmt.Errorf("load %s from %s: %w", what, file, err)
+	}
+	return certs, nil
 }
 
 // readFileLimited is ReadFileLimit for PEM files: a file over the limit

@@ -38,6 +38,16 @@ func answered[T any](result *T, err error) error {
 	return err
 }
 
+// reply writes the broker's answer with status, or its error: the end of
+// a handler that has nothing to add.
+func reply[T any](w http.ResponseWriter, r *http.Request, status int, result *T, err error) {
+	if err = answered(result, err); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	writeJSON(w, r, status, result)
+}
+
 // leaseNotFound is the answer for an id that does not have the shape of a
 // lease id (apiv1.ValidLeaseID), worded as the broker words its own
 // not-found. The id is shortened so a long path is not echoed whole.
@@ -123,11 +133,7 @@ func (s *Server) getLease(w http.ResponseWriter, r *http.Request, p peer) {
 		return
 	}
 	lease, err := s.broker.GetLease(r.Context(), p.caller, id)
-	if err = answered(lease, err); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	writeJSON(w, r, http.StatusOK, lease)
+	reply(w, r, http.StatusOK, lease, err)
 }
 
 // revokeLease handles DELETE /v1/leases/{id}.
@@ -219,11 +225,7 @@ func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer
 		return
 	}
 	resp, err := s.certs.Renew(r.Context(), p.caller, req)
-	if err = answered(resp, err); err != nil {
-		writeError(w, r, err)
-		return
-	}
-	writeJSON(w, r, http.StatusCreated, resp)
+	reply(w, r, http.StatusCreated, resp, err)
 }
 
 func (s *Server) decodeCertificateRequest(r *http.Request) (apiv1.CertificateRequest, error) {

@@ -76,19 +76,9 @@ guides in docs/guides for the file format.`,
         - secret: {namespace: admiralty, name: east, format: admiralty}
         - file: {path: /shared/east.kubeconfig}`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			v, err := newFlagViper(cmd)
-			if err != nil {
-				return err
-			}
-			cfg, err := agentCommandConfigFrom(v)
-			if err != nil {
-				return err
-			}
-			return withLogger(cfg.Log, func(log *zap.Logger) error {
-				return runAgent(cmd.Context(), cfg, log)
-			})
-		},
+		RunE: runE(newFlagViper, agentCommandConfigFrom, func(cmd *cobra.Command, cfg agentCommandConfig) error {
+			return withLogger(cfg.Log, func(log *zap.Logger) error { return runAgent(cmd.Context(), cfg, log) })
+		}),
 	}
 	cmd.Flags().String("config", "", "the agent's config file (YAML): identity, refresh settings, targets and their outputs (required)")
 	addLogFlags(cmd.Flags(), "json")

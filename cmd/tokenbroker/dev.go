@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/viper"
 	"go.uber.org/zap"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -51,23 +52,9 @@ Ctrl-C stops the broker.`,
   # on other ports
   tokenbroker dev --kubeconfig admin.kubeconfig --listen-address 127.0.0.1:18443 --ops-address 127.0.0.1:19090`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			v, err := newViper(cmd)
-			if err != nil {
-				return err
-			}
-			cfg := devConfig{
-				Kubeconfig:    v.GetString("kubeconfig"),
-				Dir:           v.GetString("dir"),
-				ListenAddress: v.GetString("listen-address"),
-				OpsAddress:    v.GetString("ops-address"),
-				Kubectl:       v.GetString("kubectl"),
-				Log:           logConfigFrom(v),
-			}
-			return withLogger(cfg.Log, func(log *zap.Logger) error {
-				return runDev(cmd.Context(), cfg, log, cmd.OutOrStdout())
-			})
-		},
+		RunE: runE(newViper, devConfigFrom, func(cmd *cobra.Command, cfg devConfig) error {
+			return withLogger(cfg.Log, func(log *zap.Logger) error { return runDev(cmd.Context(), cfg, log, cmd.OutOrStdout()) })
+		}),
 	}
 	fs := cmd.Flags()
 	fs.String("kubeconfig", "", "admin kubeconfig of the local cluster (default $KUBECONFIG)")
@@ -78,6 +65,17 @@ Ctrl-C stops the broker.`,
 	addLogFlags(fs, "console")
 	cmd.Flags().String("config", "", "YAML config file whose keys are these flag names")
 	return cmd
+}
+
+func devConfigFrom(v *viper.Viper) (devConfig, error) {
+	return devConfig{
+		Kubeconfig:    v.GetString("kubeconfig"),
+		Dir:           v.GetString("dir"),
+		ListenAddress: v.GetString("listen-address"),
+		OpsAddress:    v.GetString("ops-address"),
+		Kubectl:       v.GetString("kubectl"),
+		Log:           logConfigFrom(v),
+	}, nil
 }
 
 func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) error {

@@ -70,17 +70,7 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
     --identity-dir west-identity --namespace argo --service-account admiralty-source \
     --format json | jq -r .leaseId`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			v, err := newFlagViper(cmd)
-			if err != nil {
-				return err
-			}
-			cfg, err := getKubeconfigConfigFrom(v)
-			if err != nil {
-				return err
-			}
-			return runGetKubeconfig(cmd, cfg)
-		},
+		RunE: runE(newFlagViper, getKubeconfigConfigFrom, runGetKubeconfig),
 	}
 	fs := cmd.Flags()
 	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")

@@ -136,3 +136,20 @@ func newLogger(c logConfig) (*zap.Logger, error) {
 	zc.Level = zap.NewAtomicLevelAt(level)
 	return zc.Build()
 }
+
+// runE is the RunE of a command with typed settings: read gathers the
+// flags, TOKENBROKER_* variables and (newViper) the --config file, from
+// turns them into the command's config and checks it, run runs it.
+func runE[T any](read func(*cobra.Command) (*viper.Viper, error), from func(*viper.Viper) (T, error), run func(*cobra.Command, T) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, _ []string) error {
+		v, err := read(cmd)
+		if err != nil {
+			return err
+		}
+		cfg, err := from(v)
+		if err != nil {
+			return err
+		}
+		return run(cmd, cfg)
+	}
+}

@@ -63,19 +63,9 @@ Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
     --client-ca-file bundle.crt --policy-file policy.yaml \
     --ca-cert-file ca.crt --ca-key-file ca.key --enroll-address :8444`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			v, err := newViper(cmd)
-			if err != nil {
-				return err
-			}
-			cfg, err := serveConfigFrom(v)
-			if err != nil {
-				return err
-			}
-			return withLogger(cfg.Log, func(log *zap.Logger) error {
-				return runServe(cmd.Context(), cfg, log)
-			})
-		},
+		RunE: runE(newViper, serveConfigFrom, func(cmd *cobra.Command, cfg serveConfig) error {
+			return withLogger(cfg.Log, func(log *zap.Logger) error { return runServe(cmd.Context(), cfg, log) })
+		}),
 	}
 	addServeFlags(cmd)
 	addLogFlags(cmd.Flags(), "json")
