@@ -38,6 +38,18 @@ func answered[T any](result *T, err error) error {
 	return err
 }
 
+// acceptOrRefuse picks the media type of the answer from the Accept
+// header among offers (the first is the default), or answers 406 and
+// returns false. The answer varies by Accept either way.
+func acceptOrRefuse(w http.ResponseWriter, r *http.Request, offers ...string) (string, bool) {
+	w.Header().Add("Vary", "Accept")
+	mediaType, ok := negotiate(r.Header.Get("Accept"), offers...)
+	if !ok {
+		writeError(w, r, errNotAcceptable)
+	}
+	return mediaType, ok
+}
+
 // reply writes the broker's answer with status, or its error: the end of
 // a handler that has nothing to add.
 func reply[T any](w http.ResponseWriter, r *http.Request, status int, result *T, err error) {
@@ -77,10 +89,8 @@ func leaseNotFound(id string) error {
 // checked before anything is minted, so a credential is never issued that
 // cannot be delivered.
 func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer) {
-	w.Header().Add("Vary", "Accept")
-	mediaType, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON, apiv1.MediaTypeYAML)
+	mediaType, ok := acceptOrRefuse(w, r, apiv1.MediaTypeJSON, apiv1.MediaTypeYAML)
 	if !ok {
-		writeError(w, r, errNotAcceptable)
 		return
 	}
 	var req apiv1.KubeconfigRequest
@@ -243,10 +253,8 @@ func (s *Server) decodeCertificateRequest(r *http.Request) (apiv1.CertificateReq
 // the fingerprints, or the bare PEM bundle for Accept:
 // application/x-pem-file (so that "curl … > ca.crt" works).
 func (s *Server) trustBundle(w http.ResponseWriter, r *http.Request) {
-	w.Header().Add("Vary", "Accept")
-	mediaType, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON, apiv1.MediaTypePEM)
+	mediaType, ok := acceptOrRefuse(w, r, apiv1.MediaTypeJSON, apiv1.MediaTypePEM)
 	if !ok {
-		writeError(w, r, errNotAcceptable)
 		return
 	}
 	var tb apiv1.TrustBundle
