@@ -184,16 +184,26 @@ func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request, p peer) {
 // usable bearer token; the caller sees the same 401 as for a bad token.
 var errNoJoinToken = errors.New("no bearer token, or not one a join token can be")
 
+// certificatesAnswerable answers 404 when this server issues no
+// certificates and 406 when the client does not accept JSON, and says
+// whether the certificate handlers may go on.
+func (s *Server) certificatesAnswerable(w http.ResponseWriter, r *http.Request) bool {
+	if s.certs == nil {
+		writeError(w, r, errRouteNotFound)
+		return false
+	}
+	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+		writeError(w, r, errNotAcceptable)
+		return false
+	}
+	return true
+}
+
 // enrollCertificate handles POST /v1/certificates on the enrollment
 // listener: a cluster without a certificate presents a join token as its
 // bearer token and a CSR for the token's identity.
 func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
-	if s.certs == nil {
-		writeError(w, r, errRouteNotFound)
-		return
-	}
-	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
-		writeError(w, r, errNotAcceptable)
+	if !s.certificatesAnswerable(w, r) {
 		return
 	}
 	token, ok := bearerToken(r.Header)
@@ -221,12 +231,7 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 // listener: the caller's verified certificate authorizes a new one for the
 // same identity. A bearer token is ignored here.
 func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer) {
-	if s.certs == nil {
-		writeError(w, r, errRouteNotFound)
-		return
-	}
-	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
-		writeError(w, r, errNotAcceptable)
+	if !s.certificatesAnswerable(w, r) {
 		return
 	}
 	req, err := s.decodeCertificateRequest(r)
