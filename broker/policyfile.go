@@ -4,7 +4,6 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sync/atomic"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -23,16 +22,33 @@ func LoadPolicyFile(path string) (*Policy, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	if p.Cluster.CAFile != "" {
-		caFile := p.Cluster.CAFile
-		if !filepath.IsAbs(caFile) {
-			caFile = filepath.Join(filepath.Dir(path), caFile)
-		}
-		ca, err := pki.ReadFileLimit(caFile, maxPolicyBytes)
+		ca, err := pki.ReadFileLimit(caFilePath(path, p.Cluster.CAFile), maxPolicyBytes)
 		if err != nil {
 			return nil, fmt.Errorf("%s: cluster.caFile: %w", path, err)
 		}
 		p.Cluster.CAData = string(ca)
 	}
+	return checkedPolicy(path, p)
+}
+
+// policyFromFiles is LoadPolicyFile on content already read: the policy
+// and the CA file it names (nil when it names none or could not be read).
+func policyFromFiles(path string, data, ca []byte) (*Policy, error) {
+	p, err := ParsePolicy(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if p.Cluster.CAFile != "" {
+		if ca == nil {
+			return nil, fmt.Errorf("%s: cluster.caFile: %s cannot be read", path, caFilePath(path, p.Cluster.CAFile))
+		}
+		p.Cluster.CAData = string(ca)
+	}
+	return checkedPolicy(path, p)
+}
+
+// checkedPolicy checks the CA bundle of a parsed policy.
+func checkedPolicy(path string, p *Policy) (*Policy, error) {
 	if err := checkCABundle([]byte(p.Cluster.CAData)); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, &apiv1.ValidationError{Document: "policy", Problems: []apiv1.FieldError{{Field: "cluster.caFile", Detail: err.Error()}}})
 	}

@@ -2,7 +2,7 @@ package broker
 
 import (
 	"context"
-	"crypto/sha256"
+	"fmt"
 	"path/filepath"
 	"time"
 
@@ -11,40 +11,55 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// DefaultPolicyReloadInterval is how often WatchPolicyFile looks at the
+// DefaultPolicyReloadInterval is how often a PolicyWatcher looks at the
 // policy file.
 const DefaultPolicyReloadInterval = time.Second
 
 // PolicyWatcher keeps a PolicyStore in step with a policy file: it reads
 // the file (and the cluster CA file it names) every interval and, when
-// their content changed, loads them with LoadPolicyFile. A valid new policy
-// replaces the old one at once; an invalid one is refused and the old one
-// stays in force. Both outcomes are logged and counted in
+// their content changed, loads them as LoadPolicyFile does. A valid new
+// policy replaces the old one at once; an invalid one is refused and the
+// old one stays in force. Both outcomes are logged and counted in
 // tokenbroker_config_reloads_total{config="policy"}, once per distinct
-// content. Polling, unlike inotify, also follows Kubernetes ConfigMap
-// volumes, which swap files through a symlink.
+// content. It is a pki.FileReloader, the same digest-and-swap as the
+// certificate reloaders. Polling, unlike inotify, also follows Kubernetes
+// ConfigMap volumes, which swap files through a symlink.
 type PolicyWatcher struct {
-	path     string
+	files    *pki.FileReloader[Policy]
 	store    *PolicyStore
-	log      *zap.Logger
-	metrics  *Metrics
 	interval time.Duration
-
-	// sum is the digest of the content last loaded or refused.
-	sum [sha256.Size]byte
+	// inForce is the reloader's policy last put into the store.
+	inForce *Policy
 }
 
 // NewPolicyWatcher returns a watcher of the policy file at path that
-// updates store. The content in force now is taken as already loaded: the
-// caller loaded it with LoadPolicyFile before. interval zero means
-// DefaultPolicyReloadInterval; metrics may be nil.
-func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, metrics *Metrics, interval time.Duration) *PolicyWatcher {
+// updates store. The content of the file now is taken as in force (the
+// caller loaded it with LoadPolicyFile before); an error means it no longer
+// loads. interval zero means DefaultPolicyReloadInterval; metrics may be
+// nil.
+func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, metrics *Metrics, interval time.Duration) (*PolicyWatcher, error) {
 	if interval <= 0 {
 		interval = DefaultPolicyReloadInterval
 	}
-	w := &PolicyWatcher{path: path, store: store, log: log, metrics: metrics, interval: interval}
-	w.sum = w.digest()
-	return w
+	w := &PolicyWatcher{store: store, interval: interval}
+	report := func(err error) {
+		metrics.ObserveReload(ConfigPolicy, err)
+		if err != nil {
+			log.Error("policy reload refused; keeping the policy in force", zap.String("file", path), zap.Error(err))
+			return
+		}
+		p := w.files.Current()
+		log.Info("policy reloaded", zap.String("file", path), zap.String("cluster", p.Cluster.Name), zap.Int("peers", len(p.Peers)))
+	}
+	files, err := pki.NewFileReloader(path,
+		func() ([][]byte, error) { return readPolicyFiles(path) },
+		func(content [][]byte) (*Policy, error) { return policyFromFiles(path, content[0], content[1]) },
+		pki.WithReloadCallback(report))
+	if err != nil {
+		return nil, err
+	}
+	w.files, w.inForce = files, files.Current()
+	return w, nil
 }
 
 // Run polls until ctx is done.
@@ -56,7 +71,7 @@ func (w *PolicyWatcher) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			w.Check()
+			_ = w.Check()
 		}
 	}
 }
@@ -64,50 +79,35 @@ func (w *PolicyWatcher) Run(ctx context.Context) {
 // Check looks at the files once and reloads them if they changed. It
 // returns the outcome of the reload, or nil when nothing changed.
 func (w *PolicyWatcher) Check() error {
-	// An unreadable file digests to zero, so it too is reported once, and
-	// the same content once readable again counts as a change.
-	sum := w.digest()
-	if sum == w.sum {
-		return nil
+	err := w.files.Reload()
+	if p := w.files.Current(); p != w.inForce {
+		w.store.Store(p)
+		w.inForce = p
 	}
-	w.sum = sum
-	p, err := LoadPolicyFile(w.path)
-	if err != nil {
-		w.metrics.ObserveReload(ConfigPolicy, err)
-		w.log.Error("policy reload refused; keeping the policy in force",
-			zap.String("file", w.path), zap.Error(err))
-		return err
-	}
-	w.store.Store(p)
-	w.metrics.ObserveReload(ConfigPolicy, nil)
-	w.log.Info("policy reloaded",
-		zap.String("file", w.path),
-		zap.String("cluster", p.Cluster.Name),
-		zap.Int("peers", len(p.Peers)))
-	return nil
+	return err
 }
 
-// digest hashes the policy file and the CA file it names; it is zero when
-// the policy file cannot be read.
-func (w *PolicyWatcher) digest() [sha256.Size]byte {
-	h := sha256.New()
-	data, err := pki.ReadFileLimit(w.path, maxPolicyBytes)
+// readPolicyFiles reads the policy file and the cluster CA file it names
+// (nil if it names none or the policy does not parse: policyFromFiles
+// reports that).
+func readPolicyFiles(path string) ([][]byte, error) {
+	data, err := pki.ReadFileLimit(path, maxPolicyBytes)
 	if err != nil {
-		return [sha256.Size]byte{}
+		return nil, fmt.Errorf("read policy: %w", err)
 	}
-	h.Write(data)
-	// The CA file may change on its own (a rotated API server CA). Parse
-	// errors are LoadPolicyFile's to report.
+	var ca []byte
 	if p, err := ParsePolicy(data); err == nil && p.Cluster.CAFile != "" {
-		caFile := p.Cluster.CAFile
-		if !filepath.IsAbs(caFile) {
-			caFile = filepath.Join(filepath.Dir(w.path), caFile)
-		}
-		ca, _ := pki.ReadFileLimit(caFile, maxPolicyBytes)
-		h.Write([]byte{0})
-		h.Write(ca)
+		// A missing CA file is read as nothing and refused by
+		// policyFromFiles; its later arrival changes the content.
+		ca, _ = pki.ReadFileLimit(caFilePath(path, p.Cluster.CAFile), maxPolicyBytes)
 	}
-	var sum [sha256.Size]byte
-	h.Sum(sum[:0])
-	return sum
+	return [][]byte{data, ca}, nil
+}
+
+// caFilePath resolves a policy's caFile: relative to the policy file.
+func caFilePath(policyFile, caFile string) string {
+	if filepath.IsAbs(caFile) {
+		return caFile
+	}
+	return filepath.Join(filepath.Dir(policyFile), caFile)
 }

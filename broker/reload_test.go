@@ -33,7 +33,8 @@ func TestThePolicyWatcherSwapsGoodPoliciesAndRefusesBadOnes(t *testing.T) {
 	m, err := NewMetrics(reg)
 	require.NoError(t, err)
 	core, logs := observer.New(zap.InfoLevel)
-	w := NewPolicyWatcher(file, store, zap.New(core), m, 0)
+	w, err := NewPolicyWatcher(file, store, zap.New(core), m, 0)
+	require.NoError(t, err)
 
 	require.NoError(t, w.Check(), "unchanged content is not reloaded")
 	require.Same(t, p, store.Load())
@@ -79,7 +80,8 @@ func TestThePolicyWatcherNoticesAChangedClusterCAFile(t *testing.T) {
 	p, err := LoadPolicyFile(file)
 	require.NoError(t, err)
 	store := NewPolicyStore(p)
-	w := NewPolicyWatcher(file, store, zap.NewNop(), nil, 0)
+	w, err := NewPolicyWatcher(file, store, zap.NewNop(), nil, 0)
+	require.NoError(t, err)
 
 	require.NoError(t, os.WriteFile(caFile, []byte("not PEM"), 0o600))
 	require.Error(t, w.Check(), "a broken CA file is refused")

@@ -70,7 +70,7 @@ func parseFingerprint(s string) ([]byte, error) {
 //
 // A PoolReloader is safe for concurrent use.
 type PoolReloader struct {
-	polledFiles[poolState]
+	FileReloader[poolState]
 	file string
 }
 
@@ -85,7 +85,7 @@ type poolState struct {
 // files are reported to the callback instead.
 func NewPoolReloader(file string, opts ...ReloaderOption) (*PoolReloader, error) {
 	p := &PoolReloader{file: file}
-	p.polledFiles = polledFiles[poolState]{
+	p.FileReloader = FileReloader[poolState]{
 		reloadSettings: newReloadSettings(opts),
 		read: func() ([][]byte, error) {
 			data, err := readFileLimited(file, MaxCertificatesPEMSize)

@@ -28,7 +28,7 @@ const DefaultReloadInterval = time.Second
 //
 // A CertReloader is safe for concurrent use.
 type CertReloader struct {
-	polledFiles[tls.Certificate]
+	FileReloader[tls.Certificate]
 	certFile, keyFile string
 }
 
@@ -57,11 +57,13 @@ func (s *reloadSettings) report(err error) {
 	}
 }
 
-// polledFiles is what CertReloader and PoolReloader share: a value parsed
-// from files, polled at most every interval by the callers that use it,
-// replaced only by a good parse of changed content, with every change (good
-// or refused) reported to the callback once.
-type polledFiles[T any] struct {
+// FileReloader is the one digest-and-swap mechanism of tokenbroker's
+// files (the server certificate, the client-CA bundle, the broker's
+// policy): a value parsed from files, read again at most every interval by
+// the callers that use it (or on Reload), replaced only by a good parse of
+// changed content, with every change (good or refused) reported to the
+// callback once. CertReloader and PoolReloader are made of it.
+type FileReloader[T any] struct {
 	reloadSettings
 	// read reads the files (bounded), wrapping errors with what it read.
 	read func() ([][]byte, error)
@@ -79,7 +81,7 @@ type polledFiles[T any] struct {
 
 // load reads and parses the files for the first time; an error means no
 // value to serve.
-func (f *polledFiles[T]) load() error {
+func (f *FileReloader[T]) load() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	_, err := f.reloadLocked()
@@ -87,25 +89,42 @@ func (f *polledFiles[T]) load() error {
 }
 
 // get returns the value in service after a reload if one is due.
-func (f *polledFiles[T]) get() *T {
+func (f *FileReloader[T]) get() *T {
 	f.maybeReload()
 	return f.current.Load()
 }
 
+// NewFileReloader reads and parses the files now and fails if it cannot;
+// later problems go to the callback. read reads the files (bounded) and
+// wraps its errors with what it read; parse turns their content into the
+// value to serve or refuses it; what names the files in parse errors.
+func NewFileReloader[T any](what string, read func() ([][]byte, error), parse func([][]byte) (*T, error), opts ...ReloaderOption) (*FileReloader[T], error) {
+	f := &FileReloader[T]{reloadSettings: newReloadSettings(opts), read: read, parse: parse, what: what}
+	if err := f.load(); err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+// Current returns the value in service, without looking at the files.
+func (f *FileReloader[T]) Current() *T { return f.current.Load() }
+
 // Reload reads the files now, whatever the interval, and returns the outcome
-// (nil if the files are unchanged or the new content went into service). The
-// callback is called as for a polled reload.
-func (f *polledFiles[T]) Reload() error {
+// of a change: nil if the files are unchanged since the last attempt (a bad
+// or unreadable state is reported once) or the new content went into
+// service. The callback is called as for a polled reload.
+func (f *FileReloader[T]) Reload() error {
 	f.mu.Lock()
 	changed, err := f.reloadLocked()
 	f.mu.Unlock()
-	if changed {
-		f.report(err)
+	if !changed {
+		return nil
 	}
+	f.report(err)
 	return err
 }
 
-func (f *polledFiles[T]) maybeReload() {
+func (f *FileReloader[T]) maybeReload() {
 	// A caller (a handshake) never waits for another one's file read: it
 	// gets the value in service.
 	if !f.mu.TryLock() {
@@ -127,7 +146,7 @@ func (f *polledFiles[T]) maybeReload() {
 // attempt, tries to put them into service. It reports whether the content
 // changed. Read errors are always reported as changes (a missing file is news
 // every time), but only after a successful read changes the remembered sum.
-func (f *polledFiles[T]) reloadLocked() (changed bool, err error) {
+func (f *FileReloader[T]) reloadLocked() (changed bool, err error) {
 	f.lastCheck = f.now()
 	content, err := f.read()
 	if err != nil {
@@ -189,7 +208,7 @@ func WithReloadClock(now func() time.Time) ReloaderOption {
 // TLS then sends the whole chain.
 func NewCertReloader(certFile, keyFile string, opts ...ReloaderOption) (*CertReloader, error) {
 	r := &CertReloader{certFile: certFile, keyFile: keyFile}
-	r.polledFiles = polledFiles[tls.Certificate]{
+	r.FileReloader = FileReloader[tls.Certificate]{
 		reloadSettings: newReloadSettings(opts),
 		read:           r.readFiles,
 		parse:          func(c [][]byte) (*tls.Certificate, error) { return r.parse(c[0], c[1]) },

@@ -167,6 +167,10 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	store := broker.NewPolicyStore(policy)
+	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval)
+	if err != nil {
+		return err
+	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
@@ -210,7 +214,7 @@ func Run(ctx context.Context, opts Options) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go revocations.Run(ctx)
-	go broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval).Run(ctx)
+	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
 	// Until the deny list is read every caller is refused (fail closed);
 	// wait for it a little so that a healthy start serves at once.
