@@ -1,6 +1,8 @@
 package pki
 
 import (
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -112,4 +114,47 @@ func LoadCADir(dir string, opts CAOptions) (*CA, error) {
 		return LoadCAWithOptions(certFile, keyFile, opts)
 	}
 	return LoadCAChain(certFile, keyFile, bundleFile, opts)
+}
+
+// CADirTrustAnchors is the trust bundle file of a CA directory:
+// bundle.crt, or ca.crt for a directory made before bundle.crt existed.
+func CADirTrustAnchors(dir string) string {
+	if _, err := os.Stat(filepath.Join(dir, CADirBundle)); errors.Is(err, fs.ErrNotExist) {
+		return filepath.Join(dir, CADirCert)
+	}
+	return filepath.Join(dir, CADirBundle)
+}
+
+// PEMSource is PEM content and the name it came from, for messages.
+type PEMSource struct {
+	Name string
+	PEM  []byte
+}
+
+// BuildTrustBundle concatenates the CA certificates of sources in order,
+// without duplicates: the trust bundle of a CA rotation (the new CA, then
+// the old ones). Every certificate must be a CA.
+func BuildTrustBundle(sources []PEMSource) ([]*x509.Certificate, []byte, error) {
+	var certs []*x509.Certificate
+	var bundle []byte
+	seen := map[string]bool{}
+	for _, src := range sources {
+		cs, err := ParseCertificatesPEM(src.PEM)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", src.Name, err)
+		}
+		for _, c := range cs {
+			fp := Fingerprint(c)
+			if !c.BasicConstraintsValid || !c.IsCA {
+				return nil, nil, fmt.Errorf("%s: %s (%s) is not a CA certificate", src.Name, c.Subject.CommonName, fp)
+			}
+			if seen[fp] {
+				continue
+			}
+			seen[fp] = true
+			certs = append(certs, c)
+			bundle = append(bundle, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})...)
+		}
+	}
+	return certs, bundle, nil
 }

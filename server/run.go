@@ -3,13 +3,17 @@ package server
 import (
 	"context"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"net"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -96,6 +100,50 @@ type Started struct {
 	Metrics prometheus.Gatherer
 }
 
+// Validate checks the options, every problem at once, in the words of
+// serve's flags (which are also the keys of its config file).
+func (o Options) Validate() error {
+	var errs []error
+	for flag, val := range map[string]string{
+		"tls-cert-file": o.TLSCertFile, "tls-key-file": o.TLSKeyFile,
+		"client-ca-file": o.ClientCAFile, "policy-file": o.PolicyFile,
+	} {
+		if val == "" {
+			errs = append(errs, fmt.Errorf("--%s is required", flag))
+		}
+	}
+	if o.KubeQPS <= 0 || o.KubeBurst <= 0 {
+		errs = append(errs, errors.New("--kube-qps and --kube-burst must be positive"))
+	}
+	if o.GCInterval < time.Second {
+		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
+	}
+	for _, kind := range o.Credentials {
+		if !slices.Contains(CredentialKinds(), kind) {
+			errs = append(errs, fmt.Errorf("--credentials: unknown or unsupported credential kind %q (this broker issues: %s)", kind, strings.Join(CredentialKinds(), ", ")))
+		}
+	}
+	if o.AuditLog == "" {
+		errs = append(errs, errors.New(`--audit-log must be "stdout", "stderr" or a file path`))
+	}
+	if o.MaxBodyBytes <= 0 {
+		errs = append(errs, errors.New("--max-body-bytes must be positive"))
+	}
+	if (o.CACertFile == "") != (o.CAKeyFile == "") {
+		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
+	}
+	if o.EnrollAddress != "" && o.CACertFile == "" {
+		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
+	}
+	if o.ClientCertTTL < broker.MinCertificateTTL || o.ClientCertTTL > broker.MaxCertificateTTL {
+		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
+	}
+	if msgs := validation.IsDNS1123Label(o.Namespace); len(msgs) > 0 {
+		errs = append(errs, fmt.Errorf("--namespace %q: %s", o.Namespace, strings.Join(msgs, "; ")))
+	}
+	return errors.Join(errs...)
+}
+
 // revocationSyncWait bounds how long Run waits for the first read of the
 // revocation list before it starts listening anyway.
 const revocationSyncWait = 10 * time.Second
@@ -104,6 +152,9 @@ const revocationSyncWait = 10 * time.Second
 // composition root of the broker: every part "tokenbroker serve" runs is
 // made and started here, and nowhere else.
 func Run(ctx context.Context, opts Options) error {
+	if err := opts.Validate(); err != nil {
+		return err
+	}
 	log := opts.Logger
 	if log == nil {
 		log = zap.NewNop()

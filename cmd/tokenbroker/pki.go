@@ -2,15 +2,12 @@ package main
 
 import (
 	"crypto/rand"
-	"crypto/x509"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"net"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -612,36 +609,17 @@ error.`,
 		Example: `  tokenbroker pki bundle --ca-dir new-ca --add old-ca/bundle.crt --out client-ca.crt`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			anchorsFile := filepath.Join(caDir, bundleName)
-			if _, err := os.Stat(anchorsFile); errors.Is(err, fs.ErrNotExist) {
-				anchorsFile = filepath.Join(caDir, caCertName)
-			}
-			var certs []*x509.Certificate
-			seen := map[string]bool{}
-			for _, file := range append([]string{anchorsFile}, add...) {
+			sources := []pki.PEMSource{}
+			for _, file := range append([]string{pki.CADirTrustAnchors(caDir)}, add...) {
 				data, err := readInput(file, cmd.InOrStdin())
 				if err != nil {
 					return err
 				}
-				cs, err := pki.ParseCertificatesPEM(data)
-				if err != nil {
-					return fmt.Errorf("%s: %w", file, err)
-				}
-				for _, c := range cs {
-					if !c.BasicConstraintsValid || !c.IsCA {
-						return fmt.Errorf("%s: %s (%s) is not a CA certificate", file, c.Subject.CommonName, pki.Fingerprint(c))
-					}
-					fp := pki.Fingerprint(c)
-					if seen[fp] {
-						continue
-					}
-					seen[fp] = true
-					certs = append(certs, c)
-				}
+				sources = append(sources, pki.PEMSource{Name: file, PEM: data})
 			}
-			var bundle []byte
-			for _, c := range certs {
-				bundle = append(bundle, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})...)
+			certs, bundle, err := pki.BuildTrustBundle(sources)
+			if err != nil {
+				return err
 			}
 			if output == "" {
 				if _, err := cmd.OutOrStdout().Write(bundle); err != nil {

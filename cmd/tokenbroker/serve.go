@@ -2,20 +2,15 @@ package main
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"os"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
-	"k8s.io/apimachinery/pkg/util/validation"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 )
@@ -129,45 +124,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		Credentials:   v.GetStringSlice("credentials"),
 		AuditLog:      v.GetString("audit-log"),
 	}, Kubeconfig: v.GetString("kubeconfig"), Log: logConfigFrom(v)}
-	var errs []error
-	for flag, val := range map[string]string{
-		"tls-cert-file": cfg.TLSCertFile, "tls-key-file": cfg.TLSKeyFile,
-		"client-ca-file": cfg.ClientCAFile, "policy-file": cfg.PolicyFile,
-	} {
-		if val == "" {
-			errs = append(errs, fmt.Errorf("--%s is required", flag))
-		}
-	}
-	if cfg.KubeQPS <= 0 || cfg.KubeBurst <= 0 {
-		errs = append(errs, errors.New("--kube-qps and --kube-burst must be positive"))
-	}
-	if cfg.GCInterval < time.Second {
-		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
-	}
-	for _, kind := range cfg.Credentials {
-		if !slices.Contains(server.CredentialKinds(), kind) {
-			errs = append(errs, fmt.Errorf("--credentials: unknown or unsupported credential kind %q (this broker issues: %s)", kind, strings.Join(server.CredentialKinds(), ", ")))
-		}
-	}
-	if cfg.AuditLog == "" {
-		errs = append(errs, errors.New(`--audit-log must be "stdout", "stderr" or a file path`))
-	}
-	if cfg.MaxBodyBytes <= 0 {
-		errs = append(errs, errors.New("--max-body-bytes must be positive"))
-	}
-	if (cfg.CACertFile == "") != (cfg.CAKeyFile == "") {
-		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
-	}
-	if cfg.EnrollAddress != "" && cfg.CACertFile == "" {
-		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
-	}
-	if cfg.ClientCertTTL < broker.MinCertificateTTL || cfg.ClientCertTTL > broker.MaxCertificateTTL {
-		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
-	}
-	if msgs := validation.IsDNS1123Label(cfg.Namespace); len(msgs) > 0 {
-		errs = append(errs, fmt.Errorf("--namespace %q: %s", cfg.Namespace, strings.Join(msgs, "; ")))
-	}
-	return cfg, errors.Join(errs...)
+	return cfg, cfg.Validate()
 }
 
 // namespaceOrDefault returns ns, else $POD_NAMESPACE, else

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -78,4 +79,11 @@ func TestRunsKubernetesClientIsNotThrottledAndSpeaksProtobuf(t *testing.T) {
 	require.Equal(t, 4000, rc.Burst)
 	require.Equal(t, "application/vnd.kubernetes.protobuf", rc.ContentType)
 	require.Equal(t, "tokenbroker/v1", rc.UserAgent)
+}
+
+func TestRunRefusesOptionsThatCannotWorkBeforeItStartsAnything(t *testing.T) {
+	err := Run(context.Background(), Options{KubeQPS: 1, KubeBurst: 1, GCInterval: time.Minute, Credentials: []string{"password"}})
+	for _, want := range []string{"--policy-file is required", "--tls-cert-file is required", `unknown or unsupported credential kind "password"`, "--audit-log", "--max-body-bytes"} {
+		require.ErrorContains(t, err, want)
+	}
 }
