@@ -245,14 +245,14 @@ func validateServeConfig(path string) []apiv1.FieldError {
 	if err := fv.ReadInConfig(); err != nil {
 		return []apiv1.FieldError{{Detail: err.Error()}}
 	}
-	cmd := newServeCommand()
-	problems, clean := schema.FlagFileProblems(cmd.Flags(), fv.AllSettings())
+	flags := serveFlags()
+	problems, clean := schema.FlagFileProblems(flags, fv.AllSettings())
 
 	// serve's checks, on the file's values and the defaults only: no
 	// environment, and the required flags set to something, since flags
 	// or the environment may give them.
 	v := viper.New()
-	cmd.Flags().VisitAll(func(f *pflag.Flag) { _ = v.BindPFlag(f.Name, f) })
+	flags.VisitAll(func(f *pflag.Flag) { _ = v.BindPFlag(f.Name, f) })
 	if err := v.MergeConfigMap(clean); err != nil {
 		return append(problems, apiv1.FieldError{Detail: err.Error()})
 	}
@@ -304,7 +304,7 @@ func flagProblem(msg string) apiv1.FieldError {
 // serveFileKeys are the keys of a serve --config file: serve's flag names.
 func serveFileKeys() []string {
 	var keys []string
-	newServeCommand().Flags().VisitAll(func(f *pflag.Flag) {
+	serveFlags().VisitAll(func(f *pflag.Flag) {
 		if !schema.NotAFileKey(f.Name) {
 			keys = append(keys, f.Name)
 		}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
 
@@ -62,9 +63,7 @@ Every flag can also be set as an environment variable TOKENBROKER_<FLAG>
 			return withLogger(cfg.Log, func(log *zap.Logger) error { return runServe(cmd.Context(), cfg, log) })
 		}),
 	}
-	addServeFlags(cmd)
-	addLogFlags(cmd.Flags(), "json")
-	cmd.Flags().String("config", "", "YAML config file whose keys are these flag names")
+	cmd.Flags().AddFlagSet(serveFlags())
 	return cmd
 }
 
@@ -80,8 +79,12 @@ const (
 	defaultKubeBurst = 4000
 )
 
-func addServeFlags(cmd *cobra.Command) {
-	fs := cmd.Flags()
+// serveFlags are serve's flags, which are also the keys of its config
+// file ("config validate --kind serve" checks a file against them).
+func serveFlags() *pflag.FlagSet {
+	fs := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	addLogFlags(fs, "json")
+	fs.String("config", "", "YAML config file whose keys are these flag names")
 	fs.String("listen-address", ":8443", "address of the mutual-TLS API listener")
 	fs.String("enroll-address", "", "address of the enrollment listener (join tokens, no client certificate); empty disables it; needs --ca-cert-file")
 	fs.String("ops-address", ":9090", "address of the operations listener (/healthz, /readyz, /metrics)")
@@ -101,6 +104,7 @@ func addServeFlags(cmd *cobra.Command) {
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+")")
 	fs.String("audit-log", server.AuditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
+	return fs
 }
 
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
