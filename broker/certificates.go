@@ -368,16 +368,13 @@ func csrDenial(err error) string {
 	return denyInvalid
 }
 
-func outcomeOfCert(err error) string {
-	switch KindOf(err) {
-	case KindUnauthenticated:
-		return certUnauthenticated
-	case KindInvalid:
-		return certInvalid
-	case KindForbidden:
-		return certDenied
-	case KindUnavailable:
-		return certUnavailable
-	}
-	return certError
+// certOutcomes label a certificate request that failed, by the kind of
+// its error.
+var certOutcomes = map[Kind]string{
+	KindUnauthenticated: certUnauthenticated,
+	KindInvalid:         certInvalid,
+	KindForbidden:       certDenied,
+	KindUnavailable:     certUnavailable,
 }
+
+func outcomeOfCert(err error) string { return labelOf(err, certOutcomes, certError) }

@@ -79,18 +79,21 @@ const (
 	outcomeError         = "error"
 )
 
-func outcomeFor(err error) string {
-	switch KindOf(err) {
-	case KindForbidden:
-		return outcomeDenied
-	case KindInvalid:
-		return outcomeInvalid
-	case KindUnprocessable:
-		return outcomeUnprocessable
-	case KindNotFound:
-		return outcomeNotFound
-	case KindUnavailable:
-		return outcomeUnavailable
+// issueOutcomes label an issuance that failed, by the kind of its error.
+var issueOutcomes = map[Kind]string{
+	KindForbidden:     outcomeDenied,
+	KindInvalid:       outcomeInvalid,
+	KindUnprocessable: outcomeUnprocessable,
+	KindNotFound:      outcomeNotFound,
+	KindUnavailable:   outcomeUnavailable,
+}
+
+func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }
+
+// labelOf is the metric label of err's kind in labels, else other.
+func labelOf(err error, labels map[Kind]string, other string) string {
+	if l, ok := labels[KindOf(err)]; ok {
+		return l
 	}
-	return outcomeError
+	return other
 }
