@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
+	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -447,4 +448,99 @@ func Sort(probs []apiv1.FieldError) {
 		})
 	}
 	sort.SliceStable(probs, func(i, j int) bool { return key(probs[i].Field) < key(probs[j].Field) })
+}
+
+// Kind is one kind of document: its name, how to describe it when the
+// kind cannot be told, the top-level keys that tell it apart, and its
+// owner's check (problems make it invalid; notes are what could not be
+// checked here).
+type Kind struct {
+	Name        string
+	Description string
+	Keys        []string
+	Check       func(path string, doc any) (problems, notes []apiv1.FieldError)
+}
+
+// Result is what CheckDocument found in one document.
+type Result struct {
+	Kind string
+	// Problems make the document invalid, sorted by field path.
+	Problems []apiv1.FieldError
+	// Notes are what could not be checked here.
+	Notes []apiv1.FieldError
+}
+
+// CheckDocument checks the YAML document data, read from path, as the kind
+// named (or, for "", the kind its keys say). The error is for a document
+// whose kind cannot be told; everything wrong inside it is a problem.
+func CheckDocument(path string, data []byte, kind string, kinds []Kind) (Result, error) {
+	res := Result{Kind: kind}
+	js, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		if res.Kind == "" {
+			res.Kind = "YAML"
+		}
+		res.Problems = []apiv1.FieldError{{Detail: "not valid YAML: " + strings.TrimPrefix(err.Error(), "error converting YAML to JSON: ")}}
+		return res, nil
+	}
+	var doc any
+	if err := json.Unmarshal(js, &doc); err != nil {
+		return Result{}, fmt.Errorf("%s: %w", path, err)
+	}
+	if res.Kind == "" {
+		if res.Kind, err = detectKind(doc, kinds); err != nil {
+			return Result{}, fmt.Errorf("%s: %w", path, err)
+		}
+	}
+	for _, k := range kinds {
+		if k.Name == res.Kind {
+			res.Problems, res.Notes = k.Check(path, doc)
+			Sort(res.Problems)
+			return res, nil
+		}
+	}
+	return Result{}, fmt.Errorf("unknown kind %q", res.Kind)
+}
+
+// detectKind tells the kind of a document by its top-level keys: the kind
+// that knows the most of them, if only one does.
+func detectKind(doc any, kinds []Kind) (string, error) {
+	names, descriptions := make([]string, len(kinds)), make([]string, len(kinds))
+	for i, k := range kinds {
+		names[i], descriptions[i] = k.Name, k.Description
+	}
+	m, ok := doc.(map[string]any)
+	if !ok || len(m) == 0 {
+		return "", fmt.Errorf("not a YAML map of keys, so not a %s config", orList(names))
+	}
+	best, bestScore, tie := "", 0, false
+	for _, kind := range kinds {
+		score := 0
+		for k := range m {
+			for _, name := range kind.Keys {
+				if strings.EqualFold(k, name) {
+					score++
+					break
+				}
+			}
+		}
+		switch {
+		case score > bestScore:
+			best, bestScore, tie = kind.Name, score, false
+		case score == bestScore && score > 0:
+			tie = true
+		}
+	}
+	if bestScore == 0 || tie {
+		return "", fmt.Errorf("cannot tell whether this is %s; give its kind (--kind)", orList(descriptions))
+	}
+	return best, nil
+}
+
+// orList joins "a", "b" and "c" as "a, b or c".
+func orList(items []string) string {
+	if len(items) < 2 {
+		return strings.Join(items, "")
+	}
+	return strings.Join(items[:len(items)-1], ", ") + " or " + items[len(items)-1]
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -11,7 +10,6 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
-	"sigs.k8s.io/yaml"
 
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/api/schema"
@@ -138,98 +136,33 @@ func plural(n int, word string) string {
 	return word + "s"
 }
 
-// validationResult is what validateConfigFile found in one file.
-type validationResult struct {
-	Kind string
-	// Problems make the file invalid, sorted by field path.
-	Problems []apiv1.FieldError
-	// Notes are what could not be checked here.
-	Notes []apiv1.FieldError
+// configKindsChecked are the kinds "config validate" knows, with the keys
+// that tell them apart and their owners' checks.
+func configKindsChecked() []schema.Kind {
+	return []schema.Kind{
+		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[broker.Policy]()), Check: broker.CheckPolicyDocument},
+		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[agent.Config]()),
+			Check: func(path string, doc any) ([]apiv1.FieldError, []apiv1.FieldError) {
+				return agent.CheckConfigDocument(path, doc), nil
+			}},
+		{Name: kindServe, Description: "a serve config (serve's flag names)", Keys: serveFileKeys(),
+			Check: func(path string, _ any) ([]apiv1.FieldError, []apiv1.FieldError) {
+				return validateServeConfig(path), nil
+			}},
+	}
 }
 
 // validateConfigFile reads path and checks it as the given kind (or the
-// kind its keys say, for kindAuto). The error is for a file that cannot be
-// read or whose kind cannot be told; everything wrong inside the file is a
-// problem.
-func validateConfigFile(path, kind string) (validationResult, error) {
-	data, err := readConfigFile(path)
-	if err != nil {
-		return validationResult{}, err
-	}
-	res := validationResult{Kind: kind}
-	js, err := yaml.YAMLToJSON(data)
-	if err != nil {
-		if res.Kind == kindAuto {
-			res.Kind = "YAML"
-		}
-		res.Problems = []apiv1.FieldError{{Detail: "not valid YAML: " + strings.TrimPrefix(err.Error(), "error converting YAML to JSON: ")}}
-		return res, nil
-	}
-	var doc any
-	if err := json.Unmarshal(js, &doc); err != nil {
-		return validationResult{}, fmt.Errorf("%s: %w", path, err)
-	}
-	if res.Kind == kindAuto {
-		if res.Kind, err = detectKind(doc); err != nil {
-			return validationResult{}, fmt.Errorf("%s: %w", path, err)
-		}
-	}
-	switch res.Kind {
-	case kindPolicy:
-		res.Problems, res.Notes = broker.CheckPolicyDocument(path, doc)
-	case kindAgent:
-		res.Problems = agent.CheckConfigDocument(path, doc)
-	case kindServe:
-		res.Problems = validateServeConfig(path)
-	default:
-		return validationResult{}, fmt.Errorf("unknown kind %q", res.Kind)
-	}
-	schema.Sort(res.Problems)
-	return res, nil
-}
-
-func readConfigFile(path string) ([]byte, error) {
+// kind its keys say, for kindAuto).
+func validateConfigFile(path, kind string) (schema.Result, error) {
 	data, err := pki.ReadFileLimit(path, maxConfigFileBytes)
 	if err != nil {
-		return nil, fmt.Errorf("read config: %w", err)
+		return schema.Result{}, fmt.Errorf("read config: %w", err)
 	}
-	return data, nil
-}
-
-// detectKind tells the kind of a configuration by its top-level keys: the
-// kind that knows the most of them, if only one does.
-func detectKind(doc any) (string, error) {
-	m, ok := doc.(map[string]any)
-	if !ok || len(m) == 0 {
-		return "", errors.New("not a YAML map of keys, so not a policy, agent or serve config")
+	if kind == kindAuto {
+		kind = ""
 	}
-	known := map[string][]string{
-		kindPolicy: schema.FieldNames(reflect.TypeFor[broker.Policy]()),
-		kindAgent:  schema.FieldNames(reflect.TypeFor[agent.Config]()),
-		kindServe:  serveFileKeys(),
-	}
-	best, bestScore, tie := "", 0, false
-	for _, kind := range []string{kindPolicy, kindAgent, kindServe} {
-		score := 0
-		for k := range m {
-			for _, name := range known[kind] {
-				if strings.EqualFold(k, name) {
-					score++
-					break
-				}
-			}
-		}
-		switch {
-		case score > bestScore:
-			best, bestScore, tie = kind, score, false
-		case score == bestScore && score > 0:
-			tie = true
-		}
-	}
-	if bestScore == 0 || tie {
-		return "", errors.New("cannot tell whether this is a policy (cluster, ttl, peers), an agent config (identity, targets, ...) or a serve config (serve's flag names); give --kind")
-	}
-	return best, nil
+	return schema.CheckDocument(path, data, kind, configKindsChecked())
 }
 
 // serveRequiredFlags are the flags serve requires; a config file may leave
