@@ -11,7 +11,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/tokenbroker/tokenbroker/agent"
-	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -96,7 +95,7 @@ itself; this command is for scripts and debugging.`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			d := agent.IdentityDir(dir)
-			c, err := identityClient(brokerURL, d)
+			c, err := agent.NewIdentityClient(cmd.Context(), brokerURL, d)
 			if err != nil {
 				return err
 			}
@@ -113,18 +112,4 @@ itself; this command is for scripts and debugging.`,
 	_ = cmd.MarkFlagRequired("broker")
 	_ = cmd.MarkFlagRequired("dir")
 	return cmd
-}
-
-// identityClient returns a broker client that authenticates with the
-// identity in d and trusts d's bundle.
-func identityClient(brokerURL string, d agent.IdentityDir) (*client.Client, error) {
-	roots, err := pki.LoadCertPool(d.Bundle())
-	if err != nil {
-		return nil, err
-	}
-	certs, err := pki.NewCertReloader(d.Cert(), d.Key())
-	if err != nil {
-		return nil, err
-	}
-	return client.New(client.Config{URL: brokerURL, RootCAs: roots, Certificate: certs})
 }
