@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -242,9 +243,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 // interval until ctx is done ("expired leases deleted" counts both). Errors
 // are logged, never fatal: the next round tries again.
 func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
+	wait.UntilWithContext(ctx, func(ctx context.Context) {
 		n, err := b.CollectGarbage(ctx)
 		switch {
 		case err != nil && ctx.Err() == nil:
@@ -252,12 +251,7 @@ func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
 		case n > 0:
 			b.cfg.Logger.Info("expired leases deleted", zap.Int("count", n))
 		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
+	}, interval)
 }
 
 // LeaseRecord is one lease as "leases -o json" prints it: the fields of

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -64,16 +65,7 @@ func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, metrics 
 
 // Run polls until ctx is done.
 func (w *PolicyWatcher) Run(ctx context.Context) {
-	t := time.NewTicker(w.interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			_ = w.Check()
-		}
-	}
+	wait.UntilWithContext(ctx, func(context.Context) { _ = w.Check() }, w.interval)
 }
 
 // Check looks at the files once and reloads them if they changed. It

@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -234,14 +235,9 @@ func (l *RevocationList) Run(ctx context.Context) {
 
 // WaitForSync waits until the list has been read once, or ctx is done.
 func (l *RevocationList) WaitForSync(ctx context.Context) error {
-	t := time.NewTicker(20 * time.Millisecond)
-	defer t.Stop()
-	for !l.Synced() {
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("wait for the revocation list: %w", ctx.Err())
-		case <-t.C:
-		}
+	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) { return l.Synced(), nil })
+	if err != nil {
+		return fmt.Errorf("wait for the revocation list: %w", err)
 	}
 	return nil
 }
