@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
-	"net/url"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -16,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	"sigs.k8s.io/yaml"
 
+	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -396,9 +396,10 @@ func (v *validator) httpsURL(field, s string, required bool) {
 		}
 		return
 	}
-	u, err := url.Parse(s)
-	if err != nil || u.Scheme != "https" || u.Host == "" || u.RawQuery != "" || u.Fragment != "" || u.User != nil {
-		v.add(field, "must be an https://host[:port] URL")
+	// The policy's rules for cluster.server, so that a URL the broker's
+	// side would refuse is refused here too.
+	if detail := schema.URLProblem(s, "must be an https://host[:port] URL", "https"); detail != "" {
+		v.add(field, "%s", detail)
 	}
 }
 

@@ -84,3 +84,26 @@ func TestAFlagFileNeedsKnownKeysAndValuesOfTheFlagsTypes(t *testing.T) {
 	require.Equal(t, UnknownKey, got["config"], "the config file cannot name another")
 	require.Equal(t, map[string]any{"kube-burst": "7"}, clean)
 }
+
+func TestAURLAKubeconfigCarriesIsPlainHTTPSWithAHostAndNoSecrets(t *testing.T) {
+	for s, want := range map[string]string{
+		"https://east.example.com:6443":     "",
+		"https://10.0.0.1/k8s/clusters/c-1": "",
+		"http://east.example.com":           "bad scheme",
+		"https://user:pw@east.example.com":  "must not have user info",
+		"https://east.example.com:0":        "port must be a number from 1 to 65535",
+		"https://east.example.com/?a=b":     "must not have a query",
+		"https://east example.com":          "printable ASCII",
+		"https://ex\u0430mple.com":          "printable ASCII",
+		"https://under_score.example.com":   "host must be a DNS name or an IP address",
+		"https://":                          "must have a host",
+	} {
+		got := URLProblem(s, "bad scheme", "https")
+		if want == "" {
+			require.Empty(t, got, s)
+			continue
+		}
+		require.Contains(t, got, want, s)
+		require.NotContains(t, got, "pw", "the detail never repeats the URL")
+	}
+}
