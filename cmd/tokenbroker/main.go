@@ -15,6 +15,13 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	// Mozilla's root certificates, used only where the system has none, as
+	// in the container image (no /etc/ssl): the binary can then verify
+	// public HTTPS endpoints such as an OIDC issuer's JWKS. Peers, brokers
+	// and API servers are always verified against the CAs the
+	// configuration names, never against these.
+	_ "golang.org/x/crypto/x509roots/fallback"
 )
 
 func main() {
