@@ -5,6 +5,15 @@ BIN := $(CURDIR)/bin
 export TOKENBROKER_BIN_DIR := $(BIN)
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X main.version=$(VERSION)
+# The image: REPOSITORY:RELEASE is what `make image` tags and what the chart
+# (appVersion) and the kustomize bases (images: newTag) deploy by default; the
+# release is the chart's appVersion, and a test checks that they agree.
+IMAGE_REPOSITORY ?= ghcr.io/tokenbroker/tokenbroker
+RELEASE := $(shell sed -n 's/^appVersion: *//p' deploy/helm/tokenbroker/Chart.yaml)
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+IMAGE_DIR := $(CURDIR)/dist/image
+# The SBOM generator, built from the Go module proxy like helm.
+CYCLONEDX_GOMOD_VERSION := v1.10.0
 # Requests per measurement and concurrency levels for `make bench`.
 BENCH_N ?= 1000
 BENCH_C ?= 1,8,32
@@ -12,12 +21,12 @@ BENCH_C ?= 1,8,32
 FUZZTIME ?= 30s
 # helm for the chart in deploy/helm, built from the Go module proxy.
 HELM_VERSION := v3.19.5
-CHART := deploy/helm/tokenbroker
+CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # The consumer checkers of `make conformance`, each a nested module pinned to
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo
 
-.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz clean help
+.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref clean help
 
 all: build
 
@@ -49,14 +58,18 @@ check: ## gofmt and go vet on every module
 	$(GO) vet ./...
 	cd test && $(GO) vet ./...
 	cd test/promqlcheck && $(GO) vet ./...
+	cd test/image && $(GO) vet ./...
 	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(GO) vet ./...); done
 
-chart-lint: helm ## helm lint --strict of the chart, with its defaults and each ci/ values file
-	$(BIN)/helm lint --strict $(CHART)
-	@set -e; for f in $(CHART)/ci/*-values.yaml; do $(BIN)/helm lint --strict $(CHART) -f $$f; done
+chart-lint: helm ## helm lint --strict of the broker's and the agent's chart, with their defaults and each ci/ values file
+	@set -e; for c in $(CHARTS); do \
+	  $(BIN)/helm lint --strict $$c; \
+	  for f in $$c/ci/*-values.yaml; do $(BIN)/helm lint --strict $$c -f $$f; done; \
+	done
 
 unit: ## unit tests with the race detector, and each fuzz target briefly
 	$(GO) test -race -short -count=1 ./...
+	cd test/image && $(GO) test -short -count=1 ./...
 	$(MAKE) fuzz FUZZTIME=3s
 
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
@@ -83,5 +96,21 @@ fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
 	  done; \
 	done
 
-clean: ## remove build outputs and the dev directory
-	rm -rf $(BIN) .dev
+image: ## build the container image (linux/amd64, linux/arm64) without a container engine into dist/image, with an SBOM
+	cd test/image && $(GO) run . -module-dir $(CURDIR) -out $(IMAGE_DIR) -repository $(IMAGE_REPOSITORY) -version $(RELEASE) -platforms $(IMAGE_PLATFORMS)
+	@if ! $(GO) version -m $(BIN)/cyclonedx-gomod 2>/dev/null | grep -Eq '^\s+mod\s+github.com/CycloneDX/cyclonedx-gomod\s+$(CYCLONEDX_GOMOD_VERSION)\s'; then \
+	  echo "building cyclonedx-gomod $(CYCLONEDX_GOMOD_VERSION)"; \
+	  GOBIN=$(BIN) $(GO) install github.com/CycloneDX/cyclonedx-gomod/cmd/cyclonedx-gomod@$(CYCLONEDX_GOMOD_VERSION); \
+	fi
+	@set -e; for p in $$(echo $(IMAGE_PLATFORMS) | tr ',' ' '); do \
+	  os=$${p%%/*}; arch=$${p#*/}; \
+	  $(BIN)/cyclonedx-gomod bin -json -noserial -notimestamp -version $(RELEASE) \
+	    -output $(IMAGE_DIR)/tokenbroker-$(RELEASE)-$$os-$$arch.sbom.cdx.json $(IMAGE_DIR)/$$os-$$arch/tokenbroker; \
+	  echo "SBOM $(IMAGE_DIR)/tokenbroker-$(RELEASE)-$$os-$$arch.sbom.cdx.json"; \
+	done
+
+image-ref: ## print the image reference that make image tags
+	@echo $(IMAGE_REPOSITORY):$(RELEASE)
+
+clean: ## remove build outputs, the image and the dev directory
+	rm -rf $(BIN) dist .dev

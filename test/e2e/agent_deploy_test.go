@@ -95,7 +95,7 @@ func TestDeployAgent(t *testing.T) {
 		require.Equal(t, "tokenbroker-agent", pod.ServiceAccountName)
 		require.Len(t, pod.Containers, 1)
 		ctr := pod.Containers[0]
-		require.Equal(t, "ghcr.io/tokenbroker/tokenbroker:latest", ctr.Image)
+		require.Equal(t, imageRef(t), ctr.Image, "the image make image tags")
 
 		requireHardened(t, pod)
 
@@ -133,9 +133,11 @@ func TestDeployAgent(t *testing.T) {
 
 	t.Run("the Deployment runs tokenbroker agent with the configuration file from the ConfigMap", func(t *testing.T) {
 		args := deployment.Spec.Template.Spec.Containers[0].Args
-		require.Equal(t, []string{"agent", "--config", "/etc/tokenbroker-agent/agent.yaml"}, args)
+		require.Equal(t, []string{"agent", "--config=/etc/tokenbroker-agent/agent.yaml", "--log-format=json", "--log-level=info"}, args)
 		help := run(t, tokenbrokerBinary(t), "agent", "--help")
-		require.Regexp(t, `(?m)^\s+--config\s`, help, "tokenbroker agent has a --config flag")
+		for _, flag := range []string{"--config", "--log-format", "--log-level"} {
+			require.Regexp(t, `(?m)^\s+`+flag+`\s`, help, "tokenbroker agent has a %s flag", flag)
+		}
 	})
 
 	// The example as the agent reads it, with its own loader: strict, so an

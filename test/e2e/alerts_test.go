@@ -35,36 +35,12 @@ func TestTheExampleAlertsAreValidPromQLOverTheDocumentedMetrics(t *testing.T) {
 	}
 
 	rules := exampleAlerts(t)
+	names := make([]string, len(rules))
 	exprs := make([]string, len(rules))
 	for i, r := range rules {
-		exprs[i] = r.Expr
+		names[i], exprs[i] = r.Alert, r.Expr
 	}
-	for i, res := range promqlCheck(t, exprs) {
-		alert := rules[i].Alert
-		require.Empty(t, res.Error, "%s: %s", alert, res.Expr)
-		for _, sel := range res.Selectors {
-			if sel.Metric == "up" {
-				continue
-			}
-			labels, ok := metricLabels(documented, sel.Metric)
-			require.True(t, ok, "%s selects %s, which is not a documented metric", alert, sel.Metric)
-			for _, m := range sel.Labels {
-				require.True(t, slices.Contains(labels, m.Name) || targetLabels[m.Name],
-					"%s matches %s on label %q, which it does not have (it has %v)", alert, sel.Metric, m.Name, labels)
-			}
-		}
-		for _, g := range res.Groupings {
-			var have []string
-			for _, name := range g.Metrics {
-				labels, _ := metricLabels(documented, name)
-				have = append(have, labels...)
-			}
-			for _, l := range g.Labels {
-				require.True(t, slices.Contains(have, l) || targetLabels[l],
-					"%s groups by %q, which none of %v has", alert, l, g.Metrics)
-			}
-		}
-	}
+	requireQueriesOverDocumentedMetrics(t, documented, names, exprs)
 	t.Logf("%d alerts parsed and checked against %d documented metrics", len(rules), len(documented))
 }
 
@@ -273,4 +249,38 @@ func TestPromQLCheckFindsWhatTheAlertTestRelieson(t *testing.T) {
 	require.Equal(t, "action", res[0].Selectors[0].Labels[0].Name)
 	require.Equal(t, []string{"reason"}, res[0].Groupings[0].Labels)
 	require.NotEmpty(t, res[1].Error, "a broken expression is reported")
+}
+
+// requireQueriesOverDocumentedMetrics checks PromQL expressions (named for
+// the messages) with Prometheus's own parser: each parses, every metric it
+// selects is in the docs' metrics tables, and every label it matches or
+// groups on is one those tables give the metric (or a target label).
+func requireQueriesOverDocumentedMetrics(t *testing.T, documented map[string][]string, names, exprs []string) {
+	t.Helper()
+	for i, res := range promqlCheck(t, exprs) {
+		alert := names[i]
+		require.Empty(t, res.Error, "%s: %s", alert, res.Expr)
+		for _, sel := range res.Selectors {
+			if sel.Metric == "up" {
+				continue
+			}
+			labels, ok := metricLabels(documented, sel.Metric)
+			require.True(t, ok, "%s selects %s, which is not a documented metric", alert, sel.Metric)
+			for _, m := range sel.Labels {
+				require.True(t, slices.Contains(labels, m.Name) || targetLabels[m.Name],
+					"%s matches %s on label %q, which it does not have (it has %v)", alert, sel.Metric, m.Name, labels)
+			}
+		}
+		for _, g := range res.Groupings {
+			var have []string
+			for _, name := range g.Metrics {
+				labels, _ := metricLabels(documented, name)
+				have = append(have, labels...)
+			}
+			for _, l := range g.Labels {
+				require.True(t, slices.Contains(have, l) || targetLabels[l],
+					"%s groups by %q, which none of %v has", alert, l, g.Metrics)
+			}
+		}
+	}
 }

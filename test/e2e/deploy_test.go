@@ -151,7 +151,7 @@ func TestDeployBase(t *testing.T) {
 		pod := d.Spec.Template.Spec
 		require.Len(t, pod.Containers, 1)
 		ctr := pod.Containers[0]
-		require.Equal(t, "ghcr.io/tokenbroker/tokenbroker:latest", ctr.Image)
+		require.Equal(t, imageRef(t), ctr.Image, "the image make image tags")
 		require.Equal(t, "tokenbroker", pod.ServiceAccountName)
 
 		requireHardened(t, pod)

@@ -229,7 +229,8 @@ func TestHelmChartRenders(t *testing.T) {
 			want string
 		}{
 			{[]string{"enrollment.enabled=true"}, "enrollment.caSecret is required when enrollment.enabled is true"},
-			{[]string{"enrollment.enabled=true", "enrollment.caSecret=ca", "enrollment.port=9090"}, "enrollment.port must differ from 8443"},
+			{[]string{"enrollment.enabled=true", "enrollment.caSecret=ca", "enrollment.port=9090"}, "enrollment.port must differ from containerPorts.https"},
+			{[]string{"containerPorts.ops=8443"}, "containerPorts.https and containerPorts.ops must differ"},
 			{[]string{"pki.clientCA.secret=a", "pki.clientCA.configMap=b"}, "pki.clientCA: set secret or configMap, not both"},
 			{[]string{"audit.log=off"}, "audit.log: audit cannot be turned off"},
 			{[]string{"serviceAccount.create=false"}, "serviceAccount.name is required when serviceAccount.create is false"},
@@ -610,6 +611,51 @@ spec:
                       scrapeTimeout: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
 `
 
+// prometheusRuleCRD stands in for the Prometheus Operator's PrometheusRule
+// CRD the same way: groups and rules with upstream's types and required
+// fields, durations with its pattern.
+const prometheusRuleCRD = `apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: prometheusrules.monitoring.coreos.com
+spec:
+  group: monitoring.coreos.com
+  names: {kind: PrometheusRule, listKind: PrometheusRuleList, plural: prometheusrules, singular: prometheusrule}
+  scope: Namespaced
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          required: [spec]
+          properties:
+            spec:
+              type: object
+              properties:
+                groups:
+                  type: array
+                  items:
+                    type: object
+                    required: [name]
+                    properties:
+                      name: {type: string, minLength: 1}
+                      interval: {type: string}
+                      rules:
+                        type: array
+                        items:
+                          type: object
+                          required: [expr]
+                          properties:
+                            alert: {type: string}
+                            record: {type: string}
+                            expr: {x-kubernetes-int-or-string: true}
+                            for: {type: string, pattern: '^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$'}
+                            labels: {type: object, additionalProperties: {type: string}}
+                            annotations: {type: object, additionalProperties: {type: string}}
+`
+
 // TestHelmChartAgainstAPIServer checks the chart against a real API server:
 // every object it renders, with the defaults and with every option on, is
 // accepted in a server-side dry run with the namespace's "restricted" Pod
@@ -644,8 +690,12 @@ apiVersion: v1
 kind: Namespace
 metadata: {name: flux}
 ---
-`+serviceMonitorCRD)
-	run(t, kubectl, append(admin, "wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com")...)
+apiVersion: v1
+kind: Namespace
+metadata: {name: monitoring}
+---
+`+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
+	run(t, kubectl, append(admin, "wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")...)
 
 	t.Run("a server-side dry run accepts every object, without Pod Security warnings", func(t *testing.T) {
 		for _, tc := range []struct {
@@ -677,6 +727,8 @@ metadata: {name: flux}
 				"poddisruptionbudget.policy/tokenbroker",
 				"networkpolicy.networking.k8s.io/tokenbroker",
 				"servicemonitor.monitoring.coreos.com/tokenbroker",
+				"prometheusrule.monitoring.coreos.com/tokenbroker",
+				"configmap/tokenbroker-dashboard",
 			}},
 		} {
 			file := writeFile(t, filepath.Join(t.TempDir(), tc.values+".yaml"), h.template(t, "-f", h.values(tc.values)))

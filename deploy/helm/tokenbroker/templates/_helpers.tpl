@@ -123,8 +123,8 @@ with the API or ops port.
 */}}
 {{- define "tokenbroker.enrollmentPort" -}}
 {{- $port := int .Values.enrollment.port }}
-{{- if has $port (list 8443 9090) }}
-{{- fail "enrollment.port must differ from 8443 (the API) and 9090 (the ops listener)" }}
+{{- if has $port (list (int .Values.containerPorts.https) (int .Values.containerPorts.ops)) }}
+{{- fail "enrollment.port must differ from containerPorts.https (the API) and containerPorts.ops (the ops listener)" }}
 {{- end }}
 {{- $port }}
 {{- end }}

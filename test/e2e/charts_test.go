@@ -1,0 +1,355 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
+)
+
+var (
+	imageRefOnce sync.Once
+	imageRefVal  string
+)
+
+// imageRef is what `make image` tags: `make image-ref`.
+func imageRef(t *testing.T) string {
+	t.Helper()
+	imageRefOnce.Do(func() {
+		out, _, err := runErr("make", "-s", "-C", repoRoot(t), "image-ref")
+		if err == nil {
+			imageRefVal = strings.TrimSpace(out)
+		}
+	})
+	require.Regexp(t, `^[a-z0-9./-]+:v[0-9]+\.[0-9]+\.[0-9]+`, imageRefVal, "make image-ref")
+	return imageRefVal
+}
+
+func newAgentHelm(t *testing.T) *helmCmd {
+	t.Helper()
+	h := newHelm(t)
+	h.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
+	return h
+}
+
+func (h *helmCmd) renderAs(t *testing.T, release, namespace string, args ...string) []manifest {
+	t.Helper()
+	return splitManifests(t, h.run(t, append([]string{"template", release, h.chart, "--namespace", namespace}, args...)...))
+}
+
+// TestTheDefaultImageIsTheOneMakeImageTags checks that both charts and
+// both kustomize bases deploy, by default, exactly the reference `make
+// image` tags, so that an install from this commit pulls the image built
+// from it.
+func TestTheDefaultImageIsTheOneMakeImageTags(t *testing.T) {
+	ref := imageRef(t)
+	broker := newHelm(t).render(t, "--set", "pki.tlsSecret=tls")
+	require.Equal(t, ref, decode[appsv1.Deployment](t, findManifest(t, broker, "Deployment", "tokenbroker")).Spec.Template.Spec.Containers[0].Image)
+	agent := newAgentHelm(t).renderAs(t, "tokenbroker-agent", "tokenbroker-agent", "-f", newAgentHelm(t).values("default"))
+	require.Equal(t, ref, decode[appsv1.Deployment](t, findManifest(t, agent, "Deployment", "tokenbroker-agent")).Spec.Template.Spec.Containers[0].Image)
+	kubectl := kubectlBinary(t)
+	for _, base := range []string{"base", "agent"} {
+		docs := splitManifests(t, run(t, kubectl, "kustomize", filepath.Join(repoRoot(t), "deploy", base)))
+		d := decode[appsv1.Deployment](t, manifestsOf(docs, "Deployment")[0])
+		require.Equal(t, ref, d.Spec.Template.Spec.Containers[0].Image, "deploy/%s", base)
+	}
+}
+
+// TestTheChartsDeployWhatTheKustomizeBasesDeploy compares each chart's
+// Deployment (default values) with its kustomize base's: the same
+// container args, mounts, ports, probes and security contexts. The
+// container test (image_test.go) runs the image with what the charts
+// render, so all four install paths run what was tested.
+func TestTheChartsDeployWhatTheKustomizeBasesDeploy(t *testing.T) {
+	kubectl := kubectlBinary(t)
+	for _, tc := range []struct {
+		base, release, namespace string
+		chart                    *helmCmd
+		args                     []string
+	}{
+		{"base", "tokenbroker", "tokenbroker", newHelm(t), []string{"--set", "pki.tlsSecret=tokenbroker-tls"}},
+		{"agent", "tokenbroker-agent", "tokenbroker-agent", newAgentHelm(t), []string{"-f", newAgentHelm(t).values("default")}},
+	} {
+		t.Run(tc.base, func(t *testing.T) {
+			kDocs := splitManifests(t, run(t, kubectl, "kustomize", filepath.Join(repoRoot(t), "deploy", tc.base)))
+			hDocs := tc.chart.renderAs(t, tc.release, tc.namespace, tc.args...)
+			k := decode[appsv1.Deployment](t, manifestsOf(kDocs, "Deployment")[0]).Spec.Template.Spec
+			h := decode[appsv1.Deployment](t, manifestsOf(hDocs, "Deployment")[0]).Spec.Template.Spec
+			kc, hc := k.Containers[0], h.Containers[0]
+			require.Equal(t, kc.Args, hc.Args)
+			require.Equal(t, kc.VolumeMounts, hc.VolumeMounts)
+			require.Equal(t, kc.Ports, hc.Ports)
+			require.Equal(t, kc.LivenessProbe, hc.LivenessProbe)
+			require.Equal(t, kc.ReadinessProbe, hc.ReadinessProbe)
+			require.Equal(t, kc.SecurityContext, hc.SecurityContext)
+			require.Equal(t, kc.Env, hc.Env)
+			require.Equal(t, k.SecurityContext, h.SecurityContext)
+			require.Equal(t, k.AutomountServiceAccountToken, h.AutomountServiceAccountToken)
+			// The volumes' sources differ only in the generated names.
+			require.Equal(t, len(k.Volumes), len(h.Volumes))
+			for i := range k.Volumes {
+				kv, hv := k.Volumes[i], h.Volumes[i]
+				require.Equal(t, kv.Name, hv.Name)
+				if kv.Secret != nil {
+					require.NotNil(t, hv.Secret, kv.Name)
+					require.Equal(t, kv.Secret.DefaultMode, hv.Secret.DefaultMode, kv.Name)
+					require.Equal(t, kv.Secret.Optional, hv.Secret.Optional, kv.Name)
+				} else {
+					require.NotNil(t, hv.ConfigMap, kv.Name)
+					require.Equal(t, kv.ConfigMap.DefaultMode, hv.ConfigMap.DefaultMode, kv.Name)
+				}
+			}
+		})
+	}
+}
+
+// TestAgentChartRenders checks deploy/helm/tokenbroker-agent without a
+// cluster: its configuration is one the agent's own loader accepts, with
+// the identity Secret, the join token file and the ops port filled in; its
+// RBAC is deploy/agent's, made from the outputs (get and update on each
+// named Secret, create, nothing else); and a missing targets list fails
+// with a clear message.
+func TestAgentChartRenders(t *testing.T) {
+	h := newAgentHelm(t)
+	bin := tokenbrokerBinary(t)
+
+	t.Run("the default values render deploy/agent's objects and a configuration the agent accepts", func(t *testing.T) {
+		docs := h.renderAs(t, "tokenbroker-agent", "tokenbroker-agent", "-f", h.values("default"))
+		require.ElementsMatch(t, []string{
+			"ServiceAccount/tokenbroker-agent/tokenbroker-agent",
+			"ConfigMap/tokenbroker-agent/tokenbroker-agent-config",
+			"Role/tokenbroker-agent/tokenbroker-agent-identity",
+			"RoleBinding/tokenbroker-agent/tokenbroker-agent-identity",
+			"Role/argo/tokenbroker-agent-output",
+			"RoleBinding/argo/tokenbroker-agent-output",
+			"Deployment/tokenbroker-agent/tokenbroker-agent",
+		}, kindNames(docs))
+		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "tokenbroker-agent-config"))
+		file := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
+		out := run(t, bin, "config", "validate", "--kind", "agent", file)
+		require.Contains(t, out, "valid agent config")
+		var cfg struct {
+			Identity struct {
+				Secret struct{ Namespace, Name string }
+				Enroll struct{ TokenFile string }
+			}
+			OpsAddress string
+		}
+		require.NoError(t, yaml.Unmarshal([]byte(cm.Data["agent.yaml"]), &cfg))
+		require.Equal(t, "tokenbroker-agent", cfg.Identity.Secret.Namespace)
+		require.Equal(t, "tokenbroker-agent-identity", cfg.Identity.Secret.Name)
+		require.Equal(t, "/var/run/tokenbroker/join/token", cfg.Identity.Enroll.TokenFile)
+		require.Equal(t, ":9091", cfg.OpsAddress)
+
+		kDocs := splitManifests(t, run(t, kubectlBinary(t), "kustomize", filepath.Join(repoRoot(t), "deploy", "agent")))
+		for _, name := range []string{"tokenbroker-agent-identity", "tokenbroker-agent-output"} {
+			var kr, hr rbacv1.Role
+			for _, d := range manifestsOf(kDocs, "Role") {
+				if d.Metadata.Name == name {
+					kr = decode[rbacv1.Role](t, d)
+				}
+			}
+			for _, d := range manifestsOf(docs, "Role") {
+				if d.Metadata.Name == name {
+					hr = decode[rbacv1.Role](t, d)
+				}
+			}
+			require.Equal(t, kr.Namespace, hr.Namespace, name)
+			require.Equal(t, normalizedRules(kr.Rules), normalizedRules(hr.Rules), name)
+		}
+	})
+
+	t.Run("every output namespace gets a Role naming exactly its Secrets", func(t *testing.T) {
+		docs := h.renderAs(t, "west", "agents", "-f", h.values("everything"))
+		roles := map[string][]string{}
+		for _, d := range manifestsOf(docs, "Role") {
+			r := decode[rbacv1.Role](t, d)
+			require.Len(t, r.Rules, 2)
+			require.Equal(t, []string{"get", "update"}, r.Rules[0].Verbs)
+			require.Equal(t, []string{"create"}, r.Rules[1].Verbs)
+			require.Empty(t, r.Rules[1].ResourceNames)
+			roles[r.Namespace] = r.Rules[0].ResourceNames
+		}
+		require.Equal(t, map[string][]string{
+			"agents": {"west-identity"},
+			"argo":   {"east", "east-argocd"},
+			"kargo":  {"east"},
+			"argocd": {"cluster-east"},
+		}, roles)
+		require.Empty(t, manifestsOf(docs, "ClusterRole"), "nothing cluster-wide")
+		d := decode[appsv1.Deployment](t, findManifest(t, docs, "Deployment", "west-tokenbroker-agent"))
+		ctr := d.Spec.Template.Spec.Containers[0]
+		require.Equal(t, int32(9191), ctr.Ports[0].ContainerPort)
+		require.Equal(t, "west-join", d.Spec.Template.Spec.Volumes[1].Secret.SecretName)
+		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "west-tokenbroker-agent-config"))
+		require.Contains(t, cm.Data["agent.yaml"], "tokenFile: /var/run/tokenbroker/join/join-token")
+		file := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
+		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
+		require.NotEmpty(t, manifestsOf(docs, "ServiceMonitor"))
+		require.NotEmpty(t, manifestsOf(docs, "PrometheusRule"))
+	})
+
+	t.Run("without targets, rendering fails and says what is missing", func(t *testing.T) {
+		_, stderr, err := h.runErr("template", "tokenbroker-agent", h.chart)
+		require.Error(t, err)
+		require.Contains(t, stderr, "config.targets is required")
+	})
+}
+
+// ruleGroups is the spec of a rendered PrometheusRule.
+type ruleGroups struct {
+	Spec struct {
+		Groups []json.RawMessage `json:"groups"`
+	} `json:"spec"`
+}
+
+// TestTheChartsShipTheDocumentedAlertsAndADashboardOverRealMetrics checks
+// the optional monitoring objects: each chart's PrometheusRule holds its
+// group of the example in docs/operations.md, unchanged but for the job of
+// the chart's ServiceMonitor (that example is itself checked against the
+// metrics the code registers); the Grafana dashboard's every query parses
+// with Prometheus's parser and selects only documented metrics with labels
+// they have.
+func TestTheChartsShipTheDocumentedAlertsAndADashboardOverRealMetrics(t *testing.T) {
+	var doc ruleGroups
+	require.NoError(t, yaml.Unmarshal([]byte(fencedBlock(t, readDoc(t, "docs/operations.md"), "yaml", "apiVersion: monitoring.coreos.com/v1")), &doc))
+	require.Len(t, doc.Spec.Groups, 2)
+	groupJSON := func(raw json.RawMessage) string {
+		var v any
+		require.NoError(t, json.Unmarshal(raw, &v))
+		b, err := json.Marshal(v)
+		require.NoError(t, err)
+		return string(b)
+	}
+
+	bh := newHelm(t)
+	broker := bh.renderAs(t, "prod", "tokenbroker", "-f", bh.values("everything"))
+	var br ruleGroups
+	require.NoError(t, yaml.Unmarshal(findManifest(t, broker, "PrometheusRule", "prod-tokenbroker").raw, &br))
+	require.Len(t, br.Spec.Groups, 1)
+	want := strings.ReplaceAll(groupJSON(doc.Spec.Groups[0]), `job=\"tokenbroker-metrics\"`, `job=\"prod-tokenbroker-metrics\"`)
+	require.Equal(t, want, groupJSON(br.Spec.Groups[0]), "the broker chart's alerts are docs/operations.md's, selecting its metrics Service")
+	require.NotEmpty(t, findManifest(t, broker, "Service", "prod-tokenbroker-metrics"))
+
+	ah := newAgentHelm(t)
+	agent := ah.renderAs(t, "tokenbroker-agent", "tokenbroker-agent", "-f", ah.values("everything"))
+	var ar ruleGroups
+	require.NoError(t, yaml.Unmarshal(findManifest(t, agent, "PrometheusRule", "tokenbroker-agent").raw, &ar))
+	require.Equal(t, []string{groupJSON(doc.Spec.Groups[1])}, []string{groupJSON(ar.Spec.Groups[0])}, "the agent chart's alerts are docs/operations.md's")
+
+	for _, docs := range [][]manifest{newHelm(t).render(t, "--set", "pki.tlsSecret=tls"), ah.renderAs(t, "a", "b", "-f", ah.values("default"))} {
+		require.Empty(t, manifestsOf(docs, "PrometheusRule"), "off by default")
+	}
+	require.Empty(t, manifestsOf(newHelm(t).render(t, "--set", "pki.tlsSecret=tls"), "ConfigMap")[1:], "no dashboard by default")
+
+	cm := decode[corev1.ConfigMap](t, findManifest(t, broker, "ConfigMap", "prod-tokenbroker-dashboard"))
+	require.Equal(t, "monitoring", cm.Namespace)
+	require.Equal(t, "1", cm.Labels["grafana_dashboard"])
+	var dash struct {
+		UID    string `json:"uid"`
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(cm.Data["tokenbroker.json"]), &dash))
+	fromFile, err := os.ReadFile(filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker", "files", "dashboard.json"))
+	require.NoError(t, err)
+	require.JSONEq(t, string(fromFile), cm.Data["tokenbroker.json"])
+	var names, exprs []string
+	metrics := map[string]bool{}
+	for _, p := range dash.Panels {
+		require.NotEmpty(t, p.Targets, p.Title)
+		for _, tg := range p.Targets {
+			// Grafana's variables, as Grafana substitutes them.
+			e := strings.NewReplacer("$__rate_interval", "1m", "$job", ".+").Replace(tg.Expr)
+			require.NotContains(t, e, "$", "%s: an unknown variable", p.Title)
+			names = append(names, p.Title)
+			exprs = append(exprs, e)
+		}
+	}
+	documented := documentedMetrics(t)
+	requireQueriesOverDocumentedMetrics(t, documented, names, exprs)
+	for _, res := range promqlCheck(t, exprs) {
+		for _, s := range res.Selectors {
+			metrics[strings.TrimSuffix(s.Metric, "_bucket")] = true
+		}
+	}
+	var covered []string
+	for m := range metrics {
+		if strings.HasPrefix(m, "tokenbroker_") {
+			covered = append(covered, m)
+		}
+	}
+	slices.Sort(covered)
+	require.GreaterOrEqual(t, len(covered), 15, "the dashboard shows most of the broker's metrics: %v", covered)
+	t.Logf("%d panels, %d queries over %d metrics", len(dash.Panels), len(exprs), len(covered))
+}
+
+// TestAgentChartAgainstAPIServer checks the agent's chart against a real
+// API server: with the defaults and with every option on, every object is
+// accepted in a server-side dry run with the namespace's "restricted" Pod
+// Security level in force, and `helm install` and `helm uninstall` work.
+func TestAgentChartAgainstAPIServer(t *testing.T) {
+	t.Parallel()
+	c := testcluster.Start(t)
+	h := newAgentHelm(t)
+	kubectl := kubectlBinary(t)
+	admin := []string{"--kubeconfig", c.KubeconfigPath}
+	applyYAML(t, kubectl, c, `apiVersion: v1
+kind: Namespace
+metadata:
+  name: tokenbroker-agent
+  labels:
+    pod-security.kubernetes.io/enforce: restricted
+    pod-security.kubernetes.io/warn: restricted
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: argo}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: argocd}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: kargo}
+---
+`+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
+	run(t, kubectl, append(admin, "wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")...)
+
+	for _, values := range []string{"default", "everything"} {
+		out := h.run(t, "template", "tokenbroker-agent", h.chart, "--namespace", "tokenbroker-agent", "-f", h.values(values))
+		file := writeFile(t, filepath.Join(t.TempDir(), values+".yaml"), out)
+		stdout, stderr, err := runErr(kubectl, append(admin, "apply", "--dry-run=server", "-f", file, "-o", "name")...)
+		require.NoError(t, err, "%s values\nstdout: %s\nstderr: %s", values, stdout, stderr)
+		require.NotContains(t, stderr, "Warning", "%s values: the Deployment must meet the restricted Pod Security Standard", values)
+		require.Contains(t, stdout, "deployment.apps/tokenbroker-agent")
+	}
+
+	out := h.run(t, append(admin, "install", "tokenbroker-agent", h.chart, "-n", "tokenbroker-agent", "-f", h.values("default"))...)
+	require.Contains(t, out, "STATUS: deployed")
+	require.Contains(t, out, "delete that Secret after the first start", "NOTES.txt says what to do with the join token")
+	_, err := c.Client.RbacV1().Roles("argo").Get(context.Background(), "tokenbroker-agent-output", metav1.GetOptions{})
+	require.NoError(t, err)
+	h.run(t, append(admin, "uninstall", "tokenbroker-agent", "-n", "tokenbroker-agent")...)
+	_, err = c.Client.RbacV1().Roles("argo").Get(context.Background(), "tokenbroker-agent-output", metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err), "uninstall removes the Roles in the output namespaces: %v", err)
+}
