@@ -26,7 +26,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo
 
-.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref clean help
+.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref image-test clean help
 
 all: build
 
@@ -111,6 +111,11 @@ image: ## build the container image (linux/amd64, linux/arm64) without a contain
 
 image-ref: ## print the image reference that make image tags
 	@echo $(IMAGE_REPOSITORY):$(RELEASE)
+
+image-test: build kube helm ## run the image as the charts deploy it (podman, runc) against a real kube-apiserver, and check that a second build gives the same digest
+	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
+	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_REF=$(IMAGE_REPOSITORY):$(RELEASE) $(GO) test -count=1 -timeout 15m -run '^TestImage' -v ./e2e/
+	cd test/image && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_VERSION=$(RELEASE) $(GO) test -count=1 -timeout 20m -v .
 
 clean: ## remove build outputs, the image and the dev directory
 	rm -rf $(BIN) dist .dev
