@@ -98,6 +98,9 @@ fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
 
 image: ## build the container image (linux/amd64, linux/arm64) without a container engine into dist/image, with an SBOM
 	cd test/image && $(GO) run . -module-dir $(CURDIR) -out $(IMAGE_DIR) -repository $(IMAGE_REPOSITORY) -version $(RELEASE) -platforms $(IMAGE_PLATFORMS)
+	@# The OCI layout as one file (every platform): podman load, ctr import, docker load (25+).
+	tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --format=ustar --mode='a+rX,u+w,go-w' \
+	  -C $(IMAGE_DIR)/oci -cf $(IMAGE_DIR)/tokenbroker-$(RELEASE).oci.tar .
 	@if ! $(GO) version -m $(BIN)/cyclonedx-gomod 2>/dev/null | grep -Eq '^\s+mod\s+github.com/CycloneDX/cyclonedx-gomod\s+$(CYCLONEDX_GOMOD_VERSION)\s'; then \
 	  echo "building cyclonedx-gomod $(CYCLONEDX_GOMOD_VERSION)"; \
 	  GOBIN=$(BIN) $(GO) install github.com/CycloneDX/cyclonedx-gomod/cmd/cyclonedx-gomod@$(CYCLONEDX_GOMOD_VERSION); \

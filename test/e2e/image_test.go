@@ -280,6 +280,36 @@ func requireOnlyFields(t *testing.T, v any, known ...string) {
 	require.Empty(t, m, "security context fields the container test does not translate to podman")
 }
 
+// containerd starts a containerd of its own (state, storage and socket in a
+// temporary directory, no CRI clients) and returns a function that runs ctr
+// against it.
+func startContainerd(t *testing.T) func(args ...string) (string, string, error) {
+	t.Helper()
+	bin, err := exec.LookPath("containerd")
+	require.NoError(t, err, "containerd is needed (apt-get install containerd; .ci/run installs it)")
+	ctr, err := exec.LookPath("ctr")
+	require.NoError(t, err)
+	// Not t.TempDir(): a unix socket path has at most 107 bytes.
+	dir, err := os.MkdirTemp("", "ctrd")
+	require.NoError(t, err)
+	config := writeFile(t, filepath.Join(dir, "config.toml"), "version = 2\n")
+	sock := filepath.Join(dir, "containerd.sock")
+	cmd := exec.Command(bin, "--config", config, "--root", filepath.Join(dir, "root"), "--state", filepath.Join(dir, "state"), "--address", sock)
+	var logs syncBuffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		_ = exec.Command("umount", "-R", filepath.Join(dir, "root")).Run()
+		_ = os.RemoveAll(dir)
+	})
+	require.Eventually(t, func() bool { _, err := os.Stat(sock); return err == nil }, 20*time.Second, 50*time.Millisecond, "containerd did not start:\n%s", logs.String())
+	return func(args ...string) (string, string, error) {
+		return runErr(ctr, append([]string{"--address", sock, "--namespace", "k8s.io"}, args...)...)
+	}
+}
+
 // imageUnderTest returns the directory and reference of the image `make
 // image` built, or skips when not run by `make image-test`.
 func imageUnderTest(t *testing.T) (dir, ref, version string) {
@@ -307,6 +337,30 @@ func TestImageRunsAsTheChartsDeployIt(t *testing.T) {
 	archive := filepath.Join(dir, fmt.Sprintf("tokenbroker-%s-linux-%s.tar", version, runtime.GOARCH))
 	out := pm.run(t, "load", "--input", archive)
 	require.Contains(t, out, "Loaded image: "+ref)
+
+	ociArchive := filepath.Join(dir, "tokenbroker-"+version+".oci.tar")
+
+	t.Run("podman loads the multi-platform OCI archive under the same reference", func(t *testing.T) {
+		out := pm.run(t, "load", "--input", ociArchive)
+		require.Contains(t, out, "Loaded image: "+ref)
+	})
+
+	t.Run("containerd imports both archives as kind load image-archive does", func(t *testing.T) {
+		ctr := startContainerd(t)
+		for _, file := range []string{archive, ociArchive} {
+			// kind load image-archive runs this on each node.
+			stdout, stderr, err := ctr("images", "import", "--all-platforms", "--digests", file)
+			require.NoError(t, err, "ctr import %s\nstdout: %s\nstderr: %s", file, stdout, stderr)
+		}
+		out, stderr, err := ctr("images", "ls", "--quiet")
+		require.NoError(t, err, stderr)
+		require.Contains(t, strings.Fields(out), ref)
+		digest, err := os.ReadFile(filepath.Join(dir, "digest"))
+		require.NoError(t, err)
+		out, _, err = ctr("images", "ls")
+		require.NoError(t, err)
+		require.Contains(t, out, strings.TrimSpace(string(digest)), "the OCI archive imports the multi-platform index")
+	})
 
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
