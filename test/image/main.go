@@ -146,7 +146,8 @@ func commitInfo(ctx context.Context, dir string) (rev string, created time.Time,
 		return rev, created, dirty, fmt.Errorf("commit time %q: %w", ct, err)
 	}
 	created = time.Unix(secs, 0).UTC()
-	status, err := git("status", "--porcelain", "--untracked-files=no")
+	// As the go command decides vcs.modified: untracked files count.
+	status, err := git("status", "--porcelain")
 	return rev, created, status != "", err
 }
 
