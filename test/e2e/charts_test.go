@@ -312,28 +312,7 @@ func TestAgentChartAgainstAPIServer(t *testing.T) {
 	h := newAgentHelm(t)
 	kubectl := kubectlBinary(t)
 	admin := []string{"--kubeconfig", c.KubeconfigPath}
-	applyYAML(t, kubectl, c, `apiVersion: v1
-kind: Namespace
-metadata:
-  name: tokenbroker-agent
-  labels:
-    pod-security.kubernetes.io/enforce: restricted
-    pod-security.kubernetes.io/warn: restricted
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: argo}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: argocd}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: kargo}
----
-`+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
-	run(t, kubectl, append(admin, "wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")...)
+	applyChartPrerequisites(t, kubectl, c, "tokenbroker-agent", "argo", "argocd", "kargo")
 
 	for _, values := range []string{"default", "everything"} {
 		out := h.run(t, "template", "tokenbroker-agent", h.chart, "--namespace", "tokenbroker-agent", "-f", h.values(values))

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -656,6 +657,28 @@ spec:
                             annotations: {type: object, additionalProperties: {type: string}}
 `
 
+// applyChartPrerequisites creates for real what a server-side dry run of a
+// chart needs, since a dry run persists nothing: the release namespace with
+// the "restricted" Pod Security level enforced (and warned of), the other
+// namespaces its objects live in, and the monitoring CRDs.
+func applyChartPrerequisites(t *testing.T, kubectl string, c *testcluster.Cluster, release string, namespaces ...string) {
+	t.Helper()
+	doc := fmt.Sprintf(`apiVersion: v1
+kind: Namespace
+metadata:
+  name: %s
+  labels:
+    pod-security.kubernetes.io/enforce: restricted
+    pod-security.kubernetes.io/warn: restricted
+`, release)
+	for _, ns := range namespaces {
+		doc += "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: " + ns + "}\n"
+	}
+	applyYAML(t, kubectl, c, doc+"---\n"+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
+	run(t, kubectl, "--kubeconfig", c.KubeconfigPath, "wait", "--for=condition=Established", "--timeout=30s",
+		"crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")
+}
+
 // TestHelmChartAgainstAPIServer checks the chart against a real API server:
 // every object it renders, with the defaults and with every option on, is
 // accepted in a server-side dry run with the namespace's "restricted" Pod
@@ -672,30 +695,7 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 	admin := []string{"--kubeconfig", c.KubeconfigPath}
 	ctx := context.Background()
 
-	// A server-side dry run persists nothing, so the namespaces and the CRD
-	// the objects need are created for real.
-	applyYAML(t, kubectl, c, `apiVersion: v1
-kind: Namespace
-metadata:
-  name: tokenbroker
-  labels:
-    pod-security.kubernetes.io/enforce: restricted
-    pod-security.kubernetes.io/warn: restricted
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: argo}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: flux}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: monitoring}
----
-`+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
-	run(t, kubectl, append(admin, "wait", "--for=condition=Established", "--timeout=30s", "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")...)
+	applyChartPrerequisites(t, kubectl, c, "tokenbroker", "argo", "flux", "monitoring")
 
 	t.Run("a server-side dry run accepts every object, without Pod Security warnings", func(t *testing.T) {
 		for _, tc := range []struct {
