@@ -69,52 +69,46 @@ func TestTheDefaultImageIsTheOneMakeImageTags(t *testing.T) {
 	}
 }
 
-// TestTheChartsDeployWhatTheKustomizeBasesDeploy compares each chart's
-// Deployment (default values) with its kustomize base's: the same
-// container args, mounts, ports, probes and security contexts. The
+// TestTheAgentChartDeploysWhatTheKustomizeBaseDeploys compares the agent
+// chart's Deployment (default values) with deploy/agent's: the same
+// container args, mounts, ports, probes, environment and security contexts
+// (helm_test.go does the same for the broker's chart and deploy/base). The
 // container test (image_test.go) runs the image with what the charts
-// render, so all four install paths run what was tested.
-func TestTheChartsDeployWhatTheKustomizeBasesDeploy(t *testing.T) {
-	kubectl := kubectlBinary(t)
-	for _, tc := range []struct {
-		base, release, namespace string
-		chart                    *helmCmd
-		args                     []string
-	}{
-		{"base", "tokenbroker", "tokenbroker", newHelm(t), []string{"--set", "pki.tlsSecret=tokenbroker-tls"}},
-		{"agent", "tokenbroker-agent", "tokenbroker-agent", newAgentHelm(t), []string{"-f", newAgentHelm(t).values("default")}},
-	} {
-		t.Run(tc.base, func(t *testing.T) {
-			kDocs := splitManifests(t, run(t, kubectl, "kustomize", filepath.Join(repoRoot(t), "deploy", tc.base)))
-			hDocs := tc.chart.renderAs(t, tc.release, tc.namespace, tc.args...)
-			k := decode[appsv1.Deployment](t, manifestsOf(kDocs, "Deployment")[0]).Spec.Template.Spec
-			h := decode[appsv1.Deployment](t, manifestsOf(hDocs, "Deployment")[0]).Spec.Template.Spec
-			kc, hc := k.Containers[0], h.Containers[0]
-			require.Equal(t, kc.Args, hc.Args)
-			require.Equal(t, kc.VolumeMounts, hc.VolumeMounts)
-			require.Equal(t, kc.Ports, hc.Ports)
-			require.Equal(t, kc.LivenessProbe, hc.LivenessProbe)
-			require.Equal(t, kc.ReadinessProbe, hc.ReadinessProbe)
-			require.Equal(t, kc.SecurityContext, hc.SecurityContext)
-			require.Equal(t, kc.Env, hc.Env)
-			require.Equal(t, k.SecurityContext, h.SecurityContext)
-			require.Equal(t, k.AutomountServiceAccountToken, h.AutomountServiceAccountToken)
-			// The volumes' sources differ only in the generated names.
-			require.Equal(t, len(k.Volumes), len(h.Volumes))
-			for i := range k.Volumes {
-				kv, hv := k.Volumes[i], h.Volumes[i]
-				require.Equal(t, kv.Name, hv.Name)
-				if kv.Secret != nil {
-					require.NotNil(t, hv.Secret, kv.Name)
-					require.Equal(t, kv.Secret.DefaultMode, hv.Secret.DefaultMode, kv.Name)
-					require.Equal(t, kv.Secret.Optional, hv.Secret.Optional, kv.Name)
-				} else {
-					require.NotNil(t, hv.ConfigMap, kv.Name)
-					require.Equal(t, kv.ConfigMap.DefaultMode, hv.ConfigMap.DefaultMode, kv.Name)
-				}
-			}
-		})
+// render, so every install path runs what was tested.
+func TestTheAgentChartDeploysWhatTheKustomizeBaseDeploys(t *testing.T) {
+	h := newAgentHelm(t)
+	kDocs := splitManifests(t, run(t, kubectlBinary(t), "kustomize", filepath.Join(repoRoot(t), "deploy", "agent")))
+	hDocs := h.renderAs(t, "tokenbroker-agent", "tokenbroker-agent", "-f", h.values("default"))
+	k := decode[appsv1.Deployment](t, findManifest(t, kDocs, "Deployment", "tokenbroker-agent")).Spec
+	c := decode[appsv1.Deployment](t, findManifest(t, hDocs, "Deployment", "tokenbroker-agent")).Spec
+	require.Equal(t, k.Replicas, c.Replicas)
+	require.Equal(t, k.Strategy, c.Strategy)
+	kp, cp := k.Template.Spec, c.Template.Spec
+	kc, cc := kp.Containers[0], cp.Containers[0]
+	require.Equal(t, kc.Args, cc.Args)
+	require.Equal(t, kc.VolumeMounts, cc.VolumeMounts)
+	require.Equal(t, kc.Ports, cc.Ports)
+	require.Equal(t, kc.LivenessProbe, cc.LivenessProbe)
+	require.Equal(t, kc.ReadinessProbe, cc.ReadinessProbe)
+	require.Equal(t, kc.SecurityContext, cc.SecurityContext)
+	require.Equal(t, kc.Resources, cc.Resources)
+	require.Equal(t, kc.Env, cc.Env)
+	require.Equal(t, kp.SecurityContext, cp.SecurityContext)
+	require.Equal(t, kp.AutomountServiceAccountToken, cp.AutomountServiceAccountToken)
+	require.Equal(t, kp.TerminationGracePeriodSeconds, cp.TerminationGracePeriodSeconds)
+	// The volumes' sources differ only in the generated ConfigMap name.
+	require.Len(t, cp.Volumes, len(kp.Volumes))
+	for i, kv := range kp.Volumes {
+		cv := cp.Volumes[i]
+		require.Equal(t, kv.Name, cv.Name)
+		if kv.Secret != nil {
+			require.Equal(t, kv.Secret, cv.Secret, kv.Name)
+		} else {
+			require.NotNil(t, cv.ConfigMap, kv.Name)
+			require.Equal(t, kv.ConfigMap.DefaultMode, cv.ConfigMap.DefaultMode, kv.Name)
+		}
 	}
+	requireHardened(t, cp)
 }
 
 // TestAgentChartRenders checks deploy/helm/tokenbroker-agent without a
