@@ -55,9 +55,11 @@ type AuditEvent struct {
 	CertSHA256     string `json:"cert_sha256,omitempty"`
 	Namespace      string `json:"namespace,omitempty"`
 	ServiceAccount string `json:"service_account,omitempty"`
-	Credential     string `json:"credential,omitempty"`
-	LeaseID        string `json:"lease_id,omitempty"`
-	TokenJTI       string `json:"token_jti,omitempty"`
+	// User is the per-lease user of a client certificate.
+	User       string `json:"user,omitempty"`
+	Credential string `json:"credential,omitempty"`
+	LeaseID    string `json:"lease_id,omitempty"`
+	TokenJTI   string `json:"token_jti,omitempty"`
 	// CertificateSerial names an issued client-certificate credential
 	// (hexadecimal), as TokenJTI names a token.
 	CertificateSerial string `json:"certificate_serial,omitempty"`

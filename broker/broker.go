@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 
@@ -54,6 +55,11 @@ const (
 	AnnotationIdentity  = "tokenbroker.io/identity"
 	AnnotationSA        = "tokenbroker.io/service-account"
 	AnnotationCred      = "tokenbroker.io/credential"
+	// AnnotationUser is the per-lease user of a client-certificate lease,
+	// and LabelKeyFingerprint its key's fingerprint (api/v1.KeyFingerprint):
+	// a key may back one live lease only.
+	AnnotationUser      = "tokenbroker.io/user"
+	LabelKeyFingerprint = "tokenbroker.io/key-fingerprint"
 	SecretTypeLease     = corev1.SecretType("tokenbroker.io/lease")
 	leaseSecretPrefix   = "tokenbroker-lease-"
 )
@@ -67,6 +73,10 @@ var leaseIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").Wit
 type Config struct {
 	// Secrets is where lease Secrets are kept.
 	Secrets corev1client.SecretsGetter
+	// RoleBindings, if set, lets a revocation delete a client
+	// certificate's RoleBinding at once rather than leave it to the
+	// garbage collector (the lease owns it).
+	RoleBindings rbacv1client.RoleBindingsGetter
 	// Issuers by credential kind (apiv1.CredentialToken, ...). A kind
 	// missing here is refused even if the policy grants it.
 	Issuers map[string]Issuer
@@ -301,6 +311,18 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 	}
 
+	var cert *certRequest
+	if d.Credential == apiv1.CredentialClientCertificate {
+		if cert, err = b.certificateRequest(ctx, p, d, req); err != nil {
+			if KindOf(err) == KindInvalid {
+				return nil, outcomeInvalid, err
+			}
+			return nil, outcomeFor(err), err
+		}
+		log = log.With(zap.String("user", cert.user))
+		a.ev.User = cert.user
+	}
+
 	id, err := b.newLeaseID()
 	if err != nil {
 		return nil, outcomeError, err
@@ -309,6 +331,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Clock.Now()
 	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
+	if cert != nil {
+		lease.Annotations[AnnotationUser] = cert.user
+		lease.Labels[LabelKeyFingerprint] = cert.fingerprint
+	}
 	t0 := b.cfg.Clock.Now()
 	created, err := b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
 	b.timeAPI(ctx, "create_lease", t0, err)
@@ -332,17 +358,24 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 
 	issueStart := b.cfg.Clock.Now()
 	t0 = b.cfg.Clock.Now()
-	cred, err := issuer.Issue(ctx, issuers.Request{
+	ireq := issuers.Request{
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
 		TTL:            d.TTL,
 		Audiences:      req.Audiences,
 		Lease:          issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID},
-	})
+	}
+	if cert != nil {
+		ireq.CSR, ireq.User, ireq.Role = cert.csrPEM, cert.user, d.Role
+	}
+	cred, err := issuer.Issue(ctx, ireq)
 	b.cfg.Metrics.observeIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
 	if err != nil {
-		err = classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
+		err = classifyIssuer(err, req)
 		return fail(outcomeFor(err), err)
+	}
+	if cert != nil {
+		cred.KeyPEM = cert.keyPEM // nil when the caller holds the key
 	}
 
 	granted, clampedBy := d.TTL, d.ClampedBy
@@ -358,13 +391,16 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			granted += time.Second
 		}
 		clampedBy = ClampedByAPIServer
+		if cert != nil {
+			clampedBy = ClampedBySigner
+		}
 	}
 	if minTTL > 0 && granted < minTTL {
 		a.denial = denyMinTTL
 		return fail(outcomeUnprocessable, Errorf(KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
-	if clampedBy == ClampedByAPIServer {
+	if clampedBy == ClampedByAPIServer || clampedBy == ClampedBySigner {
 		// Keep the lease's recorded expiry true for listings and the GC.
 		if err := b.setExpiry(ctx, created, cred.ExpiresAt); err != nil {
 			return fail(outcomeFor(err), err)
@@ -374,7 +410,11 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if cred.Kind() != issuer.Kind() {
 		return fail(outcomeError, fmt.Errorf("the %s issuer returned a %s credential", issuer.Kind(), cred.Kind()))
 	}
-	kc, err := buildKubeconfig(p.Cluster, req.Namespace, req.ServiceAccount, cred)
+	subject := req.ServiceAccount
+	if cert != nil {
+		subject = cert.user
+	}
+	kc, err := buildKubeconfig(p.Cluster, req.Namespace, subject, cred)
 	if err != nil {
 		return fail(outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
@@ -403,6 +443,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Kubeconfig:   string(kc),
 		Credential:   cred.Kind(),
 		Token:        cred.Token,
+		User:         cert.userName(),
 		ExpiresAt:    cred.ExpiresAt.UTC(),
 		RequestedTTL: reqTTL,
 		GrantedTTL:   granted.String(),

@@ -86,6 +86,9 @@ var issueOutcomes = map[Kind]string{
 	KindUnprocessable: outcomeUnprocessable,
 	KindNotFound:      outcomeNotFound,
 	KindUnavailable:   outcomeUnavailable,
+	// A signer that did not answer in time: the cluster is unavailable
+	// for this request.
+	KindTimeout: outcomeUnavailable,
 }
 
 func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }

@@ -23,6 +23,7 @@ const (
 	KindUnsupportedMediaType             // wrong Content-Type: 415
 	KindUnprocessable                    // well-formed, but cannot be granted as asked: 422
 	KindUnavailable                      // the API server cannot be reached; retryable: 503
+	KindTimeout                          // the cluster did not finish in time (a signer); retryable: 504
 )
 
 // Error is a classified failure. Detail and Fields are meant for the caller
@@ -58,7 +59,7 @@ func KindOf(err error) Kind {
 }
 
 // Retryable reports whether the same request may succeed later unchanged.
-func Retryable(err error) bool { return KindOf(err) == KindUnavailable }
+func Retryable(err error) bool { k := KindOf(err); return k == KindUnavailable || k == KindTimeout }
 
 // Errorf returns an *Error of the given kind whose detail is the formatted
 // message. The message is shown to the caller.

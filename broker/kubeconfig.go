@@ -8,7 +8,8 @@ import (
 	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
-// buildKubeconfig returns a complete kubeconfig for the ServiceAccount:
+// buildKubeconfig returns a complete kubeconfig for subject (the
+// ServiceAccount of a token, the per-lease user of a certificate):
 // the cluster's external URL and CA bundle (and its tls-server-name and
 // proxy-url when the policy sets them), the credential as clientcmd's
 // AuthInfo carries it (token, or client-certificate-data and
@@ -22,9 +23,9 @@ import (
 // (writeQuoted), so no value can break the document or change on the way;
 // TestKubeconfigMatchesClientcmd checks the result against client-go's own
 // types.
-func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount string, cred issuers.Credential) ([]byte, error) {
-	user := serviceAccount + "@" + cluster.Name
-	ctxName := namespace + "/" + serviceAccount + "@" + cluster.Name
+func buildKubeconfig(cluster ClusterSpec, namespace, subject string, cred issuers.Credential) ([]byte, error) {
+	user := subject + "@" + cluster.Name
+	ctxName := namespace + "/" + subject + "@" + cluster.Name
 	var b bytes.Buffer
 	b.Grow(512 + len(cred.Token) + base64.StdEncoding.EncodedLen(len(cred.CertificatePEM)+len(cred.KeyPEM)) + len(cluster.TLSServerName) + len(cluster.ProxyURL) + base64.StdEncoding.EncodedLen(len(cluster.CAData)))
 	b.WriteString("apiVersion: v1\nkind: Config\nclusters:\n- name: ")
@@ -48,8 +49,12 @@ func buildKubeconfig(cluster ClusterSpec, namespace, serviceAccount string, cred
 	case issuers.KindClientCertificate:
 		b.WriteString("\n    client-certificate-data: ")
 		b.WriteString(base64.StdEncoding.EncodeToString(cred.CertificatePEM))
-		b.WriteString("\n    client-key-data: ")
-		b.WriteString(base64.StdEncoding.EncodeToString(cred.KeyPEM))
+		// Without a key when the caller made the CSR: it adds its own
+		// (kubectl config set-credentials --client-key).
+		if len(cred.KeyPEM) > 0 {
+			b.WriteString("\n    client-key-data: ")
+			b.WriteString(base64.StdEncoding.EncodeToString(cred.KeyPEM))
+		}
 	default:
 		b.WriteString("\n    token: ")
 		writeQuoted(&b, cred.Token)

@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
@@ -81,7 +82,17 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 		return err
 	}
 	ev.Peer, ev.Namespace = s.Labels[LabelPeer], s.Namespace
-	ev.ServiceAccount, ev.Credential = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred]
+	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred], s.Annotations[AnnotationUser]
+	if s.Annotations[AnnotationCred] == apiv1.CredentialClientCertificate && b.cfg.RoleBindings != nil {
+		// The certificate's only permission goes first, at once. The lease
+		// owns the binding, so the garbage collector would delete it too,
+		// a moment later; should this fail, that still happens.
+		err := b.cfg.RoleBindings.RoleBindings(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			b.cfg.Logger.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease",
+				zap.String("lease_id", id), zap.Error(err))
+		}
+	}
 	if err := b.deleteSecret(ctx, s); err != nil {
 		return classify(err, "revoke lease", "lease not found")
 	}
@@ -158,6 +169,7 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 		Peer:           s.Labels[LabelPeer],
 		Namespace:      s.Namespace,
 		ServiceAccount: s.Annotations[AnnotationSA],
+		User:           s.Annotations[AnnotationUser],
 		Credential:     s.Annotations[AnnotationCred],
 		CreatedAt:      s.CreationTimestamp.UTC(),
 		ExpiresAt:      exp.UTC(),
@@ -263,6 +275,7 @@ type LeaseRecord struct {
 	Identity       string     `json:"identity"`
 	Namespace      string     `json:"namespace"`
 	ServiceAccount string     `json:"serviceAccount"`
+	User           string     `json:"user,omitempty"`
 	Credential     string     `json:"credential"`
 	CreatedAt      time.Time  `json:"createdAt"`
 	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
@@ -305,7 +318,7 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 		s := &secrets[i]
 		l := leaseFromSecret(s)
 		r := LeaseRecord{
-			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount,
+			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User,
 			Credential: l.Credential, CreatedAt: l.CreatedAt,
 			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID,
 		}

@@ -9,11 +9,13 @@ import (
 	"strings"
 	"time"
 
+	rbacpath "k8s.io/apimachinery/pkg/api/validation/path"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -85,12 +87,30 @@ type PeerSpec struct {
 }
 
 // GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
-// in the listed namespaces (every combination).
+// in the listed namespaces (every combination), or, with credential
+// clientCertificate, client certificates for a per-lease user bound to
+// Role or ClusterRole in each listed namespace.
 type GrantSpec struct {
 	Namespaces      []string       `json:"namespaces"`
-	ServiceAccounts []string       `json:"serviceAccounts"`
+	ServiceAccounts []string       `json:"serviceAccounts,omitempty"`
 	MaxTTL          apiv1.Duration `json:"maxTTL,omitempty"`
 	Credential      string         `json:"credential,omitempty"`
+	// Role or ClusterRole (exactly one, for clientCertificate grants
+	// only) is what the certificate's user may do in the namespace: the
+	// broker binds it with a RoleBinding owned by the lease.
+	Role        string `json:"role,omitempty"`
+	ClusterRole string `json:"clusterRole,omitempty"`
+}
+
+// roleRef is the grant's role, or the zero RoleRef for a token grant.
+func (g *GrantSpec) roleRef() issuers.RoleRef {
+	switch {
+	case g.Role != "":
+		return issuers.RoleRef{Kind: "Role", Name: g.Role}
+	case g.ClusterRole != "":
+		return issuers.RoleRef{Kind: "ClusterRole", Name: g.ClusterRole}
+	}
+	return issuers.RoleRef{}
 }
 
 // ParsePolicy decodes and validates a policy document (YAML or JSON).
@@ -191,6 +211,7 @@ func (p *Policy) Validate() error {
 		if d := time.Duration(peer.CertificateTTL); d != 0 && (d < MinCertificateTTL || d > MaxCertificateTTL) {
 			add(path+".certificateTTL", "must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 		}
+		certNamespaces := map[string]bool{}
 		for j, g := range peer.Grants {
 			gpath := fmt.Sprintf("%s.grants[%d]", path, j)
 			if len(g.Namespaces) == 0 {
@@ -201,8 +222,39 @@ func (p *Policy) Validate() error {
 					add(fmt.Sprintf("%s.namespaces[%d]", gpath, k), "%s", strings.Join(errs, "; "))
 				}
 			}
-			if len(g.ServiceAccounts) == 0 {
+			cert := g.Credential == apiv1.CredentialClientCertificate
+			switch {
+			case cert && len(g.ServiceAccounts) > 0:
+				add(gpath+".serviceAccounts", "must be empty for a clientCertificate grant: the certificate is for a per-lease user, whose permissions are the grant's role or clusterRole")
+			case !cert && len(g.ServiceAccounts) == 0:
 				add(gpath+".serviceAccounts", "must list at least one ServiceAccount")
+			}
+			switch {
+			case cert && (g.Role == "") == (g.ClusterRole == ""):
+				add(gpath+".role", "a clientCertificate grant names exactly one of role and clusterRole: what the certificate's user may do in the namespace")
+			case !cert && (g.Role != "" || g.ClusterRole != ""):
+				add(gpath+".role", "only a clientCertificate grant binds a role (a token acts as its ServiceAccount)")
+			}
+			for _, r := range []struct{ field, name string }{{"role", g.Role}, {"clusterRole", g.ClusterRole}} {
+				if r.name == "" {
+					continue
+				}
+				// RBAC role names are path segment names (colons allowed).
+				if strings.HasPrefix(r.name, "system:") {
+					add(gpath+"."+r.field, "must not be a system: role")
+				} else if errs := rbacpath.IsValidPathSegmentName(r.name); len(errs) > 0 {
+					add(gpath+"."+r.field, "is not a valid role name: %s", strings.Join(errs, "; "))
+				} else if len(r.name) > 253 {
+					add(gpath+"."+r.field, "must be at most 253 characters")
+				}
+			}
+			if cert {
+				for k, ns := range g.Namespaces {
+					if certNamespaces[ns] {
+						add(fmt.Sprintf("%s.namespaces[%d]", gpath, k), "%q is in another clientCertificate grant of this peer: a request names no role, so one namespace has one", ns)
+					}
+					certNamespaces[ns] = true
+				}
 			}
 			for k, sa := range g.ServiceAccounts {
 				if errs := validation.IsDNS1123Subdomain(sa); len(errs) > 0 {
@@ -280,8 +332,10 @@ func (p *Policy) Namespaces() []string {
 // Decision is the outcome of an allowed request: who asked, under which
 // grant, and with which lifetime.
 type Decision struct {
-	Peer         string
-	Credential   string
+	Peer       string
+	Credential string
+	// Role is what a client certificate's user gets (zero for a token).
+	Role         issuers.RoleRef
 	RequestedTTL time.Duration
 	TTL          time.Duration
 	// ClampedBy names the limit that changed the requested TTL, or "".
@@ -293,6 +347,9 @@ const (
 	ClampedByGrant     = "grant.maxTTL"
 	ClampedByPolicy    = "policy.maxTTL"
 	ClampedByAPIServer = "apiserver"
+	// ClampedBySigner: the cluster's signer issued a certificate that
+	// expires sooner than asked (it caps certificates at its CA's expiry).
+	ClampedBySigner = "signer"
 )
 
 // Decide authorizes a request and chooses its TTL. requested and minTTL
@@ -311,7 +368,9 @@ func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, 
 	var grant *GrantSpec
 	for i := range peer.Grants {
 		g := &peer.Grants[i]
-		if g.Credential == credential && slices.Contains(g.Namespaces, namespace) && slices.Contains(g.ServiceAccounts, serviceAccount) {
+		// A certificate grant names no ServiceAccount (the request none).
+		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
+		if g.Credential == credential && slices.Contains(g.Namespaces, namespace) && saOK {
 			// The most generous matching grant wins, so that adding a grant
 			// never takes anything away.
 			if grant == nil || p.grantMax(g) > p.grantMax(grant) {
@@ -322,7 +381,7 @@ func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, 
 	if grant == nil {
 		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
 	}
-	d := Decision{Peer: peer.Name, Credential: credential, RequestedTTL: requested}
+	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested}
 	if requested == 0 {
 		requested = time.Duration(p.TTL.Default)
 	}
@@ -374,6 +433,8 @@ func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
 		out = append(out, apiv1.Grant{
 			Namespaces:      slices.Clone(g.Namespaces),
 			ServiceAccounts: slices.Clone(g.ServiceAccounts),
+			Role:            g.Role,
+			ClusterRole:     g.ClusterRole,
 			MaxTTL:          p.grantMax(g).String(),
 			Credential:      g.Credential,
 		})

@@ -28,7 +28,7 @@ peers:
     identity: spiffe://oc.example/cluster/north
     grants:
       - namespaces: [argo]
-        serviceAccounts: [admiralty-source]
+        clusterRole: view
         maxTTL: 30m
         credential: clientCertificate
 `
@@ -64,9 +64,11 @@ func TestDecide(t *testing.T) {
 		{name: "a namespace outside the grant is forbidden", identity: west, ns: "kube-system", sa: "admiralty-source", wantKind: KindForbidden},
 		{name: "a ServiceAccount outside the grant is forbidden", identity: west, ns: "argo", sa: "default", wantKind: KindForbidden},
 		{name: "namespaces and ServiceAccounts of different grants do not combine", identity: west, ns: "flux", sa: "admiralty-source", wantKind: KindForbidden},
-		{name: "a credential kind the grant does not give is forbidden", identity: west, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialClientCertificate, wantKind: KindForbidden},
+		{name: "a credential kind the grant does not give is forbidden", identity: west, ns: "argo", cred: apiv1.CredentialClientCertificate, wantKind: KindForbidden},
+		{name: "a client certificate grant does not give the token of a ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", wantKind: KindForbidden},
 		{name: "a grant for client certificates does not give tokens", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialToken, wantKind: KindForbidden},
-		{name: "a client certificate grant clamps to its own max", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialClientCertificate, ttl: time.Hour, wantTTL: 30 * time.Minute, wantClamp: ClampedByGrant},
+		{name: "a client certificate grant clamps to its own max", identity: north, ns: "argo", cred: apiv1.CredentialClientCertificate, ttl: time.Hour, wantTTL: 30 * time.Minute, wantClamp: ClampedByGrant},
+		{name: "a client certificate grant names no ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialClientCertificate, wantKind: KindForbidden},
 		{name: "an empty identity is forbidden", identity: "", ns: "argo", sa: "admiralty-source", wantKind: KindForbidden},
 	}
 	for _, tc := range tests {
@@ -279,4 +281,41 @@ func FuzzParsePolicy(f *testing.F) {
 		require.Equal(t, c.TLSServerName, got.TLSServerName)
 		require.Equal(t, c.ProxyURL, got.ProxyURL)
 	})
+}
+
+func TestAClientCertificateGrantBindsExactlyOneRoleAndNamesNoServiceAccount(t *testing.T) {
+	t.Parallel()
+	const head = "cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n"
+	tests := []struct{ name, grants, want string }{
+		{"a role is enough", "  - {namespaces: [argo], credential: clientCertificate, role: reader}\n", ""},
+		{"a cluster role is enough", "  - {namespaces: [argo], credential: clientCertificate, clusterRole: view}\n", ""},
+		{"no role says what is missing", "  - {namespaces: [argo], credential: clientCertificate}\n",
+			"peers[0].grants[0].role: a clientCertificate grant names exactly one of role and clusterRole"},
+		{"both roles are one too many", "  - {namespaces: [argo], credential: clientCertificate, role: a, clusterRole: b}\n",
+			"peers[0].grants[0].role: a clientCertificate grant names exactly one"},
+		{"a ServiceAccount has no place in it", "  - {namespaces: [argo], credential: clientCertificate, role: a, serviceAccounts: [x]}\n",
+			"peers[0].grants[0].serviceAccounts: must be empty for a clientCertificate grant"},
+		{"a token grant binds no role", "  - {namespaces: [argo], serviceAccounts: [x], role: a}\n",
+			"peers[0].grants[0].role: only a clientCertificate grant binds a role"},
+		{"a system: role is never bound", "  - {namespaces: [argo], credential: clientCertificate, clusterRole: 'system:masters'}\n",
+			"peers[0].grants[0].clusterRole: must not be a system: role"},
+		{"one namespace in two certificate grants would leave the role to chance",
+			"  - {namespaces: [argo], credential: clientCertificate, role: a}\n  - {namespaces: [flux, argo], credential: clientCertificate, role: b}\n",
+			`peers[0].grants[1].namespaces[1]: "argo" is in another clientCertificate grant of this peer`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			p, err := ParsePolicy([]byte(head + tc.grants))
+			if tc.want == "" {
+				require.NoError(t, err)
+				d, err := p.Decide("spiffe://a/cluster/w", "argo", "", apiv1.CredentialClientCertificate, 0, 0)
+				require.NoError(t, err)
+				require.NotEmpty(t, d.Role.Name)
+				require.Contains(t, []string{"Role", "ClusterRole"}, d.Role.Kind)
+				return
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
 }

@@ -29,11 +29,25 @@ type Request struct {
 	// Audiences of the credential; empty means the API server's default.
 	// Only tokens have audiences.
 	Audiences []string
+	// For a client certificate: CSR is the PEM certificate signing request
+	// (the caller's, or one the broker made with a fresh key; the issuer
+	// never sees a private key), User the user name it asks for, and Role
+	// what that user may do in Namespace.
+	CSR  []byte
+	User string
+	Role RoleRef
 	// Lease is the broker's record of the credential. An issuer whose
 	// credential the API server can bind to an object binds it to the
 	// lease (a token: deleting the lease revokes it at once); an issuer
 	// that cannot says how revocation works in its Limits.
 	Lease ObjectRef
+}
+
+// RoleRef is a Role or ClusterRole a client certificate's user is bound
+// to: Kind "Role" or "ClusterRole".
+type RoleRef struct {
+	Kind string
+	Name string
 }
 
 // ObjectRef names the Kubernetes object a credential is bound to.
@@ -89,9 +103,16 @@ type Limits struct {
 	Revocation string
 }
 
-// RevokedByLease: the API server refuses the credential once the lease
-// object it is bound to is deleted (a bound ServiceAccount token).
-const RevokedByLease = "lease"
+// How credentials are revoked (Limits.Revocation).
+const (
+	// RevokedByLease: the API server refuses the credential once the lease
+	// object it is bound to is deleted (a bound ServiceAccount token).
+	RevokedByLease = "lease"
+	// RevokedByRoleBinding: the credential's user has no permission but
+	// through a RoleBinding owned by the lease object, which goes with it
+	// (a client certificate, which Kubernetes cannot revoke itself).
+	RevokedByRoleBinding = "rolebinding"
+)
 
 // Clamp bounds ttl by the limits and says which one decided ("" if
 // none).

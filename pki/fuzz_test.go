@@ -2,6 +2,7 @@ package pki
 
 import (
 	"bytes"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/sha256"
 	"crypto/x509"
@@ -227,6 +228,49 @@ func FuzzVerifyJoinToken(f *testing.F) {
 		}
 		if _, _, err := ParseIdentity(claims.Identity); err != nil || claims.ID == "" {
 			t.Fatalf("accepted claims %+v", claims)
+		}
+	})
+}
+
+// FuzzParseUserCSRPEM: a peer's CSR for a Kubernetes client certificate
+// (POST /v1/kubeconfigs with credential clientCertificate) is untrusted
+// input. Whatever it is, parsing neither panics nor returns a CSR with an
+// error, and an accepted CSR keeps ParseUserCSRPEM's promises.
+func FuzzParseUserCSRPEM(f *testing.F) {
+	csrPEM, keyPEM, _, err := NewUserCSR(func(crypto.PublicKey) (string, error) {
+		return "tokenbroker:west:0123456789abcdef0123456789abcdef", nil
+	}, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	idCSR, _, err := NewCSR("spiffe://oc.example/cluster/west", nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(csrPEM)
+	f.Add(keyPEM)
+	f.Add(idCSR)
+	f.Add(append(append([]byte(nil), csrPEM...), csrPEM...))
+	f.Add([]byte("-----BEGIN CERTIFICATE REQUEST-----\nMAA=\n-----END CERTIFICATE REQUEST-----\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		csr, cn, err := ParseUserCSRPEM(data)
+		if err != nil {
+			if csr != nil || cn != "" {
+				t.Fatal("a CSR returned with an error")
+			}
+			if !errors.Is(err, ErrInvalidCSR) {
+				t.Fatalf("error does not wrap ErrInvalidCSR: %v", err)
+			}
+			return
+		}
+		if cn == "" || cn != csr.Subject.CommonName || len(csr.Subject.Names) != 1 {
+			t.Fatalf("accepted a subject other than one common name: %v", csr.Subject)
+		}
+		if len(csr.DNSNames)+len(csr.IPAddresses)+len(csr.EmailAddresses)+len(csr.URIs) != 0 {
+			t.Fatal("accepted a CSR with SANs")
+		}
+		if csr.CheckSignature() != nil {
+			t.Fatal("accepted a CSR whose signature does not verify")
 		}
 	})
 }

@@ -130,9 +130,22 @@ func TestValidateKubeconfigRequest(t *testing.T) {
 	}{
 		{name: "Namespace and service account alone are valid.", mutate: func(*apiv1.KubeconfigRequest) {}},
 		{name: "Every optional field set within bounds is valid.", mutate: func(r *apiv1.KubeconfigRequest) {
-			r.TTL, r.MinTTL, r.Credential = "8760h", "10m", apiv1.CredentialClientCertificate
+			r.TTL, r.MinTTL, r.Credential = "8760h", "10m", apiv1.CredentialToken
 			r.Audiences = []string{"a", strings.Repeat("b", 256)}
 		}},
+		{name: "A client certificate names no ServiceAccount and may carry a CSR.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.ServiceAccount, r.Credential, r.CSR = "", apiv1.CredentialClientCertificate, "-----BEGIN CERTIFICATE REQUEST-----"
+		}},
+		{name: "A client certificate for a ServiceAccount is refused: its user is per lease.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.Credential = apiv1.CredentialClientCertificate
+		}, fields: []string{"serviceAccount"}},
+		{name: "A client certificate has no audiences.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.ServiceAccount, r.Credential, r.Audiences = "", apiv1.CredentialClientCertificate, []string{"a"}
+		}, fields: []string{"audiences"}},
+		{name: "A CSR is only for a client certificate.", mutate: func(r *apiv1.KubeconfigRequest) { r.CSR = "x" }, fields: []string{"csr"}},
+		{name: "A CSR over 16 KiB is refused before parsing.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.ServiceAccount, r.Credential, r.CSR = "", apiv1.CredentialClientCertificate, strings.Repeat("a", 16<<10+1)
+		}, fields: []string{"csr"}},
 		{name: "A service account name with dots is a valid subdomain.", mutate: func(r *apiv1.KubeconfigRequest) { r.ServiceAccount = "a.b-c" }},
 		{name: "A missing namespace is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.Namespace = "" }, fields: []string{"namespace"}},
 		{name: "A namespace with a dot is not a label.", mutate: func(r *apiv1.KubeconfigRequest) { r.Namespace = "a.b" }, fields: []string{"namespace"}},

@@ -16,7 +16,7 @@ import (
 // problemTypePrefix starts the type URI of every problem.
 const problemTypePrefix = "urn:tokenbroker:problem:"
 
-// retryAfterSeconds is sent with 503 answers.
+// retryAfterSeconds is sent with 503 and 504 answers.
 const retryAfterSeconds = "5"
 
 // The 401 of the enrollment listener: one fixed detail for every failure
@@ -66,6 +66,8 @@ var (
 		"The request cannot be granted as asked."}
 	classUnavailable = problemClass{http.StatusServiceUnavailable, "unavailable", true,
 		"The service is temporarily unavailable; retry later."}
+	classTimeout = problemClass{http.StatusGatewayTimeout, "timeout", false,
+		"The cluster did not finish in time; retry later."}
 	classInternal = problemClass{http.StatusInternalServerError, "internal", true,
 		"An internal error occurred; the request id identifies it in the server log."}
 )
@@ -102,6 +104,8 @@ func classOf(err error) (problemClass, *broker.Error) {
 		return classUnprocessable, be
 	case broker.KindUnavailable:
 		return classUnavailable, be
+	case broker.KindTimeout:
+		return classTimeout, be
 	default:
 		return classInternal, be
 	}
@@ -156,7 +160,7 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	h := w.Header()
 	h.Set("Content-Type", apiv1.MediaTypeProblem)
 	h.Set("Content-Length", strconv.Itoa(len(body)))
-	if class.status == http.StatusServiceUnavailable {
+	if class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout {
 		h.Set("Retry-After", retryAfterSeconds)
 	}
 	if class.status == http.StatusUnauthorized && enrolling {

@@ -71,6 +71,9 @@ type Options struct {
 	// Credentials are the credential kinds this broker issues (see
 	// CredentialKinds).
 	Credentials []string
+	// SigningTimeout bounds the wait for the cluster's signer when
+	// issuing a client certificate; zero means 10s.
+	SigningTimeout time.Duration
 	// AuditLog is where audit events go: AuditStdout, AuditStderr or a
 	// file path (see OpenAuditLog).
 	AuditLog string
@@ -114,6 +117,9 @@ func (o Options) Validate() error {
 	}
 	if o.KubeQPS <= 0 || o.KubeBurst <= 0 {
 		errs = append(errs, errors.New("--kube-qps and --kube-burst must be positive"))
+	}
+	if o.SigningTimeout < 0 || o.SigningTimeout > 5*time.Minute {
+		errs = append(errs, errors.New("--signing-timeout must be between 0 (the default, 10s) and 5m"))
 	}
 	if o.GCInterval < time.Second {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
@@ -181,7 +187,7 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	defer closeAudit()
 
-	iss, err := NewIssuers(opts.Credentials, client)
+	iss, err := NewIssuers(opts.Credentials, IssuerDeps{Client: client, Logger: log, SigningTimeout: opts.SigningTimeout})
 	if err != nil {
 		return err
 	}
@@ -225,6 +231,7 @@ func Run(ctx context.Context, opts Options) error {
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
+		RoleBindings:   client.RbacV1(),
 		Issuers:        iss,
 		Policy:         store,
 		Logger:         log.Named("broker"),

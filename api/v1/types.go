@@ -26,10 +26,13 @@ const (
 
 // KubeconfigRequest is the body of POST /v1/kubeconfigs.
 type KubeconfigRequest struct {
-	// Namespace of the ServiceAccount in the target cluster.
+	// Namespace of the ServiceAccount in the target cluster (for a client
+	// certificate: where its user's RoleBinding is made).
 	Namespace string `json:"namespace"`
-	// ServiceAccount is the name of the ServiceAccount to mint a credential for.
-	ServiceAccount string `json:"serviceAccount"`
+	// ServiceAccount is the name of the ServiceAccount to mint a token
+	// for. Empty for a client certificate, whose user is a per-lease user
+	// (CertificateUser) with the grant's role.
+	ServiceAccount string `json:"serviceAccount,omitempty"`
 	// TTL is the lifetime the caller asks for, as a Go duration ("2h").
 	// Empty means the policy default.
 	TTL string `json:"ttl,omitempty"`
@@ -40,6 +43,12 @@ type KubeconfigRequest struct {
 	Audiences []string `json:"audiences,omitempty"`
 	// Credential is the kind of credential; empty means "token".
 	Credential string `json:"credential,omitempty"`
+	// CSR, for a client certificate only, is a PEM "CERTIFICATE REQUEST"
+	// made with the caller's own key, whose subject is only the common
+	// name CertificateUser(peer, its public key): the key then never
+	// leaves the caller, and the kubeconfig comes without client-key-data.
+	// Empty: the broker makes an ECDSA P-256 key and returns it once.
+	CSR string `json:"csr,omitempty"`
 }
 
 // KubeconfigResponse is the 201 answer of POST /v1/kubeconfigs.
@@ -50,8 +59,11 @@ type KubeconfigResponse struct {
 	// CredentialToken (its user has a token, also given in Token) or
 	// CredentialClientCertificate (client-certificate-data and
 	// client-key-data).
-	Credential   string    `json:"credential,omitempty"`
-	Token        string    `json:"token,omitempty"`
+	Credential string `json:"credential,omitempty"`
+	Token      string `json:"token,omitempty"`
+	// User is the Kubernetes user of a client certificate: the per-lease
+	// user its RoleBinding names (CertificateUser).
+	User         string    `json:"user,omitempty"`
 	ExpiresAt    time.Time `json:"expiresAt"`
 	RequestedTTL string    `json:"requestedTTL"`
 	GrantedTTL   string    `json:"grantedTTL"`
@@ -64,13 +76,15 @@ type KubeconfigResponse struct {
 // Lease describes one issued credential. The credential itself is never
 // part of a lease.
 type Lease struct {
-	ID             string    `json:"id"`
-	Peer           string    `json:"peer"`
-	Namespace      string    `json:"namespace"`
-	ServiceAccount string    `json:"serviceAccount"`
-	Credential     string    `json:"credential"`
-	CreatedAt      time.Time `json:"createdAt"`
-	ExpiresAt      time.Time `json:"expiresAt"`
+	ID             string `json:"id"`
+	Peer           string `json:"peer"`
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount,omitempty"`
+	// User is the per-lease user of a client certificate.
+	User       string    `json:"user,omitempty"`
+	Credential string    `json:"credential"`
+	CreatedAt  time.Time `json:"createdAt"`
+	ExpiresAt  time.Time `json:"expiresAt"`
 }
 
 // LeaseList is the answer of GET /v1/leases.
@@ -81,9 +95,13 @@ type LeaseList struct {
 // Grant is one grant of the policy as it applies to a peer.
 type Grant struct {
 	Namespaces      []string `json:"namespaces"`
-	ServiceAccounts []string `json:"serviceAccounts"`
-	MaxTTL          string   `json:"maxTTL"`
-	Credential      string   `json:"credential"`
+	ServiceAccounts []string `json:"serviceAccounts,omitempty"`
+	// Role or ClusterRole, for a clientCertificate grant: what the
+	// certificate's user may do in the namespace.
+	Role        string `json:"role,omitempty"`
+	ClusterRole string `json:"clusterRole,omitempty"`
+	MaxTTL      string `json:"maxTTL"`
+	Credential  string `json:"credential"`
 }
 
 // WhoAmI is the answer of GET /v1/whoami.

@@ -16,6 +16,9 @@ const (
 	maxDurationLen = 32
 	MaxAudiences   = 16
 	MaxAudienceLen = 256
+	// MaxCSRLen bounds the PEM CSR of a client-certificate request (one
+	// for an RSA-8192 key is about 2.5 KiB).
+	MaxCSRLen = 16 << 10
 )
 
 // ValidateKubeconfigRequest checks the syntax of a request, the one rule
@@ -30,10 +33,26 @@ func ValidateKubeconfigRequest(req KubeconfigRequest, path *field.Path) field.Er
 	} else if msgs := validation.IsDNS1123Label(req.Namespace); len(msgs) > 0 {
 		errs = append(errs, field.Invalid(path.Child("namespace"), req.Namespace, strings.Join(msgs, "; ")))
 	}
-	if req.ServiceAccount == "" {
+	cert := req.Credential == CredentialClientCertificate
+	switch {
+	case cert && req.ServiceAccount != "":
+		errs = append(errs, field.Forbidden(path.Child("serviceAccount"), "must be empty for a clientCertificate: the certificate is for a per-lease user with the grant's role"))
+	case cert:
+	case req.ServiceAccount == "":
 		errs = append(errs, field.Required(path.Child("serviceAccount"), "is required"))
-	} else if msgs := validation.IsDNS1123Subdomain(req.ServiceAccount); len(msgs) > 0 {
-		errs = append(errs, field.Invalid(path.Child("serviceAccount"), req.ServiceAccount, strings.Join(msgs, "; ")))
+	default:
+		if msgs := validation.IsDNS1123Subdomain(req.ServiceAccount); len(msgs) > 0 {
+			errs = append(errs, field.Invalid(path.Child("serviceAccount"), req.ServiceAccount, strings.Join(msgs, "; ")))
+		}
+	}
+	switch {
+	case req.CSR != "" && !cert:
+		errs = append(errs, field.Forbidden(path.Child("csr"), "is only for credential clientCertificate"))
+	case len(req.CSR) > MaxCSRLen:
+		errs = append(errs, field.Invalid(path.Child("csr"), "", fmt.Sprintf("must be at most %d bytes", MaxCSRLen)))
+	}
+	if cert && len(req.Audiences) > 0 {
+		errs = append(errs, field.Forbidden(path.Child("audiences"), "only tokens have audiences"))
 	}
 
 	ttl, ttlErr := validateDuration(path.Child("ttl"), req.TTL)

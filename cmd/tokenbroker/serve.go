@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 )
@@ -102,31 +103,33 @@ func serveFlags() *pflag.FlagSet {
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
-	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+")")
+	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
+	fs.Duration("signing-timeout", clientcert.DefaultTimeout, "how long to wait for the cluster's signer to issue a client certificate before answering 503")
 	fs.String("audit-log", server.AuditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
 	return fs
 }
 
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{Options: server.Options{
-		ListenAddress: v.GetString("listen-address"),
-		EnrollAddress: v.GetString("enroll-address"),
-		OpsAddress:    v.GetString("ops-address"),
-		TLSCertFile:   v.GetString("tls-cert-file"),
-		TLSKeyFile:    v.GetString("tls-key-file"),
-		ClientCAFile:  v.GetString("client-ca-file"),
-		CACertFile:    v.GetString("ca-cert-file"),
-		CAKeyFile:     v.GetString("ca-key-file"),
-		ClientCertTTL: v.GetDuration("client-cert-ttl"),
-		PolicyFile:    v.GetString("policy-file"),
-		Namespace:     namespaceOrDefault(v.GetString("namespace")),
-		KubeQPS:       float32(v.GetFloat64("kube-qps")),
-		KubeBurst:     v.GetInt("kube-burst"),
-		GCInterval:    v.GetDuration("gc-interval"),
-		MaxBodyBytes:  v.GetInt64("max-body-bytes"),
-		Pprof:         v.GetBool("pprof"),
-		Credentials:   v.GetStringSlice("credentials"),
-		AuditLog:      v.GetString("audit-log"),
+		ListenAddress:  v.GetString("listen-address"),
+		EnrollAddress:  v.GetString("enroll-address"),
+		OpsAddress:     v.GetString("ops-address"),
+		TLSCertFile:    v.GetString("tls-cert-file"),
+		TLSKeyFile:     v.GetString("tls-key-file"),
+		ClientCAFile:   v.GetString("client-ca-file"),
+		CACertFile:     v.GetString("ca-cert-file"),
+		CAKeyFile:      v.GetString("ca-key-file"),
+		ClientCertTTL:  v.GetDuration("client-cert-ttl"),
+		PolicyFile:     v.GetString("policy-file"),
+		Namespace:      namespaceOrDefault(v.GetString("namespace")),
+		KubeQPS:        float32(v.GetFloat64("kube-qps")),
+		KubeBurst:      v.GetInt("kube-burst"),
+		GCInterval:     v.GetDuration("gc-interval"),
+		MaxBodyBytes:   v.GetInt64("max-body-bytes"),
+		Pprof:          v.GetBool("pprof"),
+		Credentials:    v.GetStringSlice("credentials"),
+		SigningTimeout: v.GetDuration("signing-timeout"),
+		AuditLog:       v.GetString("audit-log"),
 	}, Kubeconfig: v.GetString("kubeconfig"), Log: logConfigFrom(v)}
 	return cfg, cfg.Validate()
 }
