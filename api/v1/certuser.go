@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"fmt"
-	"strings"
 )
 
 // CertificateUserPrefix starts the user name of every client certificate
@@ -40,15 +39,4 @@ func CertificateUser(peer string, pub crypto.PublicKey) (string, error) {
 func KeyFingerprint(spkiDER []byte) string {
 	sum := sha256.Sum256(spkiDER)
 	return hex.EncodeToString(sum[:])[:certificateUserHashLen]
-}
-
-// IsCertificateUser reports whether name has the form CertificateUser
-// gives (for the peer peer).
-func IsCertificateUser(peer, name string) bool {
-	rest, ok := strings.CutPrefix(name, CertificateUserPrefix+peer+":")
-	if !ok || len(rest) != certificateUserHashLen {
-		return false
-	}
-	_, err := hex.DecodeString(rest)
-	return err == nil && strings.ToLower(rest) == rest
 }

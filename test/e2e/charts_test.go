@@ -326,3 +326,55 @@ func TestAgentChartAgainstAPIServer(t *testing.T) {
 	_, err = c.Client.RbacV1().Roles("argo").Get(context.Background(), "tokenbroker-agent-output", metav1.GetOptions{})
 	require.True(t, apierrors.IsNotFound(err), "uninstall removes the Roles in the output namespaces: %v", err)
 }
+
+// TestTheChartsClientCertificateObjectsAreTheComponents holds the broker
+// chart's clientCertificates objects to deploy/components/client-certificates:
+// the same CSR rules, bind on exactly the roles the policy's
+// clientCertificate grants name, the same admission policy for the
+// release's ServiceAccount, and the --credentials flag; none of it by
+// default.
+func TestTheChartsClientCertificateObjectsAreTheComponents(t *testing.T) {
+	h := newHelm(t)
+	require.Empty(t, manifestsOf(h.render(t, "--set", "pki.tlsSecret=tls"), "ValidatingAdmissionPolicy"), "off by default")
+
+	overlay := t.TempDir()
+	rel := func(p string) string {
+		r, err := filepath.Rel(overlay, filepath.Join(repoRoot(t), p))
+		require.NoError(t, err)
+		return r
+	}
+	writeFile(t, filepath.Join(overlay, "kustomization.yaml"), "resources: ["+rel("deploy/base")+"]\ncomponents: ["+rel("deploy/components/client-certificates")+"]\n")
+	kDocs := splitManifests(t, run(t, kubectlBinary(t), "kustomize", overlay))
+	values := writeFile(t, filepath.Join(t.TempDir(), "values.yaml"), `pki: {tlsSecret: tls}
+clientCertificates: {enabled: true}
+policy:
+  peers:
+    - name: west
+      identity: spiffe://oc.example/cluster/west
+      grants:
+        - {namespaces: [argo], credential: clientCertificate, clusterRole: view}
+`)
+	hDocs := h.render(t, "-f", values)
+	for _, name := range []string{"tokenbroker-csr", "tokenbroker-bind"} {
+		k := decode[rbacv1.ClusterRole](t, findManifest(t, kDocs, "ClusterRole", name))
+		c := decode[rbacv1.ClusterRole](t, findManifest(t, hDocs, "ClusterRole", name))
+		require.Equal(t, normalizedRules(k.Rules), normalizedRules(c.Rules), name)
+	}
+	type vap struct {
+		Spec struct {
+			MatchConditions []struct{ Name, Expression string }    `json:"matchConditions"`
+			Validations     []struct{ Expression, Message string } `json:"validations"`
+			FailurePolicy   string                                 `json:"failurePolicy"`
+		} `json:"spec"`
+	}
+	var kv, cv vap
+	require.NoError(t, yaml.Unmarshal(findManifest(t, kDocs, "ValidatingAdmissionPolicy", "tokenbroker-approves-only-its-own-csrs").raw, &kv))
+	require.NoError(t, yaml.Unmarshal(findManifest(t, hDocs, "ValidatingAdmissionPolicy", "tokenbroker-approves-only-its-own-csrs").raw, &cv))
+	require.Equal(t, kv, cv)
+	require.Equal(t, `request.userInfo.username == "system:serviceaccount:tokenbroker:tokenbroker"`, cv.Spec.MatchConditions[0].Expression)
+
+	kd := decode[appsv1.Deployment](t, findManifest(t, kDocs, "Deployment", "tokenbroker"))
+	cd := decode[appsv1.Deployment](t, findManifest(t, hDocs, "Deployment", "tokenbroker"))
+	require.Contains(t, kd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
+	require.Contains(t, cd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
+}

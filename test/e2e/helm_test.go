@@ -289,13 +289,19 @@ func TestHelmChartRenders(t *testing.T) {
 	})
 
 	t.Run("rbac.namespaces binds tokenbroker-issue with RoleBindings in just those namespaces and no ClusterRoleBinding", func(t *testing.T) {
-		require.Empty(t, manifestsOf(everything, "ClusterRoleBinding"))
+		// The one cluster-wide binding is the CSR permission, which cannot
+		// be namespaced (CSRs are cluster-scoped).
+		require.Equal(t, []string{"ClusterRoleBinding/tokenbroker-csr"}, kindNames(manifestsOf(everything, "ClusterRoleBinding")))
 		baseCRB := decode[rbacv1.ClusterRoleBinding](t, findManifest(t, base, "ClusterRoleBinding", "tokenbroker-issue"))
-		var issueNamespaces []string
+		var issueNamespaces, bindNamespaces []string
 		for _, m := range manifestsOf(everything, "RoleBinding") {
 			rb := decode[rbacv1.RoleBinding](t, m)
 			if rb.Name == "tokenbroker-self" {
 				require.Equal(t, "tokenbroker", rb.Namespace)
+				continue
+			}
+			if rb.Name == "tokenbroker-bind" {
+				bindNamespaces = append(bindNamespaces, rb.Namespace)
 				continue
 			}
 			require.Equal(t, "tokenbroker-issue", rb.Name)
@@ -304,6 +310,7 @@ func TestHelmChartRenders(t *testing.T) {
 			issueNamespaces = append(issueNamespaces, rb.Namespace)
 		}
 		require.ElementsMatch(t, []string{"argo", "flux"}, issueNamespaces)
+		require.ElementsMatch(t, []string{"argo", "flux"}, bindNamespaces, "binding roles is scoped alike")
 	})
 
 	t.Run("the Deployment has deploy/base's hardening, probes, ports, resources and args", func(t *testing.T) {
@@ -727,6 +734,13 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 				"servicemonitor.monitoring.coreos.com/tokenbroker",
 				"prometheusrule.monitoring.coreos.com/tokenbroker",
 				"configmap/tokenbroker-dashboard",
+				"clusterrole.rbac.authorization.k8s.io/tokenbroker-csr",
+				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-csr",
+				"clusterrole.rbac.authorization.k8s.io/tokenbroker-bind",
+				"rolebinding.rbac.authorization.k8s.io/tokenbroker-bind",
+				"rolebinding.rbac.authorization.k8s.io/tokenbroker-bind",
+				"validatingadmissionpolicy.admissionregistration.k8s.io/tokenbroker-approves-only-its-own-csrs",
+				"validatingadmissionpolicybinding.admissionregistration.k8s.io/tokenbroker-approves-only-its-own-csrs",
 			}},
 		} {
 			file := writeFile(t, filepath.Join(t.TempDir(), tc.values+".yaml"), h.template(t, "-f", h.values(tc.values)))
