@@ -49,7 +49,7 @@ localcluster: ## build bin/localcluster, the harness as a command
 	cd test && $(GO) build -o $(BIN)/localcluster ./cmd/localcluster
 
 dev: build kube localcluster ## start a local cluster, a dev PKI and a broker with a demo policy (Ctrl-C stops everything)
-	$(BIN)/localcluster --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/tokenbroker dev --dir $(CURDIR)/.dev --kubeconfig $(CURDIR)/.dev/admin.kubeconfig
+	$(BIN)/localcluster --controller-manager --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/tokenbroker dev --dir $(CURDIR)/.dev --kubeconfig $(CURDIR)/.dev/admin.kubeconfig
 
 test: check chart-lint unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 

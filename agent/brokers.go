@@ -85,6 +85,14 @@ func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) 
 	return c.Kubeconfig(ctx, req)
 }
 
+func (r brokerRef) WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error) {
+	c, err := r.b.client(r.url)
+	if err != nil {
+		return nil, err
+	}
+	return c.WhoAmI(ctx)
+}
+
 func (r brokerRef) RevokeLease(ctx context.Context, id string) error {
 	c, err := r.b.client(r.url)
 	if err != nil {

@@ -118,10 +118,14 @@ type TargetConfig struct {
 // durations (empty: the broker's policy decides).
 type RequestConfig struct {
 	Namespace      string   `json:"namespace"`
-	ServiceAccount string   `json:"serviceAccount"`
+	ServiceAccount string   `json:"serviceAccount,omitempty"`
 	TTL            string   `json:"ttl,omitempty"`
 	MinTTL         string   `json:"minTTL,omitempty"`
 	Audiences      []string `json:"audiences,omitempty"`
+	// Credential is "token" (the default) or "clientCertificate": a client
+	// certificate for a per-lease user with the grant's role, whose key
+	// the agent makes itself and never sends (no serviceAccount then).
+	Credential string `json:"credential,omitempty"`
 }
 
 // OutputConfig is one place a credential is written; exactly one of

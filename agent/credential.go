@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"crypto"
 	"errors"
 	"fmt"
 	"time"
@@ -93,9 +94,11 @@ func (c *Credential) grant() grant {
 }
 
 // KubeconfigAPI is the part of the broker API that Fetch needs;
-// *client.Client implements it.
+// *client.Client implements it. WhoAmI tells a client certificate's peer
+// name, from which the certificate's user name is made.
 type KubeconfigAPI interface {
 	Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+	WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error)
 }
 
 // APIRequest returns the wire form of the request.
@@ -106,7 +109,17 @@ func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
 		TTL:            r.TTL,
 		MinTTL:         r.MinTTL,
 		Audiences:      append([]string(nil), r.Audiences...),
+		Credential:     r.Credential,
 	}
+}
+
+// Subject names what a request is for in messages: namespace/ServiceAccount,
+// or the namespace's client certificate.
+func (r RequestConfig) Subject() string {
+	if r.Credential == apiv1.CredentialClientCertificate {
+		return "a client certificate in " + r.Namespace
+	}
+	return r.Namespace + "/" + r.ServiceAccount
 }
 
 // ErrBadAnswer is wrapped when a broker's 201 answer cannot be used (no
@@ -120,12 +133,61 @@ var ErrBadAnswer = errors.New("unusable answer from the broker")
 // the moment the answer arrived (now()). It is the one fetch of the agent's
 // refreshers and of "tokenbroker get kubeconfig". Errors of the broker
 // client are wrapped (see client.Retryable).
+//
+// For a client certificate it makes a new key and sends a CSR for it (the
+// user name comes from the peer name, asked with WhoAmI, and the key), so
+// that the key never leaves this process; the broker's kubeconfig, which
+// has no key then, gets it here.
 func Fetch(ctx context.Context, api KubeconfigAPI, req RequestConfig, now func() time.Time) (*Credential, error) {
-	resp, err := api.Kubeconfig(ctx, req.APIRequest())
+	apiReq := req.APIRequest()
+	var keyPEM []byte
+	if req.Credential == apiv1.CredentialClientCertificate {
+		who, err := api.WhoAmI(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("request kubeconfig for %s: who am I: %w", req.Subject(), err)
+		}
+		if who.Peer == "" {
+			return nil, fmt.Errorf("request kubeconfig for %s: the broker's policy does not know the identity %s", req.Subject(), who.Identity)
+		}
+		csrPEM, key, _, err := pki.NewUserCSR(func(pub crypto.PublicKey) (string, error) {
+			return apiv1.CertificateUser(who.Peer, pub)
+		}, nil)
+		if err != nil {
+			return nil, err
+		}
+		apiReq.CSR, keyPEM = string(csrPEM), key
+	}
+	resp, err := api.Kubeconfig(ctx, apiReq)
 	if err != nil {
-		return nil, fmt.Errorf("request kubeconfig for %s/%s: %w", req.Namespace, req.ServiceAccount, err)
+		return nil, fmt.Errorf("request kubeconfig for %s: %w", req.Subject(), err)
+	}
+	if keyPEM != nil {
+		kc, err := withClientKey([]byte(resp.Kubeconfig), keyPEM)
+		if err != nil {
+			return nil, fmt.Errorf("%w: lease %s: %w", ErrBadAnswer, resp.LeaseID, err)
+		}
+		resp.Kubeconfig = string(kc)
 	}
 	return credentialFromResponse(resp, now())
+}
+
+// withClientKey adds the key to the current context's user of a kubeconfig
+// that has its certificate but no key. Errors never quote the document.
+func withClientKey(data, keyPEM []byte) ([]byte, error) {
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return nil, errors.New("the kubeconfig does not parse")
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok {
+		return nil, errors.New("the kubeconfig has no current context")
+	}
+	user, ok := cfg.AuthInfos[ctx.AuthInfo]
+	if !ok || len(user.ClientCertificateData) == 0 || len(user.ClientKeyData) > 0 {
+		return nil, errors.New("the kubeconfig's user is not the certificate asked for, without a key")
+	}
+	user.ClientKeyData = keyPEM
+	return clientcmd.Write(*cfg)
 }
 
 func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time) (*Credential, error) {

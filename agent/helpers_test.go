@@ -89,6 +89,10 @@ func newFakeBroker(now func() time.Time, ttl time.Duration) *fakeBroker {
 	return &fakeBroker{now: now, ttl: ttl}
 }
 
+func (b *fakeBroker) WhoAmI(context.Context) (*apiv1.WhoAmI, error) {
+	return &apiv1.WhoAmI{Identity: "spiffe://oc.example/cluster/west", Peer: "west"}, nil
+}
+
 func (b *fakeBroker) Kubeconfig(_ context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -26,6 +26,9 @@ const (
 	DevPeer           = "west"
 	DevNamespace      = "demo"
 	DevServiceAccount = "demo"
+	// DevRole is the demo Role: what the demo ServiceAccount and the demo
+	// client certificates may do.
+	DevRole = DevServiceAccount + "-view"
 )
 
 // DevFiles are the files of the dev PKI.
@@ -101,7 +104,13 @@ peers:
       - namespaces: [%s]
         serviceAccounts: [%s]
         maxTTL: 2h
-`, server, DevPeer, DevTrustDomain, DevPeer, DevNamespace, DevServiceAccount)
+      # A client certificate for a per-lease user who may do what the
+      # demo ServiceAccount may (the Role %s); revoked with its lease.
+      - namespaces: [%s]
+        credential: clientCertificate
+        role: %s
+        maxTTL: 2h
+`, server, DevPeer, DevTrustDomain, DevPeer, DevNamespace, DevServiceAccount, DevRole, DevNamespace, DevRole)
 	return os.WriteFile(path, []byte(policy), 0o644)
 }
 
@@ -126,7 +135,7 @@ func devObjects(ctx context.Context, c kubernetes.Interface) error {
 	// An explicit Role rather than the aggregated "view" ClusterRole, whose
 	// rules only exist where the controller manager aggregates them.
 	_, err = c.RbacV1().Roles(DevNamespace).Create(ctx, &rbacv1.Role{
-		ObjectMeta: metav1.ObjectMeta{Name: DevServiceAccount + "-view"},
+		ObjectMeta: metav1.ObjectMeta{Name: DevRole},
 		Rules: []rbacv1.PolicyRule{{
 			APIGroups: []string{""},
 			Resources: []string{"configmaps", "pods", "services"},
@@ -137,8 +146,8 @@ func devObjects(ctx context.Context, c kubernetes.Interface) error {
 		return err
 	}
 	_, err = c.RbacV1().RoleBindings(DevNamespace).Create(ctx, &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: DevServiceAccount + "-view"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: DevServiceAccount + "-view"},
+		ObjectMeta: metav1.ObjectMeta{Name: DevRole},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: DevRole},
 		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: DevServiceAccount, Namespace: DevNamespace}},
 	}, opts)
 	if err := create("RoleBinding", err); err != nil {

@@ -115,7 +115,7 @@ func runDev(ctx context.Context, cfg devConfig, log *zap.Logger, out io.Writer) 
 		KubeBurst:     defaultKubeBurst,
 		GCInterval:    time.Minute,
 		MaxBodyBytes:  server.DefaultMaxBodyBytes,
-		Credentials:   []string{apiv1.CredentialToken},
+		Credentials:   []string{apiv1.CredentialToken, apiv1.CredentialClientCertificate},
 		// Stdout is for the commands printed below; audit events go
 		// with the log.
 		AuditLog: server.AuditStderr,
@@ -158,6 +158,12 @@ func printDevCommands(out io.Writer, dir string, f server.DevFiles, api, ops, ku
 	fmt.Fprintf(&b, "  curl -sS --fail-with-body --cert %s --key %s --cacert %s -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '%s' https://%s/v1/kubeconfigs -o %s\n\n",
 		f.ClientCert, f.ClientKey, f.CACert, body, api, kc)
 	fmt.Fprintf(&b, "Use it:\n\n  %s --kubeconfig %s get configmaps\n\n", kubectl, kc)
+	certKC := filepath.Join(dir, "cert.kubeconfig")
+	certBody := fmt.Sprintf(`{"namespace":"%s","credential":"clientCertificate","ttl":"1h"}`, server.DevNamespace)
+	fmt.Fprintf(&b, "Or a client certificate for a per-lease user with the Role %s, revoked with its lease (needs a cluster that signs: make dev runs kube-controller-manager):\n\n", server.DevRole)
+	fmt.Fprintf(&b, "  curl -sS --fail-with-body --cert %s --key %s --cacert %s -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '%s' https://%s/v1/kubeconfigs -o %s\n\n",
+		f.ClientCert, f.ClientKey, f.CACert, certBody, api, certKC)
+	fmt.Fprintf(&b, "  %s --kubeconfig %s auth whoami\n\n", kubectl, certKC)
 	fmt.Fprintf(&b, "See who you are to the broker:\n\n  curl -sS --cert %s --key %s --cacert %s https://%s/v1/whoami\n\n", f.ClientCert, f.ClientKey, f.CACert, api)
 	b.WriteString("Ctrl-C stops the broker and the local cluster.\n")
 	_, _ = io.WriteString(out, b.String())

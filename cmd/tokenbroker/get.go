@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/viper"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 func newGetCommand() *cobra.Command {
@@ -40,8 +41,8 @@ const (
 
 func newGetKubeconfigCommand() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "kubeconfig --broker URL --identity-dir DIR --namespace NS --service-account SA",
-		Short: "Get a kubeconfig for a ServiceAccount of the broker's cluster, once",
+		Use:   "kubeconfig --broker URL --identity-dir DIR --namespace NS (--service-account SA | --credential client-certificate)",
+		Short: "Get a kubeconfig for a ServiceAccount (or a client certificate) of the broker's cluster, once",
 		Long: `Ask a broker for a kubeconfig once, as the agent does on every refresh (the same
 request, the same checks of the answer, the same atomic file write), and write
 it to standard output or to a file.
@@ -51,6 +52,11 @@ The client certificate, its key and the trust bundle come from --identity-dir
 lifetime asked for (empty: the broker's policy default); with --min-ttl the
 broker refuses (422) rather than grant less. The lease id and expiry go to
 standard error; the credential only to the output.
+
+With --credential client-certificate the kubeconfig carries a client
+certificate instead of a token, for a per-lease user whose permissions are the
+role the broker's policy grants in --namespace (no --service-account). The key
+is made here and never sent: the broker signs a CSR for it.
 
 With -o FILE the file is replaced atomically with mode 0600, and only if its
 content changed. --format json writes the broker's whole answer (leaseId,
@@ -68,7 +74,11 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
   # the whole answer as JSON, to read the lease id with jq
   tokenbroker get kubeconfig --broker https://east.example.com:8443 \
     --identity-dir west-identity --namespace argo --service-account admiralty-source \
-    --format json | jq -r .leaseId`,
+    --format json | jq -r .leaseId
+
+  # a client certificate whose key never leaves this machine
+  tokenbroker get kubeconfig --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --credential client-certificate -o east-cert.kubeconfig`,
 		Args: cobra.NoArgs,
 		RunE: runE(newFlagViper, getKubeconfigConfigFrom, runGetKubeconfig),
 	}
@@ -76,7 +86,8 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")
 	fs.String("identity-dir", "", "directory with tls.crt, tls.key and ca.crt (required)")
 	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
-	fs.String("service-account", "", "the ServiceAccount (required)")
+	fs.String("service-account", "", "the ServiceAccount (required for a token)")
+	fs.String("credential", "token", "token, or client-certificate (a certificate for a per-lease user with the grant's role; the key is made here)")
 	fs.String("ttl", "", "lifetime to ask for, e.g. 1h; empty means the broker's default")
 	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
 	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
@@ -100,15 +111,27 @@ func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
 		Format: v.GetString("format"),
 	}
 	var errs []error
-	for _, f := range []struct{ flag, val string }{
-		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir},
-		{"namespace", cfg.Request.Namespace}, {"service-account", cfg.Request.ServiceAccount},
-	} {
+	switch c := v.GetString("credential"); c {
+	case apiv1.CredentialToken:
+	case "client-certificate", apiv1.CredentialClientCertificate:
+		cfg.Request.Credential = apiv1.CredentialClientCertificate
+	default:
+		errs = append(errs, fmt.Errorf("--credential must be token or client-certificate, not %q", c))
+	}
+	required := []struct{ flag, val string }{
+		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir}, {"namespace", cfg.Request.Namespace},
+	}
+	if cfg.Request.Credential == "" {
+		required = append(required, struct{ flag, val string }{"service-account", cfg.Request.ServiceAccount})
+	} else if cfg.Request.ServiceAccount != "" {
+		errs = append(errs, errors.New("--service-account is for tokens: a client certificate is for a per-lease user with the grant's role"))
+	}
+	for _, f := range required {
 		if f.val == "" {
 			errs = append(errs, fmt.Errorf("--%s is required", f.flag))
 		}
 	}
-	if cfg.Request.Namespace != "" && cfg.Request.ServiceAccount != "" {
+	if len(errs) == 0 {
 		errs = append(errs, cfg.Request.Validate())
 	}
 	if cfg.Format != getFormatKubeconfig && cfg.Format != getFormatJSON {
@@ -150,8 +173,8 @@ func runGetKubeconfig(cmd *cobra.Command, cfg getKubeconfigConfig) error {
 
 // printLease tells the user what was granted, never the credential.
 func printLease(w io.Writer, c *agent.Credential, cfg getKubeconfigConfig) {
-	msg := fmt.Sprintf("lease %s for %s/%s expires at %s (granted %s",
-		c.LeaseID, cfg.Request.Namespace, cfg.Request.ServiceAccount, c.ExpiresAt.UTC().Format(time.RFC3339), c.GrantedTTL)
+	msg := fmt.Sprintf("lease %s for %s expires at %s (granted %s",
+		c.LeaseID, cfg.Request.Subject(), c.ExpiresAt.UTC().Format(time.RFC3339), c.GrantedTTL)
 	if c.ClampedBy != "" {
 		msg += ", clamped by " + c.ClampedBy
 	}

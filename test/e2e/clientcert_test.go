@@ -161,30 +161,26 @@ func TestClientCertificateKubeconfigs(t *testing.T) {
 		t.Logf("refused %s after DELETE", refusedAfter.Round(time.Millisecond))
 	})
 
+	t.Run("the recipe of docs/api.md with the broker's key runs as printed", func(t *testing.T) {
+		dir := t.TempDir()
+		copyPeerFiles(t, e, dir)
+		script := strings.ReplaceAll(fencedBlock(t, readDoc(t, "docs/api.md"), "sh", `curl -sS --fail-with-body --cert west.crt --key west.key --cacert ca.crt -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '{"namespace":"argo","credential":"clientCertificate"`), "https://broker.example:8443", api)
+		out := runShell(t, dir, kubectl, filepath.Join(dir, "unused"), script)
+		require.Regexp(t, `tokenbroker:west:[0-9a-f]{32}`, out)
+	})
+
 	t.Run("with its own CSR the key never leaves the peer, and the kubeconfig works with it", func(t *testing.T) {
 		dir := t.TempDir()
-		script := fmt.Sprintf(`
-PEER=$(curl -sS --cert west.crt --key west.key --cacert ca.crt %[1]s/v1/whoami | jq -r .peer)
-openssl ecparam -name prime256v1 -genkey -noout -out key.pem
-FP=$(openssl pkey -in key.pem -pubout -outform DER | sha256sum | cut -c1-32)
-openssl req -new -key key.pem -subj "/CN=tokenbroker:$PEER:$FP" -out csr.pem
-jq -n --rawfile csr csr.pem '{namespace: "argo", credential: "clientCertificate", ttl: "1h", csr: $csr}' |
-  curl -sS --fail-with-body --cert west.crt --key west.key --cacert ca.crt \
-    -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d @- %[1]s/v1/kubeconfigs -o kubeconfig
-kubectl --kubeconfig kubeconfig config set-credentials "tokenbroker:$PEER:$FP@east" --client-key key.pem --embed-certs
-kubectl --kubeconfig kubeconfig -n argo get configmap hello -o jsonpath='{.data.k}'
-`, api)
-		for _, f := range []string{"west.crt", "west.key"} {
-			b, err := os.ReadFile(filepath.Join(e.dir, f))
-			require.NoError(t, err)
-			writeFile(t, filepath.Join(dir, f), string(b))
-		}
-		b, err := os.ReadFile(e.ca)
-		require.NoError(t, err)
-		writeFile(t, filepath.Join(dir, "ca.crt"), string(b))
-		// The kubeconfig as the broker sent it has no key.
+		// The recipe of docs/api.md, as printed but for the broker's address.
+		script := strings.ReplaceAll(fencedBlock(t, readDoc(t, "docs/api.md"), "sh", "PEER=$(curl"), "https://broker.example:8443", api)
+		copyPeerFiles(t, e, dir)
 		out := runShell(t, dir, kubectl, filepath.Join(dir, "unused"), script)
-		require.True(t, strings.HasSuffix(out, "v"), out)
+		require.Regexp(t, `tokenbroker:west:[0-9a-f]{32}`, out, "kubectl auth whoami is the per-lease user")
+		own, err := os.ReadFile(filepath.Join(dir, "own.kubeconfig"))
+		require.NoError(t, err)
+		_, stderr, err := kubectlAs(filepath.Join(dir, "own.kubeconfig"), "-n", "argo", "get", "configmap", "hello")
+		require.NoError(t, err, stderr)
+		require.Contains(t, string(own), "client-key-data", "the key was added by the recipe")
 		csrPEM, err := os.ReadFile(filepath.Join(dir, "csr.pem"))
 		require.NoError(t, err)
 
@@ -193,6 +189,57 @@ kubectl --kubeconfig kubeconfig -n argo get configmap hello -o jsonpath='{.data.
 		status, resp := e.postKubeconfig(t, west, string(body))
 		require.Equal(t, 422, status, "a key that backs a live lease is refused: %s", resp)
 		require.Contains(t, resp, "already backs the live lease")
+	})
+
+	// An identity directory as "tokenbroker enroll" writes it, for the CLI
+	// and the agent.
+	identityDir := filepath.Join(t.TempDir(), "west-identity")
+	require.NoError(t, os.Mkdir(identityDir, 0o700))
+	for src, dst := range map[string]string{filepath.Join(e.dir, "west.crt"): "tls.crt", filepath.Join(e.dir, "west.key"): "tls.key", e.ca: "ca.crt"} {
+		b, err := os.ReadFile(src)
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(identityDir, dst), b, 0o600))
+	}
+
+	t.Run("tokenbroker get kubeconfig --credential client-certificate makes its key and gets a working kubeconfig", func(t *testing.T) {
+		out := filepath.Join(t.TempDir(), "east.kubeconfig")
+		_, stderr, err := runErr(tokenbrokerBinary(t), "get", "kubeconfig", "--broker", api, "--identity-dir", identityDir,
+			"--namespace", "argo", "--credential", "client-certificate", "--ttl", "30m", "-o", out)
+		require.NoError(t, err, stderr)
+		require.Contains(t, stderr, "for a client certificate in argo")
+		_, stderr, err = kubectlAs(out, "-n", "argo", "get", "configmap", "hello")
+		require.NoError(t, err, stderr)
+		_, stderr, err = runErr(tokenbrokerBinary(t), "get", "kubeconfig", "--broker", api, "--identity-dir", identityDir,
+			"--namespace", "argo", "--credential", "client-certificate", "--service-account", "runner")
+		require.Error(t, err)
+		require.Contains(t, stderr, "--service-account is for tokens")
+	})
+
+	t.Run("the agent keeps a client-certificate kubeconfig in a Secret", func(t *testing.T) {
+		ops := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		config := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), fmt.Sprintf(`identity: {dir: %s}
+targets:
+  - name: east
+    broker: %s
+    request: {namespace: argo, credential: clientCertificate, ttl: 1h}
+    outputs:
+      - secret: {namespace: default, name: east-certificate, format: kubeconfig}
+opsAddress: %q
+kubeconfig: %s
+`, identityDir, api, ops, c.KubeconfigPath))
+		startProcess(t, tokenbrokerBinary(t), "agent", "--config", config)
+		var kubeconfig []byte
+		require.Eventually(t, func() bool {
+			s, err := c.Client.CoreV1().Secrets("default").Get(ctx, "east-certificate", metav1.GetOptions{})
+			if err == nil {
+				kubeconfig = s.Data["kubeconfig"]
+			}
+			return len(kubeconfig) > 0
+		}, 20*time.Second, 100*time.Millisecond)
+		file := writeFile(t, filepath.Join(t.TempDir(), "kubeconfig"), string(kubeconfig))
+		out, stderr, err := kubectlAs(file, "auth", "whoami", "-o", "jsonpath={.status.userInfo.username}")
+		require.NoError(t, err, stderr)
+		require.Regexp(t, `^tokenbroker:west:[0-9a-f]{32}$`, out)
 	})
 
 	t.Run("a CSR for another user, with groups, or with SANs is refused before anything is created", func(t *testing.T) {
@@ -218,6 +265,17 @@ kubectl --kubeconfig kubeconfig -n argo get configmap hello -o jsonpath='{.data.
 		require.Error(t, err)
 		require.Contains(t, stderr, "tokenbroker may approve only the CertificateSigningRequests it created itself")
 	})
+}
+
+// copyPeerFiles puts west's certificate and key and the broker's CA into
+// dir under the names docs/api.md uses.
+func copyPeerFiles(t *testing.T, e *brokerEnv, dir string) {
+	t.Helper()
+	for src, dst := range map[string]string{filepath.Join(e.dir, "west.crt"): "west.crt", filepath.Join(e.dir, "west.key"): "west.key", e.ca: "ca.crt"} {
+		b, err := os.ReadFile(src)
+		require.NoError(t, err)
+		writeFile(t, filepath.Join(dir, dst), string(b))
+	}
 }
 
 // TestClientCertificatesWithoutASigner asks a broker in a cluster whose

@@ -28,7 +28,7 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 		require.NoError(t, err, string(out))
 	}
 	dir := t.TempDir()
-	cmd := exec.Command(localcluster, "--kubeconfig-out", filepath.Join(dir, "admin.kubeconfig"), "--",
+	cmd := exec.Command(localcluster, "--controller-manager", "--kubeconfig-out", filepath.Join(dir, "admin.kubeconfig"), "--",
 		filepath.Join(bin, "tokenbroker"), "dev", "--dir", filepath.Join(dir, "dev"),
 		"--listen-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)),
 		"--ops-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)))
@@ -78,7 +78,7 @@ read:
 		for range lines { // keep the pipe drained
 		}
 	}()
-	require.Len(t, commands, 3, "curl for a kubeconfig, kubectl, curl for whoami")
+	require.Len(t, commands, 5, "curl for a kubeconfig, kubectl, curl for a certificate kubeconfig, kubectl auth whoami, curl for whoami")
 
 	for i, c := range commands {
 		out, err := exec.Command("bash", "-c", c).CombinedOutput()
@@ -86,7 +86,9 @@ read:
 		switch i {
 		case 1:
 			require.Contains(t, string(out), "hello", "kubectl lists the demo ConfigMap")
-		case 2:
+		case 3:
+			require.Regexp(t, `tokenbroker:west:[0-9a-f]{32}`, string(out), "kubectl is the certificate's per-lease user")
+		case 4:
 			require.Contains(t, string(out), `"peer":"west"`)
 		}
 	}

@@ -13,9 +13,10 @@ const DefaultServiceAccountIssuer = "https://kubernetes.default.svc.cluster.loca
 
 // DefaultControllers returns the kube-controller-manager controllers started
 // by WithControllerManager when it is given none: the ones that sign, approve
-// and clean up CertificateSigningRequests.
+// and clean up CertificateSigningRequests, and the garbage collector (which
+// deletes a client certificate's RoleBinding with the lease that owns it).
 func DefaultControllers() []string {
-	return []string{"csrsigning", "csrapproving", "csrcleaner"}
+	return []string{"csrsigning", "csrapproving", "csrcleaner", "garbagecollector"}
 }
 
 const (
