@@ -37,7 +37,9 @@ func fakeCluster(creator string) *fake.Clientset {
 
 func request(t *testing.T) issuers.Request {
 	t.Helper()
-	csrPEM, _, user, err := pki.NewUserCSR(func(crypto.PublicKey) (string, error) { return "tokenbroker:west:00112233445566778899aabbccddeeff", nil }, nil)
+	csrPEM, _, user, err := pki.NewUserCSR(func(crypto.PublicKey) (string, error) {
+		return "tokenbroker:west:00112233445566778899aabbccddeeff", nil
+	}, nil)
 	require.NoError(t, err)
 	return issuers.Request{
 		Namespace: "argo", TTL: time.Hour, CSR: csrPEM, User: user,

@@ -5,10 +5,13 @@
 //   - the pair of calls the broker makes — create a lease Secret, then a
 //     TokenRequest bound to it — made directly, and
 //   - POST /v1/kubeconfigs through the broker over mutual TLS with a
-//     kept-alive client,
+//     kept-alive client, and
+//   - the same for a client certificate (RoleBinding, CSR, approval and
+//     kube-controller-manager's signer),
 //
 // at each concurrency, and prints latency percentiles, throughput and the
-// ratios broker ÷ direct pair and broker ÷ direct TokenRequest.
+// ratios broker ÷ direct pair, broker ÷ direct TokenRequest and client
+// certificate ÷ token through the broker.
 package main
 
 import (
@@ -34,6 +37,7 @@ import (
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -70,7 +74,8 @@ func run() error {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	c, err := testcluster.Run(ctx)
+	// kube-controller-manager signs the client certificates.
+	c, err := testcluster.Run(ctx, testcluster.WithControllerManager())
 	if err != nil {
 		return err
 	}
@@ -88,17 +93,32 @@ func run() error {
 	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid)}
 
 	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: "runner", TTL: "10m"})
+	certBody, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", Credential: apiv1.CredentialClientCertificate, TTL: "10m"})
+	post := func(ctx context.Context, body []byte) error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/kubeconfigs", bytes.NewReader(body))
+		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
+		resp, err := client.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		_, _ = io.Copy(io.Discard, resp.Body)
+		if resp.StatusCode != http.StatusCreated {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		return nil
+	}
 	seconds := int64(600)
 	cases := []struct {
 		name string
 		op   func(context.Context) error
 	}{
-		{"direct TokenRequest", func(ctx context.Context) error {
+		{caseTokenRequest, func(ctx context.Context) error {
 			_, err := c.Client.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner",
 				&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &seconds}}, metav1.CreateOptions{})
 			return err
 		}},
-		{"direct Secret + bound TokenRequest", func(ctx context.Context) error {
+		{casePair, func(ctx context.Context) error {
 			s, err := c.Client.CoreV1().Secrets("bench").Create(ctx, &corev1.Secret{
 				ObjectMeta: metav1.ObjectMeta{GenerateName: "pair-", Labels: map[string]string{"bench": "pair"}},
 			}, metav1.CreateOptions{})
@@ -111,20 +131,8 @@ func run() error {
 			}}, metav1.CreateOptions{})
 			return err
 		}},
-		{"broker POST /v1/kubeconfigs (mTLS)", func(ctx context.Context) error {
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/kubeconfigs", bytes.NewReader(body))
-			req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
-			resp, err := client.Do(req)
-			if err != nil {
-				return err
-			}
-			defer resp.Body.Close()
-			_, _ = io.Copy(io.Discard, resp.Body)
-			if resp.StatusCode != http.StatusCreated {
-				return fmt.Errorf("status %d", resp.StatusCode)
-			}
-			return nil
-		}},
+		{caseBroker, func(ctx context.Context) error { return post(ctx, body) }},
+		{caseBrokerCert, func(ctx context.Context) error { return post(ctx, certBody) }},
 	}
 
 	var results []result
@@ -169,6 +177,14 @@ func run() error {
 	}
 	return nil
 }
+
+// The cases that printResults finds by name.
+const (
+	caseTokenRequest = "direct TokenRequest"
+	casePair         = "direct Secret + bound TokenRequest"
+	caseBroker       = "broker POST /v1/kubeconfigs (mTLS)"
+	caseBrokerCert   = "broker client certificate (mTLS)"
+)
 
 func measure(ctx context.Context, op func(context.Context) error, conc, n int) result {
 	lat := make([]time.Duration, n)
@@ -231,9 +247,19 @@ func printResults(rs []result) {
 		fmt.Printf("%-38s %5d %6d %9.2f %9.2f %9.2f %9.0f %6d\n", r.Name, r.Concurrency, r.Requests, r.P50ms, r.P90ms, r.P99ms, r.PerSecond, r.Errors)
 	}
 	fmt.Println()
-	fmt.Printf("%-6s %22s %22s\n", "conc", "broker/pair p50", "broker/TokenRequest p50")
-	for i := 0; i+2 < len(rs); i += 3 {
-		fmt.Printf("%-6d %22.2f %22.2f\n", rs[i].Concurrency, rs[i+2].P50ms/rs[i+1].P50ms, rs[i+2].P50ms/rs[i].P50ms)
+	p50 := map[int]map[string]float64{}
+	var concs []int
+	for _, r := range rs {
+		if p50[r.Concurrency] == nil {
+			p50[r.Concurrency] = map[string]float64{}
+			concs = append(concs, r.Concurrency)
+		}
+		p50[r.Concurrency][r.Name] = r.P50ms
+	}
+	fmt.Printf("%-6s %22s %24s %26s\n", "conc", "broker/pair p50", "broker/TokenRequest p50", "certificate/token p50")
+	for _, c := range concs {
+		m := p50[c]
+		fmt.Printf("%-6d %22.2f %24.2f %26.2f\n", c, m[caseBroker]/m[casePair], m[caseBroker]/m[caseTokenRequest], m[caseBrokerCert]/m[caseBroker])
 	}
 }
 
@@ -241,7 +267,14 @@ func setUp(ctx context.Context, c kubernetes.Interface) error {
 	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench"}}, metav1.CreateOptions{}); err != nil {
 		return err
 	}
-	_, err := c.CoreV1().ServiceAccounts("bench").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "runner"}}, metav1.CreateOptions{})
+	if _, err := c.CoreV1().ServiceAccounts("bench").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "runner"}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	// The Role the client certificates are bound to.
+	_, err := c.RbacV1().Roles("bench").Create(ctx, &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: "bench-view"},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list"}}},
+	}, metav1.CreateOptions{})
 	return err
 }
 
@@ -312,7 +345,9 @@ func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, ppr
 peers:
   - name: west
     identity: %s
-    grants: [{namespaces: [bench], serviceAccounts: [runner]}]
+    grants:
+      - {namespaces: [bench], serviceAccounts: [runner]}
+      - {namespaces: [bench], credential: clientCertificate, role: bench-view}
 `, c.URL, id)
 	if err := os.WriteFile(f("policy.yaml"), []byte(policy), 0o644); err != nil {
 		return fail(err)
@@ -321,7 +356,8 @@ peers:
 	b.cmd = exec.Command(bin, "serve", "--listen-address", api, "--ops-address", ops,
 		"--tls-cert-file", f("server.crt"), "--tls-key-file", f("server.key"),
 		"--client-ca-file", f("ca.crt"), "--policy-file", f("policy.yaml"),
-		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn", fmt.Sprintf("--pprof=%t", pprof))
+		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn", fmt.Sprintf("--pprof=%t", pprof),
+		"--credentials", apiv1.CredentialToken+","+apiv1.CredentialClientCertificate)
 	logFile, err := os.Create(f("broker.log"))
 	if err != nil {
 		return fail(err)
