@@ -1,16 +1,21 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/execcred"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -32,6 +37,10 @@ type getKubeconfigConfig struct {
 	Request     agent.RequestConfig
 	Output      string
 	Format      string
+	// Exec asks for a kubeconfig whose user runs "tokenbroker credential"
+	// (ExecCommand, else this binary) instead of holding a token.
+	Exec        bool
+	ExecCommand string
 }
 
 const (
@@ -63,6 +72,15 @@ content changed. --format json writes the broker's whole answer (leaseId,
 kubeconfig, token, expiresAt, grantedTTL...). Nothing revokes the lease: it
 expires by itself, or use DELETE /v1/leases/{id}.
 
+With --exec the kubeconfig holds no credential: its user runs "tokenbroker
+credential" with the same broker, identity directory (made absolute) and
+request, which kubectl runs to get a token that renews itself (see "tokenbroker
+credential --help" and docs/guides/kubectl.md). The cluster entry is the
+broker's: one request is made as without --exec, to learn it and to check
+that the policy grants the request, and that lease is revoked at once. The
+command is the absolute path of this binary, or --exec-command (e.g.
+"tokenbroker", for a kubeconfig used where the binary is elsewhere on PATH).
+
 Every flag can also be set as TOKENBROKER_<FLAG> (upper case, dashes as
 underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 		Example: `  # a kubeconfig for argo/admiralty-source, valid for 2 hours, to a file
@@ -75,6 +93,10 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
   tokenbroker get kubeconfig --broker https://east.example.com:8443 \
     --identity-dir west-identity --namespace argo --service-account admiralty-source \
     --format json | jq -r .leaseId
+
+  # a kubeconfig that stays valid: kubectl runs "tokenbroker credential" for a token
+  tokenbroker get kubeconfig --exec --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --service-account runner --ttl 8h -o east.kubeconfig
 
   # a client certificate whose key never leaves this machine
   tokenbroker get kubeconfig --broker https://east.example.com:8443 \
@@ -93,6 +115,8 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
 	fs.StringP("output", "o", "-", `file to write, "-" for standard output`)
 	fs.String("format", getFormatKubeconfig, "what to write: kubeconfig or json (the broker's whole answer)")
+	fs.Bool("exec", false, `write a kubeconfig whose user runs "tokenbroker credential" instead of holding a token`)
+	fs.String("exec-command", "", "with --exec, the command the kubeconfig runs (default: the absolute path of this binary)")
 	return cmd
 }
 
@@ -107,8 +131,10 @@ func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
 			MinTTL:         v.GetString("min-ttl"),
 			Audiences:      v.GetStringSlice("audience"),
 		},
-		Output: v.GetString("output"),
-		Format: v.GetString("format"),
+		Output:      v.GetString("output"),
+		Format:      v.GetString("format"),
+		Exec:        v.GetBool("exec"),
+		ExecCommand: v.GetString("exec-command"),
 	}
 	var errs []error
 	switch c := v.GetString("credential"); c {
@@ -140,6 +166,12 @@ func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
 	if cfg.Output == "" {
 		errs = append(errs, errors.New(`--output must name a file or be "-"`))
 	}
+	if cfg.Exec && cfg.Format != getFormatKubeconfig {
+		errs = append(errs, errors.New("--exec writes a kubeconfig: --format must be kubeconfig"))
+	}
+	if cfg.ExecCommand != "" && !cfg.Exec {
+		errs = append(errs, errors.New("--exec-command is for --exec"))
+	}
 	return cfg, errors.Join(errs...)
 }
 
@@ -154,7 +186,11 @@ func runGetKubeconfig(cmd *cobra.Command, cfg getKubeconfigConfig) error {
 		return err
 	}
 	data := cred.Kubeconfig
-	if cfg.Format == getFormatJSON {
+	if cfg.Exec {
+		if data, err = execKubeconfig(cmd.Context(), c, cred, cfg); err != nil {
+			return err
+		}
+	} else if cfg.Format == getFormatJSON {
 		if data, err = json.MarshalIndent(cred.Response(), "", "  "); err != nil {
 			return fmt.Errorf("encode answer: %w", err)
 		}
@@ -167,8 +203,53 @@ func runGetKubeconfig(cmd *cobra.Command, cfg getKubeconfigConfig) error {
 	} else if _, err := agent.WriteKubeconfigFile(cfg.Output, data); err != nil {
 		return err
 	}
-	printLease(cmd.ErrOrStderr(), cred, cfg)
+	if cfg.Exec {
+		printExec(cmd.ErrOrStderr(), cred, cfg)
+	} else {
+		printLease(cmd.ErrOrStderr(), cred, cfg)
+	}
 	return nil
+}
+
+// execKubeconfig revokes the lease that was asked for only to learn the
+// cluster entry, and returns the kubeconfig whose user runs the plugin.
+// Nothing is written when the lease cannot be revoked: a token nobody holds
+// must not stay valid.
+func execKubeconfig(ctx context.Context, c *client.Client, cred *agent.Credential, cfg getKubeconfigConfig) ([]byte, error) {
+	if err := c.RevokeLease(ctx, cred.LeaseID); err != nil {
+		return nil, fmt.Errorf("revoke lease %s, asked for only to learn the cluster (revoke it with DELETE /v1/leases/%s): %w", cred.LeaseID, cred.LeaseID, err)
+	}
+	command := cfg.ExecCommand
+	if command == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, fmt.Errorf("the path of this binary, for the kubeconfig's command (give --exec-command): %w", err)
+		}
+		command = exe
+	}
+	dir, err := filepath.Abs(cfg.IdentityDir)
+	if err != nil {
+		return nil, fmt.Errorf("--identity-dir: %w", err)
+	}
+	return execcred.KubeconfigFromBroker(cred.Kubeconfig, command, execcred.Target{
+		Broker:         cfg.Broker,
+		IdentityDir:    dir,
+		Namespace:      cfg.Request.Namespace,
+		ServiceAccount: cfg.Request.ServiceAccount,
+		TTL:            cfg.Request.TTL,
+		MinTTL:         cfg.Request.MinTTL,
+		Audiences:      cfg.Request.Audiences,
+		Credential:     cfg.Request.Credential,
+	})
+}
+
+// printExec tells the user what the exec kubeconfig is for.
+func printExec(w io.Writer, c *agent.Credential, cfg getKubeconfigConfig) {
+	msg := fmt.Sprintf("exec kubeconfig for %s (the lease %s that showed the cluster is revoked)", cfg.Request.Subject(), c.LeaseID)
+	if cfg.Output != "-" {
+		msg += "; written to " + cfg.Output
+	}
+	_, _ = fmt.Fprintln(w, msg)
 }
 
 // printLease tells the user what was granted, never the credential.

@@ -1,6 +1,7 @@
 // Command tokenbroker is the single tokenbroker binary: the broker (serve),
 // the agent that keeps kubeconfigs fresh in source clusters (agent), its
-// one-shot form (get kubeconfig), enrollment and renewal of a cluster's
+// one-shot form (get kubeconfig), the kubectl exec credential plugin
+// (credential), enrollment and renewal of a cluster's
 // client certificate (enroll, renew), the PKI tool (pki), a local
 // development setup (dev) and its version.
 //
@@ -29,7 +30,7 @@ func main() {
 	err := newRootCommand().ExecuteContext(ctx)
 	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "tokenbroker:", err)
+		fmt.Fprintln(os.Stderr, errorLine(err))
 		os.Exit(1)
 	}
 }

@@ -191,15 +191,7 @@ func TestClientCertificateKubeconfigs(t *testing.T) {
 		require.Contains(t, resp, "already backs the live lease")
 	})
 
-	// An identity directory as "tokenbroker enroll" writes it, for the CLI
-	// and the agent.
-	identityDir := filepath.Join(t.TempDir(), "west-identity")
-	require.NoError(t, os.Mkdir(identityDir, 0o700))
-	for src, dst := range map[string]string{filepath.Join(e.dir, "west.crt"): "tls.crt", filepath.Join(e.dir, "west.key"): "tls.key", e.ca: "ca.crt"} {
-		b, err := os.ReadFile(src)
-		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(identityDir, dst), b, 0o600))
-	}
+	identityDir := westIdentityDir(t, e)
 
 	t.Run("tokenbroker get kubeconfig --credential client-certificate makes its key and gets a working kubeconfig", func(t *testing.T) {
 		out := filepath.Join(t.TempDir(), "east.kubeconfig")
@@ -265,6 +257,20 @@ kubeconfig: %s
 		require.Error(t, err)
 		require.Contains(t, stderr, "tokenbroker may approve only the CertificateSigningRequests it created itself")
 	})
+}
+
+// westIdentityDir is an identity directory for west as "tokenbroker
+// enroll" writes it (tls.crt, tls.key, ca.crt), for the CLI and the agent.
+func westIdentityDir(t *testing.T, e *brokerEnv) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "west-identity")
+	require.NoError(t, os.Mkdir(dir, 0o700))
+	for src, dst := range map[string]string{filepath.Join(e.dir, "west.crt"): "tls.crt", filepath.Join(e.dir, "west.key"): "tls.key", e.ca: "ca.crt"} {
+		b, err := os.ReadFile(src)
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, dst), b, 0o600))
+	}
+	return dir
 }
 
 // copyPeerFiles puts west's certificate and key and the broker's CA into

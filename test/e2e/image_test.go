@@ -494,6 +494,20 @@ policy:
 		require.Contains(t, out, head)
 	})
 
+	t.Run("tokenbroker install copies the binary out of the image, as an init container does", func(t *testing.T) {
+		out := t.TempDir()
+		require.NoError(t, os.Chmod(out, 0o777)) // writable by 65532, as an emptyDir is
+		args := append([]string{"run", "--rm", "--read-only", "--cap-drop", "ALL", "--user", "65532:65532"}, pm.ulimits...)
+		pm.run(t, append(args, "-v", out+":/tokenbroker", ref, "install", "/tokenbroker")...)
+		st, err := os.Stat(filepath.Join(out, "tokenbroker"))
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o755), st.Mode().Perm())
+		if runtime.GOARCH == "amd64" {
+			got := run(t, filepath.Join(out, "tokenbroker"), "version")
+			require.Contains(t, got, "tokenbroker "+version, "the copy runs outside the image")
+		}
+	})
+
 	westDir := filepath.Join(work, "west")
 	require.NoError(t, os.Mkdir(westDir, 0o700))
 	run(t, bin, "pki", "issue", "client", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "west",

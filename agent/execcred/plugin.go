@@ -1,0 +1,280 @@
+package execcred
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"k8s.io/utils/clock"
+)
+
+// DefaultRefreshFraction is the part of a credential's granted life after
+// which the plugin stops handing it out and issues a new one: a third of
+// the life is left for whoever still uses the old one.
+const DefaultRefreshFraction = 0.66
+
+// Key is what makes two invocations ask for the same credential: the
+// broker, who asks (the SPIFFE ID of the client certificate, so that a
+// renewed certificate keeps its entry and another identity never shares
+// one) and the request. Audiences are compared as a set.
+type Key struct {
+	Broker         string
+	Identity       string
+	Namespace      string
+	ServiceAccount string
+	Credential     string
+	Audiences      []string
+	TTL            string
+	MinTTL         string
+}
+
+// ID is the key's name in the cache: the hex SHA-256 of its fields.
+func (k Key) ID() string {
+	aud := slices.Clone(k.Audiences)
+	slices.Sort(aud)
+	aud = slices.Compact(aud)
+	b, err := json.Marshal([]any{"tokenbroker-credential-v1", k.Broker, k.Identity, k.Namespace, k.ServiceAccount, k.Credential, aud, k.TTL, k.MinTTL})
+	if err != nil { // strings only: cannot happen
+		panic(err)
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+// Credential is a credential the broker issued. Token and ClientKeyData
+// are secrets: String and GoString leave them out.
+type Credential struct {
+	LeaseID string
+	// Token, or ClientCertificateData and ClientKeyData (PEM).
+	Token                 string
+	ClientCertificateData string
+	ClientKeyData         string
+	// ObtainedAt is when the answer arrived, ExpiresAt when the credential
+	// expires.
+	ObtainedAt time.Time
+	ExpiresAt  time.Time
+	// RefreshAt is set by the Plugin: the refresh point.
+	RefreshAt time.Time
+}
+
+// String describes the credential without its secrets.
+func (c *Credential) String() string {
+	if c == nil {
+		return "<nil credential>"
+	}
+	return fmt.Sprintf("credential{lease %s, expires %s}", c.LeaseID, c.ExpiresAt.UTC().Format(time.RFC3339))
+}
+
+// GoString is String, so that %#v leaks nothing either.
+func (c *Credential) GoString() string { return c.String() }
+
+// Status is the plugin's answer for c: the credential, and its refresh
+// point as the expiration, so that client-go runs the plugin again there
+// (it has no margin of its own).
+func (c *Credential) Status() Status {
+	return Status{
+		Token:                 c.Token,
+		ClientCertificateData: c.ClientCertificateData,
+		ClientKeyData:         c.ClientKeyData,
+		Expiration:            c.RefreshAt,
+	}
+}
+
+// IssueFunc asks the broker for a new credential, filling every field of
+// Credential but RefreshAt.
+type IssueFunc func(ctx context.Context) (*Credential, error)
+
+// Outcome says how Plugin.Get came by its credential.
+type Outcome string
+
+// The outcomes of Plugin.Get.
+const (
+	// OutcomeHit: the cached credential, before its refresh point.
+	OutcomeHit Outcome = "hit"
+	// OutcomeMiss: no cache file; a new credential.
+	OutcomeMiss Outcome = "miss"
+	// OutcomeCorrupt: a cache file that could not be used; a new credential
+	// replaced it.
+	OutcomeCorrupt Outcome = "corrupt"
+	// OutcomeRefresh: the cached credential reached its refresh point; a new
+	// credential replaced it.
+	OutcomeRefresh Outcome = "refresh"
+	// OutcomeRefused: the process the cached credential was handed to asked
+	// again before the refresh point, so the API server refused it; a new
+	// credential replaced it.
+	OutcomeRefused Outcome = "refused"
+	// OutcomeUncached: no cache; a new credential.
+	OutcomeUncached Outcome = "uncached"
+	// OutcomeStale: the cached credential reached its refresh point and
+	// the broker could not issue a new one; the cached one, still valid,
+	// is handed out with an expiration a minute away (StaleRetry).
+	OutcomeStale Outcome = "stale"
+)
+
+// StaleRetry is how soon client-go is told to come back for a credential
+// handed out after its refresh point because the broker was away.
+const StaleRetry = time.Minute
+
+// Plugin decides, for each invocation, whether to hand out the cached
+// credential or to issue a new one.
+//
+// # Refresh point
+//
+// A credential issued at obtainedAt and expiring at expiresAt is handed out
+// until refreshAt = obtainedAt + RefreshFraction × (expiresAt − obtainedAt),
+// in whole seconds, and that refreshAt is the expirationTimestamp client-go
+// gets: client-go keeps a credential in memory until its expiration with no
+// margin of its own, so a long-running program runs the plugin again
+// exactly when the cache would no longer hand the credential out. If the
+// broker cannot be reached then, the cached credential is handed out for
+// the rest of its life, StaleRetry at a time, with a warning
+// (OutcomeStale): the rest of the life is the margin for a broker that is
+// away.
+//
+// # A credential the API server refused
+//
+// client-go runs an exec plugin again in two cases only
+// (k8s.io/client-go/plugin/pkg/client/auth/exec, getCreds and
+// maybeRefreshCreds): when the expiration it was given has passed, or when
+// the API server answered 401 to the credential the plugin gave it, in the
+// same process. Since the expiration is the refresh point, a process that
+// runs the plugin a second time before the refresh point has had the
+// credential refused: its lease was revoked, or the token was otherwise
+// invalidated. So each entry records the parent processes (PID and start
+// time, see Parent) it was handed to; when one of them asks again before
+// the refresh point, the entry is dropped and a new credential issued.
+// After a revocation, the next kubectl therefore fails once (its first
+// request gets 401; client-go runs the plugin again, which caches a fresh
+// credential) and the one after works; a controller recovers at its next
+// request.
+//
+// The rule needs to know the parent, so it applies only when client-go ran
+// the plugin (ExecInfo.FromClientGo): a person running the command twice
+// from one shell is not taken for a refusal. A wrapper script that runs the
+// plugin without exec hides kubectl behind a new process each time; then a
+// refused credential is handed out until its refresh point.
+type Plugin struct {
+	// Clock decides hits and refresh points (k8s.io/utils/clock).
+	Clock clock.PassiveClock
+	// Cache is nil for --no-cache: every invocation issues a credential.
+	Cache *Cache
+	// RefreshFraction is in (0, 1); 0 means DefaultRefreshFraction.
+	RefreshFraction float64
+	// Warn is told of what does not stop the plugin, such as a cache file
+	// that could not be written after a credential was issued. It may be
+	// nil.
+	Warn func(error)
+}
+
+// Get returns the credential for key, handed to parent, issuing one with
+// issue when the cache has none to hand out (see Plugin). The cache is
+// locked from the read to the write, so that parallel invocations for one
+// key make one issuance. Errors: an unsafe cache (wrapping ErrUnsafeCache),
+// a lock not obtained in time, and issue's errors, as they are (but see
+// OutcomeStale).
+func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFunc) (*Credential, Outcome, error) {
+	if p.Cache == nil {
+		c, err := p.issue(ctx, issue)
+		return c, OutcomeUncached, err
+	}
+	id := key.ID()
+	unlock, err := p.Cache.lock(ctx, id)
+	if err != nil {
+		return nil, "", err
+	}
+	defer unlock()
+	e, state, err := p.Cache.load(id)
+	if err != nil {
+		return nil, "", err
+	}
+	now := p.Clock.Now()
+	outcome := OutcomeMiss
+	switch {
+	case state == stateCorrupt:
+		outcome = OutcomeCorrupt
+	case e == nil:
+	case !now.Before(e.RefreshAt):
+		outcome = OutcomeRefresh
+	case parent.Known() && e.servedTo(parent):
+		outcome = OutcomeRefused
+		// Never hand the refused credential out again, even if no new
+		// one can be issued now.
+		if err := p.Cache.remove(id); err != nil {
+			return nil, "", err
+		}
+	default:
+		if parent.Known() {
+			e.serve(parent)
+			if err := p.Cache.store(e); err != nil {
+				p.warn(fmt.Errorf("record who was handed the cached credential: %w", err))
+			}
+		}
+		return e.credential(), OutcomeHit, nil
+	}
+	c, err := p.issue(ctx, issue)
+	if err != nil {
+		if outcome == OutcomeRefresh && now.Before(e.ExpiresAt) {
+			stale := e.credential()
+			stale.RefreshAt = now.Add(StaleRetry).Truncate(time.Second)
+			if stale.RefreshAt.After(stale.ExpiresAt) {
+				stale.RefreshAt = stale.ExpiresAt
+			}
+			p.warn(fmt.Errorf("no new credential (%w); the cached one is used until it expires at %s", err, e.ExpiresAt.UTC().Format(time.RFC3339)))
+			return stale, OutcomeStale, nil
+		}
+		return nil, outcome, err
+	}
+	e = newEntry(id, key.Broker, c)
+	e.serve(parent)
+	if err := p.Cache.store(e); err != nil {
+		p.warn(fmt.Errorf("the credential works but was not cached, so the next command asks the broker again: %w", err))
+	}
+	return c, outcome, nil
+}
+
+// issue calls issue and sets the refresh point.
+func (p *Plugin) issue(ctx context.Context, issue IssueFunc) (*Credential, error) {
+	c, err := issue(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if c == nil || c.Token == "" && (c.ClientCertificateData == "" || c.ClientKeyData == "") {
+		return nil, errors.New("the broker's answer holds neither a token nor a certificate and its key")
+	}
+	if !c.ExpiresAt.After(c.ObtainedAt) {
+		return nil, fmt.Errorf("lease %s expired at %s, before it arrived", c.LeaseID, c.ExpiresAt.UTC().Format(time.RFC3339))
+	}
+	c.RefreshAt = RefreshPoint(c.ObtainedAt, c.ExpiresAt, p.fraction())
+	return c, nil
+}
+
+func (p *Plugin) fraction() float64 {
+	if p.RefreshFraction <= 0 || p.RefreshFraction >= 1 {
+		return DefaultRefreshFraction
+	}
+	return p.RefreshFraction
+}
+
+func (p *Plugin) warn(err error) {
+	if p.Warn != nil {
+		p.Warn(err)
+	}
+}
+
+// RefreshPoint is obtainedAt plus fraction of the life up to expiresAt,
+// rounded down to whole seconds (the precision of the expirationTimestamp
+// client-go reads, so that client-go's expiry and the cache's agree). A
+// life too short to leave a whole second before expiry yields expiresAt.
+func RefreshPoint(obtainedAt, expiresAt time.Time, fraction float64) time.Time {
+	life := expiresAt.Sub(obtainedAt)
+	at := obtainedAt.Add(time.Duration(float64(life) * fraction)).Truncate(time.Second)
+	if !at.After(obtainedAt) || at.After(expiresAt) {
+		return expiresAt
+	}
+	return at
+}

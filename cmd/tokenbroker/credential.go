@@ -1,0 +1,283 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/viper"
+	"k8s.io/utils/clock"
+
+	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/execcred"
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// credentialConfig is the typed configuration of "tokenbroker credential".
+type credentialConfig struct {
+	Broker          string
+	IdentityDir     string
+	Request         agent.RequestConfig
+	NoCache         bool
+	CacheDir        string
+	RefreshFraction float64
+}
+
+func newCredentialCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "credential --broker URL --identity-dir DIR --namespace NS --service-account SA",
+		Short: "The kubectl (client-go) exec credential plugin: a token from the broker, cached until its refresh point",
+		Long: `An exec credential plugin for kubectl and every client-go program: a kubeconfig
+whose user runs this command stays valid while the short-lived token behind it
+renews itself. "tokenbroker get kubeconfig --exec" writes such a kubeconfig.
+
+client-go runs the plugin with KUBERNETES_EXEC_INFO (an ExecCredential request
+of client.authentication.k8s.io/v1 or v1beta1; without it, as when you run the
+command yourself, the answer is v1). The answer on standard output is an
+ExecCredential with status.token and status.expirationTimestamp; nothing else
+is ever written there.
+
+The token comes from the broker (POST /v1/kubeconfigs, the request of "get
+kubeconfig", authenticated with the identity directory: tls.crt, tls.key,
+ca.crt) and is cached in --cache-dir, one file per broker, identity, namespace,
+ServiceAccount, audiences, ttl and min-ttl (directory 0700, files 0600; a
+directory or file that group or others could read is refused). A cached token
+is handed out until its refresh point, --refresh-fraction of its granted life
+(2/3 by default), and that point is the expirationTimestamp client-go gets, so
+long-running programs run the plugin again there. Parallel invocations wait
+for one another (a file lock): twenty kubectl commands at once make one lease.
+If the broker cannot be reached at the refresh point, the cached token is
+handed out until it expires, a minute at a time, with a warning on standard
+error.
+
+When the API server refuses a cached token (its lease was revoked), client-go
+runs the plugin again in the same process; the plugin sees that the same
+process asks before the refresh point, drops the token and asks the broker
+for a new one. The kubectl command that met the refusal fails once; the next
+one works.
+
+--no-cache asks the broker at every invocation (a CI job that runs one
+command). --credential client-certificate caches a client certificate and key
+instead; its refusal after a revocation is a 403, on which client-go does not
+run the plugin again, so it is used until its refresh point.
+
+On failure the plugin writes one line to standard error, "tokenbroker
+credential: ...", which kubectl shows, and exits with status 1. It never
+writes a token to standard error.
+
+Every flag can also be set as TOKENBROKER_<FLAG> (upper case, dashes as
+underscores), e.g. TOKENBROKER_CACHE_DIR.`,
+		Example: `  # what kubectl runs for a kubeconfig from "tokenbroker get kubeconfig --exec"
+  tokenbroker credential --broker https://east.example.com:8443 \
+    --identity-dir /home/me/west-identity --namespace argo --service-account runner --ttl 8h
+
+  # a kubeconfig that runs it
+  tokenbroker get kubeconfig --exec --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --service-account runner --ttl 8h -o east.kubeconfig
+  kubectl --kubeconfig east.kubeconfig get pods
+
+  # in CI: no cache, a new lease per job
+  TOKENBROKER_NO_CACHE=true kubectl --kubeconfig east.kubeconfig apply -f manifests/`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			err := runE(newFlagViper, credentialConfigFrom, runCredential)(cmd, args)
+			if err != nil {
+				return &commandError{command: "credential", err: err}
+			}
+			return nil
+		},
+	}
+	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
+		return &commandError{command: "credential", err: err}
+	})
+	fs := cmd.Flags()
+	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")
+	fs.String("identity-dir", "", "directory with tls.crt, tls.key and ca.crt (required)")
+	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
+	fs.String("service-account", "", "the ServiceAccount (required for a token)")
+	fs.String("credential", "token", "token, or client-certificate (a certificate for a per-lease user with the grant's role; the key is made here)")
+	fs.String("ttl", "", "lifetime to ask for, e.g. 8h; empty means the broker's default")
+	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
+	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
+	fs.Bool("no-cache", false, "ask the broker at every invocation, and read or write no cache")
+	fs.String("cache-dir", "", "directory of the credential cache (default $XDG_CACHE_HOME/tokenbroker, else ~/.cache/tokenbroker)")
+	fs.Float64("refresh-fraction", execcred.DefaultRefreshFraction, "part of a token's granted life after which a new one is issued, between 0 and 1")
+	return cmd
+}
+
+func credentialConfigFrom(v *viper.Viper) (credentialConfig, error) {
+	cfg := credentialConfig{
+		Broker:      v.GetString("broker"),
+		IdentityDir: v.GetString("identity-dir"),
+		Request: agent.RequestConfig{
+			Namespace:      v.GetString("namespace"),
+			ServiceAccount: v.GetString("service-account"),
+			TTL:            v.GetString("ttl"),
+			MinTTL:         v.GetString("min-ttl"),
+			Audiences:      v.GetStringSlice("audience"),
+		},
+		NoCache:         v.GetBool("no-cache"),
+		CacheDir:        v.GetString("cache-dir"),
+		RefreshFraction: v.GetFloat64("refresh-fraction"),
+	}
+	var errs []error
+	switch c := v.GetString("credential"); c {
+	case apiv1.CredentialToken:
+	case "client-certificate", apiv1.CredentialClientCertificate:
+		cfg.Request.Credential = apiv1.CredentialClientCertificate
+	default:
+		errs = append(errs, fmt.Errorf("--credential must be token or client-certificate, not %q", c))
+	}
+	required := []struct{ flag, val string }{
+		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir}, {"namespace", cfg.Request.Namespace},
+	}
+	if cfg.Request.Credential == "" {
+		required = append(required, struct{ flag, val string }{"service-account", cfg.Request.ServiceAccount})
+	} else if cfg.Request.ServiceAccount != "" {
+		errs = append(errs, errors.New("--service-account is for tokens: a client certificate is for a per-lease user with the grant's role"))
+	}
+	for _, f := range required {
+		if f.val == "" {
+			errs = append(errs, fmt.Errorf("--%s is required", f.flag))
+		}
+	}
+	if len(errs) == 0 {
+		errs = append(errs, cfg.Request.Validate())
+	}
+	if !(cfg.RefreshFraction > 0 && cfg.RefreshFraction < 1) {
+		errs = append(errs, fmt.Errorf("--refresh-fraction must be between 0 and 1, not %v", cfg.RefreshFraction))
+	}
+	if !cfg.NoCache {
+		dir, err := credentialCacheDir(cfg.CacheDir)
+		errs = append(errs, err)
+		cfg.CacheDir = dir
+	}
+	return cfg, errors.Join(errs...)
+}
+
+// credentialCacheDir is --cache-dir made absolute, or
+// $XDG_CACHE_HOME/tokenbroker (os.UserCacheDir: ~/.cache without it).
+func credentialCacheDir(flag string) (string, error) {
+	if flag != "" {
+		dir, err := filepath.Abs(flag)
+		if err != nil {
+			return "", fmt.Errorf("--cache-dir: %w", err)
+		}
+		return dir, nil
+	}
+	base, err := os.UserCacheDir()
+	if err != nil {
+		return "", fmt.Errorf("no cache directory (%w): give --cache-dir, or --no-cache", err)
+	}
+	return filepath.Join(base, "tokenbroker"), nil
+}
+
+func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
+	info, err := execcred.ExecInfoFromEnv(os.LookupEnv)
+	if err != nil {
+		return err
+	}
+	identity, err := execcred.PeerIdentity(agent.IdentityDir(cfg.IdentityDir).Cert())
+	if err != nil {
+		return err
+	}
+	clk := clock.RealClock{}
+	plugin := &execcred.Plugin{
+		Clock:           clk,
+		RefreshFraction: cfg.RefreshFraction,
+		Warn: func(err error) {
+			fmt.Fprintln(cmd.ErrOrStderr(), "tokenbroker credential: warning:", oneLine(err.Error()))
+		},
+	}
+	if !cfg.NoCache {
+		if plugin.Cache, err = execcred.OpenCache(cfg.CacheDir); err != nil {
+			return err
+		}
+	}
+	var parent execcred.Parent
+	if info.FromClientGo {
+		parent = execcred.ParentOf("/proc", os.Getppid())
+	}
+	key := execcred.Key{
+		Broker:         cfg.Broker,
+		Identity:       identity,
+		Namespace:      cfg.Request.Namespace,
+		ServiceAccount: cfg.Request.ServiceAccount,
+		Credential:     cfg.Request.Credential,
+		Audiences:      cfg.Request.Audiences,
+		TTL:            cfg.Request.TTL,
+		MinTTL:         cfg.Request.MinTTL,
+	}
+	cred, _, err := plugin.Get(cmd.Context(), key, parent, func(ctx context.Context) (*execcred.Credential, error) {
+		return issueCredential(ctx, cfg, clk)
+	})
+	if err != nil {
+		return err
+	}
+	out, err := execcred.Encode(info.APIVersion, cred.Status())
+	if err != nil {
+		return err
+	}
+	if _, err := cmd.OutOrStdout().Write(out); err != nil {
+		return fmt.Errorf("write the ExecCredential: %w", err)
+	}
+	return nil
+}
+
+// issueCredential asks the broker once, on the code path of "get
+// kubeconfig" and the agent.
+func issueCredential(ctx context.Context, cfg credentialConfig, clk clock.PassiveClock) (*execcred.Credential, error) {
+	c, err := agent.NewIdentityClient(ctx, cfg.Broker, agent.IdentityDir(cfg.IdentityDir))
+	if err != nil {
+		return nil, err
+	}
+	defer c.CloseIdleConnections()
+	cred, err := agent.Fetch(ctx, c, cfg.Request, clk.Now)
+	if err != nil {
+		return nil, fmt.Errorf("broker %s: %w", cfg.Broker, err)
+	}
+	return &execcred.Credential{
+		LeaseID:               cred.LeaseID,
+		Token:                 cred.Token,
+		ClientCertificateData: string(cred.CertData),
+		ClientKeyData:         string(cred.KeyData),
+		ObtainedAt:            cred.ObtainedAt,
+		ExpiresAt:             cred.ExpiresAt,
+	}, nil
+}
+
+// commandError is the failure of a command whose standard error a person
+// reads through another program (kubectl shows an exec plugin's): main
+// prints it as one line, "tokenbroker <command>: <error>".
+type commandError struct {
+	command string
+	err     error
+}
+
+func (e *commandError) Error() string { return e.command + ": " + e.err.Error() }
+func (e *commandError) Unwrap() error { return e.err }
+
+// errorLine is what main prints for a failed command.
+func errorLine(err error) string {
+	var ce *commandError
+	if errors.As(err, &ce) {
+		return "tokenbroker " + ce.command + ": " + oneLine(ce.err.Error())
+	}
+	return "tokenbroker: " + err.Error()
+}
+
+// oneLine joins the lines of a message (errors.Join puts each error on its
+// own line) with "; ".
+func oneLine(s string) string {
+	var parts []string
+	for _, l := range strings.Split(s, "\n") {
+		if l = strings.TrimSpace(l); l != "" {
+			parts = append(parts, l)
+		}
+	}
+	return strings.Join(parts, "; ")
+}
