@@ -116,14 +116,14 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 			if o.Secret != nil {
 				outs = append(outs, &secretOutput{cfg: *o.Secret, secrets: deps.Kubernetes.CoreV1()})
 			} else {
-				outs = append(outs, &fileOutput{path: o.File.Path})
+				outs = append(outs, &fileOutput{cfg: *o.File})
 			}
 		}
 		rc := cfg.RefreshFor(i)
 		r := &refresher{
 			name:    t.Name,
 			req:     t.Request,
-			meta:    outputMeta{target: t.Name, request: requestDigest(t.Broker, t.Request)},
+			meta:    outputMeta{target: t.Name, request: requestDigest(t.Broker, t.Request), broker: t.Broker, req: t.Request},
 			api:     brokerRef{b: a.brokers, url: t.Broker},
 			outputs: outs,
 			sched:   newSchedule(rc, a.rand),

@@ -189,12 +189,41 @@ type ArgoCDOptions struct {
 	ClusterResources *bool `json:"clusterResources,omitempty"`
 	// Shard pins the cluster to one application-controller shard.
 	Shard *int64 `json:"shard,omitempty"`
+	// Exec makes the Secret's config run "tokenbroker credential" in Argo
+	// CD (execProviderConfig) instead of holding the credential, so that
+	// config changes only when the cluster entry does: every change of
+	// config makes the application controller rebuild that cluster's
+	// cache.
+	Exec *ArgoCDExec `json:"exec,omitempty"`
+}
+
+// ArgoCDExec is where Argo CD's pods (the application controller and the
+// API server) find the plugin and the identity it presents.
+type ArgoCDExec struct {
+	// Command is the path of the tokenbroker binary in those pods, e.g.
+	// copied there from our image by an init container.
+	Command string `json:"command"`
+	// IdentityDir is where those pods mount the identity the plugin
+	// presents to the broker (tls.crt, tls.key, ca.crt); absolute.
+	IdentityDir string `json:"identityDir"`
+	// Env is added to the plugin's environment, e.g. XDG_CACHE_HOME for
+	// its disk cache on a writable volume.
+	Env map[string]string `json:"env,omitempty"`
 }
 
 // FileOutput is a kubeconfig file, written atomically with mode 0600 when
 // its content changes, next to PATH.meta, a JSON record of the lease.
 type FileOutput struct {
 	Path string `json:"path"`
+	// TokenFile, a file name, puts the token in that file beside Path and
+	// writes a kubeconfig whose user has "tokenFile: <TokenFile>" instead
+	// of the token. client-go re-reads a token file every minute, so a
+	// consumer sharing the volume picks up a refreshed token without a
+	// restart, and the kubeconfig itself changes
+	// only when the cluster entry does. The path is relative: clientcmd
+	// resolves it against the kubeconfig's directory when it loads the
+	// file, so the volume may be mounted anywhere. Tokens only.
+	TokenFile string `json:"tokenFile,omitempty"`
 }
 
 // ObjectRef names a namespaced object.

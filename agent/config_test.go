@@ -235,6 +235,27 @@ targets:
 				"targets[1].outputs[1].file.path: file /out/east is already written by targets[0].outputs[1].file.path",
 				"targets[1].outputs[2].file.path: file /out/east.meta is already written by targets[0].outputs[1].file.path (its .meta file)",
 			}},
+		{"token files that cannot be", `identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa}
+    outputs:
+      - file: {path: /out/east, tokenFile: ../token}
+      - file: {path: /out/west, tokenFile: west.meta}
+      - file: {path: /out/south, tokenFile: token}
+      - file: {path: /out/token}
+  - name: cert
+    broker: https://east.example.com:8443
+    request: {namespace: argo, credential: clientCertificate}
+    outputs:
+      - file: {path: /out/cert, tokenFile: cert-token}`,
+			[]string{
+				`targets[0].outputs[0].file.tokenFile: must be a file name beside the kubeconfig, without a directory, not "../token"`,
+				"targets[0].outputs[1].file.tokenFile: must not be the kubeconfig or its .meta file",
+				"targets[0].outputs[3].file.path: file /out/token is already written by targets[0].outputs[2].file.path (its token file)",
+				"targets[1].outputs[0].file.tokenFile: holds a token, and this target asks for a client certificate",
+			}},
 	} {
 		_, err := ParseConfig([]byte(tc.yaml), "")
 		var ce *apiv1.ValidationError

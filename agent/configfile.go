@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net"
 	"path/filepath"
 	"slices"
@@ -231,20 +232,35 @@ func (c *Config) Validate() error {
 				if strings.HasSuffix(o.File.Path, "/") {
 					v.add(fpath, "must name a file, not a directory")
 				}
-				// The output writes PATH and PATH.meta; neither may be
-				// another output's.
+				// The output writes PATH, PATH.meta and its token file;
+				// none may be another output's.
 				clean := filepath.Clean(o.File.Path)
+				written := map[string]string{clean: fpath, clean + metaSuffix: fpath + " (its " + metaSuffix + " file)"}
+				if tf := o.File.TokenFile; tf != "" {
+					tpath := opath + ".file.tokenFile"
+					switch {
+					case t.Request.Credential == apiv1.CredentialClientCertificate:
+						v.add(tpath, "holds a token, and this target asks for a client certificate: write the kubeconfig itself (no tokenFile)")
+					case tf == "." || tf == ".." || strings.ContainsAny(tf, "/\\\x00"):
+						v.add(tpath, "must be a file name beside the kubeconfig, without a directory, not %q", tf)
+					default:
+						written[filepath.Join(filepath.Dir(clean), tf)] = fpath + " (its token file)"
+					}
+				}
 				dup := false
-				for _, key := range []string{clean, clean + metaSuffix} {
+				for _, key := range slices.Sorted(maps.Keys(written)) {
 					if prev, ok := files[key]; ok {
 						v.add(fpath, "file %s is already written by %s", key, prev)
 						dup = true
 						break
 					}
 				}
+				if tf := o.File.TokenFile; tf == filepath.Base(clean) || tf == filepath.Base(clean)+metaSuffix {
+					v.add(opath+".file.tokenFile", "must not be the kubeconfig or its %s file", metaSuffix)
+					dup = true
+				}
 				if !dup {
-					files[clean] = fpath
-					files[clean+metaSuffix] = fpath + " (its " + metaSuffix + " file)"
+					maps.Copy(files, written)
 				}
 			default:
 				v.add(opath, "give secret or file")
@@ -370,6 +386,21 @@ func validateArgoCD(v *validator, path string, a *ArgoCDOptions) {
 	}
 	if a.Shard != nil && *a.Shard < 0 {
 		v.add(path+".shard", "must not be negative")
+	}
+	if e := a.Exec; e != nil {
+		for _, f := range []struct{ name, val string }{{"command", e.Command}, {"identityDir", e.IdentityDir}} {
+			switch {
+			case f.val == "":
+				v.add(path+".exec."+f.name, "is required: the path in Argo CD's pods")
+			case !filepath.IsAbs(f.val) || filepath.Clean(f.val) != f.val:
+				v.add(path+".exec."+f.name, "must be a clean absolute path: Argo CD runs the plugin in a directory of its own, not %q", f.val)
+			}
+		}
+		for _, k := range slices.Sorted(maps.Keys(e.Env)) {
+			if msgs := validation.IsEnvVarName(k); len(msgs) > 0 {
+				v.add(path+".exec.env", "%q: %s", k, strings.Join(msgs, "; "))
+			}
+		}
 	}
 }
 

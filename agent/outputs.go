@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io/fs"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -20,7 +21,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/tokenbroker/tokenbroker/agent/execcred"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -156,10 +159,29 @@ type output interface {
 	read(ctx context.Context) (*stored, error)
 }
 
-// outputMeta is what the agent records next to a credential.
+// holdsCredential reports whether an output holds the credential it is
+// written with; one that only names how to get it (Argo CD's exec mode)
+// does not, and its lease can be revoked as soon as it is written.
+func holdsCredential(o output) bool {
+	so, ok := o.(*secretOutput)
+	return !ok || so.cfg.ArgoCD.exec() == nil
+}
+
+// outputMeta is what the agent records next to a credential, and the
+// target's broker and request, for outputs that run the plugin with them.
 type outputMeta struct {
 	target  string
 	request string
+	broker  string
+	req     RequestConfig
+}
+
+// exec is the Argo CD exec mode, nil when off.
+func (a *ArgoCDOptions) exec() *ArgoCDExec {
+	if a == nil {
+		return nil
+	}
+	return a.Exec
 }
 
 // requestDigest identifies what a target asks for: its broker and its
@@ -184,9 +206,21 @@ func shortDigest(v any) string {
 // subset of Argo CD's ClusterConfig, whose caData is []byte in Go and so
 // base64 of the PEM bundle in JSON.
 type argoClusterConfig struct {
-	BearerToken     string        `json:"bearerToken,omitempty"`
-	TLSClientConfig argoTLSConfig `json:"tlsClientConfig"`
-	ProxyURL        string        `json:"proxyUrl,omitempty"`
+	BearerToken        string            `json:"bearerToken,omitempty"`
+	TLSClientConfig    argoTLSConfig     `json:"tlsClientConfig"`
+	ProxyURL           string            `json:"proxyUrl,omitempty"`
+	ExecProviderConfig *argoExecProvider `json:"execProviderConfig,omitempty"`
+}
+
+// argoExecProvider is Argo CD's ExecProviderConfig, which its
+// Cluster.RESTConfig turns into a client-go exec provider that is never
+// interactive.
+type argoExecProvider struct {
+	Command     string            `json:"command"`
+	Args        []string          `json:"args"`
+	Env         map[string]string `json:"env,omitempty"`
+	APIVersion  string            `json:"apiVersion"`
+	InstallHint string            `json:"installHint,omitempty"`
 }
 
 type argoTLSConfig struct {
@@ -231,7 +265,19 @@ func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[strin
 		return errors.New("the argocd format needs a server and a bearer token or a client certificate")
 	}
 	cfg := argoClusterConfig{BearerToken: c.Token, ProxyURL: c.ProxyURL}
-	if len(c.CertData) > 0 {
+	if e := o.ArgoCD.exec(); e != nil {
+		// No credential: Argo CD runs the plugin, which asks the broker
+		// with the same request as this target.
+		ec := execcred.ExecConfig(e.Command, execcred.Target{
+			Broker: meta.broker, IdentityDir: e.IdentityDir,
+			Namespace: meta.req.Namespace, ServiceAccount: meta.req.ServiceAccount,
+			TTL: meta.req.TTL, MinTTL: meta.req.MinTTL, Audiences: meta.req.Audiences,
+			Credential: meta.req.Credential,
+		})
+		cfg = argoClusterConfig{ProxyURL: c.ProxyURL, ExecProviderConfig: &argoExecProvider{
+			Command: ec.Command, Args: ec.Args, Env: e.Env, APIVersion: ec.APIVersion, InstallHint: ec.InstallHint,
+		}}
+	} else if len(c.CertData) > 0 {
 		cfg.TLSClientConfig.CertData = base64.StdEncoding.EncodeToString(c.CertData)
 		cfg.TLSClientConfig.KeyData = base64.StdEncoding.EncodeToString(c.KeyData)
 	}
@@ -444,11 +490,13 @@ func parseStored(leaseID, expiresAt, obtainedAt string) (*stored, error) {
 }
 
 // fileOutput is a kubeconfig file, with a sidecar PATH.meta (JSON, no
-// secret in it) recording the lease. The kubeconfig is written first, so
-// that a crash in between leaves a record of the older lease, never one
-// that promises more than the file holds.
+// secret in it) recording the lease, and with tokenFile a token file
+// beside it. The credential is written first (the token file, then the
+// kubeconfig), the record last, so that a crash in between leaves a
+// record of the older lease, never one that promises more than the files
+// hold.
 type fileOutput struct {
-	path string
+	cfg FileOutput
 }
 
 var _ output = (*fileOutput)(nil)
@@ -460,35 +508,109 @@ type fileMeta struct {
 	LeaseID    string    `json:"leaseId"`
 	ObtainedAt time.Time `json:"obtainedAt"`
 	ExpiresAt  time.Time `json:"expiresAt"`
+	// Output is the digest of the output's settings; absent in records
+	// written before token files, which had none.
+	Output string `json:"output,omitempty"`
 }
 
-func (o *fileOutput) String() string { return "file:" + o.path }
+func (o *fileOutput) String() string { return "file:" + o.cfg.Path }
 
-func renderFileMeta(meta outputMeta, c *Credential) []byte {
+func (o *fileOutput) digest() string {
+	if o.cfg.TokenFile == "" {
+		return "" // as the records written before token files
+	}
+	return shortDigest(o.cfg)
+}
+
+func (o *fileOutput) tokenPath() string {
+	return filepath.Join(filepath.Dir(o.cfg.Path), o.cfg.TokenFile)
+}
+
+func (o *fileOutput) renderMeta(meta outputMeta, c *Credential) []byte {
 	b, _ := json.MarshalIndent(fileMeta{ // cannot fail: plain fields
 		Target:     meta.target,
 		Request:    meta.request,
 		LeaseID:    c.LeaseID,
 		ObtainedAt: c.ObtainedAt.UTC(),
 		ExpiresAt:  c.ExpiresAt.UTC(),
+		Output:     o.digest(),
 	}, "", "  ")
 	return append(b, '\n')
 }
 
 func (o *fileOutput) write(_ context.Context, meta outputMeta, c *Credential) (bool, error) {
-	wroteConfig, err := WriteKubeconfigFile(o.path, c.Kubeconfig)
-	if err != nil {
-		return false, err
+	kubeconfig := c.Kubeconfig
+	wroteToken := false
+	if o.cfg.TokenFile != "" {
+		if c.Token == "" {
+			return false, errors.New("a token file output needs a token, and the credential is a client certificate")
+		}
+		kc, err := withTokenFile(c.Kubeconfig, o.cfg.TokenFile)
+		if err != nil {
+			return false, err
+		}
+		// The token before the kubeconfig that names its file, so that a
+		// reader never finds a kubeconfig pointing at nothing.
+		if wroteToken, err = writeFileIfChanged(o.tokenPath(), []byte(c.Token), 0o600); err != nil {
+			return false, err
+		}
+		kubeconfig = kc
 	}
-	wroteMeta, err := writeFileIfChanged(o.path+metaSuffix, renderFileMeta(meta, c), 0o600)
+	wroteConfig, err := WriteKubeconfigFile(o.cfg.Path, kubeconfig)
 	if err != nil {
-		return wroteConfig, err
+		return wroteToken, err
 	}
-	return wroteConfig || wroteMeta, nil
+	wroteMeta, err := writeFileIfChanged(o.cfg.Path+metaSuffix, o.renderMeta(meta, c), 0o600)
+	if err != nil {
+		return wroteToken || wroteConfig, err
+	}
+	return wroteToken || wroteConfig || wroteMeta, nil
+}
+
+// withTokenFile rewrites a kubeconfig so that its current user reads its
+// token from the file name (relative: clientcmd resolves it against the
+// kubeconfig's directory) instead of holding it. The result depends only
+// on the cluster entry and the names, never on the token, so it changes
+// only when they do. Errors never quote the document.
+func withTokenFile(data []byte, name string) ([]byte, error) {
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return nil, errors.New("the kubeconfig does not parse")
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok {
+		return nil, errors.New("the kubeconfig has no current context")
+	}
+	user, ok := cfg.AuthInfos[ctx.AuthInfo]
+	if !ok || user.Token == "" {
+		return nil, errors.New("the kubeconfig's user has no token")
+	}
+	user.Token, user.TokenFile = "", name
+	return clientcmd.Write(*cfg)
+}
+
+// withToken is withTokenFile undone: the kubeconfig of a token file
+// output with the token put back, as the broker sent it (but for YAML
+// formatting), so that recovery can write it to other outputs.
+func withToken(data []byte, token string) ([]byte, error) {
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return nil, errors.New("the kubeconfig does not parse")
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok {
+		return nil, errors.New("the kubeconfig has no current context")
+	}
+	user, ok := cfg.AuthInfos[ctx.AuthInfo]
+	if !ok || user.TokenFile == "" {
+		return nil, errors.New("the kubeconfig's user has no token file")
+	}
+	user.Token, user.TokenFile = token, ""
+	return clientcmd.Write(*cfg)
 }
 
 func (o *fileOutput) read(context.Context) (*stored, error) {
-	raw, _, err := pki.ReadFileLimitStat(o.path+metaSuffix, maxOutputFileBytes)
+	raw, _, err := pki.ReadFileLimitStat(o.cfg.Path+metaSuffix, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -497,9 +619,9 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 	}
 	var m fileMeta
 	if err := json.Unmarshal(raw, &m); err != nil {
-		return nil, fmt.Errorf("%s%s: %w", o.path, metaSuffix, err)
+		return nil, fmt.Errorf("%s%s: %w", o.cfg.Path, metaSuffix, err)
 	}
-	kc, _, err := pki.ReadFileLimitStat(o.path, maxOutputFileBytes)
+	kc, _, err := pki.ReadFileLimitStat(o.cfg.Path, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -507,12 +629,26 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 		return nil, err
 	}
 	if m.LeaseID == "" || !apiv1.ValidLeaseID(m.LeaseID) {
-		return nil, fmt.Errorf("%s%s: no valid lease id", o.path, metaSuffix)
+		return nil, fmt.Errorf("%s%s: no valid lease id", o.cfg.Path, metaSuffix)
 	}
-	return &stored{
+	st := &stored{
 		grant:      grant{leaseID: m.LeaseID, obtainedAt: m.ObtainedAt, expiresAt: m.ExpiresAt},
 		target:     m.Target,
 		request:    m.Request,
 		kubeconfig: kc,
-	}, nil
+		outdated:   m.Output != o.digest(),
+	}
+	if o.cfg.TokenFile != "" && !st.outdated {
+		tok, _, err := pki.ReadFileLimitStat(o.tokenPath(), maxOutputFileBytes)
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		// A kubeconfig that cannot take the token back is still the
+		// lease's: it is rewritten, with a new credential if need be.
+		st.kubeconfig, _ = withToken(kc, strings.TrimSpace(string(tok)))
+	}
+	return st, nil
 }

@@ -117,13 +117,13 @@ func readableSecret(t *testing.T, s *corev1.Secret) []byte {
 
 func TestTheFileOutputMatchesItsGoldenFiles(t *testing.T) {
 	dir := t.TempDir()
-	o := &fileOutput{path: filepath.Join(dir, "east.kubeconfig")}
+	o := &fileOutput{cfg: FileOutput{Path: filepath.Join(dir, "east.kubeconfig")}}
 	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
 	require.NoError(t, err)
-	kc, err := os.ReadFile(o.path)
+	kc, err := os.ReadFile(o.cfg.Path)
 	require.NoError(t, err)
 	checkGolden(t, "file.kubeconfig", kc)
-	meta, err := os.ReadFile(o.path + metaSuffix)
+	meta, err := os.ReadFile(o.cfg.Path + metaSuffix)
 	require.NoError(t, err)
 	checkGolden(t, "file.kubeconfig.meta", meta)
 }
@@ -259,7 +259,7 @@ func TestAFileIsWrittenAtomicallyWithMode0600OnlyWhenItChanges(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "east.kubeconfig")
-	o := &fileOutput{path: path}
+	o := &fileOutput{cfg: FileOutput{Path: path}}
 	ctx := context.Background()
 	c := goldenCredential(t)
 
@@ -302,7 +302,7 @@ func TestAFileIsWrittenAtomicallyWithMode0600OnlyWhenItChanges(t *testing.T) {
 
 func TestAFileOutputInAMissingDirectoryFails(t *testing.T) {
 	t.Parallel()
-	o := &fileOutput{path: filepath.Join(t.TempDir(), "no-such-volume", "east.kubeconfig")}
+	o := &fileOutput{cfg: FileOutput{Path: filepath.Join(t.TempDir(), "no-such-volume", "east.kubeconfig")}}
 	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
 	require.Error(t, err)
 }

@@ -57,7 +57,10 @@ type refresher struct {
 	// cur is the newest credential obtained (or adopted from the outputs
 	// at start); its Kubeconfig is nil when it was adopted from outputs
 	// that do not hold a whole kubeconfig.
-	cur        *Credential
+	cur *Credential
+	// curRevoked: cur's lease was revoked once written, as no output
+	// holds the credential itself.
+	curRevoked bool
 	refreshAt  time.Time // when cur is due for replacement
 	stale      []string  // leases to revoke once every output holds cur
 	revokes    []revocation
@@ -264,10 +267,10 @@ func (r *refresher) attempt(ctx context.Context) {
 			r.fail(now, err)
 			return
 		}
-		if r.cur != nil && !slices.Contains(r.stale, r.cur.LeaseID) {
+		if r.cur != nil && !r.curRevoked && !slices.Contains(r.stale, r.cur.LeaseID) {
 			r.stale = append(r.stale, r.cur.LeaseID)
 		}
-		r.cur = cred
+		r.cur, r.curRevoked = cred, false
 		r.refreshAt = r.sched.refreshAt(cred.grant())
 		r.log.Info("obtained a credential",
 			zap.String("lease_id", cred.LeaseID), zap.Time("expires_at", cred.ExpiresAt),
@@ -287,6 +290,12 @@ func (r *refresher) attempt(ctx context.Context) {
 	r.metrics.refresh.WithLabelValues(r.name, resultSuccess).Inc()
 	r.metrics.lastSuccess.WithLabelValues(r.name).Set(float64(done.UnixNano()) / 1e9)
 	r.scheduleRevocations(done)
+	if !r.curRevoked && !slices.ContainsFunc(r.outputs, holdsCredential) {
+		// No output holds the credential (Argo CD's exec mode): the
+		// lease only told the agent the cluster entry. Revoke it now.
+		r.revokes = append(r.revokes, revocation{leaseID: r.cur.LeaseID, due: done})
+		r.curRevoked = true
+	}
 	r.retryAfter = 0
 	r.update(func(s *targetStatus) {
 		s.failures = 0

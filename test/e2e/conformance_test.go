@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -165,9 +166,20 @@ targets:
       - secret: {namespace: flux-system, name: east-yaml, format: flux, key: value.yaml}
       - secret: {namespace: tenant, name: east, format: kubeconfig, key: kubeconfig, labels: {reconcile.fluxcd.io/watch: Enabled}}
       - secret: {namespace: kargo, name: east, format: kubeconfig, key: kubeconfig.yaml}
+  # Argo CD's exec mode: the Secret names the plugin, which Argo CD's own
+  # code runs in the checker's process.
+  - name: east-exec
+    broker: https://%s
+    request: {namespace: argo, serviceAccount: runner, ttl: 10m}
+    outputs:
+      - secret:
+          namespace: argocd
+          name: east-exec
+          format: argocd
+          argocd: {exec: {command: %s, identityDir: %s, env: {XDG_CACHE_HOME: %s}}}
 kubeconfig: %s
 opsAddress: %q
-`, idDir, grace, e.api, west.KubeconfigPath, ops))
+`, idDir, grace, e.api, e.api, tokenbrokerBinary(t), idDir, t.TempDir(), west.KubeconfigPath, ops))
 	first := watchAdded(t, west, "kargo", "east")
 	agentProc := startAgent(t, cfg)
 	waitTime(t, first, agentSecretsWait, "the agent's first Secrets")
@@ -211,6 +223,26 @@ opsAddress: %q
 			"serverName": "kubernetes.default", "proxyUrl": "http://" + proxy.addr,
 			"hasBearerToken": true, "hasCAData": true, "insecure": false,
 		}, r.Cluster)
+	})
+
+	t.Run("Argo CD runs tokenbroker credential from an exec-mode Secret that holds no credential and does not change", func(t *testing.T) {
+		held := getSecret(t, west, "argocd", "east-exec")
+		require.NotContains(t, string(held.Data["config"]), "bearerToken")
+		execCheck := consumerCheck{consumer: consumerArgoCD, namespace: "argocd", name: "east-exec"}
+		r := execCheck.run(t, bins, west, "east-exec", "")
+		require.Equal(t, 200, r.Status, "Argo CD's RESTConfig ran the plugin: %s", r.Error)
+		require.Contains(t, r.ConfigMaps, "hello")
+		require.Equal(t, false, r.Cluster["hasBearerToken"])
+		require.Equal(t, "kubernetes.default", r.Cluster["serverName"])
+		// The agent's own lease for the target only told it the cluster
+		// entry: revoked once the Secret was written.
+		require.Eventually(t, func() bool { return !slices.Contains(leaseIDs(t, e, idDir), held.Annotations[annLeaseID]) },
+			10*time.Second, 200*time.Millisecond, "the agent revokes the lease of an exec-mode target at once")
+		// A refresh of the target changes nothing Argo CD reads.
+		next := waitSecret(t, west, "argocd", "east-exec", 30*time.Second, func(s *corev1.Secret) bool { return s.Annotations[annLeaseID] != held.Annotations[annLeaseID] })
+		require.Equal(t, held.Data, next.Data, "config, server and name are the same after a refresh")
+		r = execCheck.run(t, bins, west, "east-exec", "")
+		require.Equal(t, 200, r.Status, r.Error)
 	})
 
 	t.Run("Flux impersonating a ServiceAccount on the target needs the impersonate RBAC the Flux guide gives", func(t *testing.T) {
