@@ -21,6 +21,9 @@ const (
 	ActionRevoke = "revoke"
 	ActionEnroll = "enroll"
 	ActionRenew  = "renew"
+	// ActionExecKubeconfig is POST /v1/kubeconfigs?format=exec: a
+	// decision, and no credential.
+	ActionExecKubeconfig = "exec_kubeconfig"
 	// ActionAuthenticate is a caller refused before any other decision:
 	// its client certificate passed the TLS handshake but has expired, has
 	// no identity, comes from a CA no longer trusted or is revoked.

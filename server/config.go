@@ -29,6 +29,10 @@ type Broker interface {
 	// kind); authorization and TTL clamping are the broker's. A cancelled
 	// ctx must not leave a partial lease behind.
 	IssueKubeconfig(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+	// ExecKubeconfig authorizes req as IssueKubeconfig does and returns a
+	// kubeconfig whose user runs the exec credential plugin against
+	// brokerURL (https://host[:port], checked); it issues nothing.
+	ExecKubeconfig(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
 	// ListLeases returns the caller's own leases.
 	ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
 	// GetLease returns one of the caller's leases. id has passed

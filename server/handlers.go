@@ -10,6 +10,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -89,6 +90,11 @@ func leaseNotFound(id string) error {
 // checked before anything is minted, so a credential is never issued that
 // cannot be delivered.
 func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer) {
+	format := r.URL.Query().Get("format")
+	if format != "" && format != formatExec {
+		writeError(w, r, broker.Invalid(apiv1.FieldError{Field: "format", Detail: `must be "exec" or absent`}))
+		return
+	}
 	mediaType, ok := acceptOrRefuse(w, r, apiv1.MediaTypeJSON, apiv1.MediaTypeYAML)
 	if !ok {
 		return
@@ -100,6 +106,10 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer
 	}
 	if fields := validateKubeconfigRequest(req); len(fields) > 0 {
 		writeError(w, r, broker.Invalid(fields...))
+		return
+	}
+	if format == formatExec {
+		s.execKubeconfig(w, r, p, req, mediaType)
 		return
 	}
 
@@ -120,6 +130,37 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer
 		return
 	}
 	writeJSON(w, r, http.StatusCreated, resp)
+}
+
+// formatExec is POST /v1/kubeconfigs?format=exec: a kubeconfig that runs
+// the exec credential plugin, and no lease.
+const formatExec = "exec"
+
+// execKubeconfig answers POST /v1/kubeconfigs?format=exec with 200 (nothing
+// is created): the kubeconfig as YAML, or {"kubeconfig": …} as JSON. The
+// plugin in it asks this broker at the URL the caller used (the request's
+// host, which must be a host[:port] as a URL allows).
+func (s *Server) execKubeconfig(w http.ResponseWriter, r *http.Request, p peer, req apiv1.KubeconfigRequest, mediaType string) {
+	brokerURL := "https://" + r.Host
+	if prob := schema.URLProblem(brokerURL, "", "https"); prob != "" {
+		writeError(w, r, broker.Invalid(apiv1.FieldError{Field: "Host", Detail: prob}))
+		return
+	}
+	kc, err := s.broker.ExecKubeconfig(r.Context(), p.caller, req, brokerURL)
+	if err == nil && len(kc) == 0 {
+		err = errNilAnswer
+	}
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if mediaType == apiv1.MediaTypeYAML {
+		w.Header().Set("Content-Type", apiv1.MediaTypeYAML)
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write(kc)
+		return
+	}
+	writeJSON(w, r, http.StatusOK, &apiv1.ExecKubeconfigResponse{Kubeconfig: string(kc)})
 }
 
 // listLeases handles GET /v1/leases.

@@ -45,6 +45,7 @@ const testKubeconfig = "apiVersion: v1\nkind: Config\nusers:\n- name: west\n  us
 // counts calls so that tests can prove the broker was not reached.
 type fakeBroker struct {
 	issue  func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+	exec   func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
 	list   func(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
 	get    func(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error)
 	revoke func(ctx context.Context, c broker.Caller, id string) error
@@ -113,6 +114,14 @@ func (f *fakeBroker) IssueKubeconfig(ctx context.Context, c broker.Caller, req a
 		return f.issue(ctx, c, req)
 	}
 	return testResponse(), nil
+}
+
+func (f *fakeBroker) ExecKubeconfig(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
+	f.record(c)
+	if f.exec != nil {
+		return f.exec(ctx, c, req, brokerURL)
+	}
+	return []byte("apiVersion: v1\nkind: Config\n# exec " + brokerURL + "\n"), nil
 }
 
 func (f *fakeBroker) ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error) {

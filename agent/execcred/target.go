@@ -20,7 +20,7 @@ const (
 )
 
 // Command is the subcommand of the tokenbroker binary that is the plugin.
-const Command = "credential"
+const Command = apiv1.PluginCommand
 
 // installHint is what client-go prints when the plugin's command is not
 // found: the kubeconfig names a binary that must exist where it is used.
@@ -53,25 +53,12 @@ type Target struct {
 }
 
 // Args returns the arguments of the plugin's command: "credential" and its
-// flags, leaving out those at their defaults, in a fixed order.
+// flags (apiv1.PluginArgs).
 func (t Target) Args() []string {
-	args := []string{Command, "--broker", t.Broker, "--identity-dir", t.IdentityDir, "--namespace", t.Namespace}
-	if t.ServiceAccount != "" {
-		args = append(args, "--service-account", t.ServiceAccount)
-	}
-	if t.Credential == apiv1.CredentialClientCertificate {
-		args = append(args, "--credential", "client-certificate")
-	}
-	if t.TTL != "" {
-		args = append(args, "--ttl", t.TTL)
-	}
-	if t.MinTTL != "" {
-		args = append(args, "--min-ttl", t.MinTTL)
-	}
-	for _, a := range t.Audiences {
-		args = append(args, "--audience", a)
-	}
-	return args
+	return apiv1.PluginArgs(t.Broker, t.IdentityDir, apiv1.KubeconfigRequest{
+		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
+		Audiences: t.Audiences, Credential: t.Credential,
+	})
 }
 
 // ExecConfig is the exec stanza of a kubeconfig user that runs the plugin

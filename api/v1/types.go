@@ -51,6 +51,13 @@ type KubeconfigRequest struct {
 	CSR string `json:"csr,omitempty"`
 }
 
+// ExecKubeconfigResponse is the 200 JSON answer of POST
+// /v1/kubeconfigs?format=exec: a kubeconfig whose user runs the exec
+// credential plugin ("tokenbroker credential"), with no credential in it.
+type ExecKubeconfigResponse struct {
+	Kubeconfig string `json:"kubeconfig"`
+}
+
 // KubeconfigResponse is the 201 answer of POST /v1/kubeconfigs.
 type KubeconfigResponse struct {
 	LeaseID    string `json:"leaseId"`

@@ -240,6 +240,21 @@ func TestExecCredentialPluginWithKubectl(t *testing.T) {
 		require.True(t, strings.HasPrefix(stderr, "tokenbroker credential: broker "+down+": "), stderr)
 	})
 
+	t.Run("the format=exec recipe of docs/api.md runs as printed: an exec kubeconfig from curl, the plugin from the PATH", func(t *testing.T) {
+		dir := t.TempDir()
+		copyPeerFiles(t, e, dir)
+		require.NoError(t, os.CopyFS(filepath.Join(dir, "west-identity"), os.DirFS(identity)))
+		before := countLeases(t, c)
+		script := strings.ReplaceAll(fencedBlock(t, readDoc(t, "docs/api.md"), "sh", "curl -sS --fail-with-body --cert west.crt --key west.key --cacert ca.crt -H 'Content-Type: application/json' -H 'Accept: application/yaml' -d '{\"namespace\":\"argo\",\"serviceAccount\":\"runner\",\"ttl\":\"2h\"}' 'https://broker.example:8443/v1/kubeconfigs?format=exec'"), "https://broker.example:8443", api)
+		out := runShell(t, dir, kubectl, filepath.Join(dir, "unused"), "export XDG_CACHE_HOME="+t.TempDir()+"\n"+script)
+		require.Contains(t, out, "hello", "kubectl listed the ConfigMaps through the plugin")
+		data, err := os.ReadFile(filepath.Join(dir, "exec.kubeconfig"))
+		require.NoError(t, err)
+		require.Contains(t, string(data), "command: tokenbroker")
+		require.NotContains(t, string(data), "token:")
+		require.Equal(t, before+1, countLeases(t, c), "curl made no lease; the plugin made one")
+	})
+
 	t.Run("wall time of kubectl get: a static kubeconfig, the exec kubeconfig with a warm cache, and without a cache", func(t *testing.T) {
 		static := filepath.Join(t.TempDir(), "static.kubeconfig")
 		_, stderr, err := runErr(bin, "get", "kubeconfig", "--broker", api, "--identity-dir", identity,
