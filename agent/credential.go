@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap/zapcore"
 	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -172,8 +173,20 @@ func Fetch(ctx context.Context, api KubeconfigAPI, req RequestConfig, now func()
 }
 
 // withClientKey adds the key to the current context's user of a kubeconfig
-// that has its certificate but no key. Errors never quote the document.
+// that has its certificate but no key.
 func withClientKey(data, keyPEM []byte) ([]byte, error) {
+	return editCurrentUser(data, func(user *clientcmdapi.AuthInfo) error {
+		if len(user.ClientCertificateData) == 0 || len(user.ClientKeyData) > 0 {
+			return errors.New("the kubeconfig's user is not the certificate asked for, without a key")
+		}
+		user.ClientKeyData = keyPEM
+		return nil
+	})
+}
+
+// editCurrentUser loads a kubeconfig, lets edit change the user of its
+// current context, and writes it again. Errors never quote the document.
+func editCurrentUser(data []byte, edit func(*clientcmdapi.AuthInfo) error) ([]byte, error) {
 	cfg, err := clientcmd.Load(data)
 	if err != nil {
 		return nil, errors.New("the kubeconfig does not parse")
@@ -183,10 +196,12 @@ func withClientKey(data, keyPEM []byte) ([]byte, error) {
 		return nil, errors.New("the kubeconfig has no current context")
 	}
 	user, ok := cfg.AuthInfos[ctx.AuthInfo]
-	if !ok || len(user.ClientCertificateData) == 0 || len(user.ClientKeyData) > 0 {
-		return nil, errors.New("the kubeconfig's user is not the certificate asked for, without a key")
+	if !ok {
+		return nil, errors.New("the kubeconfig's current context has no user")
 	}
-	user.ClientKeyData = keyPEM
+	if err := edit(user); err != nil {
+		return nil, err
+	}
 	return clientcmd.Write(*cfg)
 }
 

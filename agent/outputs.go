@@ -21,7 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
-	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -573,40 +573,26 @@ func (o *fileOutput) write(_ context.Context, meta outputMeta, c *Credential) (b
 // on the cluster entry and the names, never on the token, so it changes
 // only when they do. Errors never quote the document.
 func withTokenFile(data []byte, name string) ([]byte, error) {
-	cfg, err := clientcmd.Load(data)
-	if err != nil {
-		return nil, errors.New("the kubeconfig does not parse")
-	}
-	ctx, ok := cfg.Contexts[cfg.CurrentContext]
-	if !ok {
-		return nil, errors.New("the kubeconfig has no current context")
-	}
-	user, ok := cfg.AuthInfos[ctx.AuthInfo]
-	if !ok || user.Token == "" {
-		return nil, errors.New("the kubeconfig's user has no token")
-	}
-	user.Token, user.TokenFile = "", name
-	return clientcmd.Write(*cfg)
+	return editCurrentUser(data, func(user *clientcmdapi.AuthInfo) error {
+		if user.Token == "" {
+			return errors.New("the kubeconfig's user has no token")
+		}
+		user.Token, user.TokenFile = "", name
+		return nil
+	})
 }
 
 // withToken is withTokenFile undone: the kubeconfig of a token file
 // output with the token put back, as the broker sent it (but for YAML
 // formatting), so that recovery can write it to other outputs.
 func withToken(data []byte, token string) ([]byte, error) {
-	cfg, err := clientcmd.Load(data)
-	if err != nil {
-		return nil, errors.New("the kubeconfig does not parse")
-	}
-	ctx, ok := cfg.Contexts[cfg.CurrentContext]
-	if !ok {
-		return nil, errors.New("the kubeconfig has no current context")
-	}
-	user, ok := cfg.AuthInfos[ctx.AuthInfo]
-	if !ok || user.TokenFile == "" {
-		return nil, errors.New("the kubeconfig's user has no token file")
-	}
-	user.Token, user.TokenFile = token, ""
-	return clientcmd.Write(*cfg)
+	return editCurrentUser(data, func(user *clientcmdapi.AuthInfo) error {
+		if user.TokenFile == "" {
+			return errors.New("the kubeconfig's user has no token file")
+		}
+		user.Token, user.TokenFile = token, ""
+		return nil
+	})
 }
 
 func (o *fileOutput) read(context.Context) (*stored, error) {

@@ -268,6 +268,48 @@ func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err 
 	return d
 }
 
+// decided is what decide found: the policy it read, its decision, the
+// issuer of the decided credential kind, and the minTTL asked for.
+type decided struct {
+	Decision
+	policy    *Policy
+	issuer    Issuer
+	requested time.Duration // the TTL asked for, 0 for the default
+	minTTL    time.Duration
+}
+
+// decide is the policy's decision on req for c, shared by an issuance and
+// an exec kubeconfig: parse the TTLs, decide, and find the issuer of the
+// credential kind. On a refusal it returns the outcome to conclude a with
+// (and sets a's denial); on success it names the peer in a.
+func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, log *zap.Logger) (decided, string, error) {
+	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
+	if err != nil {
+		return decided{}, outcomeInvalid, err
+	}
+	p, err := b.policy()
+	if err != nil {
+		return decided{}, outcomeError, err
+	}
+	d, err := p.Decide(c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
+	if err != nil {
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
+		if KindOf(err) == KindForbidden {
+			return decided{}, outcomeDenied, err
+		}
+		a.denial = denyMinTTL
+		return decided{}, outcomeUnprocessable, err
+	}
+	a.ev.Peer = d.Peer
+	issuer := b.cfg.Issuers[d.Credential]
+	if issuer == nil {
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
+		a.denial = denyCredential
+		return decided{}, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
+	}
+	return decided{Decision: d, policy: p, issuer: issuer, requested: requested, minTTL: minTTL}, outcomeGranted, nil
+}
+
 func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *pendingAudit) (*apiv1.KubeconfigResponse, string, error) {
 	log := b.cfg.Logger.With(
 		zap.String("identity", c.Identity),
@@ -275,30 +317,11 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		zap.String("service_account", req.ServiceAccount),
 		zap.String("requested_ttl", req.TTL),
 	)
-	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
+	dec, outcome, err := b.decide(c, req, a, log)
 	if err != nil {
-		return nil, outcomeInvalid, err
+		return nil, outcome, err
 	}
-	p, err := b.policy()
-	if err != nil {
-		return nil, outcomeError, err
-	}
-	d, err := p.Decide(c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
-	if err != nil {
-		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
-		if KindOf(err) == KindForbidden {
-			return nil, outcomeDenied, err
-		}
-		a.denial = denyMinTTL
-		return nil, outcomeUnprocessable, err
-	}
-	a.ev.Peer = d.Peer
-	issuer := b.cfg.Issuers[d.Credential]
-	if issuer == nil {
-		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
-		a.denial = denyCredential
-		return nil, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
-	}
+	p, d, issuer, requested, minTTL := dec.policy, dec.Decision, dec.issuer, dec.requested, dec.minTTL
 	// The issuer's own bounds (the API server's minimum lifetime) after
 	// the policy's.
 	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {

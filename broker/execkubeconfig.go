@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"go.uber.org/zap"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
@@ -40,31 +41,16 @@ func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.Kubecon
 }
 
 func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL string, a *pendingAudit) ([]byte, string, error) {
-	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
+	log := b.cfg.Logger.With(zap.String("identity", c.Identity), zap.String("namespace", req.Namespace), zap.String("service_account", req.ServiceAccount))
+	dec, outcome, err := b.decide(c, req, a, log)
 	if err != nil {
-		return nil, outcomeInvalid, err
+		return nil, outcome, err
 	}
-	p, err := b.policy()
-	if err != nil {
-		return nil, outcomeError, err
-	}
-	d, err := p.Decide(c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
-	if err != nil {
-		if KindOf(err) == KindForbidden {
-			return nil, outcomeDenied, err
-		}
-		a.denial = denyMinTTL
-		return nil, outcomeUnprocessable, err
-	}
-	a.ev.Peer = d.Peer
-	if b.cfg.Issuers[d.Credential] == nil {
-		a.denial = denyCredential
-		return nil, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
-	}
-	kc, err := execKubeconfig(p.Cluster, req, brokerURL)
+	kc, err := execKubeconfig(dec.policy.Cluster, req, brokerURL)
 	if err != nil {
 		return nil, outcomeError, err
 	}
+	log.Info("decision", zap.Bool("allowed", true), zap.String("peer", dec.Peer), zap.String("action", ActionExecKubeconfig))
 	return kc, outcomeGranted, nil
 }
 

@@ -14,14 +14,11 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
-	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // credentialConfig is the typed configuration of "tokenbroker credential".
 type credentialConfig struct {
-	Broker          string
-	IdentityDir     string
-	Request         agent.RequestConfig
+	brokerRequest
 	NoCache         bool
 	CacheDir        string
 	RefreshFraction float64
@@ -95,14 +92,7 @@ underscores), e.g. TOKENBROKER_CACHE_DIR.`,
 		return &commandError{command: "credential", err: err}
 	})
 	fs := cmd.Flags()
-	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")
-	fs.String("identity-dir", "", "directory with tls.crt, tls.key and ca.crt (required)")
-	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
-	fs.String("service-account", "", "the ServiceAccount (required for a token)")
-	fs.String("credential", "token", "token, or client-certificate (a certificate for a per-lease user with the grant's role; the key is made here)")
-	fs.String("ttl", "", "lifetime to ask for, e.g. 8h; empty means the broker's default")
-	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
-	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
+	addBrokerRequestFlags(fs)
 	fs.Bool("no-cache", false, "ask the broker at every invocation, and read or write no cache")
 	fs.String("cache-dir", "", "directory of the credential cache (default $XDG_CACHE_HOME/tokenbroker, else ~/.cache/tokenbroker)")
 	fs.Float64("refresh-fraction", execcred.DefaultRefreshFraction, "part of a token's granted life after which a new one is issued, between 0 and 1")
@@ -110,43 +100,12 @@ underscores), e.g. TOKENBROKER_CACHE_DIR.`,
 }
 
 func credentialConfigFrom(v *viper.Viper) (credentialConfig, error) {
+	r, errs := brokerRequestFrom(v)
 	cfg := credentialConfig{
-		Broker:      v.GetString("broker"),
-		IdentityDir: v.GetString("identity-dir"),
-		Request: agent.RequestConfig{
-			Namespace:      v.GetString("namespace"),
-			ServiceAccount: v.GetString("service-account"),
-			TTL:            v.GetString("ttl"),
-			MinTTL:         v.GetString("min-ttl"),
-			Audiences:      v.GetStringSlice("audience"),
-		},
+		brokerRequest:   r,
 		NoCache:         v.GetBool("no-cache"),
 		CacheDir:        v.GetString("cache-dir"),
 		RefreshFraction: v.GetFloat64("refresh-fraction"),
-	}
-	var errs []error
-	switch c := v.GetString("credential"); c {
-	case apiv1.CredentialToken:
-	case "client-certificate", apiv1.CredentialClientCertificate:
-		cfg.Request.Credential = apiv1.CredentialClientCertificate
-	default:
-		errs = append(errs, fmt.Errorf("--credential must be token or client-certificate, not %q", c))
-	}
-	required := []struct{ flag, val string }{
-		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir}, {"namespace", cfg.Request.Namespace},
-	}
-	if cfg.Request.Credential == "" {
-		required = append(required, struct{ flag, val string }{"service-account", cfg.Request.ServiceAccount})
-	} else if cfg.Request.ServiceAccount != "" {
-		errs = append(errs, errors.New("--service-account is for tokens: a client certificate is for a per-lease user with the grant's role"))
-	}
-	for _, f := range required {
-		if f.val == "" {
-			errs = append(errs, fmt.Errorf("--%s is required", f.flag))
-		}
-	}
-	if len(errs) == 0 {
-		errs = append(errs, cfg.Request.Validate())
 	}
 	if !(cfg.RefreshFraction > 0 && cfg.RefreshFraction < 1) {
 		errs = append(errs, fmt.Errorf("--refresh-fraction must be between 0 and 1, not %v", cfg.RefreshFraction))

@@ -16,7 +16,6 @@ import (
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
-	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 func newGetCommand() *cobra.Command {
@@ -32,11 +31,9 @@ func newGetCommand() *cobra.Command {
 // getKubeconfigConfig is the typed configuration of "tokenbroker get
 // kubeconfig".
 type getKubeconfigConfig struct {
-	Broker      string
-	IdentityDir string
-	Request     agent.RequestConfig
-	Output      string
-	Format      string
+	brokerRequest
+	Output string
+	Format string
 	// Exec asks for a kubeconfig whose user runs "tokenbroker credential"
 	// (ExecCommand, else this binary) instead of holding a token.
 	Exec        bool
@@ -105,14 +102,7 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 		RunE: runE(newFlagViper, getKubeconfigConfigFrom, runGetKubeconfig),
 	}
 	fs := cmd.Flags()
-	fs.String("broker", "", "URL of the broker's mTLS listener, e.g. https://east.example.com:8443 (required)")
-	fs.String("identity-dir", "", "directory with tls.crt, tls.key and ca.crt (required)")
-	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
-	fs.String("service-account", "", "the ServiceAccount (required for a token)")
-	fs.String("credential", "token", "token, or client-certificate (a certificate for a per-lease user with the grant's role; the key is made here)")
-	fs.String("ttl", "", "lifetime to ask for, e.g. 1h; empty means the broker's default")
-	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
-	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
+	addBrokerRequestFlags(fs)
 	fs.StringP("output", "o", "-", `file to write, "-" for standard output`)
 	fs.String("format", getFormatKubeconfig, "what to write: kubeconfig or json (the broker's whole answer)")
 	fs.Bool("exec", false, `write a kubeconfig whose user runs "tokenbroker credential" instead of holding a token`)
@@ -121,44 +111,13 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 }
 
 func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
+	r, errs := brokerRequestFrom(v)
 	cfg := getKubeconfigConfig{
-		Broker:      v.GetString("broker"),
-		IdentityDir: v.GetString("identity-dir"),
-		Request: agent.RequestConfig{
-			Namespace:      v.GetString("namespace"),
-			ServiceAccount: v.GetString("service-account"),
-			TTL:            v.GetString("ttl"),
-			MinTTL:         v.GetString("min-ttl"),
-			Audiences:      v.GetStringSlice("audience"),
-		},
-		Output:      v.GetString("output"),
-		Format:      v.GetString("format"),
-		Exec:        v.GetBool("exec"),
-		ExecCommand: v.GetString("exec-command"),
-	}
-	var errs []error
-	switch c := v.GetString("credential"); c {
-	case apiv1.CredentialToken:
-	case "client-certificate", apiv1.CredentialClientCertificate:
-		cfg.Request.Credential = apiv1.CredentialClientCertificate
-	default:
-		errs = append(errs, fmt.Errorf("--credential must be token or client-certificate, not %q", c))
-	}
-	required := []struct{ flag, val string }{
-		{"broker", cfg.Broker}, {"identity-dir", cfg.IdentityDir}, {"namespace", cfg.Request.Namespace},
-	}
-	if cfg.Request.Credential == "" {
-		required = append(required, struct{ flag, val string }{"service-account", cfg.Request.ServiceAccount})
-	} else if cfg.Request.ServiceAccount != "" {
-		errs = append(errs, errors.New("--service-account is for tokens: a client certificate is for a per-lease user with the grant's role"))
-	}
-	for _, f := range required {
-		if f.val == "" {
-			errs = append(errs, fmt.Errorf("--%s is required", f.flag))
-		}
-	}
-	if len(errs) == 0 {
-		errs = append(errs, cfg.Request.Validate())
+		brokerRequest: r,
+		Output:        v.GetString("output"),
+		Format:        v.GetString("format"),
+		Exec:          v.GetBool("exec"),
+		ExecCommand:   v.GetString("exec-command"),
 	}
 	if cfg.Format != getFormatKubeconfig && cfg.Format != getFormatJSON {
 		errs = append(errs, fmt.Errorf("--format must be %s or %s, not %q", getFormatKubeconfig, getFormatJSON, cfg.Format))
