@@ -119,11 +119,17 @@ type Config struct {
 	Revocations *RevocationList
 	// Auditor receives one AuditEvent per decision; nil writes none.
 	Auditor Auditor
+	// Leases counts the live leases for the quotas; nil enforces none
+	// (tests of other things). MaxLiveLeases bounds all peers' leases
+	// together whatever the policy says; 0 means DefaultMaxLiveLeasesTotal.
+	Leases        *LeaseCounter
+	MaxLiveLeases int
 }
 
 // Broker is the domain core. It is safe for concurrent use.
 type Broker struct {
 	cfg        Config
+	limits     *limiter
 	joinTokens JoinTokenVerifier
 	cleanups   atomic.Int64 // background lease deletions under way
 }
@@ -154,7 +160,10 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.CleanupRetryFor == 0 {
 		cfg.CleanupRetryFor = 5 * time.Minute
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens}
+	if cfg.MaxLiveLeases == 0 {
+		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
+	}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Clock.Now)
 	}
@@ -230,6 +239,8 @@ func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome s
 		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyNotFound)
 	case outcomeInvalid, outcomeUnprocessable:
 		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyInvalid)
+	case outcomeLimited:
+		b.conclude(ctx, a, DecisionDeny, errDetail(err), "")
 	case outcomeUnavailable:
 		b.conclude(ctx, a, DecisionError, "the Kubernetes API server is unavailable", "")
 	default:
@@ -322,6 +333,13 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcome, err
 	}
 	p, d, issuer, requested, minTTL := dec.policy, dec.Decision, dec.issuer, dec.requested, dec.minTTL
+	place, err := b.admitLease(p, c.Identity, d.Peer, a)
+	if err != nil {
+		return nil, outcomeLimited, err
+	}
+	if place != nil {
+		defer place.release() // a no-op once committed
+	}
 	// The issuer's own bounds (the API server's minimum lifetime) after
 	// the policy's.
 	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {
@@ -460,6 +478,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	reqTTL := ""
 	if requested != 0 {
 		reqTTL = requested.String()
+	}
+	if place != nil {
+		place.commit(lease.Namespace, lease.Name)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,
@@ -648,6 +669,9 @@ func (b *Broker) Ready(ctx context.Context) error {
 	}
 	if b.cfg.Revocations != nil && !b.cfg.Revocations.Synced() {
 		return errors.New("revocation list not synced yet")
+	}
+	if b.cfg.Leases != nil && !b.cfg.Leases.Synced() {
+		return errors.New("lease counts not synced yet")
 	}
 	if b.cfg.APIServerReady != nil {
 		if err := b.cfg.APIServerReady(ctx); err != nil {

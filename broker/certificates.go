@@ -86,6 +86,7 @@ const (
 	certUnavailable     = "unavailable"
 	certDisabled        = "disabled"
 	certError           = "error"
+	certLimited         = "limited"
 )
 
 // errJoinToken is every enrollment authentication failure as the caller
@@ -154,6 +155,10 @@ func (b *Broker) enroll(ctx context.Context, token string, req apiv1.Certificate
 		return nil, certDisabled, errCertificatesDisabled
 	}
 	log := b.cfg.Logger.With(zap.String("operation", opEnroll))
+	if err := b.admitEnrollment(RemoteAddr(ctx), token, a); err != nil {
+		log.Info("enrollment refused", zap.String("reason", errDetail(err)))
+		return nil, certLimited, err
+	}
 	claims, err := b.joinTokens.Verify(token)
 	if err != nil {
 		log.Info("enrollment refused", zap.String("reason", "join token not valid"), zap.Error(err))
@@ -223,6 +228,10 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 		log.Info("renewal refused", zap.String("reason", "identity revoked"))
 		a.denial, a.reason = denyRevoked, "identity revoked"
 		return nil, certUnauthenticated, Wrap(KindUnauthenticated, "", errors.New("identity is revoked"))
+	}
+	if err := b.admitRenewal(c.Identity, a); err != nil {
+		log.Info("renewal refused", zap.String("reason", errDetail(err)))
+		return nil, certLimited, err
 	}
 	csr, err := parseCSR(req.CSR, c.Identity)
 	if err != nil {
@@ -375,6 +384,7 @@ var certOutcomes = map[Kind]string{
 	KindInvalid:         certInvalid,
 	KindForbidden:       certDenied,
 	KindUnavailable:     certUnavailable,
+	KindTooManyRequests: certLimited,
 }
 
 func outcomeOfCert(err error) string { return labelOf(err, certOutcomes, certError) }

@@ -77,6 +77,7 @@ const (
 	outcomeNotFound      = "not_found"
 	outcomeUnavailable   = "unavailable"
 	outcomeError         = "error"
+	outcomeLimited       = "limited"
 )
 
 // issueOutcomes label an issuance that failed, by the kind of its error.
@@ -88,7 +89,8 @@ var issueOutcomes = map[Kind]string{
 	KindUnavailable:   outcomeUnavailable,
 	// A signer that did not answer in time: the cluster is unavailable
 	// for this request.
-	KindTimeout: outcomeUnavailable,
+	KindTimeout:         outcomeUnavailable,
+	KindTooManyRequests: outcomeLimited,
 }
 
 func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }

@@ -3,6 +3,7 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -24,6 +25,7 @@ const (
 	KindUnprocessable                    // well-formed, but cannot be granted as asked: 422
 	KindUnavailable                      // the API server cannot be reached; retryable: 503
 	KindTimeout                          // the cluster did not finish in time (a signer); retryable: 504
+	KindTooManyRequests                  // over a limit of the policy; retryable after RetryAfter: 429
 )
 
 // Error is a classified failure. Detail and Fields are meant for the caller
@@ -33,6 +35,9 @@ type Error struct {
 	Detail string
 	Fields []apiv1.FieldError
 	Err    error
+	// RetryAfter, for KindTooManyRequests, is how long until the request
+	// can succeed.
+	RetryAfter time.Duration
 }
 
 func (e *Error) Error() string {
@@ -59,7 +64,19 @@ func KindOf(err error) Kind {
 }
 
 // Retryable reports whether the same request may succeed later unchanged.
-func Retryable(err error) bool { k := KindOf(err); return k == KindUnavailable || k == KindTimeout }
+func Retryable(err error) bool {
+	k := KindOf(err)
+	return k == KindUnavailable || k == KindTimeout || k == KindTooManyRequests
+}
+
+// RetryAfterOf is the RetryAfter of the first *Error in err's chain.
+func RetryAfterOf(err error) time.Duration {
+	var be *Error
+	if errors.As(err, &be) {
+		return be.RetryAfter
+	}
+	return 0
+}
 
 // Errorf returns an *Error of the given kind whose detail is the formatted
 // message. The message is shown to the caller.

@@ -46,6 +46,9 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 	if err != nil {
 		return nil, outcome, err
 	}
+	if err := b.admitIssuance(dec.policy, c.Identity, dec.Peer, a); err != nil {
+		return nil, outcomeLimited, err
+	}
 	kc, err := execKubeconfig(dec.policy.Cluster, req, brokerURL)
 	if err != nil {
 		return nil, outcomeError, err

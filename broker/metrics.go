@@ -57,6 +57,10 @@ import (
 //	tokenbroker_audit_events_total{action,decision}        audit events written (see AuditEvent)
 //	tokenbroker_audit_write_errors_total                   audit events that could not be written
 //	tokenbroker_build_info{version,revision,goversion}     1, labelled with the build
+//	tokenbroker_limited_total{peer,reason}                 requests refused with 429 by a limit, by peer
+//	                                                       ("" for enrollments) and reason
+//	                                                       (issuance_rate, renewal_rate, enrollment_rate,
+//	                                                       max_live_leases, global_max_live_leases)
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -84,6 +88,7 @@ type Metrics struct {
 	auditEvents  *prometheus.CounterVec
 	auditErrors  prometheus.Counter
 	buildInfo    *prometheus.GaugeVec
+	limited      *prometheus.CounterVec
 }
 
 // The certificate label values of
@@ -206,10 +211,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_build_info",
 			Help: "Always 1, labelled with the version, VCS revision and Go version of the running binary.",
 		}, []string{"version", "revision", "goversion"}),
+		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_limited_total",
+			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases).",
+		}, []string{"peer", "reason"}),
 	}
 	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
 		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast,
-		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo} {
+		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -228,6 +237,13 @@ func (m *Metrics) observeIssue(outcome string, total, own time.Duration) {
 	m.issuances.WithLabelValues(outcome).Inc()
 	m.issueDur.WithLabelValues(outcome).Observe(total.Seconds())
 	m.issueOwn.WithLabelValues(outcome).Observe(own.Seconds())
+}
+
+func (m *Metrics) observeLimited(peer, reason string) {
+	if m == nil {
+		return
+	}
+	m.limited.WithLabelValues(peer, reason).Inc()
 }
 
 func (m *Metrics) observeAPI(call string, d time.Duration) {

@@ -42,7 +42,10 @@ const maxPolicyBytes = 1 << 20
 type Policy struct {
 	Cluster ClusterSpec `json:"cluster"`
 	TTL     TTLSpec     `json:"ttl"`
-	Peers   []PeerSpec  `json:"peers"`
+	// Limits are every peer's limits unless its own say otherwise
+	// (limits.go); absent: the built-in defaults.
+	Limits *LimitsSpec `json:"limits,omitempty"`
+	Peers  []PeerSpec  `json:"peers"`
 }
 
 // ClusterSpec describes the target cluster as the peers reach it: the
@@ -84,6 +87,8 @@ type PeerSpec struct {
 	// issues to this peer at enrollment and renewal; zero means the
 	// broker's default ("serve --client-cert-ttl").
 	CertificateTTL apiv1.Duration `json:"certificateTTL,omitempty"`
+	// Limits override the policy's limits for this peer.
+	Limits *LimitsSpec `json:"limits,omitempty"`
 }
 
 // GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
@@ -192,6 +197,7 @@ func (p *Policy) Validate() error {
 	if d := time.Duration(p.TTL.Default); d < MinCredentialTTL || d > maxTTL {
 		add("ttl.default", "must be between %s and ttl.max", MinCredentialTTL)
 	}
+	validateLimits(add, "limits", p.Limits, true)
 	names := map[string]bool{}
 	ids := map[string]bool{}
 	for i, peer := range p.Peers {
@@ -208,6 +214,7 @@ func (p *Policy) Validate() error {
 			add(path+".identity", "duplicate identity %q", peer.Identity)
 		}
 		ids[peer.Identity] = true
+		validateLimits(add, path+".limits", peer.Limits, false)
 		if d := time.Duration(peer.CertificateTTL); d != 0 && (d < MinCertificateTTL || d > MaxCertificateTTL) {
 			add(path+".certificateTTL", "must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 		}

@@ -103,3 +103,12 @@ func (s *PolicyStore) Load() *Policy { return s.p.Load() }
 
 // Store replaces the policy in force. p must be valid.
 func (s *PolicyStore) Store(p *Policy) { s.p.Store(p) }
+
+// Namespaces are the namespaces the policy in force grants; none before a
+// policy is loaded.
+func (s *PolicyStore) Namespaces() []string {
+	if p := s.Load(); p != nil {
+		return p.Namespaces()
+	}
+	return nil
+}

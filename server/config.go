@@ -49,6 +49,14 @@ type Broker interface {
 	Ready(ctx context.Context) error
 }
 
+// LimitsReporter is the optional ability of a Broker to tell a caller its
+// limits and usage, shown by GET /v1/whoami.
+type LimitsReporter interface {
+	// Limits returns the caller's limits and usage; nil for an identity
+	// the policy does not know.
+	Limits(c broker.Caller) *apiv1.PeerLimits
+}
+
 // CertificateIssuer is the optional ability of a Broker to issue client
 // certificates and serve the trust bundle; the server finds it by type
 // assertion. Without it POST /v1/certificates and GET /v1/trust-bundle

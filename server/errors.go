@@ -3,6 +3,7 @@ package server
 import (
 	"encoding/json"
 	"errors"
+	"math"
 	"net/http"
 	"strconv"
 
@@ -68,6 +69,8 @@ var (
 		"The service is temporarily unavailable; retry later."}
 	classTimeout = problemClass{http.StatusGatewayTimeout, "timeout", false,
 		"The cluster did not finish in time; retry later."}
+	classTooManyRequests = problemClass{http.StatusTooManyRequests, "too-many-requests", false,
+		"Over a limit of the policy; retry after Retry-After seconds."}
 	classInternal = problemClass{http.StatusInternalServerError, "internal", true,
 		"An internal error occurred; the request id identifies it in the server log."}
 )
@@ -106,6 +109,8 @@ func classOf(err error) (problemClass, *broker.Error) {
 		return classUnavailable, be
 	case broker.KindTimeout:
 		return classTimeout, be
+	case broker.KindTooManyRequests:
+		return classTooManyRequests, be
 	default:
 		return classInternal, be
 	}
@@ -160,7 +165,10 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	h := w.Header()
 	h.Set("Content-Type", apiv1.MediaTypeProblem)
 	h.Set("Content-Length", strconv.Itoa(len(body)))
-	if class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout {
+	switch {
+	case class.status == http.StatusTooManyRequests:
+		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(broker.RetryAfterOf(err).Seconds())))))
+	case class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout:
 		h.Set("Retry-After", retryAfterSeconds)
 	}
 	if class.status == http.StatusUnauthorized && enrolling {

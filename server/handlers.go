@@ -2,6 +2,7 @@ package server
 
 import (
 	"errors"
+	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -207,7 +208,12 @@ func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request, p peer) {
 	if grants == nil {
 		grants = []apiv1.Grant{}
 	}
+	var limits *apiv1.PeerLimits
+	if lr, ok := s.broker.(LimitsReporter); ok {
+		limits = lr.Limits(p.caller)
+	}
 	writeJSON(w, r, http.StatusOK, apiv1.WhoAmI{
+		Limits:   limits,
 		Identity: p.caller.Identity,
 		Peer:     name,
 		Grants:   grants,
@@ -257,7 +263,11 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 		writeError(w, r, err)
 		return
 	}
-	resp, err := s.certs.Enroll(r.Context(), token, req)
+	ctx := r.Context()
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		ctx = broker.WithRemoteAddr(ctx, host)
+	}
+	resp, err := s.certs.Enroll(ctx, token, req)
 	if err = answered(resp, err); err != nil {
 		writeError(w, r, err)
 		return

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -60,6 +61,9 @@ type Options struct {
 	KubeBurst int
 	// GCInterval is how often expired lease Secrets are deleted.
 	GCInterval time.Duration
+	// MaxLiveLeases bounds the live leases of all peers together, whatever
+	// the policy says; zero means broker.DefaultMaxLiveLeasesTotal.
+	MaxLiveLeases int
 	// ReloadInterval is how often the certificate, bundle and policy
 	// files are looked at; zero means each one's default (about a
 	// second). Tests shorten it.
@@ -121,6 +125,9 @@ func (o Options) Validate() error {
 	if o.SigningTimeout < 0 || o.SigningTimeout > 5*time.Minute {
 		errs = append(errs, errors.New("--signing-timeout must be between 0 (the default, 10s) and 5m"))
 	}
+	if o.MaxLiveLeases < 0 {
+		errs = append(errs, errors.New("--max-live-leases must not be negative"))
+	}
 	if o.GCInterval < time.Second {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
 	}
@@ -150,6 +157,15 @@ func (o Options) Validate() error {
 	return errors.Join(errs...)
 }
 
+// leaseWatchInterval is how often the lease counter looks at the policy's
+// namespaces: as often as the policy file is looked at, at most every 2s.
+func leaseWatchInterval(reload time.Duration) time.Duration {
+	if reload > 0 && reload < 2*time.Second {
+		return reload
+	}
+	return 2 * time.Second
+}
+
 // revocationSyncWait bounds how long Run waits for the first read of the
 // revocation list before it starts listening anyway.
 const revocationSyncWait = 10 * time.Second
@@ -172,6 +188,10 @@ func Run(ctx context.Context, opts Options) error {
 	client, err := kubeClient(opts, log)
 	if err != nil {
 		return err
+	}
+	metaClient, err := metadata.NewForConfig(kubeRESTConfig(opts, log))
+	if err != nil {
+		return fmt.Errorf("create Kubernetes metadata client: %w", err)
 	}
 
 	reg := prometheus.NewRegistry()
@@ -229,6 +249,7 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
+	leases := broker.NewLeaseCounter(metaClient, log.Named("leases"))
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -243,6 +264,8 @@ func Run(ctx context.Context, opts Options) error {
 		CertificateTTL: opts.ClientCertTTL,
 		Revocations:    revocations,
 		Auditor:        auditor,
+		Leases:         leases,
+		MaxLiveLeases:  opts.MaxLiveLeases,
 	})
 	if err != nil {
 		return err
@@ -274,6 +297,7 @@ func Run(ctx context.Context, opts Options) error {
 	go revocations.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
+	go leases.Run(ctx, store.Namespaces, leaseWatchInterval(opts.ReloadInterval))
 	// Until the deny list is read every caller is refused (fail closed);
 	// wait for it a little so that a healthy start serves at once.
 	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)

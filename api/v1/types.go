@@ -122,6 +122,22 @@ type WhoAmI struct {
 	Grants []Grant `json:"grants"`
 	// Certificate describes the presented client certificate.
 	Certificate CertificateInfo `json:"certificate"`
+	// Limits are the peer's limits and its usage now; absent for an
+	// identity the policy does not know.
+	Limits *PeerLimits `json:"limits,omitempty"`
+}
+
+// PeerLimits are the limits that apply to a peer (the policy's
+// peers[].limits, else its limits, else the built-in ones) and how much
+// of the lease quota it uses. The buckets are per broker replica.
+type PeerLimits struct {
+	IssuancesPerMinute int `json:"issuancesPerMinute"`
+	Burst              int `json:"burst"`
+	RenewalsPerMinute  int `json:"renewalsPerMinute"`
+	MaxLiveLeases      int `json:"maxLiveLeases"`
+	// LiveLeases is how many unexpired leases the peer holds, as this
+	// replica's lease informer sees them.
+	LiveLeases int `json:"liveLeases"`
 }
 
 // CertificateInfo is a short description of an X.509 certificate.

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
@@ -101,6 +102,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.Float32("kube-qps", defaultKubeQPS, "client-side rate limit for the broker's Kubernetes client (requests per second)")
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
+	fs.Int("max-live-leases", broker.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
@@ -125,6 +127,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		KubeQPS:        float32(v.GetFloat64("kube-qps")),
 		KubeBurst:      v.GetInt("kube-burst"),
 		GCInterval:     v.GetDuration("gc-interval"),
+		MaxLiveLeases:  v.GetInt("max-live-leases"),
 		MaxBodyBytes:   v.GetInt64("max-body-bytes"),
 		Pprof:          v.GetBool("pprof"),
 		Credentials:    v.GetStringSlice("credentials"),

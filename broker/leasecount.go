@@ -1,0 +1,251 @@
+package broker
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/tools/cache"
+)
+
+// LeaseCounter counts the lease Secrets of every peer from metadata-only
+// informers, one per namespace the policy grants (listing across all
+// namespaces would need the right to read every Secret of the cluster), so
+// that the quota check of an issuance reads memory, not the API server. A
+// lease counts from its creation until its Secret is deleted: revoked, or
+// collected by GC within --gc-interval of its expiry. Requests between
+// their check and the informer's sight of their Secret count as reserved,
+// so concurrent requests of one replica cannot pass the quota together;
+// several replicas can each let one more through in that moment. A lease
+// deleted before the informer saw it (a failed issuance) counts until the
+// informer's next relist.
+type LeaseCounter struct {
+	client metadata.Interface
+	log    *zap.Logger
+
+	mu      sync.Mutex
+	watches map[string]*nsWatch // by namespace
+	byKey   map[string]string   // namespace/name → peer, of the Secrets counted
+	perPeer map[string]int
+	// reserved are the places of requests not yet seen as Secrets, by
+	// peer, oldest first.
+	reserved map[string][]*reservation
+}
+
+// reservation is one request's place in a quota; done once its Secret is
+// counted or the request gave the place back.
+type reservation struct{ done bool }
+
+type nsWatch struct {
+	inf  cache.SharedIndexInformer
+	stop chan struct{}
+}
+
+// NewLeaseCounter makes a counter; Run starts it.
+func NewLeaseCounter(client metadata.Interface, log *zap.Logger) *LeaseCounter {
+	return &LeaseCounter{
+		client: client, log: log,
+		watches: map[string]*nsWatch{}, byKey: map[string]string{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
+	}
+}
+
+// leaseSelector selects the broker's lease Secrets.
+var leaseSelector = labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}).String()
+
+// Run keeps one informer per namespace of namespaces() (the policy's,
+// which a reload can change), checking every interval, until ctx ends.
+func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
+	wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
+	lc.watch(nil)
+}
+
+// watch starts informers for new namespaces and stops those of dropped
+// ones, whose Secrets stop counting: the broker no longer looks there.
+func (lc *LeaseCounter) watch(namespaces []string) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	for ns, w := range lc.watches {
+		if slices.Contains(namespaces, ns) {
+			continue
+		}
+		close(w.stop)
+		delete(lc.watches, ns)
+		for key, peer := range lc.byKey {
+			if keyNamespace(key) == ns {
+				lc.forget(key, peer)
+			}
+		}
+	}
+	for _, ns := range namespaces {
+		if lc.watches[ns] != nil {
+			continue
+		}
+		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, corev1.SchemeGroupVersion.WithResource("secrets"), ns, 0,
+			cache.Indexers{}, func(o *metav1.ListOptions) { o.LabelSelector = leaseSelector }).Informer()
+		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{ // fails only after the informer has stopped
+			AddFunc:    lc.add,
+			UpdateFunc: func(_, obj any) { lc.add(obj) },
+			DeleteFunc: lc.remove,
+		})
+		w := &nsWatch{inf: inf, stop: make(chan struct{})}
+		lc.watches[ns] = w
+		go inf.Run(w.stop)
+	}
+}
+
+func keyNamespace(key string) string {
+	ns, _, _ := cache.SplitMetaNamespaceKey(key)
+	return ns
+}
+
+func (lc *LeaseCounter) add(obj any) {
+	m, ok := obj.(*metav1.PartialObjectMetadata)
+	if !ok {
+		return
+	}
+	key := m.Namespace + "/" + m.Name
+	peer := m.Labels[LabelPeer]
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	if old, seen := lc.byKey[key]; seen {
+		if old == peer {
+			return
+		}
+		lc.forget(key, old)
+	}
+	lc.byKey[key] = peer
+	lc.perPeer[peer]++
+}
+
+func (lc *LeaseCounter) remove(obj any) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		return
+	}
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	if peer, ok := lc.byKey[key]; ok {
+		lc.forget(key, peer)
+	}
+}
+
+func (lc *LeaseCounter) forget(key, peer string) {
+	delete(lc.byKey, key)
+	if lc.perPeer[peer]--; lc.perPeer[peer] <= 0 {
+		delete(lc.perPeer, peer)
+	}
+}
+
+// Synced reports whether every informer has listed its namespace.
+func (lc *LeaseCounter) Synced() bool {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	for _, w := range lc.watches {
+		if !w.inf.HasSynced() {
+			return false
+		}
+	}
+	return true
+}
+
+// Live is how many leases peer holds (reserved places included) and how
+// many all peers hold.
+func (lc *LeaseCounter) Live(peer string) (own, total int) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	return lc.perPeer[peer] + len(lc.reserved[peer]), lc.totalLocked()
+}
+
+func (lc *LeaseCounter) totalLocked() int {
+	n := len(lc.byKey)
+	for _, rs := range lc.reserved {
+		n += len(rs)
+	}
+	return n
+}
+
+func (lc *LeaseCounter) setReserved(peer string, rs []*reservation) {
+	if len(rs) == 0 {
+		delete(lc.reserved, peer)
+		return
+	}
+	lc.reserved[peer] = rs
+}
+
+// reserve takes a place for one more lease of peer if it holds fewer than
+// perPeer and all hold fewer than total, or reports which quota is full.
+// The request then calls exactly one of the returned place's commit, once
+// its lease Secret exists, and release, when it created none.
+func (lc *LeaseCounter) reserve(peer string, perPeer, total int) (*place, string) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	switch {
+	case lc.totalLocked() >= total:
+		return nil, quotaTotal
+	case lc.perPeer[peer]+len(lc.reserved[peer]) >= perPeer:
+		return nil, quotaPeer
+	}
+	r := &reservation{}
+	lc.reserved[peer] = append(lc.reserved[peer], r)
+	return &place{lc: lc, peer: peer, r: r}, ""
+}
+
+// place is a reserved place in the quota.
+type place struct {
+	lc   *LeaseCounter
+	peer string
+	r    *reservation
+}
+
+// commit counts the lease Secret namespace/name from now on, as the
+// informer will when it sees it.
+func (p *place) commit(namespace, name string) {
+	lc := p.lc
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	if !p.drop() {
+		return
+	}
+	key := namespace + "/" + name
+	if _, seen := lc.byKey[key]; !seen {
+		lc.byKey[key] = p.peer
+		lc.perPeer[p.peer]++
+	}
+}
+
+// release gives the place back; after commit it does nothing.
+func (p *place) release() {
+	p.lc.mu.Lock()
+	defer p.lc.mu.Unlock()
+	p.drop()
+}
+
+// drop removes the reservation, once; lc.mu is held.
+func (p *place) drop() bool {
+	if p.r.done {
+		return false
+	}
+	p.r.done = true
+	rs := p.lc.reserved[p.peer]
+	for i, x := range rs {
+		if x == p.r {
+			p.lc.setReserved(p.peer, append(rs[:i:i], rs[i+1:]...))
+			break
+		}
+	}
+	return true
+}
+
+// The quotas reserve can find full.
+const (
+	quotaPeer  = "maxLiveLeases"
+	quotaTotal = "--max-live-leases"
+)

@@ -1,0 +1,147 @@
+package broker
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+const limitsPolicy = `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+limits: {issuancesPerMinute: 2, burst: 2}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
+  - name: south
+    identity: spiffe://oc.example/cluster/south
+    limits: {issuancesPerMinute: 60, burst: 5}
+    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
+`
+
+func newLimitsEnv(t *testing.T, policy string) (*env, *clocktesting.FakeClock) {
+	t.Helper()
+	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	client := fake.NewClientset()
+	iss := &fakeIssuer{}
+	b, err := New(Config{
+		Secrets: client.CoreV1(),
+		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
+		Policy:  NewPolicyStore(mustPolicy(t, policy)),
+		Logger:  zap.NewNop(),
+		Clock:   clk,
+	})
+	require.NoError(t, err)
+	return &env{b: b, client: client, iss: iss}, clk
+}
+
+func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *testing.T) {
+	t.Parallel()
+	e, clk := newLimitsEnv(t, limitsPolicy)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	req := apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"}
+	ctx := context.Background()
+	for range 2 {
+		_, err := e.b.IssueKubeconfig(ctx, west, req)
+		require.NoError(t, err, "the burst")
+	}
+	_, err := e.b.IssueKubeconfig(ctx, west, req)
+	require.Equal(t, KindTooManyRequests, KindOf(err))
+	require.Equal(t, 30*time.Second, RetryAfterOf(err), "2 a minute: a token every 30s")
+	require.Contains(t, err.Error(), "peer west is over its limit of 2 issuances a minute (burst 2); retry in 30s")
+	require.Equal(t, 2, e.leaseCount(t), "nothing created")
+	evs := rec.all()
+	require.Equal(t, DecisionDeny, evs[len(evs)-1].Decision, "the refusal is audited")
+
+	south := Caller{Identity: "spiffe://oc.example/cluster/south"}
+	for range 5 {
+		_, err := e.b.IssueKubeconfig(ctx, south, req)
+		require.NoError(t, err, "another peer has its own bucket, and its own limits")
+	}
+
+	clk.Step(29 * time.Second)
+	_, err = e.b.IssueKubeconfig(ctx, west, req)
+	require.Equal(t, KindTooManyRequests, KindOf(err))
+	require.InDelta(t, float64(time.Second), float64(RetryAfterOf(err)), float64(time.Millisecond))
+	clk.Step(time.Second)
+	_, err = e.b.IssueKubeconfig(ctx, west, req)
+	require.NoError(t, err, "after Retry-After")
+}
+
+func TestTheLeaseQuotaRefusesAPeerAtItsMaximumUntilAPlaceIsFree(t *testing.T) {
+	t.Parallel()
+	lc := NewLeaseCounter(nil, zap.NewNop())
+	first, full := lc.reserve("west", 2, 10)
+	require.Empty(t, full)
+	second, full := lc.reserve("west", 2, 10)
+	require.Empty(t, full, "two places for two requests in flight")
+	_, full = lc.reserve("west", 2, 10)
+	require.Equal(t, quotaPeer, full, "a third concurrent request would exceed the quota")
+
+	lc.add(leaseMeta("argo", "tokenbroker-lease-a", "west")) // the informer sees the first lease before its request ends
+	first.commit("argo", "tokenbroker-lease-a")
+	first.release() // no-op after commit
+	own, total := lc.Live("west")
+	require.Equal(t, 2, own, "one lease (counted once) and one place")
+	require.Equal(t, 2, total)
+	_, full = lc.reserve("south", 5, 2)
+	require.Equal(t, quotaTotal, full, "the global quota counts every peer")
+
+	second.release() // the second request created nothing
+	own, _ = lc.Live("west")
+	require.Equal(t, 1, own)
+	lc.remove(leaseMeta("argo", "tokenbroker-lease-a", "west")) // revoked
+	own, total = lc.Live("west")
+	require.Zero(t, own)
+	require.Zero(t, total)
+}
+
+func TestLimitsAreValidatedWithTheirPaths(t *testing.T) {
+	t.Parallel()
+	_, err := ParsePolicy([]byte(`
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+limits: {issuancesPerMinute: 0, maxLiveLeases: 2000000}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    limits: {burst: -1, enrollmentsPerMinute: 5}
+`))
+	require.Error(t, err)
+	for _, want := range []string{
+		"limits.issuancesPerMinute: must be between 1 and 1000000",
+		"limits.maxLiveLeases: must be between 1 and 1000000",
+		"peers[0].limits.burst: must be between 1 and 1000000",
+		"peers[0].limits.enrollmentsPerMinute: is a top-level limit",
+	} {
+		require.Contains(t, err.Error(), want)
+	}
+}
+
+func TestEnrollmentsAreLimitedPerAddressAndPerJoinToken(t *testing.T) {
+	t.Parallel()
+	e, clk := newLimitsEnv(t, `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+limits: {enrollmentsPerMinute: 1}
+`)
+	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-a", nil))
+	err := e.b.admitEnrollment("192.0.2.1", "token-b", nil)
+	require.Equal(t, KindTooManyRequests, KindOf(err), "the same address")
+	err = e.b.admitEnrollment("192.0.2.2", "token-a", nil)
+	require.Equal(t, KindTooManyRequests, KindOf(err), "the same token from another address")
+	require.NoError(t, e.b.admitEnrollment("192.0.2.3", "token-c", nil))
+	clk.Step(time.Minute)
+	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-b", nil))
+}
+
+func leaseMeta(ns, name, peer string) *metav1.PartialObjectMetadata {
+	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer}}}
+}
