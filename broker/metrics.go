@@ -16,7 +16,8 @@ import (
 //	                                                       issuance duration less the time spent waiting on
 //	                                                       the API server
 //	tokenbroker_apiserver_call_duration_seconds{call}      time spent waiting on the API server per call
-//	tokenbroker_leases_deleted_total{reason}               leases revoked on request or collected on expiry
+//	tokenbroker_leases_deleted_total{reason}               leases revoked on request, collected on expiry, or
+//	                                                       revoked as "unmatched" (see below)
 //	tokenbroker_certificate_requests_total{operation,outcome}
 //	                                                       enrollments and renewals (operation "enroll" or
 //	                                                       "renew") by outcome: issued, unauthenticated,
@@ -57,6 +58,12 @@ import (
 //	tokenbroker_audit_events_total{action,decision}        audit events written (see AuditEvent)
 //	tokenbroker_audit_write_errors_total                   audit events that could not be written
 //	tokenbroker_build_info{version,revision,goversion}     1, labelled with the build
+//	tokenbroker_unmatched_revocations_total{reason}        leases revoked because their namespace stopped
+//	                                                       being covered by the selector grant they were
+//	                                                       issued under: label_changed, namespace_deleted,
+//	                                                       policy_narrowed, found_at_start (counted by the
+//	                                                       replica whose delete removed the lease)
+//	tokenbroker_selector_namespaces{peer,grant}            namespaces a grant's namespaceSelector matches now
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -84,6 +91,8 @@ type Metrics struct {
 	auditEvents  *prometheus.CounterVec
 	auditErrors  prometheus.Counter
 	buildInfo    *prometheus.GaugeVec
+	unmatched    *prometheus.CounterVec
+	selectorNS   *prometheus.GaugeVec
 }
 
 // The certificate label values of
@@ -128,7 +137,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"call"}),
 		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_leases_deleted_total",
-			Help: "Lease Secrets deleted, by reason (revoked, expired).",
+			Help: "Lease Secrets deleted, by reason (revoked, expired, unmatched).",
 		}, []string{"reason"}),
 		certs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_certificate_requests_total",
@@ -206,10 +215,18 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_build_info",
 			Help: "Always 1, labelled with the version, VCS revision and Go version of the running binary.",
 		}, []string{"version", "revision", "goversion"}),
+		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_unmatched_revocations_total",
+			Help: "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).",
+		}, []string{"reason"}),
+		selectorNS: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_selector_namespaces",
+			Help: "Namespaces a grant's namespaceSelector matches now, by peer and grant.",
+		}, []string{"peer", "grant"}),
 	}
 	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
 		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast,
-		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo} {
+		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.unmatched, m.selectorNS} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -389,4 +406,26 @@ func (m *Metrics) observeAudit(action, decision string, writeErr error) {
 		return
 	}
 	m.auditEvents.WithLabelValues(action, decision).Inc()
+}
+
+// observeUnmatched counts one lease revoked because its namespace stopped
+// being covered, and deleted as lease reason "unmatched".
+func (m *Metrics) observeUnmatched(reason string) {
+	if m == nil {
+		return
+	}
+	m.unmatched.WithLabelValues(reason).Inc()
+	m.deleted.WithLabelValues("unmatched").Inc()
+}
+
+// setSelectorNamespaces replaces the per-grant counts of matching
+// namespaces.
+func (m *Metrics) setSelectorNamespaces(counts map[selectorGrant]int) {
+	if m == nil {
+		return
+	}
+	m.selectorNS.Reset()
+	for k, n := range counts {
+		m.selectorNS.WithLabelValues(k.peer, k.grant).Set(float64(n))
+	}
 }

@@ -13,9 +13,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -229,6 +233,10 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
+	namespaces, err := namespaceInformer(ctx, opts, log)
+	if err != nil {
+		return err
+	}
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -243,6 +251,7 @@ func Run(ctx context.Context, opts Options) error {
 		CertificateTTL: opts.ClientCertTTL,
 		Revocations:    revocations,
 		Auditor:        auditor,
+		Namespaces:     namespaces,
 	})
 	if err != nil {
 		return err
@@ -272,6 +281,8 @@ func Run(ctx context.Context, opts Options) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go revocations.Run(ctx)
+	go namespaces.RunWithContext(ctx)
+	go b.RunTenants(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
 	// Until the deny list is read every caller is refused (fail closed);
@@ -280,6 +291,9 @@ func Run(ctx context.Context, opts Options) error {
 	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
 		log.Warn("revocation list not read yet; every caller is refused until it is",
 			zap.String("namespace", opts.Namespace), zap.Error(err))
+	}
+	if !cache.WaitForCacheSync(syncCtx.Done(), namespaces.HasSynced) && ctx.Err() == nil {
+		log.Warn("namespace cache not synced yet; not ready until it is")
 	}
 	cancelSync()
 	go func() {
@@ -303,6 +317,28 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// namespaceInformer is the broker's metadata-only informer of namespaces,
+// which grants by namespaceSelector are decided from and kept true by:
+// names, labels and deletion timestamps only (broker.TrimNamespace), so
+// that thousands of namespaces cost a few megabytes. It needs list and
+// watch on namespaces.
+func namespaceInformer(ctx context.Context, opts Options, log *zap.Logger) (cache.SharedIndexInformer, error) {
+	mc, err := metadata.NewForConfig(kubeRESTConfig(opts, log))
+	if err != nil {
+		return nil, fmt.Errorf("create Kubernetes metadata client: %w", err)
+	}
+	inf := metadatainformer.NewFilteredMetadataInformer(mc, corev1.SchemeGroupVersion.WithResource("namespaces"), "", 0, cache.Indexers{}, nil).Informer()
+	if err := inf.SetTransform(broker.TrimNamespace); err != nil {
+		return nil, fmt.Errorf("namespace informer: %w", err)
+	}
+	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		if ctx.Err() == nil {
+			log.Warn("watch of namespaces failed; retrying", zap.Error(err))
+		}
+	}) // fails only once the informer runs
+	return inf, nil
 }
 
 // kubeClient is the broker's Kubernetes client. It lifts client-go's
