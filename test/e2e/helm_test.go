@@ -542,7 +542,8 @@ func TestHelmChartRenders(t *testing.T) {
 		}
 		values := writeFile(t, filepath.Join(t.TempDir(), "east.yaml"), strings.Join(lines, "\n"))
 		docs := h.render(t, "-f", values)
-		require.Empty(t, manifestsOf(docs, "ClusterRoleBinding"))
+		// The only cluster-wide binding is the namespace cache's list and watch.
+		require.Equal(t, []string{"ClusterRoleBinding/tokenbroker-namespaces"}, kindNames(manifestsOf(docs, "ClusterRoleBinding")))
 		rb := decode[rbacv1.RoleBinding](t, findManifest(t, docs, "RoleBinding", "tokenbroker-issue"))
 		require.Equal(t, "argo", rb.Namespace)
 		svc := decode[corev1.Service](t, findManifest(t, docs, "Service", "tokenbroker"))
