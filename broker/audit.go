@@ -75,6 +75,9 @@ type AuditEvent struct {
 	JoinTokenID string `json:"join_token_jti,omitempty"`
 	Serial      string `json:"serial,omitempty"`
 	NotAfter    string `json:"not_after,omitempty"`
+	// Grant is the grant a lease was issued under, on issuance and on a
+	// revocation because its namespace stopped matching it.
+	Grant string `json:"grant,omitempty"`
 }
 
 // Auditor receives the broker's audit events. Audit must be safe for

@@ -124,6 +124,11 @@ type Config struct {
 	// together whatever the policy says; 0 means DefaultMaxLiveLeasesTotal.
 	Leases        *LeaseCounter
 	MaxLiveLeases int
+	// Namespaces, if set, is a metadata-only informer of the cluster's
+	// namespaces, run by the caller: grants by namespaceSelector are
+	// decided from it and kept true (RunTenants). Without it such grants
+	// match nothing. While it is not synced the broker is not ready.
+	Namespaces NamespaceInformer
 }
 
 // Broker is the domain core. It is safe for concurrent use.
@@ -132,6 +137,8 @@ type Broker struct {
 	limits     *limiter
 	joinTokens JoinTokenVerifier
 	cleanups   atomic.Int64 // background lease deletions under way
+	// tenants is nil without Config.Namespaces.
+	tenants *tenants
 }
 
 // New checks cfg and returns a Broker.
@@ -166,6 +173,13 @@ func New(cfg Config) (*Broker, error) {
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Clock.Now)
+	}
+	if cfg.Namespaces != nil {
+		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)
+		if err != nil {
+			return nil, fmt.Errorf("broker: watch namespaces: %w", err)
+		}
+		b.tenants = t
 	}
 	return b, nil
 }
@@ -302,7 +316,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	if err != nil {
 		return decided{}, outcomeError, err
 	}
-	d, err := p.Decide(c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
+	d, err := p.DecideIn(b.namespaceLabels(), c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
 	if err != nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
 		if KindOf(err) == KindForbidden {
@@ -311,7 +325,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 		a.denial = denyMinTTL
 		return decided{}, outcomeUnprocessable, err
 	}
-	a.ev.Peer = d.Peer
+	a.ev.Peer, a.ev.Grant = d.Peer, d.Grant
 	issuer := b.cfg.Issuers[d.Credential]
 	if issuer == nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
@@ -540,6 +554,7 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 				AnnotationIdentity:  c.Identity,
 				AnnotationSA:        req.ServiceAccount,
 				AnnotationCred:      d.Credential,
+				AnnotationGrant:     d.Grant,
 			},
 		},
 		Type: SecretTypeLease,
@@ -658,7 +673,38 @@ func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
 	if p == nil {
 		return "", []apiv1.Grant{}
 	}
-	return p.Grants(c.Identity)
+	name, grants := p.Grants(c.Identity)
+	if peer := p.peer(c.Identity); peer != nil {
+		for i := range grants {
+			b.describeTenantGrant(peer.Name, &peer.Grants[i], &grants[i])
+		}
+	}
+	return name, grants
+}
+
+// describeTenantGrant adds to out what whoami shows of a grant's name and
+// selector: the namespaces it matches now, from the index.
+func (b *Broker) describeTenantGrant(peer string, g *GrantSpec, out *apiv1.Grant) {
+	out.Name = g.Name
+	if g.NamespaceSelector == nil {
+		return
+	}
+	out.NamespaceSelector = apiSelector(g.NamespaceSelector)
+	keep := g.keptTrue()
+	out.RevokeOnUnmatch = &keep
+	out.RevokeDelay = time.Duration(g.RevokeDelay).String()
+	if b.tenants != nil {
+		out.MatchingNamespaces = b.tenants.matchingNamespaces(peer, g.Name)
+	}
+}
+
+// namespaceLabels is what selector grants are decided from: the namespace
+// cache, or nothing.
+func (b *Broker) namespaceLabels() NamespaceLabels {
+	if b.tenants == nil {
+		return nil
+	}
+	return b.tenants
 }
 
 // Ready reports whether a policy is loaded, the revocation list is synced
@@ -672,6 +718,9 @@ func (b *Broker) Ready(ctx context.Context) error {
 	}
 	if b.cfg.Leases != nil && !b.cfg.Leases.Synced() {
 		return errors.New("lease counts not synced yet")
+	}
+	if b.tenants != nil && !b.tenants.synced() {
+		return errors.New("namespace cache not synced yet")
 	}
 	if b.cfg.APIServerReady != nil {
 		if err := b.cfg.APIServerReady(ctx); err != nil {

@@ -60,12 +60,26 @@ func NewLeaseCounter(client metadata.Interface, log *zap.Logger) *LeaseCounter {
 // leaseSelector selects the broker's lease Secrets.
 var leaseSelector = labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}).String()
 
-// Run keeps one informer per namespace of namespaces() (the policy's,
-// which a reload can change), checking every interval, until ctx ends.
+// Run counts until ctx ends. If the broker may list Secrets in every
+// namespace (deploy/base binds its role cluster-wide), one informer
+// watches them all, however many namespaces a selector grant matches.
+// Otherwise (RBAC bound only in the granted namespaces) it keeps one
+// informer per namespace of namespaces(), which a policy reload or a
+// namespace label can change, checking every interval.
 func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
-	wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
+	_, err := lc.client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, Limit: 1})
+	if err == nil {
+		lc.log.Info("counting leases with one cluster-wide informer")
+		lc.watch([]string{metav1.NamespaceAll})
+	} else {
+		lc.log.Info("counting leases with one informer per granted namespace", zap.String("cluster_wide_list", err.Error()))
+		wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
+	}
+	<-ctx.Done()
 	lc.watch(nil)
 }
+
+var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 
 // watch starts informers for new namespaces and stops those of dropped
 // ones, whose Secrets stop counting: the broker no longer looks there.
@@ -88,7 +102,7 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		if lc.watches[ns] != nil {
 			continue
 		}
-		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, corev1.SchemeGroupVersion.WithResource("secrets"), ns, 0,
+		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, secretsGVR, ns, 0,
 			cache.Indexers{}, func(o *metav1.ListOptions) { o.LabelSelector = leaseSelector }).Informer()
 		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{ // fails only after the informer has stopped
 			AddFunc:    lc.add,

@@ -34,7 +34,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller) ([]apiv1.Lease, error
 	if peer == nil {
 		return []apiv1.Lease{}, nil
 	}
-	secrets, err := b.listLeaseSecrets(ctx, peer.namespaces(), labels.Set{LabelPeer: peer.Name})
+	secrets, err := b.listLeaseSecrets(ctx, b.peerNamespaces(peer), labels.Set{LabelPeer: peer.Name})
 	if err != nil {
 		return nil, err
 	}
@@ -118,7 +118,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if peer == nil {
 		return nil, notFound
 	}
-	secrets, err := b.listLeaseSecrets(ctx, peer.namespaces(), labels.Set{LabelLeaseID: id})
+	secrets, err := b.listLeaseSecrets(ctx, b.peerNamespaces(peer), labels.Set{LabelLeaseID: id})
 	if err != nil {
 		return nil, err
 	}
@@ -173,6 +173,7 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 		Credential:     s.Annotations[AnnotationCred],
 		CreatedAt:      s.CreationTimestamp.UTC(),
 		ExpiresAt:      exp.UTC(),
+		Grant:          s.Annotations[AnnotationGrant],
 	}
 }
 
@@ -199,11 +200,10 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	// label existed.
 	now := b.cfg.Clock.Now()
 	maxTTL := 24 * time.Hour
-	var namespaces []string
 	if p := b.cfg.Policy.Load(); p != nil {
 		maxTTL = time.Duration(p.TTL.Max)
-		namespaces = p.Namespaces()
 	}
+	namespaces := b.LeaseNamespaces()
 	if b.cfg.Namespace != "" && !slices.Contains(namespaces, b.cfg.Namespace) {
 		namespaces = append(namespaces, b.cfg.Namespace)
 	}
@@ -281,6 +281,8 @@ type LeaseRecord struct {
 	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
 	Expired        bool       `json:"expired"`
 	Secret         string     `json:"secret"`
+	// Grant is the grant the lease was issued under (AnnotationGrant).
+	Grant string `json:"grant,omitempty"`
 	// UID is the Secret's, for a delete with a precondition.
 	UID types.UID `json:"-"`
 }
@@ -320,7 +322,7 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 		r := LeaseRecord{
 			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User,
 			Credential: l.Credential, CreatedAt: l.CreatedAt,
-			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID,
+			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
 		}
 		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
 			continue
@@ -346,4 +348,33 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 		return a.ID < b.ID
 	})
 	return out
+}
+
+// LeaseNamespaces are the namespaces where any peer may hold leases: those
+// the policy's grants name and those its selector grants match now,
+// sorted, each once.
+func (b *Broker) LeaseNamespaces() []string {
+	var namespaces []string
+	if p := b.cfg.Policy.Load(); p != nil {
+		namespaces = p.Namespaces()
+	}
+	if b.tenants != nil {
+		namespaces = append(namespaces, b.tenants.namespaces("")...)
+		slices.Sort(namespaces)
+		namespaces = slices.Compact(namespaces)
+	}
+	return namespaces
+}
+
+// peerNamespaces returns the namespaces where the peer may hold leases:
+// those its grants name and those its selector grants match now, sorted,
+// each once.
+func (b *Broker) peerNamespaces(peer *PeerSpec) []string {
+	ns := peer.namespaces()
+	if b.tenants == nil {
+		return ns
+	}
+	ns = append(ns, b.tenants.namespaces(peer.Name)...)
+	slices.Sort(ns)
+	return slices.Compact(ns)
 }

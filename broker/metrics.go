@@ -16,7 +16,8 @@ import (
 //	                                                       issuance duration less the time spent waiting on
 //	                                                       the API server
 //	tokenbroker_apiserver_call_duration_seconds{call}      time spent waiting on the API server per call
-//	tokenbroker_leases_deleted_total{reason}               leases revoked on request or collected on expiry
+//	tokenbroker_leases_deleted_total{reason}               leases revoked on request, collected on expiry, or
+//	                                                       revoked as "unmatched" (see below)
 //	tokenbroker_certificate_requests_total{operation,outcome}
 //	                                                       enrollments and renewals (operation "enroll" or
 //	                                                       "renew") by outcome: issued, unauthenticated,
@@ -61,6 +62,12 @@ import (
 //	                                                       ("" for enrollments) and reason
 //	                                                       (issuance_rate, renewal_rate, enrollment_rate,
 //	                                                       max_live_leases, global_max_live_leases)
+//	tokenbroker_unmatched_revocations_total{reason}        leases revoked because their namespace stopped
+//	                                                       being covered by the selector grant they were
+//	                                                       issued under: label_changed, namespace_deleted,
+//	                                                       policy_narrowed, found_at_start (counted by the
+//	                                                       replica whose delete removed the lease)
+//	tokenbroker_selector_namespaces{peer,grant}            namespaces a grant's namespaceSelector matches now
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -89,6 +96,8 @@ type Metrics struct {
 	auditErrors  prometheus.Counter
 	buildInfo    *prometheus.GaugeVec
 	limited      *prometheus.CounterVec
+	unmatched    *prometheus.CounterVec
+	selectorNS   *prometheus.GaugeVec
 }
 
 // The certificate label values of
@@ -133,7 +142,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"call"}),
 		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_leases_deleted_total",
-			Help: "Lease Secrets deleted, by reason (revoked, expired).",
+			Help: "Lease Secrets deleted, by reason (revoked, expired, unmatched).",
 		}, []string{"reason"}),
 		certs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_certificate_requests_total",
@@ -215,10 +224,18 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_limited_total",
 			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases).",
 		}, []string{"peer", "reason"}),
+		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_unmatched_revocations_total",
+			Help: "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).",
+		}, []string{"reason"}),
+		selectorNS: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_selector_namespaces",
+			Help: "Namespaces a grant's namespaceSelector matches now, by peer and grant.",
+		}, []string{"peer", "grant"}),
 	}
 	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
 		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast,
-		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited} {
+		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited, m.unmatched, m.selectorNS} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -405,4 +422,26 @@ func (m *Metrics) observeAudit(action, decision string, writeErr error) {
 		return
 	}
 	m.auditEvents.WithLabelValues(action, decision).Inc()
+}
+
+// observeUnmatched counts one lease revoked because its namespace stopped
+// being covered, and deleted as lease reason "unmatched".
+func (m *Metrics) observeUnmatched(reason string) {
+	if m == nil {
+		return
+	}
+	m.unmatched.WithLabelValues(reason).Inc()
+	m.deleted.WithLabelValues("unmatched").Inc()
+}
+
+// setSelectorNamespaces replaces the per-grant counts of matching
+// namespaces.
+func (m *Metrics) setSelectorNamespaces(counts map[selectorGrant]int) {
+	if m == nil {
+		return
+	}
+	m.selectorNS.Reset()
+	for k, n := range counts {
+		m.selectorNS.WithLabelValues(k.peer, k.grant).Set(float64(n))
+	}
 }

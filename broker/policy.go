@@ -10,6 +10,8 @@ import (
 	"time"
 
 	rbacpath "k8s.io/apimachinery/pkg/api/validation/path"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
@@ -105,6 +107,28 @@ type GrantSpec struct {
 	// broker binds it with a RoleBinding owned by the lease.
 	Role        string `json:"role,omitempty"`
 	ClusterRole string `json:"clusterRole,omitempty"`
+
+	// Name identifies the grant among its peer's: every lease records the
+	// grant it was issued under (AnnotationGrant), by this name. Required
+	// with NamespaceSelector, so that a lease still names its grant after
+	// grants are added, removed or reordered.
+	Name string `json:"name,omitempty"`
+	// NamespaceSelector, if set, grants every namespace whose labels it
+	// matches, now and later, besides those in Namespaces (the union). It
+	// is matched against a watched cache of namespaces, never a GET per
+	// request. An empty selector is an error, not "every namespace".
+	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
+	// RevokeOnUnmatch (default true, selector grants only) keeps the grant
+	// true: when a namespace stops being covered (its labels change, it
+	// is deleted, or a reload narrows the grant) the leases issued under
+	// this grant there are revoked, RevokeDelay later.
+	RevokeOnUnmatch *bool `json:"revokeOnUnmatch,omitempty"`
+	// RevokeDelay is how long a namespace may stay uncovered before its
+	// leases are revoked (to ride out a relabel); default 0.
+	RevokeDelay apiv1.Duration `json:"revokeDelay,omitempty"`
+
+	// selector is NamespaceSelector compiled by Validate; nil without one.
+	selector labels.Selector
 }
 
 // roleRef is the grant's role, or the zero RoleRef for a token grant.
@@ -219,11 +243,13 @@ func (p *Policy) Validate() error {
 			add(path+".certificateTTL", "must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 		}
 		certNamespaces := map[string]bool{}
+		grantNames := map[string]bool{}
 		for j, g := range peer.Grants {
 			gpath := fmt.Sprintf("%s.grants[%d]", path, j)
-			if len(g.Namespaces) == 0 {
-				add(gpath+".namespaces", "must list at least one namespace")
+			if len(g.Namespaces) == 0 && g.NamespaceSelector == nil {
+				add(gpath+".namespaces", "must list at least one namespace (or set namespaceSelector)")
 			}
+			validateTenantGrant(&p.Peers[i].Grants[j], gpath, time.Duration(p.TTL.Max), grantNames, add)
 			for k, ns := range g.Namespaces {
 				if errs := validation.IsDNS1123Label(ns); len(errs) > 0 {
 					add(fmt.Sprintf("%s.namespaces[%d]", gpath, k), "%s", strings.Join(errs, "; "))
@@ -347,6 +373,9 @@ type Decision struct {
 	TTL          time.Duration
 	// ClampedBy names the limit that changed the requested TTL, or "".
 	ClampedBy string
+	// Grant names the grant that allowed the request (GrantSpec.Name, or
+	// its position "grants[i]" for an unnamed one): the lease records it.
+	Grant string
 }
 
 // Clamp reasons, as reported in clampedBy.
@@ -359,12 +388,13 @@ const (
 	ClampedBySigner = "signer"
 )
 
-// Decide authorizes a request and chooses its TTL. requested and minTTL
-// are zero when the caller gave none. It fails with KindForbidden when no
+// DecideIn authorizes a request and chooses its TTL, matching grants'
+// namespace selectors against the labels nss reports (nil: selectors
+// match nothing). requested and minTTL are zero when the caller gave none. It fails with KindForbidden when no
 // grant allows the request (the same error whatever the reason, so a peer
 // cannot probe the policy), and with KindUnprocessable when the grant
 // cannot give at least minTTL.
-func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
+func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
 	if credential == "" {
 		credential = apiv1.CredentialToken
 	}
@@ -377,7 +407,7 @@ func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, 
 		g := &peer.Grants[i]
 		// A certificate grant names no ServiceAccount (the request none).
 		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
-		if g.Credential == credential && slices.Contains(g.Namespaces, namespace) && saOK {
+		if g.Credential == credential && g.covers(nss, namespace) && saOK {
 			// The most generous matching grant wins, so that adding a grant
 			// never takes anything away.
 			if grant == nil || p.grantMax(g) > p.grantMax(grant) {
@@ -389,6 +419,7 @@ func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, 
 		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
 	}
 	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested}
+	d.Grant = peer.grantRef(grant)
 	if requested == 0 {
 		requested = time.Duration(p.TTL.Default)
 	}

@@ -257,12 +257,31 @@ func FuzzParsePolicy(f *testing.F) {
 	f.Add([]byte("cluster: {name: east, server: \"https://east.example.com:6443/a\u0085b\", caData: x}\n"))
 	f.Add([]byte(`{"cluster": {"name": "east", "server": "https://east.example.com:6443/a\u0085b", "caData": "x"}}`))
 	f.Add([]byte(`cluster: {name: east, server: "https://10.0.0.1:6443/k8s", tlsServerName: east.internal, proxyURL: "socks5://proxy:1080", caData: x}` + "\n"))
+	// The namespace selector section: every operator, an empty selector,
+	// revocation settings.
+	f.Add([]byte(tenantPolicy))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchExpressions: [{key: tenant, operator: In, values: [oil]}, {key: x, operator: NotIn, values: [y]}, {key: e, operator: Exists}, {key: d, operator: DoesNotExist}]}, serviceAccounts: [sa], revokeDelay: 30s}\n"))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {}, serviceAccounts: [sa]}\n"))
+	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"name":"t","namespaceSelector":{"matchLabels":{"a/b":"c"}},"serviceAccounts":["sa"],"revokeOnUnmatch":false}]}]}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		p, err := ParsePolicy(data)
 		if err != nil {
 			return
 		}
 		require.NoError(t, p.Validate())
+		// A valid selector grant is named, compiled and never empty: it
+		// cannot grant every namespace.
+		for _, peer := range p.Peers {
+			for _, g := range peer.Grants {
+				if g.NamespaceSelector == nil {
+					require.Nil(t, g.selector)
+					continue
+				}
+				require.NotEmpty(t, g.Name)
+				require.NotNil(t, g.selector)
+				require.False(t, g.selector.Empty(), "%+v", g.NamespaceSelector)
+			}
+		}
 		// What a valid policy puts in a kubeconfig is printable ASCII, so
 		// every client reads it alike, and reads back as it was.
 		c := p.Cluster

@@ -4,6 +4,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -86,6 +87,18 @@ func CheckCABundle(data []byte) error { return checkCABundle(data) }
 // swaps the whole policy at once.
 type PolicyStore struct {
 	p atomic.Pointer[Policy]
+
+	mu       sync.Mutex // serialises Store and guards onChange
+	onChange []func(old, new *Policy)
+}
+
+// OnChange registers f to be called after every Store with the policy
+// replaced and the new one, in the order of the stores. f must not block
+// for long: the reload waits for it.
+func (s *PolicyStore) OnChange(f func(old, new *Policy)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.onChange = append(s.onChange, f)
 }
 
 // NewPolicyStore returns a store holding p (which may be nil: then every
@@ -102,10 +115,17 @@ func NewPolicyStore(p *Policy) *PolicyStore {
 func (s *PolicyStore) Load() *Policy { return s.p.Load() }
 
 // Store replaces the policy in force. p must be valid.
-func (s *PolicyStore) Store(p *Policy) { s.p.Store(p) }
+func (s *PolicyStore) Store(p *Policy) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := s.p.Swap(p)
+	for _, f := range s.onChange {
+		f(old, p)
+	}
+}
 
-// Namespaces are the namespaces the policy in force grants; none before a
-// policy is loaded.
+// Namespaces are the namespaces the policy in force grants by name; none
+// before a policy is loaded.
 func (s *PolicyStore) Namespaces() []string {
 	if p := s.Load(); p != nil {
 		return p.Namespaces()

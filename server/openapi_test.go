@@ -199,6 +199,7 @@ var wireTypes = []any{
 	apiv1.KubeconfigRequest{}, apiv1.KubeconfigResponse{}, apiv1.Lease{}, apiv1.LeaseList{},
 	apiv1.Grant{}, apiv1.WhoAmI{}, apiv1.CertificateInfo{}, apiv1.Problem{}, apiv1.FieldError{},
 	apiv1.CertificateRequest{}, apiv1.CertificateResponse{}, apiv1.TrustBundle{}, apiv1.PeerLimits{}, apiv1.ExecKubeconfigResponse{},
+	apiv1.LabelSelector{}, apiv1.LabelSelectorRequirement{},
 }
 
 var timeType = reflect.TypeFor[time.Time]()
@@ -244,7 +245,8 @@ func compareSchema(spec *oaSpec, typ reflect.Type) []string {
 // Go type t.
 func compareType(spec *oaSpec, where string, t reflect.Type, s *oaSchema) []string {
 	if t.Kind() == reflect.Pointer {
-		t = t.Elem() // an optional object; omitempty makes it absent
+		// An optional field: the pointer's target is what goes on the wire.
+		return compareType(spec, where, t.Elem(), s)
 	}
 	if ref, ok := strings.CutPrefix(s.Ref, "#/components/schemas/"); ok {
 		if t.Kind() == reflect.Struct && t != timeType {
@@ -261,6 +263,10 @@ func compareType(spec *oaSpec, where string, t reflect.Type, s *oaSchema) []stri
 	}
 	want, format := "", ""
 	switch {
+	case t.Kind() == reflect.Bool:
+		want = "boolean"
+	case t.Kind() == reflect.Map:
+		want = "object"
 	case t == timeType:
 		want, format = "string", "date-time"
 	case t.Kind() == reflect.String:

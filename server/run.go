@@ -13,10 +13,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -250,6 +253,10 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
 	leases := broker.NewLeaseCounter(metaClient, log.Named("leases"))
+	namespaces, err := namespaceInformer(ctx, metaClient, log)
+	if err != nil {
+		return err
+	}
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -266,6 +273,7 @@ func Run(ctx context.Context, opts Options) error {
 		Auditor:        auditor,
 		Leases:         leases,
 		MaxLiveLeases:  opts.MaxLiveLeases,
+		Namespaces:     namespaces,
 	})
 	if err != nil {
 		return err
@@ -295,15 +303,20 @@ func Run(ctx context.Context, opts Options) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go revocations.Run(ctx)
+	go namespaces.RunWithContext(ctx)
+	go b.RunTenants(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
-	go leases.Run(ctx, store.Namespaces, leaseWatchInterval(opts.ReloadInterval))
+	go leases.Run(ctx, b.LeaseNamespaces, leaseWatchInterval(opts.ReloadInterval))
 	// Until the deny list is read every caller is refused (fail closed);
 	// wait for it a little so that a healthy start serves at once.
 	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
 	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
 		log.Warn("revocation list not read yet; every caller is refused until it is",
 			zap.String("namespace", opts.Namespace), zap.Error(err))
+	}
+	if !cache.WaitForCacheSync(syncCtx.Done(), namespaces.HasSynced) && ctx.Err() == nil {
+		log.Warn("namespace cache not synced yet; not ready until it is")
 	}
 	cancelSync()
 	go func() {
@@ -327,6 +340,24 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// namespaceInformer is the broker's metadata-only informer of namespaces,
+// which grants by namespaceSelector are decided from and kept true by:
+// names, labels and deletion timestamps only (broker.TrimNamespace), so
+// that thousands of namespaces cost a few megabytes. It needs list and
+// watch on namespaces.
+func namespaceInformer(ctx context.Context, mc metadata.Interface, log *zap.Logger) (cache.SharedIndexInformer, error) {
+	inf := metadatainformer.NewFilteredMetadataInformer(mc, corev1.SchemeGroupVersion.WithResource("namespaces"), "", 0, cache.Indexers{}, nil).Informer()
+	if err := inf.SetTransform(broker.TrimNamespace); err != nil {
+		return nil, fmt.Errorf("namespace informer: %w", err)
+	}
+	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		if ctx.Err() == nil {
+			log.Warn("watch of namespaces failed; retrying", zap.Error(err))
+		}
+	}) // fails only once the informer runs
+	return inf, nil
 }
 
 // kubeClient is the broker's Kubernetes client. It lifts client-go's

@@ -92,6 +92,10 @@ type Lease struct {
 	Credential string    `json:"credential"`
 	CreatedAt  time.Time `json:"createdAt"`
 	ExpiresAt  time.Time `json:"expiresAt"`
+	// Grant is the grant the lease was issued under: its name, or
+	// "grants[i]" for an unnamed one; empty for leases made before
+	// leases recorded it.
+	Grant string `json:"grant,omitempty"`
 }
 
 // LeaseList is the answer of GET /v1/leases.
@@ -109,6 +113,32 @@ type Grant struct {
 	ClusterRole string `json:"clusterRole,omitempty"`
 	MaxTTL      string `json:"maxTTL"`
 	Credential  string `json:"credential"`
+	// Name is the grant's name in the policy, if it has one; leases
+	// record it.
+	Name string `json:"name,omitempty"`
+	// NamespaceSelector, for a grant by label, selects namespaces besides
+	// Namespaces; MatchingNamespaces are those it matches now, sorted.
+	NamespaceSelector  *LabelSelector `json:"namespaceSelector,omitempty"`
+	MatchingNamespaces []string       `json:"matchingNamespaces,omitempty"`
+	// RevokeOnUnmatch, for a grant by label: whether the leases in a
+	// namespace that stops matching are revoked, and RevokeDelay after
+	// how long (a Go duration).
+	RevokeOnUnmatch *bool  `json:"revokeOnUnmatch,omitempty"`
+	RevokeDelay     string `json:"revokeDelay,omitempty"`
+}
+
+// LabelSelector is a Kubernetes label selector (metav1.LabelSelector),
+// as the policy's namespaceSelector writes it.
+type LabelSelector struct {
+	MatchLabels      map[string]string          `json:"matchLabels,omitempty"`
+	MatchExpressions []LabelSelectorRequirement `json:"matchExpressions,omitempty"`
+}
+
+// LabelSelectorRequirement is one of a selector's matchExpressions.
+type LabelSelectorRequirement struct {
+	Key      string   `json:"key"`
+	Operator string   `json:"operator"`
+	Values   []string `json:"values,omitempty"`
 }
 
 // WhoAmI is the answer of GET /v1/whoami.

@@ -158,6 +158,21 @@ func TestConfigValidateReportsEveryProblemWithItsFieldPath(t *testing.T) {
 			},
 		},
 		{
+			name: "a policy with a misspelt namespace selector", file: "selector.yaml", kind: "policy",
+			content: "cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n" +
+				"  - {name: t, namespaceSelector: {matchLabel: {a: b}, matchExpressions: [{key: k, operator: In, value: [x]}]}, serviceAccounts: [sa], revokeOnUnmatch: 'no'}\n" +
+				"  - {namespaceSelector: {}, serviceAccounts: [sa]}\n",
+			want: []string{
+				"cluster.caData: no PEM certificate in CA bundle",
+				`peers[0].grants[0].namespaceSelector.matchExpressions[0].value: unknown field (did you mean "values"?)`,
+				"peers[0].grants[0].namespaceSelector.matchExpressions[0].values: Required value",
+				`peers[0].grants[0].namespaceSelector.matchLabel: unknown field (did you mean "matchLabels"?)`,
+				`peers[0].grants[0].revokeOnUnmatch: must be true or false, not the string "no"`,
+				"peers[0].grants[1].name: is required with namespaceSelector",
+				"peers[0].grants[1].namespaceSelector: must have matchLabels or matchExpressions",
+			},
+		},
+		{
 			name: "an empty policy named by --kind", file: "empty.yaml", content: "", args: []string{"--kind", "policy"}, kind: "policy",
 			want: []string{
 				"cluster.caFile: is required (or cluster.caData)",

@@ -134,6 +134,8 @@ func TestDeployBase(t *testing.T) {
 			"serviceaccount/tokenbroker",
 			"clusterrole.rbac.authorization.k8s.io/tokenbroker-issue",
 			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
+			"clusterrole.rbac.authorization.k8s.io/tokenbroker-namespaces",
+			"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-namespaces",
 			"role.rbac.authorization.k8s.io/tokenbroker-self",
 			"rolebinding.rbac.authorization.k8s.io/tokenbroker-self",
 			"configmap/" + policyCM.Metadata.Name,
@@ -237,6 +239,20 @@ func TestDeployBase(t *testing.T) {
 	t.Run("the base's RBAC is enough to watch the revocation list", func(t *testing.T) {
 		require.Contains(t, e.proc.logs.String(), "revocation list synced")
 		require.NotContains(t, e.proc.logs.String(), "watch of the revocation ConfigMap failed")
+	})
+
+	t.Run("the base's RBAC is enough to watch namespaces, and gives nothing else on them", func(t *testing.T) {
+		require.NotContains(t, e.proc.logs.String(), "watch of namespaces failed")
+		sa := serviceAccountKubeconfig(t, c, "tokenbroker", "tokenbroker")
+		as := []string{"--kubeconfig", sa, "auth", "can-i"}
+		for _, verb := range []string{"list", "watch"} {
+			out, _, err := runErr(kubectl, append(as, verb, "namespaces")...)
+			require.NoError(t, err, out)
+		}
+		for _, verb := range []string{"get", "create", "update", "patch", "delete"} {
+			out, _, _ := runErr(kubectl, append(as, verb, "namespaces")...)
+			require.Equal(t, "no", strings.TrimSpace(out), verb)
+		}
 	})
 
 	t.Run("scoped to the granted namespace with a RoleBinding, as docs/security.md shows, it still works", func(t *testing.T) {

@@ -269,6 +269,9 @@ func TestHelmChartRenders(t *testing.T) {
 				if kind == "ClusterRole" {
 					chartRules = decode[rbacv1.ClusterRole](t, findManifest(t, docs, kind, "tokenbroker-issue")).Rules
 					baseRules = decode[rbacv1.ClusterRole](t, findManifest(t, base, kind, "tokenbroker-issue")).Rules
+					require.Equal(t,
+						normalizedRules(decode[rbacv1.ClusterRole](t, findManifest(t, base, kind, "tokenbroker-namespaces")).Rules),
+						normalizedRules(decode[rbacv1.ClusterRole](t, findManifest(t, docs, kind, "tokenbroker-namespaces")).Rules))
 				} else {
 					chartRules = decode[rbacv1.Role](t, findManifest(t, docs, kind, "tokenbroker-self")).Rules
 					baseRules = decode[rbacv1.Role](t, findManifest(t, base, kind, "tokenbroker-self")).Rules
@@ -291,7 +294,9 @@ func TestHelmChartRenders(t *testing.T) {
 	t.Run("rbac.namespaces binds tokenbroker-issue with RoleBindings in just those namespaces and no ClusterRoleBinding", func(t *testing.T) {
 		// The one cluster-wide binding is the CSR permission, which cannot
 		// be namespaced (CSRs are cluster-scoped).
-		require.Equal(t, []string{"ClusterRoleBinding/tokenbroker-csr"}, kindNames(manifestsOf(everything, "ClusterRoleBinding")))
+		// So is the namespace cache's list and watch (namespaces are
+		// cluster-scoped too).
+		require.ElementsMatch(t, []string{"ClusterRoleBinding/tokenbroker-csr", "ClusterRoleBinding/tokenbroker-namespaces"}, kindNames(manifestsOf(everything, "ClusterRoleBinding")))
 		baseCRB := decode[rbacv1.ClusterRoleBinding](t, findManifest(t, base, "ClusterRoleBinding", "tokenbroker-issue"))
 		var issueNamespaces, bindNamespaces []string
 		for _, m := range manifestsOf(everything, "RoleBinding") {
@@ -537,7 +542,8 @@ func TestHelmChartRenders(t *testing.T) {
 		}
 		values := writeFile(t, filepath.Join(t.TempDir(), "east.yaml"), strings.Join(lines, "\n"))
 		docs := h.render(t, "-f", values)
-		require.Empty(t, manifestsOf(docs, "ClusterRoleBinding"))
+		// The only cluster-wide binding is the namespace cache's list and watch.
+		require.Equal(t, []string{"ClusterRoleBinding/tokenbroker-namespaces"}, kindNames(manifestsOf(docs, "ClusterRoleBinding")))
 		rb := decode[rbacv1.RoleBinding](t, findManifest(t, docs, "RoleBinding", "tokenbroker-issue"))
 		require.Equal(t, "argo", rb.Namespace)
 		svc := decode[corev1.Service](t, findManifest(t, docs, "Service", "tokenbroker"))
@@ -711,6 +717,8 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 				"serviceaccount/tokenbroker",
 				"clusterrole.rbac.authorization.k8s.io/tokenbroker-issue",
 				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
+				"clusterrole.rbac.authorization.k8s.io/tokenbroker-namespaces",
+				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-namespaces",
 				"role.rbac.authorization.k8s.io/tokenbroker-self",
 				"rolebinding.rbac.authorization.k8s.io/tokenbroker-self",
 				"configmap/tokenbroker-policy",
@@ -723,6 +731,8 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 				"clusterrole.rbac.authorization.k8s.io/tokenbroker-issue",
 				"rolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
 				"rolebinding.rbac.authorization.k8s.io/tokenbroker-issue",
+				"clusterrole.rbac.authorization.k8s.io/tokenbroker-namespaces",
+				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-namespaces",
 				"role.rbac.authorization.k8s.io/tokenbroker-self",
 				"rolebinding.rbac.authorization.k8s.io/tokenbroker-self",
 				"configmap/tokenbroker-policy",

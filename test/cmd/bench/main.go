@@ -70,6 +70,7 @@ func run() error {
 	binDir := flag.String("bin-dir", "", "directory holding the tokenbroker binary (default $TOKENBROKER_BIN_DIR, else bin/ at the repository root)")
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
 	out := flag.String("out", "", "also write the results as JSON to this file")
+	tenantNamespaces := flag.Int("namespaces", 5000, "namespaces a selector grant matches in the tenant measurement (0 skips it)")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -162,6 +163,13 @@ func run() error {
 		}
 	}
 	report.LoadRSSMB = peak()
+	if *tenantNamespaces > 0 {
+		t, err := measureTenants(ctx, c.Client, br, *tenantNamespaces, *n)
+		if err != nil {
+			return fmt.Errorf("tenant measurement: %w", err)
+		}
+		report.Tenants = t
+	}
 	report.Results = results
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
 	if err != nil {
@@ -229,6 +237,9 @@ type report struct {
 	// OwnMillis are percentiles of the broker's own time per issuance
 	// (not spent waiting on the API server), from its histogram.
 	OwnMillis map[string]float64 `json:"own_ms,omitempty"`
+	// Tenants compares a grant by namespaceSelector with few and with
+	// many matching namespaces.
+	Tenants *tenantReport `json:"tenants,omitempty"`
 }
 
 func (r *report) print() {
@@ -238,6 +249,14 @@ func (r *report) print() {
 	if len(r.OwnMillis) > 0 {
 		fmt.Printf("broker own time per issuance (histogram estimate): p50 %.3f ms, p90 %.3f ms, p99 %.3f ms\n",
 			r.OwnMillis["p50"], r.OwnMillis["p90"], r.OwnMillis["p99"])
+	}
+	if t := r.Tenants; t != nil {
+		fmt.Println()
+		fmt.Printf("selector grant, %d matching namespaces vs %d:\n", t.Namespaces, t.FewNamespaces)
+		fmt.Printf("  decision (refused, no API call) p50 %.3f ms vs %.3f ms: ratio %.2f\n", t.ManyDecisionP50ms, t.FewDecisionP50ms, t.ManyDecisionP50ms/t.FewDecisionP50ms)
+		fmt.Printf("  issuance p50 %.2f ms vs %.2f ms: ratio %.2f\n", t.ManyIssueP50ms, t.FewIssueP50ms, t.ManyIssueP50ms/t.FewIssueP50ms)
+		fmt.Printf("  broker RSS %.1f MB before the namespaces, %.1f MB with them (+%.1f MB); cache synced %.1f s after the last create\n",
+			t.RSSBeforeMB, t.RSSAfterMB, t.RSSAfterMB-t.RSSBeforeMB, t.SyncSeconds)
 	}
 }
 
@@ -264,10 +283,17 @@ func printResults(rs []result) {
 }
 
 func setUp(ctx context.Context, c kubernetes.Interface) error {
-	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench"}}, metav1.CreateOptions{}); err != nil {
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench", Labels: map[string]string{tenantLabel: "bench"}}}, metav1.CreateOptions{}); err != nil {
 		return err
 	}
-	if _, err := c.CoreV1().ServiceAccounts("bench").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "runner"}}, metav1.CreateOptions{}); err != nil {
+	for _, sa := range []string{"runner", "tenant-runner"} {
+		if _, err := c.CoreV1().ServiceAccounts("bench").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa}}, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	// The namespace of the tenant measurement's refused requests: it
+	// exists, without the tenant label.
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench-plain"}}, metav1.CreateOptions{}); err != nil {
 		return err
 	}
 	// The Role the client certificates are bound to.
@@ -348,7 +374,8 @@ peers:
     grants:
       - {namespaces: [bench], serviceAccounts: [runner]}
       - {namespaces: [bench], credential: clientCertificate, role: bench-view}
-`, c.URL, id)
+      - {name: tenant, namespaceSelector: {matchLabels: {%s: bench}}, serviceAccounts: [tenant-runner]}
+`, c.URL, id, tenantLabel)
 	if err := os.WriteFile(f("policy.yaml"), []byte(policy), 0o644); err != nil {
 		return fail(err)
 	}
@@ -552,4 +579,115 @@ func fetchProfile(ctx context.Context, opsURL, file string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// tenantReport is the tenant measurement: one selector grant, decided and
+// issued with few matching namespaces and again with many.
+type tenantReport struct {
+	FewNamespaces     int     `json:"few_namespaces"`
+	Namespaces        int     `json:"namespaces"`
+	FewDecisionP50ms  float64 `json:"few_decision_p50_ms"`
+	ManyDecisionP50ms float64 `json:"many_decision_p50_ms"`
+	FewIssueP50ms     float64 `json:"few_issue_p50_ms"`
+	ManyIssueP50ms    float64 `json:"many_issue_p50_ms"`
+	RSSBeforeMB       float64 `json:"rss_before_mb"`
+	RSSAfterMB        float64 `json:"rss_after_mb"`
+	SyncSeconds       float64 `json:"sync_seconds"`
+}
+
+// tenantLabel selects the namespaces of the bench tenant.
+const tenantLabel = "bench.tokenbroker.io/tenant"
+
+// measureTenants times decisions and issuances under the policy's
+// selector grant "tenant" (ServiceAccount tenant-runner) with the one
+// matching namespace "bench", then creates many more matching namespaces,
+// waits until the broker's cache has them all, and times again. The
+// decision is timed on a refused request (an unlabelled namespace), which
+// makes no API call: what is left is TLS, HTTP and the decision itself.
+func measureTenants(ctx context.Context, c kubernetes.Interface, br *brokerProcess, many, n int) (*tenantReport, error) {
+	r := &tenantReport{FewNamespaces: 1, Namespaces: many}
+	post := func(ns string, want int) func(context.Context) error {
+		body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: ns, ServiceAccount: "tenant-runner", TTL: "10m"})
+		return func(ctx context.Context) error {
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
+			req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
+			resp, err := br.client.Do(req)
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			_, _ = io.Copy(io.Discard, resp.Body)
+			if resp.StatusCode != want {
+				return fmt.Errorf("status %d, want %d", resp.StatusCode, want)
+			}
+			return nil
+		}
+	}
+	deny, issue := post("bench-plain", http.StatusForbidden), post("bench", http.StatusCreated)
+	timed := func() (float64, float64, error) {
+		_ = measure(ctx, deny, 1, 20)
+		d := measure(ctx, deny, 1, n)
+		i := measure(ctx, issue, 1, n)
+		if d.Errors > 0 || i.Errors > 0 {
+			return 0, 0, fmt.Errorf("%d refused and %d issued requests failed", d.Errors, i.Errors)
+		}
+		return d.P50ms, i.P50ms, nil
+	}
+	var err error
+	if r.FewDecisionP50ms, r.FewIssueP50ms, err = timed(); err != nil {
+		return nil, err
+	}
+	r.RSSBeforeMB = rssMB(br.cmd.Process.Pid)
+
+	var next, failed atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < 16; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(many) {
+					return
+				}
+				_, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{
+					Name: fmt.Sprintf("bench-tenant-%05d", i), Labels: map[string]string{tenantLabel: "bench"},
+				}}, metav1.CreateOptions{})
+				if err != nil {
+					failed.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if failed.Load() > 0 {
+		return nil, fmt.Errorf("%d namespaces could not be created", failed.Load())
+	}
+	created := time.Now()
+	want := fmt.Sprintf(`tokenbroker_selector_namespaces{grant="tenant",peer="west"} %d`, many+1)
+	for {
+		if body, err := httpGet(br.opsURL + "/metrics"); err == nil && strings.Contains(body, want) {
+			break
+		}
+		if time.Since(created) > 2*time.Minute || ctx.Err() != nil {
+			return nil, fmt.Errorf("the broker's namespace cache never reached %d namespaces", many+1)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	r.SyncSeconds = time.Since(created).Seconds()
+	if r.ManyDecisionP50ms, r.ManyIssueP50ms, err = timed(); err != nil {
+		return nil, err
+	}
+	r.RSSAfterMB = rssMB(br.cmd.Process.Pid)
+	return r, nil
+}
+
+func httpGet(url string) (string, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
 }

@@ -1,0 +1,444 @@
+package broker
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+)
+
+// AnnotationGrant records on a lease the grant it was issued under (the
+// grant's name, or "grants[i]" for an unnamed one), so that a namespace
+// leaving a selector grant revokes exactly that grant's leases.
+const AnnotationGrant = "tokenbroker.io/grant"
+
+// Reasons of a revocation because a namespace stopped being covered
+// (tokenbroker_unmatched_revocations_total, the audit event's reason).
+const (
+	UnmatchLabelChanged = "label_changed"
+	UnmatchDeleted      = "namespace_deleted"
+	UnmatchPolicy       = "policy_narrowed"
+	// UnmatchFoundAtStart: a lease found, when the namespace cache first
+	// synced, in a namespace its grant no longer covers (it stopped while
+	// no broker was watching).
+	UnmatchFoundAtStart = "found_at_start"
+)
+
+// unmatchRetry is how long a revocation that failed waits before the next
+// try.
+const unmatchRetry = 5 * time.Second
+
+// NamespaceInformer is what the broker needs of an informer of namespaces:
+// a metadata-only one (k8s.io/client-go/metadata/metadatainformer), so
+// that thousands of namespaces cost little memory. Its objects are
+// *metav1.PartialObjectMetadata (any metav1.Object works).
+type NamespaceInformer interface {
+	AddEventHandler(handler cache.ResourceEventHandler) (cache.ResourceEventHandlerRegistration, error)
+	GetStore() cache.Store
+	HasSynced() bool
+}
+
+// unmatch is one namespace that stopped being covered by one selector
+// grant: its leases under that grant are to be revoked.
+type unmatch struct {
+	peer, grant, namespace, reason string
+}
+
+// tenants keeps the broker's grants by namespace selector true: an index
+// of the namespaces each selector grant matches (for whoami, lease
+// listings and the GC, never O(namespaces) per request), and a queue of
+// namespaces whose leases are to be revoked because they left a grant.
+type tenants struct {
+	informer NamespaceInformer
+	queue    workqueue.TypedDelayingInterface[unmatch]
+	log      *zap.Logger
+	metrics  *Metrics
+
+	mu sync.Mutex
+	// grants are the selector grants of the policy the index was built
+	// for, and matching the namespaces each matches now.
+	grants   map[selectorGrant]*GrantSpec
+	matching map[selectorGrant]map[string]struct{}
+	// gone are selector grants that a reload removed while they kept
+	// their grants true: their pending revocations still apply.
+	gone map[selectorGrant]bool
+}
+
+func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*tenants, error) {
+	t := &tenants{
+		informer: informer,
+		queue: workqueue.NewTypedDelayingQueueWithConfig(workqueue.TypedDelayingQueueConfig[unmatch]{
+			Clock: cfg.Clock,
+		}),
+		log:      cfg.Logger.Named("tenants"),
+		metrics:  cfg.Metrics,
+		gone:     map[selectorGrant]bool{},
+		matching: map[selectorGrant]map[string]struct{}{},
+	}
+	t.grants = store.Load().selectorGrants()
+	for k := range t.grants {
+		t.matching[k] = map[string]struct{}{}
+	}
+	store.OnChange(func(_, p *Policy) { t.setPolicy(p) })
+	_, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { t.observe(obj) },
+		UpdateFunc: func(_, obj any) { t.observe(obj) },
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if m, err := meta.Accessor(obj); err == nil {
+				t.update(m.GetName(), nil, false, UnmatchDeleted)
+			}
+		},
+	})
+	return t, err
+}
+
+// NamespaceLabels implements NamespaceLabels from the informer's cache.
+func (t *tenants) NamespaceLabels(name string) (labels.Set, bool) {
+	obj, ok, err := t.informer.GetStore().GetByKey(name)
+	if err != nil || !ok {
+		return nil, false
+	}
+	m, err := meta.Accessor(obj)
+	if err != nil || m.GetDeletionTimestamp() != nil {
+		return nil, false
+	}
+	return labels.Set(m.GetLabels()), true
+}
+
+// synced reports whether the namespace cache holds the first list.
+func (t *tenants) synced() bool { return t.informer.HasSynced() }
+
+func (t *tenants) observe(obj any) {
+	m, err := meta.Accessor(obj)
+	if err != nil {
+		return
+	}
+	if m.GetDeletionTimestamp() != nil {
+		// A namespace being deleted grants nothing any more.
+		t.update(m.GetName(), nil, false, UnmatchDeleted)
+		return
+	}
+	t.update(m.GetName(), labels.Set(m.GetLabels()), true, UnmatchLabelChanged)
+}
+
+// update brings the index in line with one namespace (live false: gone or
+// going) and queues the revocations of grants it left.
+func (t *tenants) update(name string, set labels.Set, live bool, reason string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	changed := false
+	for key, g := range t.grants {
+		m := t.matching[key]
+		_, was := m[name]
+		now := live && g.selector.Matches(set)
+		switch {
+		case now && !was:
+			m[name] = struct{}{}
+			changed = true
+		case was && !now:
+			delete(m, name)
+			changed = true
+			if !slices.Contains(g.Namespaces, name) {
+				t.unmatchedLocked(key, g, name, reason)
+			}
+		}
+	}
+	if changed {
+		t.reportLocked()
+	}
+}
+
+// setPolicy rebuilds the index for a new policy and queues the
+// revocations of every namespace a selector grant no longer covers.
+func (t *tenants) setPolicy(p *Policy) {
+	grants := p.selectorGrants()
+	matching := make(map[selectorGrant]map[string]struct{}, len(grants))
+	for k := range grants {
+		matching[k] = map[string]struct{}{}
+	}
+	if len(grants) > 0 {
+		for _, obj := range t.informer.GetStore().List() {
+			m, err := meta.Accessor(obj)
+			if err != nil || m.GetDeletionTimestamp() != nil {
+				continue
+			}
+			set := labels.Set(m.GetLabels())
+			for k, g := range grants {
+				if g.selector.Matches(set) {
+					matching[k][m.GetName()] = struct{}{}
+				}
+			}
+		}
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for key, old := range t.grants {
+		covered := slices.Collect(maps.Keys(t.matching[key]))
+		covered = append(covered, old.Namespaces...)
+		g := grants[key]
+		for _, ns := range covered {
+			if g != nil && (slices.Contains(g.Namespaces, ns) || hasKey(matching[key], ns)) {
+				continue
+			}
+			if g == nil {
+				g = old
+				if old.keptTrue() {
+					t.gone[key] = true
+				}
+			}
+			t.unmatchedLocked(key, g, ns, UnmatchPolicy)
+		}
+	}
+	for key := range grants {
+		delete(t.gone, key)
+	}
+	t.grants, t.matching = grants, matching
+	t.reportLocked()
+}
+
+func hasKey(m map[string]struct{}, k string) bool { _, ok := m[k]; return ok }
+
+// unmatchedLocked queues the revocation of the leases of grant g in
+// namespace, after the grant's delay, or logs why they are kept.
+func (t *tenants) unmatchedLocked(key selectorGrant, g *GrantSpec, namespace, reason string) {
+	fields := []zap.Field{zap.String("peer", key.peer), zap.String("grant", key.grant), zap.String("namespace", namespace), zap.String("reason", reason)}
+	if !g.keptTrue() {
+		t.log.Info("namespace no longer covered by a grant; its leases are kept (revokeOnUnmatch: false)", fields...)
+		return
+	}
+	delay := time.Duration(g.RevokeDelay)
+	t.log.Info("namespace no longer covered by a grant; revoking its leases", append(fields, zap.Duration("delay", delay))...)
+	t.queue.AddAfter(unmatch{peer: key.peer, grant: key.grant, namespace: namespace, reason: reason}, delay)
+}
+
+func (t *tenants) reportLocked() {
+	if t.metrics == nil {
+		return
+	}
+	counts := make(map[selectorGrant]int, len(t.matching))
+	for k, m := range t.matching {
+		counts[k] = len(m)
+	}
+	t.metrics.setSelectorNamespaces(counts)
+}
+
+// matchingNamespaces returns the namespaces the peer's selector grant
+// matches now, sorted.
+func (t *tenants) matchingNamespaces(peer, grant string) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := slices.Collect(maps.Keys(t.matching[selectorGrant{peer, grant}]))
+	slices.Sort(out)
+	return out
+}
+
+// namespaces returns the namespaces matched by the selector grants of peer
+// ("" for every peer).
+func (t *tenants) namespaces(peer string) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for k, m := range t.matching {
+		if peer == "" || k.peer == peer {
+			for ns := range m {
+				out = append(out, ns)
+			}
+		}
+	}
+	return out
+}
+
+// wasGone reports whether a reload removed the grant while it kept its
+// grants true.
+func (t *tenants) wasGone(key selectorGrant) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.gone[key]
+}
+
+// RunTenants keeps selector grants true until ctx is done: it revokes the
+// leases of namespaces that stopped being covered, as the namespace
+// informer and policy reloads report them, and, once the namespace cache
+// has synced, those found in namespaces that stopped being covered while
+// no broker watched. A broker without a namespace informer returns at
+// once. The informer itself is run by the composition root.
+func (b *Broker) RunTenants(ctx context.Context) {
+	t := b.tenants
+	if t == nil {
+		return
+	}
+	go func() {
+		<-ctx.Done()
+		t.queue.ShutDown()
+	}()
+	go func() {
+		if cache.WaitForCacheSync(ctx.Done(), t.informer.HasSynced) {
+			b.sweepUnmatched(ctx)
+		}
+	}()
+	for {
+		item, shutdown := t.queue.Get()
+		if shutdown {
+			return
+		}
+		err := b.revokeUnmatched(ctx, item)
+		t.queue.Done(item)
+		if err != nil && ctx.Err() == nil {
+			b.cfg.Logger.Warn("revoking the leases of a namespace that left its grant failed; retrying",
+				zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace), zap.Error(err))
+			t.queue.AddAfter(item, unmatchRetry)
+		}
+	}
+}
+
+// revokeUnmatched revokes the leases of item's grant in item's namespace,
+// unless the namespace is covered again (a relabel within the delay) or
+// the grant no longer revokes.
+func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
+	t := b.tenants
+	key := selectorGrant{item.peer, item.grant}
+	var g *GrantSpec
+	if p := b.cfg.Policy.Load(); p != nil {
+		if peer := p.peerNamed(item.peer); peer != nil {
+			g = peer.grantNamed(item.grant)
+		}
+	}
+	switch {
+	case g != nil && g.covers(t, item.namespace):
+		b.cfg.Logger.Info("namespace covered by its grant again; its leases are kept",
+			zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace))
+		return nil
+	case g != nil && !g.keptTrue():
+		return nil
+	case g == nil && !t.wasGone(key):
+		return nil
+	}
+	secrets, err := b.listLeaseSecrets(ctx, []string{item.namespace}, labels.Set{LabelPeer: item.peer})
+	if err != nil {
+		return err
+	}
+	for i := range secrets {
+		s := &secrets[i]
+		if s.Annotations[AnnotationGrant] != item.grant {
+			continue
+		}
+		if err := b.revokeUnmatchedLease(ctx, s, item); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// revokeUnmatchedLease deletes one lease whose namespace left its grant,
+// and logs, audits and counts it if this replica's delete removed it.
+// Another replica may have deleted it first: that is no error.
+func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, item unmatch) error {
+	uid := s.UID
+	t0 := b.cfg.Clock.Now()
+	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	b.timeAPI(ctx, "delete_lease", t0, err)
+	if isNotFound(err) || apierrors.IsConflict(err) {
+		return nil // gone already (another replica), or a new Secret of that name
+	}
+	if err != nil {
+		return classify(err, "revoke lease of a namespace that left its grant", "lease not found")
+	}
+	id := s.Labels[LabelLeaseID]
+	reason := "namespace " + item.namespace + " is no longer covered by grant " + item.grant + " (" + item.reason + ")"
+	b.cfg.Metrics.observeUnmatched(item.reason)
+	b.cfg.Logger.Info("lease revoked",
+		zap.String("identity", s.Annotations[AnnotationIdentity]),
+		zap.String("peer", item.peer),
+		zap.String("grant", item.grant),
+		zap.String("lease_id", id),
+		zap.String("namespace", s.Namespace),
+		zap.String("service_account", s.Annotations[AnnotationSA]),
+		zap.String("reason", item.reason))
+	b.audit(ctx, AuditEvent{
+		Action:         ActionRevoke,
+		Decision:       DecisionAllow,
+		Reason:         reason,
+		Identity:       s.Annotations[AnnotationIdentity],
+		Peer:           item.peer,
+		Namespace:      s.Namespace,
+		ServiceAccount: s.Annotations[AnnotationSA],
+		Credential:     s.Annotations[AnnotationCred],
+		LeaseID:        id,
+		Grant:          item.grant,
+	})
+	return nil
+}
+
+// sweepUnmatched looks, once, at every lease Secret of the cluster for
+// leases of a selector grant in a namespace it no longer covers: a
+// namespace that left while no broker was watching. It needs list on
+// Secrets in every namespace (the kustomize base's ClusterRoleBinding);
+// without it the sweep is skipped with a warning.
+func (b *Broker) sweepUnmatched(ctx context.Context) {
+	p := b.cfg.Policy.Load()
+	if p == nil || len(p.selectorGrants()) == 0 {
+		return
+	}
+	secrets, err := ListLeaseSecrets(ctx, b.cfg.Secrets, "", nil)
+	if err != nil {
+		if ctx.Err() == nil {
+			b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
+				zap.Error(err))
+		}
+		return
+	}
+	seen := map[unmatch]bool{}
+	for i := range secrets {
+		s := &secrets[i]
+		peer := p.peerNamed(s.Labels[LabelPeer])
+		if peer == nil {
+			continue
+		}
+		g := peer.grantNamed(s.Annotations[AnnotationGrant])
+		if g == nil || !g.keptTrue() || g.covers(b.tenants, s.Namespace) {
+			continue
+		}
+		item := unmatch{peer: peer.Name, grant: g.Name, namespace: s.Namespace, reason: UnmatchFoundAtStart}
+		if !seen[item] {
+			seen[item] = true
+			b.tenants.mu.Lock()
+			b.tenants.unmatchedLocked(selectorGrant{peer.Name, g.Name}, g, s.Namespace, UnmatchFoundAtStart)
+			b.tenants.mu.Unlock()
+		}
+	}
+}
+
+// TrimNamespace is a cache.TransformFunc for the namespace informer: it
+// keeps only what selector grants read (name, labels, deletion
+// timestamp), so that the cache stays small with thousands of namespaces
+// (managed fields and annotations such as kubectl's last-applied
+// configuration are often most of an object).
+func TrimNamespace(obj any) (any, error) {
+	m, err := meta.Accessor(obj)
+	if err != nil {
+		return obj, nil // a tombstone: leave it as it is
+	}
+	return &metav1.PartialObjectMetadata{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Namespace"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name:              m.GetName(),
+			UID:               m.GetUID(),
+			ResourceVersion:   m.GetResourceVersion(),
+			Labels:            m.GetLabels(),
+			DeletionTimestamp: m.GetDeletionTimestamp(),
+		},
+	}, nil
+}
