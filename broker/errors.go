@@ -24,6 +24,9 @@ const (
 	KindUnprocessable                    // well-formed, but cannot be granted as asked: 422
 	KindUnavailable                      // the API server cannot be reached; retryable: 503
 	KindTimeout                          // the cluster did not finish in time (a signer); retryable: 504
+	// KindBadWorkloadToken: the request's workload token was refused. Its
+	// Reason (a pki.Token* code) is shown to the caller: 401.
+	KindBadWorkloadToken
 )
 
 // Error is a classified failure. Detail and Fields are meant for the caller
@@ -31,6 +34,8 @@ const (
 type Error struct {
 	Kind   Kind
 	Detail string
+	// Reason is a caller-safe reason code, for KindBadWorkloadToken.
+	Reason string
 	Fields []apiv1.FieldError
 	Err    error
 }

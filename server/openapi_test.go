@@ -199,6 +199,7 @@ var wireTypes = []any{
 	apiv1.KubeconfigRequest{}, apiv1.KubeconfigResponse{}, apiv1.Lease{}, apiv1.LeaseList{},
 	apiv1.Grant{}, apiv1.WhoAmI{}, apiv1.CertificateInfo{}, apiv1.Problem{}, apiv1.FieldError{},
 	apiv1.CertificateRequest{}, apiv1.CertificateResponse{}, apiv1.TrustBundle{},
+	apiv1.WorkloadRef{}, apiv1.WorkloadInfo{}, apiv1.PeerJWKS{},
 }
 
 var timeType = reflect.TypeFor[time.Time]()
@@ -243,6 +244,10 @@ func compareSchema(spec *oaSpec, typ reflect.Type) []string {
 // compareType checks that the schema s of a property has the JSON type of
 // Go type t.
 func compareType(spec *oaSpec, where string, t reflect.Type, s *oaSchema) []string {
+	if t.Kind() == reflect.Pointer {
+		// An optional object or value: the pointer is not on the wire.
+		t = t.Elem()
+	}
 	if ref, ok := strings.CutPrefix(s.Ref, "#/components/schemas/"); ok {
 		if t.Kind() == reflect.Struct && t != timeType {
 			if ref != t.Name() {
@@ -264,6 +269,8 @@ func compareType(spec *oaSpec, where string, t reflect.Type, s *oaSchema) []stri
 		want = "string"
 	case t.Kind() == reflect.Int:
 		want = "integer"
+	case t.Kind() == reflect.Bool:
+		want = "boolean"
 	case t.Kind() == reflect.Slice:
 		if s.Type != "array" || s.Items == nil {
 			return []string{fmt.Sprintf("%s is a Go slice, the spec says type %q", where, s.Type)}

@@ -229,6 +229,7 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
+	peerKeys := broker.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -243,6 +244,7 @@ func Run(ctx context.Context, opts Options) error {
 		CertificateTTL: opts.ClientCertTTL,
 		Revocations:    revocations,
 		Auditor:        auditor,
+		PeerKeys:       peerKeys,
 	})
 	if err != nil {
 		return err
@@ -272,6 +274,7 @@ func Run(ctx context.Context, opts Options) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go revocations.Run(ctx)
+	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
 	// Until the deny list is read every caller is refused (fail closed);
@@ -279,6 +282,10 @@ func Run(ctx context.Context, opts Options) error {
 	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
 	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
 		log.Warn("revocation list not read yet; every caller is refused until it is",
+			zap.String("namespace", opts.Namespace), zap.Error(err))
+	}
+	if err := peerKeys.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
+		log.Warn("peer key sets not read yet; uploaded keys verify nothing until they are",
 			zap.String("namespace", opts.Namespace), zap.Error(err))
 	}
 	cancelSync()
