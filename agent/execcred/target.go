@@ -50,6 +50,9 @@ type Target struct {
 	// Credential is "" or apiv1.CredentialToken for a token, or
 	// apiv1.CredentialClientCertificate for a client certificate.
 	Credential string
+	// WorkloadTokenFile, if set, is the workload token sent to the broker
+	// (an absolute path: a projected ServiceAccount token).
+	WorkloadTokenFile string
 }
 
 // Args returns the arguments of the plugin's command: "credential" and its
@@ -70,6 +73,9 @@ func (t Target) Args() []string {
 	}
 	for _, a := range t.Audiences {
 		args = append(args, "--audience", a)
+	}
+	if t.WorkloadTokenFile != "" {
+		args = append(args, "--workload-token-file", t.WorkloadTokenFile)
 	}
 	return args
 }
