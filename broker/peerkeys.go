@@ -249,6 +249,11 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 		written, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
 		return err
 	})
+	if apierrors.IsNotFound(err) {
+		// The broker's own namespace is missing: its misconfiguration,
+		// not the peer's fault.
+		return PeerKeysUpdate{}, Wrap(KindInternal, "", fmt.Errorf("store the key set of peer %s: namespace %q: %w", peer, s.namespace, err))
+	}
 	if err != nil {
 		return PeerKeysUpdate{}, classify(fmt.Errorf("store the key set of peer %s in Secret %s/%s: %w", peer, s.namespace, name, err), "store key set", "namespace not found")
 	}
