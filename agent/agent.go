@@ -44,6 +44,9 @@ type Deps struct {
 	// OpsListener, if set, serves /healthz, /readyz and /metrics instead
 	// of listening on Config.OpsAddress (tests pass 127.0.0.1:0).
 	OpsListener net.Listener
+	// JWKSSource, if set, is where jwksUpload reads the cluster's key
+	// set; nil means /openid/v1/jwks through Kubernetes.
+	JWKSSource JWKSSource
 }
 
 // Agent keeps the kubeconfigs of its targets fresh and its own client
@@ -62,6 +65,7 @@ type Agent struct {
 	brokers *brokers
 	targets []*refresher
 	renewer *renewer
+	jwks    *jwksUploader
 
 	runOnce sync.Once
 }
@@ -124,7 +128,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 			name:    t.Name,
 			req:     t.Request,
 			meta:    outputMeta{target: t.Name, request: requestDigest(t.Broker, t.Request), broker: t.Broker, req: t.Request},
-			api:     brokerRef{b: a.brokers, url: t.Broker},
+			api:     brokerRef{b: a.brokers, url: t.Broker, workloadTokenFile: t.WorkloadTokenFile},
 			outputs: outs,
 			sched:   newSchedule(rc, a.rand),
 			grace:   time.Duration(rc.RevokeGrace),
@@ -134,6 +138,25 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		}
 		m.initTarget(t.Name, outs)
 		a.targets = append(a.targets, r)
+	}
+
+	if u := cfg.JWKSUpload; u != nil {
+		src := deps.JWKSSource
+		if src == nil {
+			src = APIServerJWKS{Client: deps.Kubernetes.Discovery().RESTClient()}
+		}
+		a.jwks = &jwksUploader{
+			source:   src,
+			brokers:  map[string]jwksAPI{},
+			interval: time.Duration(u.Interval),
+			resync:   time.Duration(u.ResyncInterval),
+			clock:    a.clock,
+			log:      a.log.Named("jwks"),
+			uploaded: map[string]uploadState{},
+		}
+		for _, b := range u.Brokers {
+			a.jwks.brokers[b] = brokerRef{b: a.brokers, url: b}
+		}
 	}
 
 	renewSched := newSchedule(cfg.Refresh, a.rand)
@@ -200,6 +223,9 @@ func (a *Agent) run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	if err == nil {
 		wg.Go(func() { a.renewer.run(ctx) })
+		if a.jwks != nil {
+			wg.Go(func() { a.jwks.run(ctx) })
+		}
 		for _, r := range a.targets {
 			wg.Go(func() { r.run(ctx) })
 		}

@@ -30,7 +30,11 @@ func newBrokers(h *identityHolder) *brokers {
 
 var errNoIdentityYet = errors.New("the agent has no client certificate yet")
 
-func (b *brokers) client(url string) (*client.Client, error) {
+func (b *brokers) client(url string) (*client.Client, error) { return b.clientAs(url, "") }
+
+// clientAs is client for a target that sends the workload token in
+// tokenFile ("" for none); each (broker, token file) pair has its client.
+func (b *brokers) clientAs(url, tokenFile string) (*client.Client, error) {
 	id := b.holder.get()
 	if id == nil {
 		return nil, errNoIdentityYet
@@ -44,14 +48,19 @@ func (b *brokers) client(url string) (*client.Client, error) {
 		b.clients = map[string]*client.Client{}
 		b.bundle = id.bundlePEM
 	}
-	if c, ok := b.clients[url]; ok {
+	key := url + "\x00" + tokenFile
+	if c, ok := b.clients[key]; ok {
 		return c, nil
 	}
-	c, err := client.New(client.Config{URL: url, RootCAs: id.roots, GetClientCertificate: b.holder.GetClientCertificate})
+	cfg := client.Config{URL: url, RootCAs: id.roots, GetClientCertificate: b.holder.GetClientCertificate}
+	if tokenFile != "" {
+		cfg.WorkloadToken = client.WorkloadTokenFile(tokenFile)
+	}
+	c, err := client.New(cfg)
 	if err != nil {
 		return nil, err
 	}
-	b.clients[url] = c
+	b.clients[key] = c
 	return c, nil
 }
 
@@ -70,15 +79,26 @@ func (b *brokers) closeIdle() {
 type brokerRef struct {
 	b   *brokers
 	url string
+	// workloadTokenFile, if set, is sent as the workload token.
+	workloadTokenFile string
 }
 
 var (
 	_ brokerAPI = brokerRef{}
 	_ renewAPI  = brokerRef{}
+	_ jwksAPI   = brokerRef{}
 )
 
-func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+func (r brokerRef) PutJWKS(ctx context.Context, doc []byte) (*apiv1.PeerJWKS, error) {
 	c, err := r.b.client(r.url)
+	if err != nil {
+		return nil, err
+	}
+	return c.PutJWKS(ctx, doc)
+}
+
+func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
+	c, err := r.b.clientAs(r.url, r.workloadTokenFile)
 	if err != nil {
 		return nil, err
 	}
@@ -86,7 +106,7 @@ func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) 
 }
 
 func (r brokerRef) WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error) {
-	c, err := r.b.client(r.url)
+	c, err := r.b.clientAs(r.url, r.workloadTokenFile)
 	if err != nil {
 		return nil, err
 	}
@@ -94,7 +114,7 @@ func (r brokerRef) WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error) {
 }
 
 func (r brokerRef) RevokeLease(ctx context.Context, id string) error {
-	c, err := r.b.client(r.url)
+	c, err := r.b.clientAs(r.url, r.workloadTokenFile)
 	if err != nil {
 		return err
 	}
@@ -114,6 +134,13 @@ func (r brokerRef) Renew(ctx context.Context, csrPEM []byte) (*apiv1.Certificate
 // clients do ("tokenbroker get kubeconfig" uses it). dir is read once; an
 // interrupted replacement of its files is finished first.
 func NewIdentityClient(ctx context.Context, brokerURL string, dir IdentityDir) (*client.Client, error) {
+	return NewWorkloadClient(ctx, brokerURL, dir, "")
+}
+
+// NewWorkloadClient is NewIdentityClient for a workload that proves itself
+// with the ServiceAccount token in workloadTokenFile ("" for none), read
+// at every request.
+func NewWorkloadClient(ctx context.Context, brokerURL string, dir IdentityDir, workloadTokenFile string) (*client.Client, error) {
 	id, err := dirStore{dir: dir}.load(ctx)
 	if err != nil {
 		return nil, err
@@ -123,5 +150,9 @@ func NewIdentityClient(ctx context.Context, brokerURL string, dir IdentityDir) (
 	}
 	h := &identityHolder{}
 	h.set(id)
-	return client.New(client.Config{URL: brokerURL, RootCAs: id.roots, GetClientCertificate: h.GetClientCertificate})
+	cfg := client.Config{URL: brokerURL, RootCAs: id.roots, GetClientCertificate: h.GetClientCertificate}
+	if workloadTokenFile != "" {
+		cfg.WorkloadToken = client.WorkloadTokenFile(workloadTokenFile)
+	}
+	return client.New(cfg)
 }

@@ -37,6 +37,9 @@ type Config struct {
 	// Refresh holds the defaults of every target's refresh.
 	Refresh RefreshConfig  `json:"refresh,omitempty"`
 	Targets []TargetConfig `json:"targets"`
+	// JWKSUpload, if set, uploads this cluster's key set to brokers, for
+	// workload identity without a public issuer.
+	JWKSUpload *JWKSUploadConfig `json:"jwksUpload,omitempty"`
 	// OpsAddress serves /healthz, /readyz and /metrics; default ":9091".
 	OpsAddress string `json:"opsAddress,omitempty"`
 	// Kubeconfig of the source cluster for secret outputs and a secret
@@ -111,6 +114,27 @@ type TargetConfig struct {
 	Outputs []OutputConfig `json:"outputs"`
 	// Refresh overrides the top-level refresh settings.
 	Refresh *RefreshConfig `json:"refresh,omitempty"`
+	// WorkloadTokenFile, if set, is a ServiceAccount token of this cluster
+	// (a projected token with the broker's audience) sent with every
+	// request of the target, so that the broker grants what the policy
+	// grants that workload (grants[].workloads). Read at every request: the
+	// kubelet rotates it in place.
+	WorkloadTokenFile string `json:"workloadTokenFile,omitempty"`
+}
+
+// JWKSUploadConfig makes the agent upload its cluster's service-account key
+// set (/openid/v1/jwks, read with its Kubernetes client) to brokers whose
+// policy says workloadIdentity.jwksFromPeer: at start, whenever it changes
+// and at least every ResyncInterval.
+type JWKSUploadConfig struct {
+	// Brokers are the mTLS listeners to upload to (https, at least one).
+	Brokers []string `json:"brokers"`
+	// Interval is how often the key set is read; default 1m.
+	Interval apiv1.Duration `json:"interval,omitempty"`
+	// ResyncInterval is how often an unchanged set is uploaded again (the
+	// broker changes nothing then), so that a broker whose Secret was lost
+	// heals; default 10m.
+	ResyncInterval apiv1.Duration `json:"resyncInterval,omitempty"`
 }
 
 // RequestConfig is the POST /v1/kubeconfigs body the target sends:

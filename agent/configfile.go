@@ -91,6 +91,7 @@ func (c *Config) resolvePaths(base string) {
 		abs(&c.Identity.Enroll.TokenFile)
 	}
 	for i := range c.Targets {
+		abs(&c.Targets[i].WorkloadTokenFile)
 		for j := range c.Targets[i].Outputs {
 			if f := c.Targets[i].Outputs[j].File; f != nil {
 				abs(&f.Path)
@@ -104,6 +105,14 @@ func (c *Config) resolvePaths(base string) {
 // means to set. A target's Refresh, when given, is completed from the
 // top-level one field by field.
 func (c *Config) Default() {
+	if u := c.JWKSUpload; u != nil {
+		if u.Interval == 0 {
+			u.Interval = apiv1.Duration(DefaultJWKSInterval)
+		}
+		if u.ResyncInterval == 0 {
+			u.ResyncInterval = apiv1.Duration(max(DefaultJWKSResyncInterval, time.Duration(u.Interval)))
+		}
+	}
 	c.Refresh.fill(RefreshConfig{
 		Fraction:    DefaultFraction,
 		Jitter:      DefaultJitter,
@@ -157,7 +166,7 @@ func (c *Config) RefreshFor(i int) RefreshConfig {
 // UsesKubernetes reports whether the agent needs a client of the source
 // cluster: for a Secret identity or a Secret output.
 func (c *Config) UsesKubernetes() bool {
-	if c.Identity.Secret != nil {
+	if c.Identity.Secret != nil || c.JWKSUpload != nil {
 		return true
 	}
 	for _, t := range c.Targets {
@@ -181,8 +190,22 @@ func (c *Config) Validate() error {
 			v.add("opsAddress", "must be host:port or :port: %v", err)
 		}
 	}
-	if len(c.Targets) == 0 {
+	if len(c.Targets) == 0 && c.JWKSUpload == nil {
 		v.add("targets", "at least one target is required")
+	}
+	if u := c.JWKSUpload; u != nil {
+		if len(u.Brokers) == 0 {
+			v.add("jwksUpload.brokers", "at least one broker is required")
+		}
+		for i, b := range u.Brokers {
+			v.httpsURL(fmt.Sprintf("jwksUpload.brokers[%d]", i), b, true)
+		}
+		if d := time.Duration(u.Interval); d != 0 && (d < time.Second || d > time.Hour) {
+			v.add("jwksUpload.interval", "must be between 1s and 1h")
+		}
+		if d := time.Duration(u.ResyncInterval); d != 0 && (d < time.Duration(u.Interval) || d > 24*time.Hour) {
+			v.add("jwksUpload.resyncInterval", "must be between jwksUpload.interval and 24h")
+		}
 	}
 	names := map[string]int{}
 	secrets := map[string]string{}
@@ -203,6 +226,9 @@ func (c *Config) Validate() error {
 		}
 		v.httpsURL(path+".broker", t.Broker, true)
 		validateRequest(v, path+".request", t.Request)
+		if t.WorkloadTokenFile != "" && strings.ContainsRune(t.WorkloadTokenFile, 0) {
+			v.add(path+".workloadTokenFile", "must be a file path")
+		}
 		if t.Refresh != nil {
 			v.refresh(path+".refresh", *t.Refresh)
 		}

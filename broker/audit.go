@@ -28,6 +28,8 @@ const (
 	// its client certificate passed the TLS handshake but has expired, has
 	// no identity, comes from a CA no longer trusted or is revoked.
 	ActionAuthenticate = "authenticate"
+	// ActionUploadJWKS is a peer uploading its cluster's key set.
+	ActionUploadJWKS = "upload_jwks"
 
 	DecisionAllow = "allow"
 	DecisionDeny  = "deny"
@@ -73,8 +75,18 @@ type AuditEvent struct {
 	// JoinTokenID is the jti of the join token an enrollment used (not
 	// the token), so that a replayed token can be traced to its first use.
 	JoinTokenID string `json:"join_token_jti,omitempty"`
-	Serial      string `json:"serial,omitempty"`
-	NotAfter    string `json:"not_after,omitempty"`
+	// Workload is the "namespace/serviceAccount" of the source cluster's
+	// workload that asked, proven by its token (whose jti is
+	// WorkloadTokenJTI); WorkloadTokenSHA256 names a refused one.
+	Workload            string `json:"workload,omitempty"`
+	WorkloadUID         string `json:"workload_uid,omitempty"`
+	WorkloadPod         string `json:"workload_pod,omitempty"`
+	WorkloadTokenJTI    string `json:"workload_token_jti,omitempty"`
+	WorkloadTokenSHA256 string `json:"workload_token_sha256,omitempty"`
+	// JWKSDigest names an uploaded key set.
+	JWKSDigest string `json:"jwks_digest,omitempty"`
+	Serial     string `json:"serial,omitempty"`
+	NotAfter   string `json:"not_after,omitempty"`
 	// Grant is the grant a lease was issued under, on issuance and on a
 	// revocation because its namespace stopped matching it.
 	Grant string `json:"grant,omitempty"`

@@ -55,6 +55,9 @@ const (
 	AnnotationIdentity  = "tokenbroker.io/identity"
 	AnnotationSA        = "tokenbroker.io/service-account"
 	AnnotationCred      = "tokenbroker.io/credential"
+	// AnnotationWorkload is the "namespace/serviceAccount" of the source
+	// cluster's workload that asked, when it proved itself with a token.
+	AnnotationWorkload = "tokenbroker.io/workload"
 	// AnnotationUser is the per-lease user of a client-certificate lease,
 	// and LabelKeyFingerprint its key's fingerprint (api/v1.KeyFingerprint):
 	// a key may back one live lease only.
@@ -129,6 +132,10 @@ type Config struct {
 	// decided from it and kept true (RunTenants). Without it such grants
 	// match nothing. While it is not synced the broker is not ready.
 	Namespaces NamespaceInformer
+	// PeerKeys holds the key sets peers upload (workloadIdentity
+	// jwksFromPeer); nil refuses uploads and those peers' workload tokens.
+	// While it is not synced the broker is not ready.
+	PeerKeys *PeerKeyStore
 }
 
 // Broker is the domain core. It is safe for concurrent use.
@@ -209,6 +216,9 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 		Credential:     orDefault(req.Credential, apiv1.CredentialToken),
 		RequestedTTL:   req.TTL,
 	}}
+	if w := c.Workload; w != nil {
+		a.ev.Workload, a.ev.WorkloadUID, a.ev.WorkloadPod, a.ev.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
+	}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)
 	b.cfg.Metrics.observeIssue(outcome, total, total-time.Duration(wait.d.Load()))
@@ -238,6 +248,7 @@ const (
 	denyRevoked          = "revoked"
 	denyIdentityMismatch = "identity_mismatch"
 	denyDisabled         = "disabled"
+	denyWorkloadToken    = "workload_token"
 )
 
 // concludeOutcome concludes a kubeconfig or lease request by its outcome
@@ -316,7 +327,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	if err != nil {
 		return decided{}, outcomeError, err
 	}
-	d, err := p.DecideIn(b.namespaceLabels(), c.Identity, req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
+	d, err := p.DecideFor(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
 	if err != nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
 		if KindOf(err) == KindForbidden {
@@ -342,6 +353,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		zap.String("service_account", req.ServiceAccount),
 		zap.String("requested_ttl", req.TTL),
 	)
+	if c.Workload != nil {
+		log = log.With(zap.String("workload", c.Workload.String()), zap.String("workload_token_jti", c.Workload.TokenJTI))
+	}
 	dec, outcome, err := b.decide(c, req, a, log)
 	if err != nil {
 		return nil, outcome, err
@@ -539,7 +553,7 @@ func (b *Broker) newLeaseID() (string, error) {
 }
 
 func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
-	return &corev1.Secret{
+	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      leaseSecretPrefix + id,
 			Namespace: req.Namespace,
@@ -559,6 +573,10 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 		},
 		Type: SecretTypeLease,
 	}
+	if c.Workload != nil {
+		s.Annotations[AnnotationWorkload] = c.Workload.String()
+	}
+	return s
 }
 
 // setExpiry records a new expiry on a lease Secret.
@@ -667,19 +685,15 @@ func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
 	return nil
 }
 
-// WhoAmI returns the policy name of the caller and the grants that apply.
+// WhoAmI returns the policy name of the caller and the grants that apply:
+// every grant of the peer, or, for a caller with a workload, the grants
+// that workload gets.
 func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
 	p := b.cfg.Policy.Load()
 	if p == nil {
 		return "", []apiv1.Grant{}
 	}
-	name, grants := p.Grants(c.Identity)
-	if peer := p.peer(c.Identity); peer != nil {
-		for i := range grants {
-			b.describeTenantGrant(peer.Name, &peer.Grants[i], &grants[i])
-		}
-	}
-	return name, grants
+	return p.GrantsFor(c.Identity, c.Workload.Ref(), c.Workload != nil, b.describeTenantGrant)
 }
 
 // describeTenantGrant adds to out what whoami shows of a grant's name and
@@ -721,6 +735,9 @@ func (b *Broker) Ready(ctx context.Context) error {
 	}
 	if b.tenants != nil && !b.tenants.synced() {
 		return errors.New("namespace cache not synced yet")
+	}
+	if b.cfg.PeerKeys != nil && !b.cfg.PeerKeys.Synced() {
+		return errors.New("peer key sets not synced yet")
 	}
 	if b.cfg.APIServerReady != nil {
 		if err := b.cfg.APIServerReady(ctx); err != nil {

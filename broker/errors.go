@@ -26,6 +26,9 @@ const (
 	KindUnavailable                      // the API server cannot be reached; retryable: 503
 	KindTimeout                          // the cluster did not finish in time (a signer); retryable: 504
 	KindTooManyRequests                  // over a limit of the policy; retryable after RetryAfter: 429
+	// KindBadWorkloadToken: the request's workload token was refused. Its
+	// Reason (a pki.Token* code) is shown to the caller: 401.
+	KindBadWorkloadToken
 )
 
 // Error is a classified failure. Detail and Fields are meant for the caller
@@ -33,6 +36,8 @@ const (
 type Error struct {
 	Kind   Kind
 	Detail string
+	// Reason is a caller-safe reason code, for KindBadWorkloadToken.
+	Reason string
 	Fields []apiv1.FieldError
 	Err    error
 	// RetryAfter, for KindTooManyRequests, is how long until the request

@@ -40,6 +40,10 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller) ([]apiv1.Lease, error
 	}
 	out := make([]apiv1.Lease, 0, len(secrets))
 	for i := range secrets {
+		// A workload sees only its own leases.
+		if c.Workload != nil && secrets[i].Annotations[AnnotationWorkload] != c.Workload.String() {
+			continue
+		}
 		if secrets[i].Annotations[AnnotationIdentity] == c.Identity {
 			out = append(out, leaseFromSecret(&secrets[i]))
 		}
@@ -170,6 +174,7 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 		Namespace:      s.Namespace,
 		ServiceAccount: s.Annotations[AnnotationSA],
 		User:           s.Annotations[AnnotationUser],
+		Workload:       s.Annotations[AnnotationWorkload],
 		Credential:     s.Annotations[AnnotationCred],
 		CreatedAt:      s.CreationTimestamp.UTC(),
 		ExpiresAt:      exp.UTC(),
@@ -215,6 +220,9 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	var errs []error
 	for i := range secrets {
 		s := &secrets[i]
+		if s.Labels[LabelKind] == PeerKeysKind {
+			continue // a peer's key set does not expire; it is replaced
+		}
 		usedToken := s.Labels[LabelKind] == UsedJoinTokenKind
 		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
 		switch {
@@ -276,6 +284,7 @@ type LeaseRecord struct {
 	Namespace      string     `json:"namespace"`
 	ServiceAccount string     `json:"serviceAccount"`
 	User           string     `json:"user,omitempty"`
+	Workload       string     `json:"workload,omitempty"`
 	Credential     string     `json:"credential"`
 	CreatedAt      time.Time  `json:"createdAt"`
 	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
@@ -320,7 +329,7 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 		s := &secrets[i]
 		l := leaseFromSecret(s)
 		r := LeaseRecord{
-			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User,
+			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User, Workload: l.Workload,
 			Credential: l.Credential, CreatedAt: l.CreatedAt,
 			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
 		}

@@ -91,7 +91,79 @@ type PeerSpec struct {
 	CertificateTTL apiv1.Duration `json:"certificateTTL,omitempty"`
 	// Limits override the policy's limits for this peer.
 	Limits *LimitsSpec `json:"limits,omitempty"`
+	// WorkloadIdentity, if set, is how the broker verifies the
+	// ServiceAccount tokens of this peer's cluster, which name the
+	// workload asking (grants[].workloads). The peer's certificate
+	// decides that this trust applies, never the token's iss alone.
+	WorkloadIdentity *WorkloadIdentitySpec `json:"workloadIdentity,omitempty"`
 }
+
+// WorkloadIdentitySpec is the trust in one peer cluster's ServiceAccount
+// tokens: its issuer, our audiences and its keys, from exactly one of
+// JWKS, JWKSFile and JWKSFromPeer.
+type WorkloadIdentitySpec struct {
+	// Issuer is the exact iss of the peer cluster's tokens (its
+	// --service-account-issuer).
+	Issuer string `json:"issuer"`
+	// Audiences: a token's aud must contain one of them.
+	Audiences []string `json:"audiences"`
+	// JWKS is the peer cluster's key set inline, as JSON text.
+	JWKS string `json:"jwks,omitempty"`
+	// JWKSFile is a file holding the key set, relative to the policy file;
+	// re-read when it changes.
+	JWKSFile string `json:"jwksFile,omitempty"`
+	// JWKSFromPeer: the peer uploads its cluster's key set itself
+	// (PUT /v1/peers/self/jwks); the broker keeps it in a Secret.
+	JWKSFromPeer bool `json:"jwksFromPeer,omitempty"`
+	// JWKSOverlap is how long an uploaded set still verifies after a new
+	// one replaced it; zero means MaxTokenAge. Only with JWKSFromPeer.
+	JWKSOverlap apiv1.Duration `json:"jwksOverlap,omitempty"`
+	// MaxTokenAge caps a token's exp − iat; zero means 1h.
+	MaxTokenAge apiv1.Duration `json:"maxTokenAge,omitempty"`
+	// RequirePodBinding accepts only tokens bound to a pod (projected
+	// tokens), not those of a TokenRequest bound to nothing or a Secret.
+	RequirePodBinding bool `json:"requirePodBinding,omitempty"`
+
+	// keys is the parsed JWKS or JWKSFile content (nil with JWKSFromPeer).
+	keys *pki.JWKS
+}
+
+// WorkloadRef names a ServiceAccount of a peer cluster.
+type WorkloadRef struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+// Bounds of a workloadIdentity.
+const (
+	MinWorkloadTokenAge  = 10 * time.Minute
+	MaxWorkloadTokenAge  = 24 * time.Hour
+	MaxJWKSOverlap       = 7 * 24 * time.Hour
+	maxWorkloadAudiences = 16
+	maxIssuerLen         = 512
+)
+
+// EffectiveMaxTokenAge is MaxTokenAge or its default.
+func (w *WorkloadIdentitySpec) EffectiveMaxTokenAge() time.Duration {
+	if w.MaxTokenAge != 0 {
+		return time.Duration(w.MaxTokenAge)
+	}
+	return pki.DefaultMaxWorkloadTokenAge
+}
+
+// EffectiveJWKSOverlap is JWKSOverlap or its default, MaxTokenAge: a token
+// signed with the replaced key just before the change still verifies
+// until it expires.
+func (w *WorkloadIdentitySpec) EffectiveJWKSOverlap() time.Duration {
+	if w.JWKSOverlap != 0 {
+		return time.Duration(w.JWKSOverlap)
+	}
+	return w.EffectiveMaxTokenAge()
+}
+
+// StaticKeys is the pinned key set (jwks or jwksFile), nil for a peer
+// that uploads its own.
+func (w *WorkloadIdentitySpec) StaticKeys() *pki.JWKS { return w.keys }
 
 // GrantSpec lets a peer obtain credentials for the listed ServiceAccounts
 // in the listed namespaces (every combination), or, with credential
@@ -129,6 +201,10 @@ type GrantSpec struct {
 
 	// selector is NamespaceSelector compiled by Validate; nil without one.
 	selector labels.Selector
+	// Workloads, if set, limits the grant to requests whose verified
+	// workload token names one of these ServiceAccounts of the peer's
+	// cluster. Absent: any workload of the peer (the certificate alone).
+	Workloads []WorkloadRef `json:"workloads,omitempty"`
 }
 
 // roleRef is the grant's role, or the zero RoleRef for a token grant.
@@ -242,6 +318,9 @@ func (p *Policy) Validate() error {
 		if d := time.Duration(peer.CertificateTTL); d != 0 && (d < MinCertificateTTL || d > MaxCertificateTTL) {
 			add(path+".certificateTTL", "must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
 		}
+		if wi := peer.WorkloadIdentity; wi != nil {
+			validateWorkloadIdentity(path+".workloadIdentity", wi, add)
+		}
 		certNamespaces := map[string]bool{}
 		grantNames := map[string]bool{}
 		for j, g := range peer.Grants {
@@ -300,12 +379,81 @@ func (p *Policy) Validate() error {
 			if g.Credential != apiv1.CredentialToken && g.Credential != apiv1.CredentialClientCertificate {
 				add(gpath+".credential", "must be %q or %q", apiv1.CredentialToken, apiv1.CredentialClientCertificate)
 			}
+			if len(g.Workloads) > 0 && peer.WorkloadIdentity == nil {
+				add(gpath+".workloads", "needs %s.workloadIdentity: without it no workload token can be verified", path)
+			}
+			for k, w := range g.Workloads {
+				wpath := fmt.Sprintf("%s.workloads[%d]", gpath, k)
+				if errs := validation.IsDNS1123Label(w.Namespace); len(errs) > 0 {
+					add(wpath+".namespace", "%s", strings.Join(errs, "; "))
+				}
+				if errs := validation.IsDNS1123Subdomain(w.ServiceAccount); len(errs) > 0 {
+					add(wpath+".serviceAccount", "%s", strings.Join(errs, "; "))
+				}
+			}
 		}
 	}
 	if len(probs) > 0 {
 		return &apiv1.ValidationError{Document: "policy", Problems: probs}
 	}
 	return nil
+}
+
+// validateWorkloadIdentity checks one peer's workloadIdentity; an inline
+// jwks is parsed here (a jwksFile by the loader).
+func validateWorkloadIdentity(path string, wi *WorkloadIdentitySpec, add func(field, format string, args ...any)) {
+	switch {
+	case wi.Issuer == "":
+		add(path+".issuer", "is required: the iss of the peer cluster's ServiceAccount tokens")
+	case len(wi.Issuer) > maxIssuerLen || !printableASCII(wi.Issuer):
+		add(path+".issuer", "must be at most %d printable ASCII characters", maxIssuerLen)
+	}
+	if len(wi.Audiences) == 0 {
+		add(path+".audiences", "must list at least one audience, such as tokenbroker.<cluster>")
+	}
+	if len(wi.Audiences) > maxWorkloadAudiences {
+		add(path+".audiences", "at most %d audiences", maxWorkloadAudiences)
+	}
+	for i, a := range wi.Audiences {
+		if strings.TrimSpace(a) == "" || len(a) > 256 || !printableASCII(a) {
+			add(fmt.Sprintf("%s.audiences[%d]", path, i), "must be 1 to 256 printable ASCII characters")
+		}
+	}
+	sources := 0
+	for _, set := range []bool{wi.JWKS != "", wi.JWKSFile != "", wi.JWKSFromPeer} {
+		if set {
+			sources++
+		}
+	}
+	if sources != 1 {
+		add(path+".jwks", "give exactly one of jwks, jwksFile and jwksFromPeer: true")
+	}
+	if wi.JWKS != "" {
+		keys, err := pki.ParseJWKS([]byte(wi.JWKS))
+		if err != nil {
+			add(path+".jwks", "%v", err)
+		}
+		wi.keys = keys
+	}
+	if d := time.Duration(wi.MaxTokenAge); d != 0 && (d < MinWorkloadTokenAge || d > MaxWorkloadTokenAge) {
+		add(path+".maxTokenAge", "must be between %s and %s", MinWorkloadTokenAge, MaxWorkloadTokenAge)
+	}
+	if d := time.Duration(wi.JWKSOverlap); d != 0 {
+		if !wi.JWKSFromPeer {
+			add(path+".jwksOverlap", "only applies with jwksFromPeer: true (a pinned set changes when you change it)")
+		} else if d < time.Second || d > MaxJWKSOverlap {
+			add(path+".jwksOverlap", "must be between 1s and %s", MaxJWKSOverlap)
+		}
+	}
+}
+
+func printableASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x21 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }
 
 // validSPIFFEID checks that id is a cluster identity,
@@ -320,6 +468,9 @@ func validSPIFFEID(id string) error {
 	}
 	return nil
 }
+
+// Peer returns the policy of the peer with the given identity, or nil.
+func (p *Policy) Peer(identity string) *PeerSpec { return p.peer(identity) }
 
 // peer returns the peer with the given identity, or nil.
 func (p *Policy) peer(identity string) *PeerSpec {
@@ -395,6 +546,13 @@ const (
 // cannot probe the policy), and with KindUnprocessable when the grant
 // cannot give at least minTTL.
 func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
+	return p.DecideFor(nss, identity, nil, namespace, serviceAccount, credential, requested, minTTL)
+}
+
+// DecideFor is DecideIn for a request that may carry a verified workload
+// (nil: none). A grant that names workloads matches only a request whose
+// workload is one of them.
+func (p *Policy) DecideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
 	if credential == "" {
 		credential = apiv1.CredentialToken
 	}
@@ -407,7 +565,7 @@ func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccou
 		g := &peer.Grants[i]
 		// A certificate grant names no ServiceAccount (the request none).
 		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
-		if g.Credential == credential && g.covers(nss, namespace) && saOK {
+		if g.Credential == credential && g.covers(nss, namespace) && saOK && g.admits(workload) {
 			// The most generous matching grant wins, so that adding a grant
 			// never takes anything away.
 			if grant == nil || p.grantMax(g) > p.grantMax(grant) {
@@ -429,6 +587,15 @@ func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccou
 			"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, orDefault(d.ClampedBy, "requested ttl"))
 	}
 	return d, nil
+}
+
+// admits reports whether the grant applies to a request from workload
+// (nil: no workload token): a grant without workloads applies to all.
+func (g *GrantSpec) admits(w *WorkloadRef) bool {
+	if len(g.Workloads) == 0 {
+		return true
+	}
+	return w != nil && slices.Contains(g.Workloads, *w)
 }
 
 func orDefault(s, def string) string {
@@ -461,6 +628,15 @@ func (p *Policy) clamp(g *GrantSpec, ttl time.Duration) (time.Duration, string) 
 // Grants returns the peer name and grants that apply to identity; an
 // unknown identity gets "" and an empty (non-nil) list.
 func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
+	return p.GrantsFor(identity, nil, false, nil)
+}
+
+// GrantsFor is Grants as they apply to one workload of the peer when
+// onlyWorkload is set (w nil: a request without a workload token, which
+// grants naming workloads never match); otherwise every grant of the peer.
+// describe, if set, adds what the caller knows of each grant (the
+// namespaces a selector matches now).
+func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, describe func(peer string, g *GrantSpec, out *apiv1.Grant)) (string, []apiv1.Grant) {
 	peer := p.peer(identity)
 	if peer == nil {
 		return "", []apiv1.Grant{}
@@ -468,7 +644,15 @@ func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
 	out := make([]apiv1.Grant, 0, len(peer.Grants))
 	for i := range peer.Grants {
 		g := &peer.Grants[i]
+		if onlyWorkload && !g.admits(w) {
+			continue
+		}
+		var workloads []apiv1.WorkloadRef
+		for _, wr := range g.Workloads {
+			workloads = append(workloads, apiv1.WorkloadRef{Namespace: wr.Namespace, ServiceAccount: wr.ServiceAccount})
+		}
 		out = append(out, apiv1.Grant{
+			Workloads:       workloads,
 			Namespaces:      slices.Clone(g.Namespaces),
 			ServiceAccounts: slices.Clone(g.ServiceAccounts),
 			Role:            g.Role,
@@ -476,6 +660,9 @@ func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
 			MaxTTL:          p.grantMax(g).String(),
 			Credential:      g.Credential,
 		})
+		if describe != nil {
+			describe(peer.Name, g, &out[len(out)-1])
+		}
 	}
 	return peer.Name, out
 }

@@ -29,12 +29,63 @@ func LoadPolicyFile(path string) (*Policy, error) {
 		}
 		p.Cluster.CAData = string(ca)
 	}
+	if err := setJWKSFiles(path, p, readJWKSFiles(path, p)); err != nil {
+		return nil, err
+	}
 	return checkedPolicy(path, p)
 }
 
-// policyFromFiles is LoadPolicyFile on content already read: the policy
-// and the CA file it names (nil when it names none or could not be read).
-func policyFromFiles(path string, data, ca []byte) (*Policy, error) {
+// jwksFilePeers returns the indexes of the peers whose workloadIdentity
+// names a jwksFile, in order.
+func jwksFilePeers(p *Policy) []int {
+	var out []int
+	for i := range p.Peers {
+		if wi := p.Peers[i].WorkloadIdentity; wi != nil && wi.JWKSFile != "" {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// readJWKSFiles reads the jwksFile of each peer that names one (nil for a
+// file that cannot be read; setJWKSFiles reports it).
+func readJWKSFiles(path string, p *Policy) [][]byte {
+	var out [][]byte
+	for _, i := range jwksFilePeers(p) {
+		data, _ := pki.ReadFileLimit(caFilePath(path, p.Peers[i].WorkloadIdentity.JWKSFile), pki.MaxJWKSBytes)
+		out = append(out, data)
+	}
+	return out
+}
+
+// setJWKSFiles parses the jwksFile contents read for p (in the order of
+// jwksFilePeers) into the peers' workloadIdentity.
+func setJWKSFiles(path string, p *Policy, files [][]byte) error {
+	var probs []apiv1.FieldError
+	for n, i := range jwksFilePeers(p) {
+		wi := p.Peers[i].WorkloadIdentity
+		field := fmt.Sprintf("peers[%d].workloadIdentity.jwksFile", i)
+		if n >= len(files) || files[n] == nil {
+			probs = append(probs, apiv1.FieldError{Field: field, Detail: fmt.Sprintf("%s cannot be read", caFilePath(path, wi.JWKSFile))})
+			continue
+		}
+		keys, err := pki.ParseJWKS(files[n])
+		if err != nil {
+			probs = append(probs, apiv1.FieldError{Field: field, Detail: fmt.Sprintf("%s: %v", caFilePath(path, wi.JWKSFile), err)})
+			continue
+		}
+		wi.keys = keys
+	}
+	if len(probs) > 0 {
+		return fmt.Errorf("%s: %w", path, &apiv1.ValidationError{Document: "policy", Problems: probs})
+	}
+	return nil
+}
+
+// policyFromFiles is LoadPolicyFile on content already read: the policy,
+// the CA file it names (nil when it names none or could not be read) and
+// the jwksFiles of its peers (see readJWKSFiles).
+func policyFromFiles(path string, data, ca []byte, jwks [][]byte) (*Policy, error) {
 	p, err := ParsePolicy(data)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
@@ -44,6 +95,9 @@ func policyFromFiles(path string, data, ca []byte) (*Policy, error) {
 			return nil, fmt.Errorf("%s: cluster.caFile: %s cannot be read", path, caFilePath(path, p.Cluster.CAFile))
 		}
 		p.Cluster.CAData = string(ca)
+	}
+	if err := setJWKSFiles(path, p, jwks); err != nil {
+		return nil, err
 	}
 	return checkedPolicy(path, p)
 }

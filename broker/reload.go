@@ -54,7 +54,9 @@ func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, metrics 
 	}
 	files, err := pki.NewFileReloader(path,
 		func() ([][]byte, error) { return readPolicyFiles(path) },
-		func(content [][]byte) (*Policy, error) { return policyFromFiles(path, content[0], content[1]) },
+		func(content [][]byte) (*Policy, error) {
+			return policyFromFiles(path, content[0], content[1], content[2:])
+		},
 		pki.WithReloadCallback(report))
 	if err != nil {
 		return nil, err
@@ -79,21 +81,26 @@ func (w *PolicyWatcher) Check() error {
 	return err
 }
 
-// readPolicyFiles reads the policy file and the cluster CA file it names
+// readPolicyFiles reads the policy file, the cluster CA file it names
 // (nil if it names none or the policy does not parse: policyFromFiles
-// reports that).
+// reports that) and the peers' jwksFiles, so that a changed key file
+// reloads the policy like a changed CA file.
 func readPolicyFiles(path string) ([][]byte, error) {
 	data, err := pki.ReadFileLimit(path, maxPolicyBytes)
 	if err != nil {
 		return nil, fmt.Errorf("read policy: %w", err)
 	}
 	var ca []byte
-	if p, err := ParsePolicy(data); err == nil && p.Cluster.CAFile != "" {
-		// A missing CA file is read as nothing and refused by
-		// policyFromFiles; its later arrival changes the content.
-		ca, _ = pki.ReadFileLimit(caFilePath(path, p.Cluster.CAFile), maxPolicyBytes)
+	var jwks [][]byte
+	if p, err := ParsePolicy(data); err == nil {
+		if p.Cluster.CAFile != "" {
+			// A missing CA file is read as nothing and refused by
+			// policyFromFiles; its later arrival changes the content.
+			ca, _ = pki.ReadFileLimit(caFilePath(path, p.Cluster.CAFile), maxPolicyBytes)
+		}
+		jwks = readJWKSFiles(path, p)
 	}
-	return [][]byte{data, ca}, nil
+	return append([][]byte{data, ca}, jwks...), nil
 }
 
 // caFilePath resolves a policy's caFile: relative to the policy file.

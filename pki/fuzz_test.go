@@ -274,3 +274,65 @@ func FuzzParseUserCSRPEM(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseJWKS(f *testing.F) {
+	k := newWorkloadKeys(f)
+	f.Add(k.raw)
+	f.Add([]byte(`{"keys":[]}`))
+	f.Add([]byte(`{"keys":[{"kty":"RSA","kid":"a","n":"AQAB","e":"AQAB"}]}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		set, err := ParseJWKS(data)
+		if err != nil {
+			if set != nil {
+				t.Fatal("a set returned with an error")
+			}
+			return
+		}
+		kids := set.KeyIDs()
+		if len(kids) == 0 || len(kids) > MaxJWKSKeys || !strings.HasPrefix(set.Digest(), "sha256:") {
+			t.Fatalf("parsed %d keys, digest %q", len(kids), set.Digest())
+		}
+		// What was parsed encodes and parses to the same keys.
+		keys := map[string]crypto.PublicKey{}
+		for _, kid := range kids {
+			pub, _, ok := set.Key(kid)
+			if !ok {
+				t.Fatalf("kid %q listed but not found", kid)
+			}
+			keys[kid] = pub
+		}
+		raw, err := EncodeJWKS(keys)
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := ParseJWKS(raw)
+		if err != nil || again.Digest() != set.Digest() {
+			t.Fatalf("re-encoded set differs: %v", err)
+		}
+	})
+}
+
+func FuzzVerifyWorkloadToken(f *testing.F) {
+	k := newWorkloadKeys(f)
+	f.Add(k.sign(f, workloadClaims()))
+	f.Add("eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0.")
+	f.Add("a.b.c")
+	f.Fuzz(func(t *testing.T, token string) {
+		c, err := VerifyWorkloadToken(token, []*JWKS{k.jwks}, testWorkloadOptions())
+		if err != nil {
+			var te *WorkloadTokenError
+			if !errors.As(err, &te) || te.Reason == "" {
+				t.Fatalf("refusal without a reason: %v", err)
+			}
+			if len(token) >= 16 && strings.Contains(err.Error(), token) {
+				t.Fatal("the error echoes the token")
+			}
+			return
+		}
+		// Only a token signed with the key verifies: its claims are the
+		// ones the test signs.
+		if c.Namespace != "argo" || c.ServiceAccount != "runner" {
+			t.Fatalf("verified a token for %s/%s", c.Namespace, c.ServiceAccount)
+		}
+	})
+}

@@ -95,6 +95,22 @@ type RefusalAuditor interface {
 	RefuseCaller(ctx context.Context, c broker.Caller, code, reason string)
 }
 
+// WorkloadAuthenticator is the optional ability of a Broker to verify the
+// workload tokens peers send beside their certificate and to keep the key
+// sets they upload; the server finds it by type assertion. Without it a
+// request with a workload token gets 401 (reason no-trust) and PUT
+// /v1/peers/self/jwks 404.
+type WorkloadAuthenticator interface {
+	// AuthenticateWorkload verifies token (at most
+	// pki.MaxWorkloadTokenBytes of b64token characters) for the caller and
+	// returns the caller with its Workload. Refusals are
+	// broker.KindBadWorkloadToken with a Reason.
+	AuthenticateWorkload(ctx context.Context, c broker.Caller, token string) (broker.Caller, error)
+	// PutPeerJWKS stores the caller's cluster's key set, doc being the
+	// body as sent (at most pki.MaxJWKSBytes).
+	PutPeerJWKS(ctx context.Context, c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error)
+}
+
 // TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which
 // follows its file). See Config.ClientCAs.
 type TrustAnchors interface {
@@ -104,11 +120,12 @@ type TrustAnchors interface {
 // The broker package's core is what the composition root passes as Broker,
 // and it has the optional abilities.
 var (
-	_ Broker            = (*broker.Broker)(nil)
-	_ CertificateIssuer = (*broker.Broker)(nil)
-	_ RevocationChecker = (*broker.Broker)(nil)
-	_ RefusalAuditor    = (*broker.Broker)(nil)
-	_ TrustAnchors      = (*pki.PoolReloader)(nil)
+	_ Broker                = (*broker.Broker)(nil)
+	_ CertificateIssuer     = (*broker.Broker)(nil)
+	_ RevocationChecker     = (*broker.Broker)(nil)
+	_ RefusalAuditor        = (*broker.Broker)(nil)
+	_ WorkloadAuthenticator = (*broker.Broker)(nil)
+	_ TrustAnchors          = (*pki.PoolReloader)(nil)
 )
 
 // Defaults applied by New to zero fields of Config.

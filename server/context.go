@@ -24,6 +24,9 @@ type requestInfo struct {
 	listener string
 	route    string
 	identity string
+	// workload is the verified workload ("namespace/serviceAccount"), if
+	// the request carried a workload token.
+	workload string
 	log      *zap.Logger
 }
 

@@ -42,6 +42,34 @@ func decodeJSONBody(r *http.Request, limit int64, dst any) error {
 	return decodeStrict(body, dst)
 }
 
+// readJWKSBody reads a key set upload: application/json or
+// application/jwk-set+json, at most limit bytes. The document's shape is
+// the broker's to check (pki.ParseJWKS); keys carry members no struct lists.
+func readJWKSBody(r *http.Request, limit int64) ([]byte, error) {
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil || (mt != apiv1.MediaTypeJSON && mt != apiv1.MediaTypeJWKSet) {
+		return nil, broker.Errorf(broker.KindUnsupportedMediaType, "The request body must be application/json or application/jwk-set+json.")
+	}
+	if r.ContentLength > limit {
+		return nil, tooLarge(limit)
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, tooLarge(mbe.Limit)
+		}
+		return nil, broker.Wrap(broker.KindInvalid, "The request body could not be read.", err)
+	}
+	if int64(len(body)) > limit {
+		return nil, tooLarge(limit)
+	}
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, broker.Errorf(broker.KindInvalid, "The request body is empty.")
+	}
+	return body, nil
+}
+
 func tooLarge(limit int64) error {
 	return broker.Errorf(broker.KindTooLarge, "The request body is larger than %d bytes.", limit)
 }

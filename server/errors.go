@@ -25,6 +25,7 @@ const retryAfterSeconds = "5"
 const (
 	enrollUnauthenticatedDetail = "A valid, unused join token is required as the bearer token."
 	enrollAuthenticate          = `Bearer realm="tokenbroker-enrollment"`
+	workloadAuthenticate        = `Bearer realm="tokenbroker", error="invalid_token"`
 )
 
 // Transport-level failures that have no broker.Kind. writeError maps them
@@ -71,6 +72,8 @@ var (
 		"The cluster did not finish in time; retry later."}
 	classTooManyRequests = problemClass{http.StatusTooManyRequests, "too-many-requests", false,
 		"Over a limit of the policy; retry after Retry-After seconds."}
+	classBadWorkloadToken = problemClass{http.StatusUnauthorized, "invalid-workload-token", false,
+		"The workload token was refused."}
 	classInternal = problemClass{http.StatusInternalServerError, "internal", true,
 		"An internal error occurred; the request id identifies it in the server log."}
 )
@@ -111,6 +114,8 @@ func classOf(err error) (problemClass, *broker.Error) {
 		return classTimeout, be
 	case broker.KindTooManyRequests:
 		return classTooManyRequests, be
+	case broker.KindBadWorkloadToken:
+		return classBadWorkloadToken, be
 	default:
 		return classInternal, be
 	}
@@ -135,6 +140,9 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 			p.Detail = be.Detail
 		}
 		p.Errors = be.Fields
+		if class == classBadWorkloadToken {
+			p.Reason = be.Reason
+		}
 	}
 	enrolling := listenerFrom(r.Context()) == listenerEnroll
 	if class.status == http.StatusUnauthorized && enrolling {
@@ -173,6 +181,10 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	}
 	if class.status == http.StatusUnauthorized && enrolling {
 		h.Set("WWW-Authenticate", enrollAuthenticate)
+	}
+	if class == classBadWorkloadToken {
+		// RFC 6750 §3: the bearer token is the problem, not the certificate.
+		h.Set("WWW-Authenticate", workloadAuthenticate)
 	}
 	w.WriteHeader(class.status)
 	_, _ = w.Write(body) // the client has gone; nothing left to tell it

@@ -2,6 +2,7 @@ package server
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"net/url"
@@ -69,10 +70,10 @@ func reply[T any](w http.ResponseWriter, r *http.Request, status int, result *T,
 // authenticated peer.
 type callerHandler func(w http.ResponseWriter, r *http.Request, p peer)
 
-// withCaller adapts h to net/http: it takes the peer the authentication
+// withPeerOnly adapts h to net/http: it takes the peer the authentication
 // middleware put in the context, and answers errNoPeer (a bug: the route
 // is served without that middleware) if there is none.
-func withCaller(h callerHandler) http.HandlerFunc {
+func withPeerOnly(h callerHandler) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		p, ok := peerFrom(r.Context())
 		if !ok {
@@ -81,6 +82,76 @@ func withCaller(h callerHandler) http.HandlerFunc {
 		}
 		h(w, r, p)
 	}
+}
+
+// withCaller is withPeerOnly for the routes where a workload of the
+// peer's cluster may say who it is: after the certificate, an
+// "Authorization: Bearer" workload token is verified (a request without
+// one is the peer's), and a refused one is answered 401 with its reason.
+func (s *Server) withCaller(h callerHandler) http.HandlerFunc {
+	return withPeerOnly(func(w http.ResponseWriter, r *http.Request, p peer) {
+		if len(r.Header.Values("Authorization")) == 0 {
+			h(w, r, p)
+			return
+		}
+		token, err := workloadToken(r.Header)
+		if err == nil && s.workloads == nil {
+			err = broker.BadWorkloadToken(broker.TokenNoTrust, errors.New("this broker verifies no workload tokens"))
+		}
+		if err == nil {
+			p.caller, err = s.workloads.AuthenticateWorkload(r.Context(), p.caller, token)
+		}
+		if err != nil {
+			writeError(w, r, err)
+			return
+		}
+		if info := requestInfoFrom(r.Context()); info != nil {
+			info.workload = p.caller.Workload.String()
+		}
+		h(w, r, p)
+	})
+}
+
+// workloadToken reads the workload token of an "Authorization: Bearer"
+// header: one header, a token of at most pki.MaxWorkloadTokenBytes
+// b64token characters.
+func workloadToken(h http.Header) (string, error) {
+	values := h.Values("Authorization")
+	if len(values) != 1 {
+		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("more than one Authorization header"))
+	}
+	scheme, token, ok := strings.Cut(values[0], " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("authorization is not a Bearer token"))
+	}
+	token = strings.TrimLeft(token, " ")
+	if len(token) > pki.MaxWorkloadTokenBytes {
+		return "", broker.BadWorkloadToken(pki.TokenTooLarge, fmt.Errorf("bearer token of %d bytes", len(token)))
+	}
+	if !b64token(token) {
+		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("bearer token is empty or has characters a token cannot have"))
+	}
+	return token, nil
+}
+
+// putPeerJWKS handles PUT /v1/peers/self/jwks: the peer uploads its own
+// cluster's key set (as served at /openid/v1/jwks).
+func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
+	if s.workloads == nil {
+		writeError(w, r, errRouteNotFound)
+		return
+	}
+	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+		writeError(w, r, errNotAcceptable)
+		return
+	}
+	doc, err := readJWKSBody(r, min(s.cfg.MaxBodyBytes, pki.MaxJWKSBytes))
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
+	resp, err := s.workloads.PutPeerJWKS(r.Context(), p.caller, doc)
+	reply(w, r, http.StatusOK, resp, err)
 }
 
 func leaseNotFound(id string) error {
@@ -212,10 +283,15 @@ func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request, p peer) {
 	if lr, ok := s.broker.(LimitsReporter); ok {
 		limits = lr.Limits(p.caller)
 	}
+	var wl *apiv1.WorkloadInfo
+	if cw := p.caller.Workload; cw != nil {
+		wl = &apiv1.WorkloadInfo{Namespace: cw.Namespace, ServiceAccount: cw.ServiceAccount, UID: cw.UID, Pod: cw.Pod}
+	}
 	writeJSON(w, r, http.StatusOK, apiv1.WhoAmI{
 		Limits:   limits,
 		Identity: p.caller.Identity,
 		Peer:     name,
+		Workload: wl,
 		Grants:   grants,
 		Certificate: apiv1.CertificateInfo{
 			Subject:      p.cert.Subject.String(),
@@ -348,15 +424,23 @@ func bearerToken(h http.Header) (string, bool) {
 		return "", false
 	}
 	token = strings.TrimLeft(token, " ")
-	if token == "" || len(token) > pki.MaxJoinTokenBytes {
+	if len(token) > pki.MaxJoinTokenBytes || !b64token(token) {
 		return "", false
+	}
+	return token, true
+}
+
+// b64token reports whether token is a non-empty RFC 6750 b64token.
+func b64token(token string) bool {
+	if token == "" {
+		return false
 	}
 	for i := 0; i < len(token); i++ {
 		c := token[i]
 		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' ||
 			c == '-' || c == '.' || c == '_' || c == '~' || c == '+' || c == '/' || c == '=') {
-			return "", false
+			return false
 		}
 	}
-	return token, true
+	return true
 }

@@ -129,6 +129,7 @@ func (s *Server) observe(router *chi.Mux) func(http.Handler) http.Handler {
 				zap.Int("bytes", ww.BytesWritten()),
 				zap.Duration("duration", d),
 				zap.String("identity", info.identity),
+				zap.String("workload", info.workload),
 				zap.String("remote", r.RemoteAddr),
 			)
 		})

@@ -24,8 +24,12 @@ func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, nil)
 	secretHeader := http.Header{"Authorization": {"Bearer " + testToken}, "Cookie": {"session=" + testToken}}
+	// A bearer token on the API listener is a workload token: this broker
+	// verifies none, so it is refused (401), and logged no more than the
+	// cookie.
+	cookieOnly := http.Header{"Cookie": {"session=" + testToken}}
 	requests := []request{
-		func() request { r := postKubeconfig(validBody); r.header = secretHeader; return r }(),
+		func() request { r := postKubeconfig(validBody); r.header = cookieOnly; return r }(),
 		func() request { r := postKubeconfig(validBody); r.accept = "application/yaml"; return r }(),
 		{method: http.MethodGet, path: "/v1/leases", header: secretHeader},
 		{method: http.MethodGet, path: "/v1/leases/" + testLeaseID},
@@ -42,7 +46,7 @@ func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
 
 	access := h.logs.FilterMessage("request").All()
 	require.Len(t, access, len(requests))
-	wantKeys := []string{"bytes", "duration", "identity", "listener", "method", "remote", "request_id", "route", "status"}
+	wantKeys := []string{"bytes", "duration", "identity", "listener", "method", "remote", "request_id", "route", "status", "workload"}
 	for i, e := range access {
 		ctx := e.ContextMap()
 		keys := make([]string, 0, len(ctx))
@@ -61,6 +65,7 @@ func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
 	require.EqualValues(t, http.StatusCreated, first["status"])
 	require.Equal(t, testIdentity, first["identity"])
 	require.Positive(t, first["bytes"])
+	require.EqualValues(t, http.StatusUnauthorized, access[2].ContextMap()["status"])
 	require.Equal(t, "/v1/leases/{id}", access[3].ContextMap()["route"])
 	require.Equal(t, "unmatched", access[6].ContextMap()["route"])
 	require.Equal(t, "/v1/whoami", access[7].ContextMap()["route"])

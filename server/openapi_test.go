@@ -200,6 +200,7 @@ var wireTypes = []any{
 	apiv1.Grant{}, apiv1.WhoAmI{}, apiv1.CertificateInfo{}, apiv1.Problem{}, apiv1.FieldError{},
 	apiv1.CertificateRequest{}, apiv1.CertificateResponse{}, apiv1.TrustBundle{}, apiv1.PeerLimits{}, apiv1.ExecKubeconfigResponse{},
 	apiv1.LabelSelector{}, apiv1.LabelSelectorRequirement{},
+	apiv1.WorkloadRef{}, apiv1.WorkloadInfo{}, apiv1.PeerJWKS{},
 }
 
 var timeType = reflect.TypeFor[time.Time]()
@@ -273,6 +274,8 @@ func compareType(spec *oaSpec, where string, t reflect.Type, s *oaSchema) []stri
 		want = "string"
 	case t.Kind() == reflect.Int:
 		want = "integer"
+	case t.Kind() == reflect.Bool:
+		want = "boolean"
 	case t.Kind() == reflect.Slice:
 		if s.Type != "array" || s.Items == nil {
 			return []string{fmt.Sprintf("%s is a Go slice, the spec says type %q", where, s.Type)}

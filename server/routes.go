@@ -30,14 +30,16 @@ type route struct {
 // routeTable is the one route table of the API, for both listeners.
 func (s *Server) routeTable() []route {
 	return []route{
-		{method: http.MethodPost, pattern: "/kubeconfigs", api: withCaller(s.createKubeconfig)},
-		{method: http.MethodGet, pattern: "/leases", api: withCaller(s.listLeases)},
-		{method: http.MethodGet, pattern: "/leases/{id}", api: withCaller(s.getLease)},
-		{method: http.MethodDelete, pattern: "/leases/{id}", api: withCaller(s.revokeLease)},
-		{method: http.MethodGet, pattern: "/whoami", api: withCaller(s.whoAmI)},
+		{method: http.MethodPost, pattern: "/kubeconfigs", api: s.withCaller(s.createKubeconfig)},
+		{method: http.MethodGet, pattern: "/leases", api: s.withCaller(s.listLeases)},
+		{method: http.MethodGet, pattern: "/leases/{id}", api: s.withCaller(s.getLease)},
+		{method: http.MethodDelete, pattern: "/leases/{id}", api: s.withCaller(s.revokeLease)},
+		{method: http.MethodGet, pattern: "/whoami", api: s.withCaller(s.whoAmI)},
+		{method: http.MethodPut, pattern: "/peers/self/jwks", api: withPeerOnly(s.putPeerJWKS)},
 		// Renewal with the client certificate on the mTLS listener,
-		// enrollment with a join token on the enrollment listener.
-		{method: http.MethodPost, pattern: "/certificates", api: withCaller(s.renewCertificate), enroll: s.enrollCertificate},
+		// enrollment with a join token on the enrollment listener. Its
+		// bearer token, if any, is not a workload token.
+		{method: http.MethodPost, pattern: "/certificates", api: withPeerOnly(s.renewCertificate), enroll: s.enrollCertificate},
 		{method: http.MethodGet, pattern: "/trust-bundle", api: s.trustBundle, enroll: s.trustBundle},
 	}
 }

@@ -257,6 +257,7 @@ func Run(ctx context.Context, opts Options) error {
 	if err != nil {
 		return err
 	}
+	peerKeys := broker.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -274,6 +275,7 @@ func Run(ctx context.Context, opts Options) error {
 		Leases:         leases,
 		MaxLiveLeases:  opts.MaxLiveLeases,
 		Namespaces:     namespaces,
+		PeerKeys:       peerKeys,
 	})
 	if err != nil {
 		return err
@@ -305,6 +307,7 @@ func Run(ctx context.Context, opts Options) error {
 	go revocations.Run(ctx)
 	go namespaces.RunWithContext(ctx)
 	go b.RunTenants(ctx)
+	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
 	go leases.Run(ctx, b.LeaseNamespaces, leaseWatchInterval(opts.ReloadInterval))
@@ -317,6 +320,10 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	if !cache.WaitForCacheSync(syncCtx.Done(), namespaces.HasSynced) && ctx.Err() == nil {
 		log.Warn("namespace cache not synced yet; not ready until it is")
+	}
+	if err := peerKeys.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
+		log.Warn("peer key sets not read yet; uploaded keys verify nothing until they are",
+			zap.String("namespace", opts.Namespace), zap.Error(err))
 	}
 	cancelSync()
 	go func() {

@@ -24,6 +24,7 @@ type Server struct {
 	certs       CertificateIssuer
 	revocations RevocationChecker
 	refusals    RefusalAuditor
+	workloads   WorkloadAuthenticator
 	metrics     *httpMetrics
 	// router is the API listener's route table, enrollRouter the
 	// enrollment listener's; both are built from routeTable.
@@ -67,6 +68,7 @@ func New(cfg Config) (*Server, error) {
 	s.certs, _ = cfg.Broker.(CertificateIssuer)
 	s.revocations, _ = cfg.Broker.(RevocationChecker)
 	s.refusals, _ = cfg.Broker.(RefusalAuditor)
+	s.workloads, _ = cfg.Broker.(WorkloadAuthenticator)
 	s.router = s.routes(listenerAPI)
 	s.enrollRouter = s.routes(listenerEnroll)
 	s.api = s.chain(listenerAPI, s.router)

@@ -43,13 +43,38 @@ type Config struct {
 	GetClientCertificate func(*tls.CertificateRequestInfo) (*tls.Certificate, error)
 	// Timeout bounds each request; default 30s.
 	Timeout time.Duration
+	// WorkloadToken, if set, returns the workload token (a ServiceAccount
+	// token of this cluster with the broker's audience) sent as the bearer
+	// token of kubeconfig, lease and whoami requests, so that the broker
+	// knows which workload asks. It is called for every request, so a
+	// projected token that the kubelet rotates is always fresh
+	// (WorkloadTokenFile).
+	WorkloadToken func() (string, error)
+}
+
+// WorkloadTokenFile returns a Config.WorkloadToken that reads the token
+// from path at every call (at most pki.MaxWorkloadTokenBytes, surrounding
+// white space removed): the kubelet rewrites a projected token in place.
+func WorkloadTokenFile(path string) func() (string, error) {
+	return func() (string, error) {
+		data, err := pki.ReadFileLimit(path, pki.MaxWorkloadTokenBytes+2)
+		if err != nil {
+			return "", fmt.Errorf("read workload token: %w", err)
+		}
+		token := strings.TrimSpace(string(data))
+		if token == "" || len(token) > pki.MaxWorkloadTokenBytes {
+			return "", fmt.Errorf("workload token file %s is empty or longer than %d bytes", path, pki.MaxWorkloadTokenBytes)
+		}
+		return token, nil
+	}
 }
 
 // Client calls one broker. It keeps connections alive and is safe for
 // concurrent use.
 type Client struct {
-	base *url.URL
-	http *http.Client
+	base     *url.URL
+	http     *http.Client
+	workload func() (string, error)
 }
 
 // New returns a Client for cfg.
@@ -71,7 +96,7 @@ func New(cfg Config) (*Client, error) {
 	if cfg.GetClientCertificate != nil {
 		tc.GetClientCertificate = cfg.GetClientCertificate
 	}
-	return &Client{base: u, http: &http.Client{
+	return &Client{base: u, workload: cfg.WorkloadToken, http: &http.Client{
 		Timeout:   cfg.Timeout,
 		Transport: newTransport(tc),
 	}}, nil
@@ -117,6 +142,9 @@ func (e *ProblemError) Error() string {
 	for _, f := range e.Problem.Errors {
 		msg += fmt.Sprintf("; %s: %s", f.Field, f.Detail)
 	}
+	if e.Problem.Reason != "" {
+		msg += " (reason: " + e.Problem.Reason + ")"
+	}
 	return fmt.Sprintf("broker answered %d: %s", e.Status, msg)
 }
 
@@ -145,7 +173,7 @@ func Retryable(err error) bool {
 // log it.
 func (c *Client) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	var out apiv1.KubeconfigResponse
-	if err := c.do(ctx, http.MethodPost, "/v1/kubeconfigs", "", req, http.StatusCreated, &out); err != nil {
+	if err := c.doAs(ctx, http.MethodPost, "/v1/kubeconfigs", req, http.StatusCreated, &out); err != nil {
 		return nil, err
 	}
 	return &out, nil
@@ -154,7 +182,7 @@ func (c *Client) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*
 // Leases lists the caller's leases.
 func (c *Client) Leases(ctx context.Context) ([]apiv1.Lease, error) {
 	var out apiv1.LeaseList
-	if err := c.do(ctx, http.MethodGet, "/v1/leases", "", nil, http.StatusOK, &out); err != nil {
+	if err := c.doAs(ctx, http.MethodGet, "/v1/leases", nil, http.StatusOK, &out); err != nil {
 		return nil, err
 	}
 	return out.Items, nil
@@ -162,16 +190,39 @@ func (c *Client) Leases(ctx context.Context) ([]apiv1.Lease, error) {
 
 // RevokeLease revokes one of the caller's leases.
 func (c *Client) RevokeLease(ctx context.Context, id string) error {
-	return c.do(ctx, http.MethodDelete, "/v1/leases/"+url.PathEscape(id), "", nil, http.StatusNoContent, nil)
+	return c.doAs(ctx, http.MethodDelete, "/v1/leases/"+url.PathEscape(id), nil, http.StatusNoContent, nil)
 }
 
 // WhoAmI returns the caller's identity and grants as the broker sees them.
 func (c *Client) WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error) {
 	var out apiv1.WhoAmI
-	if err := c.do(ctx, http.MethodGet, "/v1/whoami", "", nil, http.StatusOK, &out); err != nil {
+	if err := c.doAs(ctx, http.MethodGet, "/v1/whoami", nil, http.StatusOK, &out); err != nil {
 		return nil, err
 	}
 	return &out, nil
+}
+
+// PutJWKS uploads this cluster's service-account key set (the document
+// served at /openid/v1/jwks) for the broker to verify workload tokens with.
+func (c *Client) PutJWKS(ctx context.Context, doc []byte) (*apiv1.PeerJWKS, error) {
+	var out apiv1.PeerJWKS
+	if err := c.do(ctx, http.MethodPut, "/v1/peers/self/jwks", "", json.RawMessage(doc), http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// doAs is do with the workload token, if the client has one.
+func (c *Client) doAs(ctx context.Context, method, path string, in any, want int, out any) error {
+	bearer := ""
+	if c.workload != nil {
+		t, err := c.workload()
+		if err != nil {
+			return err
+		}
+		bearer = t
+	}
+	return c.do(ctx, method, path, bearer, in, want, out)
 }
 
 // Renew asks for a new client certificate for the caller's own identity.

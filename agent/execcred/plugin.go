@@ -8,9 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"k8s.io/utils/clock"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // DefaultRefreshFraction is the part of a credential's granted life after
@@ -31,6 +34,22 @@ type Key struct {
 	Audiences      []string
 	TTL            string
 	MinTTL         string
+	// Workload is the workload whose token goes with the request
+	// (WorkloadOf), "" for none: two workloads never share a cached
+	// credential, since the broker may grant them different things.
+	Workload string
+}
+
+// WorkloadOf names the workload of a workload token for Key.Workload: its
+// issuer and subject (system:serviceaccount:<namespace>:<name>), read
+// without verifying (the broker verifies). A token that is not a JWT with
+// both is an error.
+func WorkloadOf(token string) (string, error) {
+	claims, err := pki.UnverifiedClaims(token)
+	if err != nil || claims.Issuer == "" || !strings.HasPrefix(claims.Subject, "system:serviceaccount:") {
+		return "", errors.New("the workload token is not a ServiceAccount token (a JWT with iss and sub system:serviceaccount:<namespace>:<name>)")
+	}
+	return claims.Issuer + " " + claims.Subject, nil
 }
 
 // ID is the key's name in the cache: the hex SHA-256 of its fields.
@@ -38,7 +57,13 @@ func (k Key) ID() string {
 	aud := slices.Clone(k.Audiences)
 	slices.Sort(aud)
 	aud = slices.Compact(aud)
-	b, err := json.Marshal([]any{"tokenbroker-credential-v1", k.Broker, k.Identity, k.Namespace, k.ServiceAccount, k.Credential, aud, k.TTL, k.MinTTL})
+	fields := []any{"tokenbroker-credential-v1", k.Broker, k.Identity, k.Namespace, k.ServiceAccount, k.Credential, aud, k.TTL, k.MinTTL}
+	if k.Workload != "" {
+		// Appended only when set, so that the entries of callers without
+		// a workload keep their names.
+		fields = append(fields, "workload", k.Workload)
+	}
+	b, err := json.Marshal(fields)
 	if err != nil { // strings only: cannot happen
 		panic(err)
 	}

@@ -2,6 +2,7 @@ package execcred
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"os"
@@ -495,4 +496,28 @@ func TestPastTheRefreshPointABrokerThatIsAwayLeavesTheRestOfTheLife(t *testing.T
 	f.issuer.fail.Store(nil)
 	_, outcome = f.get(t, kubectl2)
 	require.Equal(t, OutcomeRefresh, outcome, "the broker is back")
+}
+
+func TestTwoWorkloadsNeverShareACacheEntry(t *testing.T) {
+	t.Parallel()
+	base := Key{Broker: "https://b", Identity: "spiffe://oc.example/cluster/west", Namespace: "argo", ServiceAccount: "runner"}
+	a, b := base, base
+	a.Workload = "https://west system:serviceaccount:ci:deployer"
+	b.Workload = "https://west system:serviceaccount:ci:tester"
+	require.NotEqual(t, a.ID(), b.ID())
+	require.NotEqual(t, base.ID(), a.ID(), "a workload's entry is not the peer's")
+	require.Equal(t, a.ID(), a.ID())
+}
+
+func TestWorkloadOfNamesTheTokensIssuerAndServiceAccount(t *testing.T) {
+	t.Parallel()
+	enc := func(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
+	token := enc(`{"alg":"ES256"}`) + "." + enc(`{"iss":"https://west","sub":"system:serviceaccount:ci:deployer"}`) + "." + enc("sig")
+	w, err := WorkloadOf(token)
+	require.NoError(t, err)
+	require.Equal(t, "https://west system:serviceaccount:ci:deployer", w)
+	_, err = WorkloadOf("not-a-token")
+	require.Error(t, err)
+	_, err = WorkloadOf(enc(`{"alg":"ES256"}`) + "." + enc(`{"iss":"https://west","sub":"alice"}`) + "." + enc("sig"))
+	require.Error(t, err, "a token of a person is not a workload token")
 }

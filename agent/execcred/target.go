@@ -50,15 +50,22 @@ type Target struct {
 	// Credential is "" or apiv1.CredentialToken for a token, or
 	// apiv1.CredentialClientCertificate for a client certificate.
 	Credential string
+	// WorkloadTokenFile, if set, is the workload token sent to the broker
+	// (an absolute path: a projected ServiceAccount token).
+	WorkloadTokenFile string
 }
 
 // Args returns the arguments of the plugin's command: "credential" and its
 // flags (apiv1.PluginArgs).
 func (t Target) Args() []string {
-	return apiv1.PluginArgs(t.Broker, t.IdentityDir, apiv1.KubeconfigRequest{
+	args := apiv1.PluginArgs(t.Broker, t.IdentityDir, apiv1.KubeconfigRequest{
 		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
 		Audiences: t.Audiences, Credential: t.Credential,
 	})
+	if t.WorkloadTokenFile != "" {
+		args = append(args, "--workload-token-file", t.WorkloadTokenFile)
+	}
+	return args
 }
 
 // ExecConfig is the exec stanza of a kubeconfig user that runs the plugin

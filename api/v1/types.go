@@ -16,6 +16,8 @@ const (
 	MediaTypeJSON    = "application/json"
 	MediaTypeYAML    = "application/yaml"
 	MediaTypeProblem = "application/problem+json"
+	// MediaTypeJWKSet is RFC 7517's media type of a key set upload.
+	MediaTypeJWKSet = "application/jwk-set+json"
 )
 
 // Credential kinds a caller can ask for.
@@ -88,7 +90,10 @@ type Lease struct {
 	Namespace      string `json:"namespace"`
 	ServiceAccount string `json:"serviceAccount,omitempty"`
 	// User is the per-lease user of a client certificate.
-	User       string    `json:"user,omitempty"`
+	User string `json:"user,omitempty"`
+	// Workload is the "namespace/serviceAccount" of the caller's cluster
+	// that asked for the lease with a workload token; empty without one.
+	Workload   string    `json:"workload,omitempty"`
 	Credential string    `json:"credential"`
 	CreatedAt  time.Time `json:"createdAt"`
 	ExpiresAt  time.Time `json:"expiresAt"`
@@ -125,6 +130,9 @@ type Grant struct {
 	// how long (a Go duration).
 	RevokeOnUnmatch *bool  `json:"revokeOnUnmatch,omitempty"`
 	RevokeDelay     string `json:"revokeDelay,omitempty"`
+	// Workloads, if set, are the only ServiceAccounts of the peer's
+	// cluster whose workload token makes the grant apply.
+	Workloads []WorkloadRef `json:"workloads,omitempty"`
 }
 
 // LabelSelector is a Kubernetes label selector (metav1.LabelSelector),
@@ -141,6 +149,34 @@ type LabelSelectorRequirement struct {
 	Values   []string `json:"values,omitempty"`
 }
 
+// WorkloadInfo is the verified workload of a request.
+type WorkloadInfo struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
+	UID            string `json:"uid,omitempty"`
+	Pod            string `json:"pod,omitempty"`
+}
+
+// PeerJWKS is the answer of PUT /v1/peers/self/jwks.
+type PeerJWKS struct {
+	Peer string `json:"peer"`
+	// KeyIDs are the kids of the set now in force, Digest its
+	// "sha256:<hex>" over the keys.
+	KeyIDs []string `json:"keyIds"`
+	Digest string   `json:"digest"`
+	// Changed is false when the set was already in force.
+	Changed bool `json:"changed"`
+	// PreviousKeyIDs still verify until PreviousUntil.
+	PreviousKeyIDs []string   `json:"previousKeyIds,omitempty"`
+	PreviousUntil  *time.Time `json:"previousUntil,omitempty"`
+}
+
+// WorkloadRef names a ServiceAccount of the caller's (source) cluster.
+type WorkloadRef struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
 // WhoAmI is the answer of GET /v1/whoami.
 type WhoAmI struct {
 	// Identity is the SPIFFE ID from the caller's client certificate.
@@ -148,6 +184,9 @@ type WhoAmI struct {
 	// Peer is the policy name of the peer with that identity; empty if the
 	// policy does not know it.
 	Peer string `json:"peer,omitempty"`
+	// Workload is the caller's workload when the request carried a
+	// workload token; Grants are then the ones that workload gets.
+	Workload *WorkloadInfo `json:"workload,omitempty"`
 	// Grants that apply to the caller; empty means every request is denied.
 	Grants []Grant `json:"grants"`
 	// Certificate describes the presented client certificate.
@@ -190,6 +229,9 @@ type Problem struct {
 	RequestID string `json:"requestId,omitempty"`
 	// Errors lists field-level validation errors.
 	Errors []FieldError `json:"errors,omitempty"`
+	// Reason says what failed in a refused workload token (401
+	// invalid-workload-token): expired, wrong-audience, unknown-key…
+	Reason string `json:"reason,omitempty"`
 }
 
 // FieldError is one invalid field of a request.

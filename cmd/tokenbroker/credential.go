@@ -13,6 +13,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
 )
 
@@ -22,6 +23,8 @@ type credentialConfig struct {
 	NoCache         bool
 	CacheDir        string
 	RefreshFraction float64
+	// WorkloadTokenFile is sent as the workload token ("" for none).
+	WorkloadTokenFile string
 }
 
 func newCredentialCommand() *cobra.Command {
@@ -96,16 +99,18 @@ underscores), e.g. TOKENBROKER_CACHE_DIR.`,
 	fs.Bool("no-cache", false, "ask the broker at every invocation, and read or write no cache")
 	fs.String("cache-dir", "", "directory of the credential cache (default $XDG_CACHE_HOME/tokenbroker, else ~/.cache/tokenbroker)")
 	fs.Float64("refresh-fraction", execcred.DefaultRefreshFraction, "part of a token's granted life after which a new one is issued, between 0 and 1")
+	fs.String("workload-token-file", "", "a ServiceAccount token of this cluster (a projected token with the broker's audience) that says which workload asks; cached credentials are kept per workload")
 	return cmd
 }
 
 func credentialConfigFrom(v *viper.Viper) (credentialConfig, error) {
 	r, errs := brokerRequestFrom(v)
 	cfg := credentialConfig{
-		brokerRequest:   r,
-		NoCache:         v.GetBool("no-cache"),
-		CacheDir:        v.GetString("cache-dir"),
-		RefreshFraction: v.GetFloat64("refresh-fraction"),
+		brokerRequest:     r,
+		NoCache:           v.GetBool("no-cache"),
+		CacheDir:          v.GetString("cache-dir"),
+		RefreshFraction:   v.GetFloat64("refresh-fraction"),
+		WorkloadTokenFile: v.GetString("workload-token-file"),
 	}
 	if !(cfg.RefreshFraction > 0 && cfg.RefreshFraction < 1) {
 		errs = append(errs, fmt.Errorf("--refresh-fraction must be between 0 and 1, not %v", cfg.RefreshFraction))
@@ -171,6 +176,18 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 		TTL:            cfg.Request.TTL,
 		MinTTL:         cfg.Request.MinTTL,
 	}
+	if cfg.WorkloadTokenFile != "" {
+		// The cache is keyed by the workload the token names now: a token
+		// file that another workload's token replaced never gets the
+		// first one's cached credential.
+		token, err := client.WorkloadTokenFile(cfg.WorkloadTokenFile)()
+		if err != nil {
+			return err
+		}
+		if key.Workload, err = execcred.WorkloadOf(token); err != nil {
+			return err
+		}
+	}
 	cred, _, err := plugin.Get(cmd.Context(), key, parent, func(ctx context.Context) (*execcred.Credential, error) {
 		return issueCredential(ctx, cfg, clk)
 	})
@@ -190,7 +207,7 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 // issueCredential asks the broker once, on the code path of "get
 // kubeconfig" and the agent.
 func issueCredential(ctx context.Context, cfg credentialConfig, clk clock.PassiveClock) (*execcred.Credential, error) {
-	c, err := agent.NewIdentityClient(ctx, cfg.Broker, agent.IdentityDir(cfg.IdentityDir))
+	c, err := agent.NewWorkloadClient(ctx, cfg.Broker, agent.IdentityDir(cfg.IdentityDir), cfg.WorkloadTokenFile)
 	if err != nil {
 		return nil, err
 	}

@@ -38,6 +38,8 @@ type getKubeconfigConfig struct {
 	// (ExecCommand, else this binary) instead of holding a token.
 	Exec        bool
 	ExecCommand string
+	// WorkloadTokenFile is sent as the workload token ("" for none).
+	WorkloadTokenFile string
 }
 
 const (
@@ -107,17 +109,19 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 	fs.String("format", getFormatKubeconfig, "what to write: kubeconfig or json (the broker's whole answer)")
 	fs.Bool("exec", false, `write a kubeconfig whose user runs "tokenbroker credential" instead of holding a token`)
 	fs.String("exec-command", "", "with --exec, the command the kubeconfig runs (default: the absolute path of this binary)")
+	fs.String("workload-token-file", "", "a ServiceAccount token of this cluster (a projected token with the broker's audience) that says which workload asks; the broker then grants what its policy grants that workload")
 	return cmd
 }
 
 func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
 	r, errs := brokerRequestFrom(v)
 	cfg := getKubeconfigConfig{
-		brokerRequest: r,
-		Output:        v.GetString("output"),
-		Format:        v.GetString("format"),
-		Exec:          v.GetBool("exec"),
-		ExecCommand:   v.GetString("exec-command"),
+		brokerRequest:     r,
+		Output:            v.GetString("output"),
+		Format:            v.GetString("format"),
+		Exec:              v.GetBool("exec"),
+		ExecCommand:       v.GetString("exec-command"),
+		WorkloadTokenFile: v.GetString("workload-token-file"),
 	}
 	if cfg.Format != getFormatKubeconfig && cfg.Format != getFormatJSON {
 		errs = append(errs, fmt.Errorf("--format must be %s or %s, not %q", getFormatKubeconfig, getFormatJSON, cfg.Format))
@@ -135,7 +139,7 @@ func getKubeconfigConfigFrom(v *viper.Viper) (getKubeconfigConfig, error) {
 }
 
 func runGetKubeconfig(cmd *cobra.Command, cfg getKubeconfigConfig) error {
-	c, err := agent.NewIdentityClient(cmd.Context(), cfg.Broker, agent.IdentityDir(cfg.IdentityDir))
+	c, err := agent.NewWorkloadClient(cmd.Context(), cfg.Broker, agent.IdentityDir(cfg.IdentityDir), cfg.WorkloadTokenFile)
 	if err != nil {
 		return err
 	}
@@ -190,6 +194,12 @@ func execKubeconfig(ctx context.Context, c *client.Client, cred *agent.Credentia
 	if err != nil {
 		return nil, fmt.Errorf("--identity-dir: %w", err)
 	}
+	tokenFile := cfg.WorkloadTokenFile
+	if tokenFile != "" {
+		if tokenFile, err = filepath.Abs(tokenFile); err != nil {
+			return nil, fmt.Errorf("--workload-token-file: %w", err)
+		}
+	}
 	return execcred.KubeconfigFromBroker(cred.Kubeconfig, command, execcred.Target{
 		Broker:         cfg.Broker,
 		IdentityDir:    dir,
@@ -199,6 +209,8 @@ func execKubeconfig(ctx context.Context, c *client.Client, cred *agent.Credentia
 		MinTTL:         cfg.Request.MinTTL,
 		Audiences:      cfg.Request.Audiences,
 		Credential:     cfg.Request.Credential,
+		// The plugin reads the token at every run: the kubelet rotates it.
+		WorkloadTokenFile: tokenFile,
 	})
 }
 

@@ -192,7 +192,7 @@ func printLeases(out, errOut io.Writer, records []broker.LeaseRecord, format str
 	tw := tabwriter.NewWriter(out, 0, 8, 3, ' ', 0)
 	header := "NAMESPACE\tSERVICEACCOUNT\tPEER\tIDENTITY\tLEASE\tISSUED\tEXPIRES"
 	if wide {
-		header += "\tCREDENTIAL\tGRANT\tISSUED-AT\tEXPIRES-AT"
+		header += "\tCREDENTIAL\tGRANT\tISSUED-AT\tEXPIRES-AT\tWORKLOAD"
 	}
 	fmt.Fprintln(tw, header)
 	for _, r := range records {
@@ -203,7 +203,9 @@ func printLeases(out, errOut io.Writer, records []broker.LeaseRecord, format str
 			if r.ExpiresAt != nil {
 				exp = r.ExpiresAt.Format(time.RFC3339)
 			}
-			line += "\t" + strings.Join([]string{orNone(r.Credential), orNone(r.Grant), r.CreatedAt.Format(time.RFC3339), exp}, "\t")
+			// WORKLOAD: the source cluster's namespace/serviceAccount
+			// that asked with a workload token, <none> without one.
+			line += "\t" + strings.Join([]string{orNone(r.Credential), orNone(r.Grant), r.CreatedAt.Format(time.RFC3339), exp, orNone(r.Workload)}, "\t")
 		}
 		fmt.Fprintln(tw, line)
 	}

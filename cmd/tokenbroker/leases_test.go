@@ -131,9 +131,9 @@ func TestLeasesWideAndJSONCarryAbsoluteTimesAndTheCredential(t *testing.T) {
 	require.NoError(t, err)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	require.Len(t, lines, 2)
-	require.Equal(t, []string{"NAMESPACE", "SERVICEACCOUNT", "PEER", "IDENTITY", "LEASE", "ISSUED", "EXPIRES", "CREDENTIAL", "GRANT", "ISSUED-AT", "EXPIRES-AT"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"NAMESPACE", "SERVICEACCOUNT", "PEER", "IDENTITY", "LEASE", "ISSUED", "EXPIRES", "CREDENTIAL", "GRANT", "ISSUED-AT", "EXPIRES-AT", "WORKLOAD"}, strings.Fields(lines[0]))
 	require.Equal(t, []string{"argocd", "argocd-manager", "north", "spiffe://oc.example/cluster/north", idD, "26h", "ago", "in", "22h", "token", "<none>",
-		"2030-05-05T10:00:00Z", "2030-05-07T10:00:00Z"}, strings.Fields(lines[1]))
+		"2030-05-05T10:00:00Z", "2030-05-07T10:00:00Z", "<none>"}, strings.Fields(lines[1]))
 
 	out, _, err = runLeasesFor(t, cs, leasesOptions{Output: "json"})
 	require.NoError(t, err)

@@ -255,7 +255,7 @@ func TestDeployAgent(t *testing.T) {
 // here rather than in a user's cluster.
 func TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader(t *testing.T) {
 	t.Parallel()
-	for _, doc := range []string{"docs/agent.md", admiraltyGuide, argoCDGuide, fluxGuide, kargoGuide, capsuleGuide} {
+	for _, doc := range []string{"docs/agent.md", admiraltyGuide, argoCDGuide, fluxGuide, kargoGuide, capsuleGuide, "docs/guides/argo-workflows.md"} {
 		text := readDoc(t, doc)
 		n := 0
 		for _, block := range fencedBlocks(text, "yaml") {

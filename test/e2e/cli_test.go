@@ -38,7 +38,7 @@ func TestCLIConfigValidateAcceptsEveryPolicyInTheDocs(t *testing.T) {
 	t.Parallel()
 	bin := tokenbrokerBinary(t)
 	n := 0
-	for _, doc := range []string{"docs/policy.md", admiraltyGuide, argoCDGuide, fluxGuide, kargoGuide, capsuleGuide} {
+	for _, doc := range []string{"docs/policy.md", admiraltyGuide, argoCDGuide, fluxGuide, kargoGuide, capsuleGuide, "docs/guides/argo-workflows.md"} {
 		for _, block := range fencedBlocks(readDoc(t, doc), "yaml") {
 			if !strings.HasPrefix(block, "cluster:") {
 				continue

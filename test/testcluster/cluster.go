@@ -2,6 +2,9 @@ package testcluster
 
 import (
 	"context"
+	"crypto"
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"net"
@@ -443,4 +446,57 @@ func freePort() (int, error) {
 		return 0, fmt.Errorf("find a free port: unexpected address %v", l.Addr())
 	}
 	return addr.Port, nil
+}
+
+// RotateServiceAccountKey gives the API server a new service-account
+// signing key: it stops the API server, replaces the key pair it signs and
+// verifies tokens with (--service-account-signing-key-file and
+// --service-account-key-file), and starts it again. With keepOld the old
+// public key stays in --service-account-key-file, so tokens signed before
+// still authenticate and /openid/v1/jwks lists both keys; without it only
+// the new key is trusted and published, as after a key compromise.
+func (c *Cluster) RotateServiceAccountKey(ctx context.Context, keepOld bool) error {
+	if err := c.StopAPIServer(); err != nil {
+		return err
+	}
+	oldPub, err := os.ReadFile(filepath.Join(c.Dir, saPublicKeyFile))
+	if err != nil {
+		return fmt.Errorf("read service account public key: %w", err)
+	}
+	if err := writeServiceAccountKeys(c.Dir); err != nil {
+		return err
+	}
+	if keepOld {
+		newPub, err := os.ReadFile(filepath.Join(c.Dir, saPublicKeyFile))
+		if err != nil {
+			return fmt.Errorf("read service account public key: %w", err)
+		}
+		if err := writeFile(filepath.Join(c.Dir, saPublicKeyFile), append(newPub, oldPub...), 0o644); err != nil {
+			return err
+		}
+	}
+	return c.StartAPIServer(ctx)
+}
+
+// ServiceAccountSigningKey returns the private key the API server signs
+// service-account tokens with now, for tests that forge tokens the API
+// server's own checks would never issue (expired, wrong audience…).
+func (c *Cluster) ServiceAccountSigningKey() (crypto.Signer, error) {
+	data, err := os.ReadFile(filepath.Join(c.Dir, saPrivateKeyFile))
+	if err != nil {
+		return nil, fmt.Errorf("read service account key: %w", err)
+	}
+	block, _ := pem.Decode(data)
+	if block == nil {
+		return nil, errors.New("service account key: no PEM block")
+	}
+	key, err := x509.ParsePKCS8PrivateKey(block.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("parse service account key: %w", err)
+	}
+	signer, ok := key.(crypto.Signer)
+	if !ok {
+		return nil, fmt.Errorf("service account key is a %T", key)
+	}
+	return signer, nil
 }

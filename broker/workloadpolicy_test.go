@@ -1,0 +1,151 @@
+package broker
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+const workloadPolicy = `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity:
+      issuer: https://kubernetes.default.svc.cluster.local
+      audiences: [tokenbroker.east]
+      jwksFromPeer: true
+    grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: argo, serviceAccount: runner}]
+      - namespaces: [argo]
+        serviceAccounts: [reader]
+`
+
+func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
+	t.Parallel()
+	p := mustPolicy(t, workloadPolicy)
+	const west = "spiffe://oc.example/cluster/west"
+	runner := &WorkloadRef{Namespace: "argo", ServiceAccount: "runner"}
+	other := &WorkloadRef{Namespace: "argo", ServiceAccount: "other"}
+	tests := []struct {
+		name     string
+		workload *WorkloadRef
+		sa       string
+		allowed  bool
+	}{
+		{name: "the named workload gets the grant", workload: runner, sa: "runner", allowed: true},
+		{name: "another workload of the peer does not", workload: other, sa: "runner"},
+		{name: "the peer without a workload token does not", sa: "runner"},
+		{name: "a grant without workloads applies to any workload", workload: other, sa: "reader", allowed: true},
+		{name: "a grant without workloads applies without a token", sa: "reader", allowed: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := p.DecideFor(nil, west, tc.workload, "argo", tc.sa, "", 0, 0)
+			if tc.allowed {
+				require.NoError(t, err)
+				return
+			}
+			require.Equal(t, KindForbidden, KindOf(err))
+		})
+	}
+	_, grants := p.GrantsFor(west, other, true, nil)
+	require.Len(t, grants, 1, "a workload sees only the grants that apply to it")
+	_, grants = p.GrantsFor(west, runner, true, nil)
+	require.Len(t, grants, 2)
+	require.Equal(t, []apiv1.WorkloadRef{{Namespace: "argo", ServiceAccount: "runner"}}, grants[0].Workloads)
+}
+
+func TestWorkloadIdentityIsValidatedWithFieldPaths(t *testing.T) {
+	t.Parallel()
+	doc := `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity:
+      issuer: ""
+      audiences: [" "]
+      jwks: '{"keys":[]}'
+      jwksFromPeer: true
+      maxTokenAge: 8760h
+      jwksOverlap: 1s
+    grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: Argo, serviceAccount: "bad name"}]
+  - name: north
+    identity: spiffe://oc.example/cluster/north
+    grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: argo, serviceAccount: runner}]
+`
+	_, err := ParsePolicy([]byte(doc))
+	var ve *apiv1.ValidationError
+	require.ErrorAs(t, err, &ve)
+	fields := map[string]bool{}
+	for _, p := range ve.Problems {
+		fields[p.Field] = true
+	}
+	for _, want := range []string{
+		"peers[0].workloadIdentity.issuer", "peers[0].workloadIdentity.audiences[0]",
+		"peers[0].workloadIdentity.jwks", "peers[0].workloadIdentity.maxTokenAge",
+		"peers[0].grants[0].workloads[0].namespace", "peers[0].grants[0].workloads[0].serviceAccount",
+		"peers[1].grants[0].workloads",
+	} {
+		require.True(t, fields[want], "missing problem for %s in %v", want, ve.Problems)
+	}
+}
+
+func TestAJWKSFileIsReadRelativeToThePolicyAndReloadedWhenItChanges(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	writeKeys := func() string {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		require.NoError(t, err)
+		kid, err := pki.KubernetesKeyID(key.Public())
+		require.NoError(t, err)
+		raw, err := pki.EncodeJWKS(map[string]crypto.PublicKey{kid: key.Public()})
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "west.jwks"), raw, 0o600))
+		return kid
+	}
+	kid := writeKeys()
+	path := filepath.Join(dir, "policy.yaml")
+	require.NoError(t, os.WriteFile(path, []byte(`
+cluster: {name: east, server: "https://east.example.com:6443", caData: "-----BEGIN CERTIFICATE-----\nMA==\n-----END CERTIFICATE-----\n"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: {issuer: "https://west", audiences: [tokenbroker.east], jwksFile: west.jwks}
+`), 0o600))
+	p, err := LoadPolicyFile(path)
+	require.NoError(t, err)
+	require.Equal(t, []string{kid}, p.Peers[0].WorkloadIdentity.StaticKeys().KeyIDs())
+
+	store := NewPolicyStore(p)
+	w, err := NewPolicyWatcher(path, store, zap.NewNop(), nil, time.Hour)
+	require.NoError(t, err)
+	kid2 := writeKeys()
+	require.NoError(t, w.Check())
+	require.Equal(t, []string{kid2}, store.Load().Peers[0].WorkloadIdentity.StaticKeys().KeyIDs())
+
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "west.jwks"), []byte(`{"keys":[]}`), 0o600))
+	require.ErrorContains(t, w.Check(), "jwksFile")
+	require.Equal(t, []string{kid2}, store.Load().Peers[0].WorkloadIdentity.StaticKeys().KeyIDs(), "a bad key file keeps the policy in force")
+}
