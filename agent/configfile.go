@@ -176,7 +176,7 @@ func (c *Config) UsesKubernetes() bool {
 	}
 	for _, t := range c.Targets {
 		for _, o := range t.Outputs {
-			if o.Secret != nil {
+			if o.Secret != nil || o.ClusterProfile != nil {
 				return true
 			}
 		}
