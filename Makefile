@@ -24,7 +24,7 @@ HELM_VERSION := v3.19.5
 CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # The consumer checkers of `make conformance`, each a nested module pinned to
 # one consumer's release (test/conformance/consumers, docs/testing.md).
-CONSUMERS := admiralty argocd flux kargo
+CONSUMERS := admiralty argocd flux kargo clusterprofile
 
 .PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref image-test clean help
 
@@ -82,7 +82,7 @@ conformance-bins: ## build the consumer checkers (Argo CD, Flux, and the Admiral
 	done
 
 conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers
-	cd test && $(GO) test -count=1 -timeout 10m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader' -v ./e2e/
+	cd test && $(GO) test -count=1 -timeout 10m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader' -v ./e2e/
 
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...

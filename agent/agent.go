@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/clock"
 
@@ -29,6 +30,11 @@ type Deps struct {
 	// Config.UsesKubernetes); it needs get, create and update on those
 	// Secrets only.
 	Kubernetes kubernetes.Interface
+	// Dynamic is a dynamic client of the source cluster, for clusterProfile
+	// outputs (Config.UsesClusterProfiles); it needs get, create and patch
+	// on clusterprofiles and patch on clusterprofiles/status in their
+	// namespaces.
+	Dynamic dynamic.Interface
 	// Logger receives the agent's logs; nil discards them. The agent never
 	// logs a token, a key or a kubeconfig: leases appear by id.
 	Logger *zap.Logger
@@ -77,6 +83,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if cfg.UsesClusterProfiles() && deps.Dynamic == nil {
+		return nil, errors.New("agent: the config has a clusterProfile output, so Deps.Dynamic is required")
+	}
 	if cfg.UsesKubernetes() && deps.Kubernetes == nil {
 		return nil, errors.New("agent: the config has a Secret output or identity, so Deps.Kubernetes is required")
 	}
@@ -117,9 +126,12 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	for i, t := range cfg.Targets {
 		outs := make([]output, 0, len(t.Outputs))
 		for _, o := range t.Outputs {
-			if o.Secret != nil {
+			switch {
+			case o.Secret != nil:
 				outs = append(outs, &secretOutput{cfg: *o.Secret, secrets: deps.Kubernetes.CoreV1()})
-			} else {
+			case o.ClusterProfile != nil:
+				outs = append(outs, newClusterProfileOutput(*o.ClusterProfile, t.Name, deps.Dynamic, a.clock.Now))
+			default:
 				outs = append(outs, &fileOutput{cfg: *o.File})
 			}
 		}

@@ -153,11 +153,45 @@ type RequestConfig struct {
 }
 
 // OutputConfig is one place a credential is written; exactly one of
-// Secret and File.
+// Secret, File and ClusterProfile.
 type OutputConfig struct {
-	Secret *SecretOutput `json:"secret,omitempty"`
-	File   *FileOutput   `json:"file,omitempty"`
+	Secret         *SecretOutput         `json:"secret,omitempty"`
+	File           *FileOutput           `json:"file,omitempty"`
+	ClusterProfile *ClusterProfileOutput `json:"clusterProfile,omitempty"`
 }
+
+// ClusterProfileOutput publishes the target as a ClusterProfile access
+// provider (sigs.k8s.io/cluster-inventory-api, multicluster.x-k8s.io/v1alpha1):
+// one status.accessProviders entry named "tokenbroker" on the
+// ClusterProfile Namespace/Name, holding the cluster entry of the broker's
+// kubeconfigs (server, CA, tls-server-name, proxy-url) and, as its
+// client.authentication.k8s.io/exec extension, the target (an
+// apiv1.PluginTarget) that "tokenbroker credential" reads there. It holds
+// no credential: consumers (MultiKueue, multicluster-runtime, Argo CD's
+// ClusterProfile integration) run the plugin, so the target's lease is
+// revoked once the entry is written, as with Argo CD's exec mode. The
+// entry is written only when it changes: each status write makes those
+// consumers rebuild their client and watches for the cluster.
+type ClusterProfileOutput struct {
+	// Namespace is the inventory (a consumer reads profiles in one
+	// namespace: Kueue's own, for MultiKueue).
+	Namespace string `json:"namespace"`
+	// Name of the ClusterProfile; default the target's name.
+	Name string `json:"name,omitempty"`
+	// ClusterManager, if set, says the agent is the cluster manager of
+	// this profile: it creates the ClusterProfile when it is missing, with
+	// spec.clusterManager.name and the x-k8s.io/cluster-manager label set
+	// to this, and keeps its ControlPlaneHealthy condition: True while the
+	// broker answers, False when it does not. Without it the agent only
+	// adds its entry to a ClusterProfile that someone else manages, and
+	// waits (with backoff) for it to exist.
+	ClusterManager string `json:"clusterManager,omitempty"`
+}
+
+// AccessProviderName is the name of the agent's entry in a
+// ClusterProfile's status.accessProviders, and the provider name in a
+// consumer's provider file.
+const AccessProviderName = "tokenbroker"
 
 // Secret output formats.
 const (
@@ -165,6 +199,12 @@ const (
 	FormatArgoCD     = "argocd"     // Argo CD cluster Secret: name, server, config (bearerToken or tlsClientConfig.{certData,keyData}, tlsClientConfig.{caData,serverName}, proxyUrl)
 	FormatFlux       = "flux"       // key "value", label reconcile.fluxcd.io/watch: Enabled
 	FormatKubeconfig = "kubeconfig" // key "kubeconfig"
+	// FormatMultiKueue is the Secret a MultiKueueCluster's
+	// spec.clusterSource.kubeConfig names (locationType Secret, in Kueue's
+	// namespace): key "kubeconfig" (fixed), the broker's kubeconfig with
+	// its inline token or client certificate and certificate-authority-data,
+	// the only shapes Kueue ≥ v0.15 accepts.
+	FormatMultiKueue = "multikueue"
 )
 
 // SecretOutput is a Secret in the source cluster, of type Opaque,

@@ -158,8 +158,8 @@ targets:
 				"targets[0].request.serviceAccount: is required",
 				"targets[0].request.ttl: must be a duration",
 				"targets[0].refresh.fraction:",
-				"targets[0].outputs[0]: give secret or file",
-				"targets[0].outputs[1]: give secret or file, not both",
+				"targets[0].outputs[0]: give secret, file or clusterProfile",
+				"targets[0].outputs[1]: give one of secret, file and clusterProfile",
 			}},
 		{"a bad secret output", `identity: {dir: /id}
 targets:

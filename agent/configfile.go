@@ -163,15 +163,29 @@ func (c *Config) RefreshFor(i int) RefreshConfig {
 	return c.Refresh
 }
 
+// UsesClusterProfiles reports whether a target has a clusterProfile
+// output, which needs a dynamic client of the source cluster.
+func (c *Config) UsesClusterProfiles() bool {
+	for _, t := range c.Targets {
+		for _, o := range t.Outputs {
+			if o.ClusterProfile != nil {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // UsesKubernetes reports whether the agent needs a client of the source
-// cluster: for a Secret identity or a Secret output.
+// cluster: for a Secret identity, a Secret output or a clusterProfile
+// output.
 func (c *Config) UsesKubernetes() bool {
 	if c.Identity.Secret != nil || c.JWKSUpload != nil {
 		return true
 	}
 	for _, t := range c.Targets {
 		for _, o := range t.Outputs {
-			if o.Secret != nil {
+			if o.Secret != nil || o.ClusterProfile != nil {
 				return true
 			}
 		}
@@ -210,6 +224,7 @@ func (c *Config) Validate() error {
 	names := map[string]int{}
 	secrets := map[string]string{}
 	files := map[string]string{}
+	profiles := map[string]string{}
 	if s := c.Identity.Secret; s != nil {
 		secrets[s.Namespace+"/"+s.Name] = "identity.secret"
 	}
@@ -239,8 +254,26 @@ func (c *Config) Validate() error {
 		for j, o := range t.Outputs {
 			opath := fmt.Sprintf("%s.outputs[%d]", path, j)
 			switch {
-			case o.Secret != nil && o.File != nil:
-				v.add(opath, "give secret or file, not both")
+			case countSet(o.Secret != nil, o.File != nil, o.ClusterProfile != nil) > 1:
+				v.add(opath, "give one of secret, file and clusterProfile")
+			case o.ClusterProfile != nil:
+				cp := o.ClusterProfile
+				name := cp.Name
+				if name == "" {
+					name = t.Name
+				}
+				v.objectRef(opath+".clusterProfile", ObjectRef{Namespace: cp.Namespace, Name: name})
+				if cp.ClusterManager != "" {
+					if msgs := validation.IsValidLabelValue(cp.ClusterManager); len(msgs) > 0 {
+						v.add(opath+".clusterProfile.clusterManager", "must be a label value (it is the x-k8s.io/cluster-manager label): %s", strings.Join(msgs, "; "))
+					}
+				}
+				key := cp.Namespace + "/" + name
+				if prev, dup := profiles[key]; dup {
+					v.add(opath+".clusterProfile", "ClusterProfile %s is already written by %s", key, prev)
+				} else {
+					profiles[key] = opath + ".clusterProfile"
+				}
 			case o.Secret != nil:
 				validateSecretOutput(v, opath+".secret", o.Secret)
 				key := o.Secret.Namespace + "/" + o.Secret.Name
@@ -289,7 +322,7 @@ func (c *Config) Validate() error {
 					maps.Copy(files, written)
 				}
 			default:
-				v.add(opath, "give secret or file")
+				v.add(opath, "give secret, file or clusterProfile")
 			}
 		}
 	}
@@ -347,13 +380,16 @@ func validateRequest(v *validator, path string, r RequestConfig) {
 func validateSecretOutput(v *validator, path string, s *SecretOutput) {
 	v.objectRef(path, ObjectRef{Namespace: s.Namespace, Name: s.Name})
 	switch s.Format {
-	case FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig:
+	case FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig, FormatMultiKueue:
 	case "":
-		v.add(path+".format", "is required (%s, %s, %s or %s)", FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig)
+		v.add(path+".format", "is required (%s, %s, %s, %s or %s)", FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig, FormatMultiKueue)
 	default:
-		v.add(path+".format", "unknown format %q (%s, %s, %s or %s)", s.Format, FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig)
+		v.add(path+".format", "unknown format %q (%s, %s, %s, %s or %s)", s.Format, FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig, FormatMultiKueue)
 	}
 	if s.Key != "" {
+		if s.Format == FormatMultiKueue {
+			v.add(path+".key", "the multikueue format has the fixed key kubeconfig, the one Kueue reads")
+		}
 		if s.Format == FormatArgoCD {
 			v.add(path+".key", "the argocd format has fixed keys (name, server, config, and those of argocd:); use the kubeconfig format for a kubeconfig under a key of your own")
 		} else if msgs := validation.IsConfigMapKey(s.Key); len(msgs) > 0 {
@@ -521,4 +557,15 @@ func (v *validator) graceFits(target string, req RequestConfig, r RefreshConfig)
 		v.add(target+".refresh.revokeGrace", "%s is not shorter than what is left of the credential when it is replaced (request.ttl %s × (1 − fraction %g) = %s): the replaced credential would expire before its grace ends; shorten revokeGrace, lower refresh.fraction or ask for a longer ttl",
 			grace, ttl, r.Fraction, left)
 	}
+}
+
+// countSet is how many of b are true.
+func countSet(b ...bool) int {
+	n := 0
+	for _, x := range b {
+		if x {
+			n++
+		}
+	}
+	return n
 }

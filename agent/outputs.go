@@ -109,7 +109,7 @@ func (o SecretOutput) dataKey() string {
 	case FormatFlux:
 		return keyFlux
 	}
-	return keyKubeconfig
+	return keyKubeconfig // kubeconfig and multikueue
 }
 
 // metaSuffix names the sidecar file next to a file output that records the
@@ -163,8 +163,13 @@ type output interface {
 // written with; one that only names how to get it (Argo CD's exec mode)
 // does not, and its lease can be revoked as soon as it is written.
 func holdsCredential(o output) bool {
-	so, ok := o.(*secretOutput)
-	return !ok || so.cfg.ArgoCD.exec() == nil
+	switch o := o.(type) {
+	case *secretOutput:
+		return o.cfg.ArgoCD.exec() == nil
+	case *clusterProfileOutput:
+		return false
+	}
+	return true
 }
 
 // outputMeta is what the agent records next to a credential, and the
@@ -334,6 +339,14 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 	switch o.Format {
 	case FormatAdmiralty, FormatFlux, FormatKubeconfig:
 		data[o.dataKey()] = c.Kubeconfig
+	case FormatMultiKueue:
+		// Kueue (v0.15+) refuses a kubeconfig without inline CA data, or
+		// with anything but an inline token or client certificate; say so
+		// here rather than as a MultiKueueCluster that never gets Active.
+		if len(c.CAData) == 0 || c.Token == "" && len(c.CertData) == 0 {
+			return nil, errors.New("the multikueue format needs the kubeconfig's certificate-authority-data and an inline token or client certificate")
+		}
+		data[keyKubeconfig] = c.Kubeconfig
 	case FormatArgoCD:
 		if err := renderArgoCD(o, meta, c, data); err != nil {
 			return nil, err

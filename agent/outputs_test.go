@@ -154,7 +154,7 @@ func TestTheArgoCDConfigCarriesTheTokenAndTheCAAsBase64PEM(t *testing.T) {
 func TestSecretFormatsUseTheKeysTheirConsumersRead(t *testing.T) {
 	t.Parallel()
 	c := goldenCredential(t)
-	for format, key := range map[string]string{FormatAdmiralty: "config", FormatFlux: "value", FormatKubeconfig: "kubeconfig"} {
+	for format, key := range map[string]string{FormatAdmiralty: "config", FormatFlux: "value", FormatKubeconfig: "kubeconfig", FormatMultiKueue: "kubeconfig"} {
 		s, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: format}, goldenMeta, c)
 		require.NoError(t, err)
 		require.Equal(t, c.Kubeconfig, s.Data[key], format)

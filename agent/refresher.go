@@ -264,6 +264,7 @@ func (r *refresher) attempt(ctx context.Context) {
 			if ctx.Err() != nil {
 				return // shutting down
 			}
+			r.reportHealth(ctx, err)
 			r.fail(now, err)
 			return
 		}
@@ -336,6 +337,26 @@ func (r *refresher) writeAll(ctx context.Context, c *Credential) error {
 
 // fail records a failed attempt and schedules the retry. The outputs keep
 // what they hold.
+// reportHealth tells the outputs that report the broker's health (a
+// ClusterProfile the agent manages) that the broker did not issue.
+func (r *refresher) reportHealth(ctx context.Context, cause error) {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), writeTimeout)
+	defer cancel()
+	for _, o := range r.outputs {
+		h, ok := o.(healthReporter)
+		if !ok {
+			continue
+		}
+		wrote, err := h.reportHealth(wctx, r.meta, cause)
+		switch {
+		case err != nil:
+			r.log.Warn("cannot report the broker's health", zap.String("output", o.String()), zap.Error(err))
+		case wrote:
+			r.log.Info("reported the broker unhealthy", zap.String("output", o.String()))
+		}
+	}
+}
+
 func (r *refresher) fail(now time.Time, err error) {
 	var pe *client.ProblemError
 	if errors.As(err, &pe) {

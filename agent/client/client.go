@@ -179,6 +179,18 @@ func (c *Client) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*
 	return &out, nil
 }
 
+// ExecKubeconfig asks for the kubeconfig of POST
+// /v1/kubeconfigs?format=exec: authorized like Kubeconfig, but nothing is
+// issued, and its user runs the exec credential plugin. It holds no
+// credential; its cluster entry is the one the broker's kubeconfigs name.
+func (c *Client) ExecKubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) ([]byte, error) {
+	var out apiv1.ExecKubeconfigResponse
+	if err := c.do(ctx, http.MethodPost, "/v1/kubeconfigs?format=exec", "", req, http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return []byte(out.Kubeconfig), nil
+}
+
 // Leases lists the caller's leases.
 func (c *Client) Leases(ctx context.Context) ([]apiv1.Lease, error) {
 	var out apiv1.LeaseList

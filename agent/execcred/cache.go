@@ -182,6 +182,10 @@ type entry struct {
 	// ServedTo are the processes the credential was handed to since it was
 	// issued, the most recent last, at most maxServedTo.
 	ServedTo []Parent `json:"servedTo,omitempty"`
+	// Cluster is the cluster of the kubeconfig the credential came in,
+	// for the token-theft guard on a cache hit; absent in entries written
+	// before the guard, which a guarded invocation treats as a miss.
+	Cluster *ClusterRef `json:"cluster,omitempty"`
 }
 
 // String describes the entry without its secrets.
@@ -242,6 +246,7 @@ func (e *entry) credential() *Credential {
 		ObtainedAt:            e.ObtainedAt,
 		ExpiresAt:             e.ExpiresAt,
 		RefreshAt:             e.RefreshAt,
+		Cluster:               e.Cluster,
 	}
 }
 
@@ -257,5 +262,6 @@ func newEntry(id, broker string, c *Credential) *entry {
 		ObtainedAt:            c.ObtainedAt.UTC(),
 		ExpiresAt:             c.ExpiresAt.UTC(),
 		RefreshAt:             c.RefreshAt.UTC(),
+		Cluster:               c.Cluster,
 	}
 }

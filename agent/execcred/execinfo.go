@@ -1,6 +1,7 @@
 package execcred
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -33,6 +34,9 @@ type ExecInfo struct {
 	// client-go ran the plugin (every client-go since 1.22 sets it,
 	// provideClusterInfo or not), rather than a person or a script.
 	FromClientGo bool
+	// Cluster is spec.cluster, given when the exec stanza sets
+	// provideClusterInfo (a ClusterProfile access provider); nil without.
+	Cluster *Cluster
 }
 
 // ExecInfoFromEnv reads KUBERNETES_EXEC_INFO with lookup (os.LookupEnv).
@@ -55,10 +59,12 @@ func ExecInfoFromEnv(lookup func(string) (string, bool)) (ExecInfo, error) {
 
 // ParseExecInfo decodes client-go's request: a JSON ExecCredential with
 // apiVersion, kind and spec. It is tolerant of what it does not read
-// (unknown fields, spec.cluster of any shape, a missing kind) and strict
-// about what decides the answer: the size, the JSON syntax, the type of
-// spec.interactive and an apiVersion it can answer in. Errors never quote
-// the input beyond the apiVersion and kind.
+// (unknown fields, a missing kind) and strict about what decides the
+// answer: the size, the JSON syntax, the types of spec.interactive and of
+// spec.cluster's server, certificate-authority-data and config, an
+// apiVersion it can answer in, and a config that must be a PluginTarget
+// (ParsePluginTarget). Errors never quote the input beyond the apiVersion
+// and kind.
 func ParseExecInfo(data []byte) (ExecInfo, error) {
 	if len(data) > MaxExecInfoBytes {
 		return ExecInfo{}, fmt.Errorf("%d bytes, over the limit of %d", len(data), MaxExecInfoBytes)
@@ -67,7 +73,8 @@ func ParseExecInfo(data []byte) (ExecInfo, error) {
 		APIVersion string `json:"apiVersion"`
 		Kind       string `json:"kind"`
 		Spec       *struct {
-			Interactive bool `json:"interactive"`
+			Interactive bool         `json:"interactive"`
+			Cluster     *execCluster `json:"cluster"`
 		} `json:"spec"`
 	}
 	if err := json.Unmarshal(data, &in); err != nil {
@@ -77,7 +84,9 @@ func ParseExecInfo(data []byte) (ExecInfo, error) {
 		case errors.As(err, &syn):
 			return ExecInfo{}, fmt.Errorf("not JSON (at byte %d)", syn.Offset)
 		case errors.As(err, &typ) && typ.Field != "":
-			return ExecInfo{}, fmt.Errorf("%s must not be a JSON %s", typ.Field, typ.Value)
+			return ExecInfo{}, fmt.Errorf("%s must not be a JSON %s", short(typ.Field), typ.Value)
+		case errors.As(err, new(base64.CorruptInputError)):
+			return ExecInfo{}, errors.New("spec.cluster.certificate-authority-data is not base64")
 		default:
 			return ExecInfo{}, errors.New("not a JSON object")
 		}
@@ -96,6 +105,13 @@ func ParseExecInfo(data []byte) (ExecInfo, error) {
 	info := ExecInfo{APIVersion: in.APIVersion, FromClientGo: true}
 	if in.Spec != nil {
 		info.Interactive = in.Spec.Interactive
+		if in.Spec.Cluster != nil {
+			c, err := parseCluster(in.Spec.Cluster)
+			if err != nil {
+				return ExecInfo{}, err
+			}
+			info.Cluster = c
+		}
 	}
 	return info, nil
 }

@@ -11,6 +11,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/client-go/pkg/apis/clientauthentication"
 	"k8s.io/client-go/pkg/apis/clientauthentication/install"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // decodeLikeClientGo decodes a plugin's answer the way client-go's exec
@@ -48,9 +50,26 @@ func TestParseExecInfo(t *testing.T) {
 		{name: "a v1beta1 request is answered in v1beta1",
 			in:   `{"kind":"ExecCredential","apiVersion":"client.authentication.k8s.io/v1beta1","spec":{"interactive":true}}`,
 			want: ExecInfo{APIVersion: APIVersionV1beta1, Interactive: true, FromClientGo: true}},
-		{name: "cluster information and unknown fields are ignored",
-			in:   `{"kind":"ExecCredential","apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","certificate-authority-data":"AAAA","config":{"any":[1,2]}},"interactive":false,"future":1},"status":null}`,
-			want: ExecInfo{APIVersion: APIVersionV1, FromClientGo: true}},
+		{name: "cluster information is read and unknown fields are ignored",
+			in:   `{"kind":"ExecCredential","apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","certificate-authority-data":"AAAA","proxy-url":"http://p","config":null},"interactive":false,"future":1},"status":null}`,
+			want: ExecInfo{APIVersion: APIVersionV1, FromClientGo: true, Cluster: &Cluster{Server: "https://x", CAData: []byte{0, 0, 0}}}},
+		{name: "a ClusterProfile's exec extension is the plugin's target",
+			in: `{"kind":"ExecCredential","apiVersion":"client.authentication.k8s.io/v1beta1","spec":{"cluster":{"server":"https://x","config":` +
+				`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b:8443","namespace":"batch","serviceAccount":"mk","ttl":"1h","audiences":["a"]}}}}`,
+			want: ExecInfo{APIVersion: APIVersionV1beta1, FromClientGo: true, Cluster: &Cluster{Server: "https://x", Target: &apiv1.PluginTarget{
+				APIVersion: apiv1.PluginTargetAPIVersion, Kind: apiv1.PluginTargetKind, Broker: "https://b:8443", Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Audiences: []string{"a"}}}}},
+		{name: "a target with a field the plugin does not know is refused rather than half understood",
+			in:  `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","config":{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","server":"https://evil"}}}}`,
+			err: `spec.cluster.config: unknown field "server": not in tokenbroker.io/v1 PluginTarget`},
+		{name: "another plugin's config is refused",
+			in:  `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","config":{"apiVersion":"example.com/v1","kind":"Other","x":1}}}}`,
+			err: `spec.cluster.config: "example.com/v1" "Other" is not a target this plugin reads (apiVersion tokenbroker.io/v1, kind PluginTarget)`},
+		{name: "a target without broker or namespace is refused with both problems",
+			in:  `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","config":{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"http://b"}}}}`,
+			err: "broker must be an https:// URL\nnamespace is required"},
+		{name: "a CA that is not base64 is refused",
+			in:  `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","certificate-authority-data":"!!"}}}`,
+			err: "spec.cluster.certificate-authority-data is not base64"},
 		{name: "a request without kind or spec is accepted",
 			in:   `{"apiVersion":"client.authentication.k8s.io/v1"}`,
 			want: ExecInfo{APIVersion: APIVersionV1, FromClientGo: true}},

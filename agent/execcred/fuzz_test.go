@@ -62,3 +62,42 @@ func FuzzDecodeEntry(f *testing.F) {
 		}
 	})
 }
+
+// FuzzPluginTargetAndGuard feeds spec.cluster.config and the cluster
+// client-go names arbitrary input: ParsePluginTarget must never panic and
+// accept only a complete target of its version, and CheckCluster must
+// never accept a server that is not the broker's.
+func FuzzPluginTargetAndGuard(f *testing.F) {
+	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b:8443","namespace":"n","serviceAccount":"s","ttl":"1h"}`), "https://east:6443")
+	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","x":1}`), "https://EAST:6443/")
+	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget"}{}`), "https://east")
+	f.Add([]byte(`null`), "https://[::1]:6443")
+	f.Fuzz(func(t *testing.T, raw []byte, server string) {
+		if tgt, err := ParsePluginTarget(raw); err == nil {
+			if tgt.APIVersion != "tokenbroker.io/v1" || tgt.Kind != "PluginTarget" || tgt.Broker == "" || tgt.Namespace == "" {
+				t.Fatalf("accepted an incomplete target %+v", tgt)
+			}
+		} else if len(err.Error()) > 2048 {
+			t.Fatalf("an unbounded error: %d bytes", len(err.Error()))
+		}
+		want := ClusterRef{Server: "https://east:6443", CAData: fuzzCA}
+		if CheckCluster(Cluster{Server: server, CAData: fuzzCA}, want) == nil {
+			if c, err := canonicalServer(server); err != nil || c != "https://east:6443" {
+				t.Fatalf("the guard let %q through", server)
+			}
+		}
+	})
+}
+
+// fuzzCA is a fixed CA certificate for FuzzPluginTargetAndGuard.
+var fuzzCA = []byte(`-----BEGIN CERTIFICATE-----
+MIIBdDCCARugAwIBAgIUduNIFkRLOxCSF5+Iimwt0BRiOoIwCgYIKoZIzj0EAwIw
+DzENMAsGA1UEAwwEZWFzdDAgFw0yNjExMjUwODE4MTNaGA8yMTI2MTEwMTA4MTgx
+M1owDzENMAsGA1UEAwwEZWFzdDBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABJ81
+7nbVenstpIXMKjFVKIulAJHvX4lDv1k8MywE+Fv4DS87ZnFkSzoRHtNisnNVXy3j
+ICOsahfxL3f2Ch+Zhs2jUzBRMB0GA1UdDgQWBBTGXTkNnrn7pzKEqGzxWYlVS9lX
+kTAfBgNVHSMEGDAWgBTGXTkNnrn7pzKEqGzxWYlVS9lXkTAPBgNVHRMBAf8EBTAD
+AQH/MAoGCCqGSM49BAMCA0cAMEQCIDGZqBdCQ5BIgyfdDZHJxcxHUycbu6mIlofW
+UEOUizwBAiBO1fqax6KCt0k/7xAOMhlTJgmaQBzyBvF99blZcpw8pg==
+-----END CERTIFICATE-----
+`)

@@ -85,6 +85,9 @@ type Credential struct {
 	ExpiresAt  time.Time
 	// RefreshAt is set by the Plugin: the refresh point.
 	RefreshAt time.Time
+	// Cluster is the cluster of the broker's kubeconfig (server and CA),
+	// which the credential may be sent to; nil if unknown.
+	Cluster *ClusterRef
 }
 
 // String describes the credential without its secrets.
@@ -194,6 +197,14 @@ type Plugin struct {
 	// that could not be written after a credential was issued. It may be
 	// nil.
 	Warn func(error)
+	// Guard, if set, is the token-theft guard (CheckCluster against where
+	// client-go will send the credential): a credential is handed out only
+	// if Guard accepts its Cluster. A cached credential without a Cluster
+	// is not handed out but replaced, and one Guard refuses is kept in the
+	// cache (it is good for the right cluster) while Get returns Guard's
+	// error. A newly issued credential is checked too; IssueFunc should
+	// check before it issues, so that nothing is issued for a refusal.
+	Guard func(*Credential) error
 }
 
 // Get returns the credential for key, handed to parent, issuing one with
@@ -232,7 +243,14 @@ func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFun
 		if err := p.Cache.remove(id); err != nil {
 			return nil, "", err
 		}
+	case p.Guard != nil && e.Cluster == nil:
+		// Written without the guard: who knows where it may go.
 	default:
+		if p.Guard != nil {
+			if err := p.Guard(e.credential()); err != nil {
+				return nil, "", err
+			}
+		}
 		if parent.Known() {
 			e.serve(parent)
 			if err := p.Cache.store(e); err != nil {
@@ -243,7 +261,8 @@ func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFun
 	}
 	c, err := p.issue(ctx, issue)
 	if err != nil {
-		if outcome == OutcomeRefresh && now.Before(e.ExpiresAt) {
+		if outcome == OutcomeRefresh && now.Before(e.ExpiresAt) && !errors.Is(err, ErrClusterMismatch) &&
+			(p.Guard == nil || e.Cluster != nil && p.Guard(e.credential()) == nil) {
 			stale := e.credential()
 			stale.RefreshAt = now.Add(StaleRetry).Truncate(time.Second)
 			if stale.RefreshAt.After(stale.ExpiresAt) {
@@ -270,6 +289,14 @@ func (p *Plugin) issue(ctx context.Context, issue IssueFunc) (*Credential, error
 	}
 	if c == nil || c.Token == "" && (c.ClientCertificateData == "" || c.ClientKeyData == "") {
 		return nil, errors.New("the broker's answer holds neither a token nor a certificate and its key")
+	}
+	if p.Guard != nil {
+		if c.Cluster == nil {
+			return nil, fmt.Errorf("%w: the broker's kubeconfig names no cluster", ErrClusterMismatch)
+		}
+		if err := p.Guard(c); err != nil {
+			return nil, err
+		}
 	}
 	if !c.ExpiresAt.After(c.ObtainedAt) {
 		return nil, fmt.Errorf("lease %s expired at %s, before it arrived", c.LeaseID, c.ExpiresAt.UTC().Format(time.RFC3339))

@@ -150,3 +150,22 @@ func KubeconfigFromBroker(brokerKubeconfig []byte, command string, t Target) ([]
 	cluster.LocationOfOrigin = ""
 	return Kubeconfig(ctx.Cluster, cluster, command, t)
 }
+
+// ClusterOfKubeconfig is the cluster entry (server and CA) of the current
+// context of a kubeconfig the broker wrote, for CheckCluster. Errors never
+// quote the kubeconfig.
+func ClusterOfKubeconfig(data []byte) (ClusterRef, error) {
+	cfg, err := clientcmd.Load(data)
+	if err != nil {
+		return ClusterRef{}, errors.New("the broker's kubeconfig does not parse")
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok {
+		return ClusterRef{}, errors.New("the broker's kubeconfig has no current context")
+	}
+	cluster, ok := cfg.Clusters[ctx.Cluster]
+	if !ok || cluster.Server == "" {
+		return ClusterRef{}, errors.New("the broker's kubeconfig names no cluster")
+	}
+	return ClusterRef{Server: cluster.Server, CAData: cluster.CertificateAuthorityData}, nil
+}

@@ -36,3 +36,66 @@ func PluginArgs(broker, identityDir string, req KubeconfigRequest) []string {
 	}
 	return args
 }
+
+// ExecExtensionKey is the kubeconfig cluster extension whose content
+// client-go hands an exec plugin as spec.cluster.config when the exec
+// stanza sets provideClusterInfo. A ClusterProfile access provider entry
+// carries the plugin's target there (cluster-inventory-api's
+// BuildConfigFromCP copies it into the exec config).
+const ExecExtensionKey = "client.authentication.k8s.io/exec"
+
+// The apiVersion and kind of PluginTarget. The version changes only with
+// an incompatible schema; a plugin refuses a version it does not know and
+// any field it does not know, so a target is never half understood.
+const (
+	PluginTargetAPIVersion = "tokenbroker.io/v1"
+	PluginTargetKind       = "PluginTarget"
+)
+
+// PluginTarget is what "tokenbroker credential" asks for when it runs as a
+// ClusterProfile access provider: the content of the
+// client.authentication.k8s.io/exec extension of the ClusterProfile's
+// "tokenbroker" access provider entry, which the agent's clusterProfile
+// output writes and the plugin reads from spec.cluster.config. The
+// identity (the client certificate) is never in it: it is the plugin's
+// own, from --identity-dir or TOKENBROKER_IDENTITY_DIR where it runs.
+// apiVersion and kind are required (client-go drops a config without a
+// kind before it reaches the plugin).
+type PluginTarget struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	// Broker is the URL of the broker's mutual-TLS listener.
+	Broker         string `json:"broker"`
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount,omitempty"`
+	// TTL and MinTTL are Go durations; empty means the broker's default
+	// and no minimum.
+	TTL       string   `json:"ttl,omitempty"`
+	MinTTL    string   `json:"minTTL,omitempty"`
+	Audiences []string `json:"audiences,omitempty"`
+	// Credential is CredentialToken (the default) or
+	// CredentialClientCertificate.
+	Credential string `json:"credential,omitempty"`
+}
+
+// NewPluginTarget is the target of a request to broker, with its
+// apiVersion and kind.
+func NewPluginTarget(broker string, req KubeconfigRequest) PluginTarget {
+	t := PluginTarget{
+		APIVersion: PluginTargetAPIVersion, Kind: PluginTargetKind, Broker: broker,
+		Namespace: req.Namespace, ServiceAccount: req.ServiceAccount, TTL: req.TTL, MinTTL: req.MinTTL,
+		Audiences: req.Audiences, Credential: req.Credential,
+	}
+	if t.Credential == CredentialToken {
+		t.Credential = ""
+	}
+	return t
+}
+
+// Request is the broker request of the target.
+func (t PluginTarget) Request() KubeconfigRequest {
+	return KubeconfigRequest{
+		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
+		Audiences: t.Audiences, Credential: t.Credential,
+	}
+}

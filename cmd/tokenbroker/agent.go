@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 	"go.uber.org/zap"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/tokenbroker/tokenbroker/agent"
@@ -114,6 +115,11 @@ func runAgent(ctx context.Context, cfg agentCommandConfig, log *zap.Logger) erro
 			return fmt.Errorf("create Kubernetes client: %w", err)
 		}
 		deps.Kubernetes = cs
+		if acfg.UsesClusterProfiles() {
+			if deps.Dynamic, err = dynamic.NewForConfig(rc); err != nil {
+				return fmt.Errorf("create Kubernetes client: %w", err)
+			}
+		}
 	}
 	a, err := agent.New(acfg, deps)
 	if err != nil {

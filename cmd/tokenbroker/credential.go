@@ -20,6 +20,8 @@ import (
 // credentialConfig is the typed configuration of "tokenbroker credential".
 type credentialConfig struct {
 	brokerRequest
+	// Info is client-go's request (KUBERNETES_EXEC_INFO).
+	Info            execcred.ExecInfo
 	NoCache         bool
 	CacheDir        string
 	RefreshFraction float64
@@ -69,6 +71,17 @@ On failure the plugin writes one line to standard error, "tokenbroker
 credential: ...", which kubectl shows, and exits with status 1. It never
 writes a token to standard error.
 
+As a ClusterProfile access provider (docs/guides/clusterprofile.md), the
+plugin runs with provideClusterInfo: KUBERNETES_EXEC_INFO carries
+spec.cluster, and its config (the ClusterProfile entry's
+client.authentication.k8s.io/exec extension, a tokenbroker.io/v1
+PluginTarget) names the broker, namespace, ServiceAccount, ttl and
+audiences; only --identity-dir and the cache flags are then given. Whenever
+spec.cluster is given, the plugin hands out a credential only if its server
+and CA are the ones the broker's kubeconfigs name (it asks the broker with
+POST /v1/kubeconfigs?format=exec, which issues nothing, before it issues):
+whoever can write a ClusterProfile chooses where client-go sends the token.
+
 Every flag can also be set as TOKENBROKER_<FLAG> (upper case, dashes as
 underscores), e.g. TOKENBROKER_CACHE_DIR.`,
 		Example: `  # what kubectl runs for a kubeconfig from "tokenbroker get kubeconfig --exec"
@@ -104,9 +117,48 @@ underscores), e.g. TOKENBROKER_CACHE_DIR.`,
 }
 
 func credentialConfigFrom(v *viper.Viper) (credentialConfig, error) {
+	return credentialConfigFromEnv(v, os.LookupEnv)
+}
+
+// targetFlags are the flags a ClusterProfile's exec extension (an
+// apiv1.PluginTarget in spec.cluster.config) takes the place of.
+var targetFlags = []string{"broker", "namespace", "service-account", "credential", "ttl", "min-ttl", "audience"}
+
+// credentialConfigFromEnv is credentialConfigFrom with the environment
+// read by lookup. When KUBERNETES_EXEC_INFO carries a PluginTarget (the
+// plugin runs as a ClusterProfile access provider), the target comes from
+// it and only the identity and cache from flags or TOKENBROKER_*: a target
+// flag given as well is an error, since two targets cannot both be meant.
+func credentialConfigFromEnv(v *viper.Viper, lookup func(string) (string, bool)) (credentialConfig, error) {
+	info, err := execcred.ExecInfoFromEnv(lookup)
+	if err != nil {
+		return credentialConfig{}, err
+	}
+	if info.Cluster != nil && info.Cluster.Target != nil {
+		var set []string
+		for _, f := range targetFlags {
+			if v.IsSet(f) {
+				set = append(set, "--"+f)
+			}
+		}
+		if len(set) > 0 {
+			return credentialConfig{}, fmt.Errorf("%s: the target is the ClusterProfile's (spec.cluster.config); give only --identity-dir and the cache flags", strings.Join(set, ", "))
+		}
+		tgt := info.Cluster.Target
+		v.Set("broker", tgt.Broker)
+		v.Set("namespace", tgt.Namespace)
+		v.Set("service-account", tgt.ServiceAccount)
+		v.Set("ttl", tgt.TTL)
+		v.Set("min-ttl", tgt.MinTTL)
+		v.Set("audience", tgt.Audiences)
+		if tgt.Credential != "" {
+			v.Set("credential", tgt.Credential)
+		}
+	}
 	r, errs := brokerRequestFrom(v)
 	cfg := credentialConfig{
 		brokerRequest:     r,
+		Info:              info,
 		NoCache:           v.GetBool("no-cache"),
 		CacheDir:          v.GetString("cache-dir"),
 		RefreshFraction:   v.GetFloat64("refresh-fraction"),
@@ -141,10 +193,7 @@ func credentialCacheDir(flag string) (string, error) {
 }
 
 func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
-	info, err := execcred.ExecInfoFromEnv(os.LookupEnv)
-	if err != nil {
-		return err
-	}
+	info := cfg.Info
 	identity, err := execcred.PeerIdentity(agent.IdentityDir(cfg.IdentityDir).Cert())
 	if err != nil {
 		return err
@@ -161,6 +210,14 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 		if plugin.Cache, err = execcred.OpenCache(cfg.CacheDir); err != nil {
 			return err
 		}
+	}
+	// The token-theft guard: client-go named the cluster the credential
+	// goes to (provideClusterInfo, always so for a ClusterProfile), so
+	// hand it out only for the broker's own cluster.
+	var guard *execcred.Cluster
+	if info.Cluster != nil {
+		guard = info.Cluster
+		plugin.Guard = func(c *execcred.Credential) error { return execcred.CheckCluster(*guard, *c.Cluster) }
 	}
 	var parent execcred.Parent
 	if info.FromClientGo {
@@ -189,7 +246,7 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 		}
 	}
 	cred, _, err := plugin.Get(cmd.Context(), key, parent, func(ctx context.Context) (*execcred.Credential, error) {
-		return issueCredential(ctx, cfg, clk)
+		return issueCredential(ctx, cfg, clk, guard)
 	})
 	if err != nil {
 		return err
@@ -205,18 +262,43 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 }
 
 // issueCredential asks the broker once, on the code path of "get
-// kubeconfig" and the agent.
-func issueCredential(ctx context.Context, cfg credentialConfig, clk clock.PassiveClock) (*execcred.Credential, error) {
+// kubeconfig" and the agent. With a guard (the cluster client-go will send
+// the credential to), it first asks the broker which cluster its
+// kubeconfigs name (POST /v1/kubeconfigs?format=exec, which issues
+// nothing) and issues only if that is the guard's; an issued credential
+// whose kubeconfig names another cluster after all is revoked.
+func issueCredential(ctx context.Context, cfg credentialConfig, clk clock.PassiveClock, guard *execcred.Cluster) (*execcred.Credential, error) {
 	c, err := agent.NewWorkloadClient(ctx, cfg.Broker, agent.IdentityDir(cfg.IdentityDir), cfg.WorkloadTokenFile)
 	if err != nil {
 		return nil, err
 	}
 	defer c.CloseIdleConnections()
+	if guard != nil {
+		kc, err := c.ExecKubeconfig(ctx, cfg.Request.APIRequest())
+		if err != nil {
+			return nil, fmt.Errorf("broker %s: %w", cfg.Broker, err)
+		}
+		want, err := execcred.ClusterOfKubeconfig(kc)
+		if err != nil {
+			return nil, fmt.Errorf("broker %s: %w", cfg.Broker, err)
+		}
+		if err := execcred.CheckCluster(*guard, want); err != nil {
+			return nil, err
+		}
+	}
 	cred, err := agent.Fetch(ctx, c, cfg.Request, clk.Now)
 	if err != nil {
 		return nil, fmt.Errorf("broker %s: %w", cfg.Broker, err)
 	}
+	cluster := &execcred.ClusterRef{Server: cred.Server, CAData: cred.CAData}
+	if guard != nil {
+		if err := execcred.CheckCluster(*guard, *cluster); err != nil {
+			_ = c.RevokeLease(ctx, cred.LeaseID) // best effort: it would expire unused anyway
+			return nil, err
+		}
+	}
 	return &execcred.Credential{
+		Cluster:               cluster,
 		LeaseID:               cred.LeaseID,
 		Token:                 cred.Token,
 		ClientCertificateData: string(cred.CertData),

@@ -35,6 +35,10 @@ type credBroker struct {
 	mu               sync.Mutex
 	issued           int
 	revoked          []string
+	// execs counts POST /v1/kubeconfigs?format=exec, namespaces the
+	// namespaces asked for.
+	execs      int
+	namespaces []string
 }
 
 // credTestCA is a PEM certificate for the kubeconfig's cluster; nothing
@@ -67,6 +71,16 @@ func newCredBroker(t *testing.T) *credBroker {
 		var req apiv1.KubeconfigRequest
 		if r.URL.Path != "/v1/kubeconfigs" || json.NewDecoder(r.Body).Decode(&req) != nil {
 			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		b.namespaces = append(b.namespaces, req.Namespace)
+		if r.URL.Query().Get("format") == "exec" {
+			b.execs++
+			cfg := testClientcmdConfig(req.Namespace, "")
+			cfg.AuthInfos["runner@east"] = &clientcmdapi.AuthInfo{Exec: &clientcmdapi.ExecConfig{Command: "tokenbroker", APIVersion: execcred.APIVersionV1}}
+			kc, _ := clientcmd.Write(*cfg)
+			w.Header().Set("Content-Type", apiv1.MediaTypeJSON)
+			_ = json.NewEncoder(w).Encode(apiv1.ExecKubeconfigResponse{Kubeconfig: string(kc)})
 			return
 		}
 		b.issued++
@@ -322,4 +336,94 @@ func TestGetKubeconfigExecCommandAndItsChecks(t *testing.T) {
 	require.ErrorContains(t, err, "--exec-command is for --exec")
 	issued, _ := b.counts()
 	require.Equal(t, 1, issued, "the refused invocations asked nothing")
+}
+
+// clusterProfileExecInfo is the KUBERNETES_EXEC_INFO client-go gives the
+// plugin for a ClusterProfile access provider entry (cluster-inventory-api
+// BuildConfigFromCP, provideClusterInfo): the entry's server and CA, and
+// its exec extension as spec.cluster.config.
+func clusterProfileExecInfo(t *testing.T, server string, ca []byte, target apiv1.PluginTarget) string {
+	t.Helper()
+	cfg, err := json.Marshal(target)
+	require.NoError(t, err)
+	info, err := json.Marshal(map[string]any{
+		"apiVersion": execcred.APIVersionV1, "kind": "ExecCredential",
+		"spec": map[string]any{"interactive": false, "cluster": map[string]any{
+			"server": server, "certificate-authority-data": ca, "config": json.RawMessage(cfg)}},
+	})
+	require.NoError(t, err)
+	return string(info)
+}
+
+func TestCredentialAsAClusterProfileAccessProvider(t *testing.T) {
+	b := newCredBroker(t)
+	target := apiv1.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"})
+	identity := []string{"--identity-dir", b.identityDir}
+
+	t.Run("the target comes from spec.cluster.config and the credential is cached", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, "https://east.example.com:6443", credTestCA, target))
+		out, errLine := runCredentialCommand(t, identity...)
+		require.Empty(t, errLine)
+		require.Contains(t, out, "SECRET")
+		entries, err := os.ReadDir(os.Getenv("TOKENBROKER_CACHE_DIR"))
+		require.NoError(t, err)
+		require.NotEmpty(t, entries, "cached (hits are execcred's tests: in one process a second run is taken for a refusal)")
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		require.Equal(t, 1, b.issued)
+		require.Equal(t, 1, b.execs, "the broker was asked for its cluster before the one issuance")
+		require.Equal(t, []string{"batch", "batch"}, b.namespaces, "exec check and issuance")
+	})
+
+	for _, tc := range []struct {
+		name   string
+		server string
+		ca     []byte
+	}{
+		{"a ClusterProfile whose server was changed gets no token and nothing is issued", "https://mallory.example.com:6443", credTestCA},
+		{"a ClusterProfile whose CA was changed gets no token and nothing is issued", "https://east.example.com:6443", func() []byte {
+			ca, err := pki.NewCA(pki.CAOptions{})
+			require.NoError(t, err)
+			return ca.BundlePEM()
+		}()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+			b.mu.Lock()
+			before := b.issued
+			b.mu.Unlock()
+			t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, tc.server, tc.ca, target))
+			out, errLine := runCredentialCommand(t, identity...)
+			require.Empty(t, out)
+			require.Contains(t, errLine, "tokenbroker credential: refused: the credential would go to a cluster the broker does not name")
+			issued, _ := b.counts()
+			require.Equal(t, before, issued)
+		})
+	}
+
+	t.Run("a second run for another server gets nothing", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, "https://east.example.com:6443", credTestCA, target))
+		_, errLine := runCredentialCommand(t, identity...)
+		require.Empty(t, errLine)
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, "https://mallory.example.com:6443", credTestCA, target))
+		out, errLine := runCredentialCommand(t, identity...)
+		require.Empty(t, out)
+		require.Contains(t, errLine, `spec.cluster.server is "https://mallory.example.com:6443", the broker's cluster is "https://east.example.com:6443"`)
+	})
+
+	t.Run("a target flag beside the ClusterProfile's target is an error", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, "https://east.example.com:6443", credTestCA, target))
+		_, errLine := runCredentialCommand(t, append(identity, "--namespace", "other")...)
+		require.Contains(t, errLine, "--namespace: the target is the ClusterProfile's (spec.cluster.config)")
+	})
+
+	t.Run("provideClusterInfo with flags is guarded too", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, `{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","spec":{"cluster":{"server":"https://mallory.example.com:6443"}}}`)
+		_, errLine := runCredentialCommand(t, b.args()...)
+		require.Contains(t, errLine, "refused")
+	})
 }
