@@ -187,7 +187,7 @@ func TestTenThousandIssuances(t *testing.T) {
 	}
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startBroker(t, c, "--pprof", "--log-level", "warn")
+	e := startUnlimitedBroker(t, c, "--pprof", "--log-level", "warn")
 	client := e.keptAlive(t)
 	runLoad(t, e, client, 32, 200, nil) // warm up connections and caches
 	client.CloseIdleConnections()
@@ -248,7 +248,7 @@ func TestTenThousandIssuances(t *testing.T) {
 func TestAPIServerOutageUnderLoad(t *testing.T) {
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startBroker(t, c)
+	e := startUnlimitedBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
 	running, done := startLoad(e, client, 8, stop)
@@ -350,7 +350,7 @@ func TestTwoReplicas(t *testing.T) {
 func TestGracefulShutdown(t *testing.T) {
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startBroker(t, c)
+	e := startUnlimitedBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
 	running, done := startLoad(e, client, 16, stop)
@@ -384,4 +384,16 @@ func tokenValid(t *testing.T, c *testcluster.Cluster, token string) bool {
 		&authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: token}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	return r.Status.Authenticated
+}
+
+// startUnlimitedBroker is startBroker with the per-peer limits lifted, for
+// the load tests, which would reach them; limits_test.go tests the limits.
+func startUnlimitedBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
+	t.Helper()
+	e := newBrokerEnv(t, c, append([]string{"--max-live-leases", "1000000"}, extra...)...)
+	policy, err := os.ReadFile(e.policy)
+	require.NoError(t, err)
+	writeFile(t, e.policy, strings.Replace(string(policy), "peers:", "limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}\npeers:", 1))
+	e.launch(t)
+	return e
 }

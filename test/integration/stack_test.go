@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -152,9 +153,18 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	return s
 }
 
-// writePolicy writes the policy file: the cluster section, then doc.
+// noLimits lifts the per-peer limits, which these tests of other things
+// (load, races of enrollments) would reach; test/e2e/limits_test.go tests
+// the limits.
+const noLimits = "limits: {issuancesPerMinute: 1000000, burst: 1000000, renewalsPerMinute: 1000000, maxLiveLeases: 1000000, enrollmentsPerMinute: 1000000}\n"
+
+// writePolicy writes the policy file: the cluster section, the limits
+// lifted unless doc sets some, then doc.
 func (s *stack) writePolicy(t *testing.T, doc string) {
 	t.Helper()
+	if !strings.Contains(doc, "limits:") {
+		doc = noLimits + doc
+	}
 	full := fmt.Sprintf("cluster: {name: east, server: %q, caFile: cluster-ca.crt}\n%s", s.cluster.URL, doc)
 	writeFileAtomic(t, s.policyFile, []byte(full))
 }
