@@ -14,7 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -124,11 +123,7 @@ func (s *PeerKeyStore) Run(ctx context.Context) {
 
 // WaitForSync waits until the Secrets have been read once, or ctx is done.
 func (s *PeerKeyStore) WaitForSync(ctx context.Context) error {
-	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) { return s.Synced(), nil })
-	if err != nil {
-		return fmt.Errorf("wait for the peer key Secrets: %w", err)
-	}
-	return nil
+	return waitSynced(ctx, s.Synced, "the peer key Secrets")
 }
 
 func (s *PeerKeyStore) observe(obj any) {

@@ -235,9 +235,15 @@ func (l *RevocationList) Run(ctx context.Context) {
 
 // WaitForSync waits until the list has been read once, or ctx is done.
 func (l *RevocationList) WaitForSync(ctx context.Context) error {
-	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) { return l.Synced(), nil })
+	return waitSynced(ctx, l.Synced, "the revocation list")
+}
+
+// waitSynced polls synced until it is true or ctx is done; what names
+// the thing waited for in the error.
+func waitSynced(ctx context.Context, synced func() bool, what string) error {
+	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) { return synced(), nil })
 	if err != nil {
-		return fmt.Errorf("wait for the revocation list: %w", err)
+		return fmt.Errorf("wait for %s: %w", what, err)
 	}
 	return nil
 }
