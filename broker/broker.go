@@ -508,7 +508,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		reqTTL = requested.String()
 	}
 	if place != nil {
-		place.commit(lease.Namespace, lease.Name)
+		place.commit(lease.Namespace, lease.Name, cred.ExpiresAt)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,

@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
 )
 
 // LeaseCounter counts the lease Secrets of every peer from metadata-only
@@ -26,18 +27,32 @@ import (
 // so concurrent requests of one replica cannot pass the quota together;
 // several replicas can each let one more through in that moment. A lease
 // deleted before the informer saw it (a failed issuance) counts until the
-// informer's next relist.
+// informer's next relist. A lease counts until its recorded expiry (checked
+// every leaseSweepInterval), so one GC never collects does not hold a
+// place for ever.
 type LeaseCounter struct {
 	client metadata.Interface
+	clock  clock.PassiveClock
 	log    *zap.Logger
 
 	mu      sync.Mutex
 	watches map[string]*nsWatch // by namespace
-	byKey   map[string]string   // namespace/name → peer, of the Secrets counted
-	perPeer map[string]int
+	byKey   map[string]*counted // namespace/name → the lease Secret
+	perPeer map[string]int      // unexpired leases by peer
+	live    int                 // unexpired leases of all peers
 	// reserved are the places of requests not yet seen as Secrets, by
 	// peer, oldest first.
 	reserved map[string][]*reservation
+}
+
+// counted is a lease Secret the counter knows: its peer, its recorded
+// expiry, and whether it still counts (it stops once expired, so that a
+// lease GC never collects, left in a namespace the policy stopped
+// granting, does not hold a place for ever).
+type counted struct {
+	peer    string
+	expires time.Time
+	live    bool
 }
 
 // reservation is one request's place in a quota; done once its Secret is
@@ -50,10 +65,10 @@ type nsWatch struct {
 }
 
 // NewLeaseCounter makes a counter; Run starts it.
-func NewLeaseCounter(client metadata.Interface, log *zap.Logger) *LeaseCounter {
+func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap.Logger) *LeaseCounter {
 	return &LeaseCounter{
-		client: client, log: log,
-		watches: map[string]*nsWatch{}, byKey: map[string]string{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
+		client: client, clock: clk, log: log,
+		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
 	}
 }
 
@@ -73,11 +88,14 @@ func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, int
 		lc.watch([]string{metav1.NamespaceAll})
 	} else {
 		lc.log.Info("counting leases with one informer per granted namespace", zap.String("cluster_wide_list", err.Error()))
-		wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
+		go wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
 	}
-	<-ctx.Done()
+	wait.UntilWithContext(ctx, func(context.Context) { lc.sweep() }, leaseSweepInterval)
 	lc.watch(nil)
 }
+
+// leaseSweepInterval is how often expired leases stop counting.
+const leaseSweepInterval = 5 * time.Second
 
 var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 
@@ -92,9 +110,9 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		}
 		close(w.stop)
 		delete(lc.watches, ns)
-		for key, peer := range lc.byKey {
-			if keyNamespace(key) == ns {
-				lc.forget(key, peer)
+		for key, c := range lc.byKey {
+			if ns == metav1.NamespaceAll || keyNamespace(key) == ns {
+				lc.forget(key, c)
 			}
 		}
 	}
@@ -126,17 +144,27 @@ func (lc *LeaseCounter) add(obj any) {
 		return
 	}
 	key := m.Namespace + "/" + m.Name
-	peer := m.Labels[LabelPeer]
+	exp, err := time.Parse(time.RFC3339, m.Annotations[AnnotationExpiresAt])
+	if err != nil {
+		exp = time.Time{} // no readable expiry: counts until deleted
+	}
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	if old, seen := lc.byKey[key]; seen {
-		if old == peer {
-			return
-		}
-		lc.forget(key, old)
+	if c, seen := lc.byKey[key]; seen {
+		lc.forget(key, c)
 	}
-	lc.byKey[key] = peer
-	lc.perPeer[peer]++
+	lc.count(key, &counted{peer: m.Labels[LabelPeer], expires: exp})
+}
+
+// count starts counting c under key, unless it has expired; lc.mu is held.
+func (lc *LeaseCounter) count(key string, c *counted) {
+	lc.byKey[key] = c
+	if !c.expires.IsZero() && !lc.clock.Now().Before(c.expires) {
+		return
+	}
+	c.live = true
+	lc.perPeer[c.peer]++
+	lc.live++
 }
 
 func (lc *LeaseCounter) remove(obj any) {
@@ -146,15 +174,37 @@ func (lc *LeaseCounter) remove(obj any) {
 	}
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	if peer, ok := lc.byKey[key]; ok {
-		lc.forget(key, peer)
+	if c, ok := lc.byKey[key]; ok {
+		lc.forget(key, c)
 	}
 }
 
-func (lc *LeaseCounter) forget(key, peer string) {
+func (lc *LeaseCounter) forget(key string, c *counted) {
 	delete(lc.byKey, key)
-	if lc.perPeer[peer]--; lc.perPeer[peer] <= 0 {
-		delete(lc.perPeer, peer)
+	lc.uncount(c)
+}
+
+func (lc *LeaseCounter) uncount(c *counted) {
+	if !c.live {
+		return
+	}
+	c.live = false
+	lc.live--
+	if lc.perPeer[c.peer]--; lc.perPeer[c.peer] <= 0 {
+		delete(lc.perPeer, c.peer)
+	}
+}
+
+// sweep stops counting the leases that have expired since they were
+// counted; Run calls it every few seconds.
+func (lc *LeaseCounter) sweep() {
+	now := lc.clock.Now()
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	for _, c := range lc.byKey {
+		if c.live && !c.expires.IsZero() && !now.Before(c.expires) {
+			lc.uncount(c)
+		}
 	}
 }
 
@@ -179,7 +229,7 @@ func (lc *LeaseCounter) Live(peer string) (own, total int) {
 }
 
 func (lc *LeaseCounter) totalLocked() int {
-	n := len(lc.byKey)
+	n := lc.live
 	for _, rs := range lc.reserved {
 		n += len(rs)
 	}
@@ -221,7 +271,7 @@ type place struct {
 
 // commit counts the lease Secret namespace/name from now on, as the
 // informer will when it sees it.
-func (p *place) commit(namespace, name string) {
+func (p *place) commit(namespace, name string, expires time.Time) {
 	lc := p.lc
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
@@ -230,8 +280,7 @@ func (p *place) commit(namespace, name string) {
 	}
 	key := namespace + "/" + name
 	if _, seen := lc.byKey[key]; !seen {
-		lc.byKey[key] = p.peer
-		lc.perPeer[p.peer]++
+		lc.count(key, &counted{peer: p.peer, expires: expires})
 	}
 }
 

@@ -79,7 +79,8 @@ func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *tes
 
 func TestTheLeaseQuotaRefusesAPeerAtItsMaximumUntilAPlaceIsFree(t *testing.T) {
 	t.Parallel()
-	lc := NewLeaseCounter(nil, zap.NewNop())
+	clk := clocktesting.NewFakePassiveClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	lc := NewLeaseCounter(nil, clk, zap.NewNop())
 	first, full := lc.reserve("west", 2, 10)
 	require.Empty(t, full)
 	second, full := lc.reserve("west", 2, 10)
@@ -87,8 +88,9 @@ func TestTheLeaseQuotaRefusesAPeerAtItsMaximumUntilAPlaceIsFree(t *testing.T) {
 	_, full = lc.reserve("west", 2, 10)
 	require.Equal(t, quotaPeer, full, "a third concurrent request would exceed the quota")
 
-	lc.add(leaseMeta("argo", "tokenbroker-lease-a", "west")) // the informer sees the first lease before its request ends
-	first.commit("argo", "tokenbroker-lease-a")
+	exp := clk.Now().Add(time.Hour)
+	lc.add(leaseMeta("argo", "tokenbroker-lease-a", "west", exp)) // the informer sees the first lease before its request ends
+	first.commit("argo", "tokenbroker-lease-a", exp)
 	first.release() // no-op after commit
 	own, total := lc.Live("west")
 	require.Equal(t, 2, own, "one lease (counted once) and one place")
@@ -99,10 +101,34 @@ func TestTheLeaseQuotaRefusesAPeerAtItsMaximumUntilAPlaceIsFree(t *testing.T) {
 	second.release() // the second request created nothing
 	own, _ = lc.Live("west")
 	require.Equal(t, 1, own)
-	lc.remove(leaseMeta("argo", "tokenbroker-lease-a", "west")) // revoked
+	lc.remove(leaseMeta("argo", "tokenbroker-lease-a", "west", exp)) // revoked
 	own, total = lc.Live("west")
 	require.Zero(t, own)
 	require.Zero(t, total)
+}
+
+// A lease stops counting at its recorded expiry, whether or not GC ever
+// deletes its Secret (one left in a namespace the policy no longer
+// grants is never collected).
+func TestAnExpiredLeaseStopsCountingEvenIfNobodyDeletesIt(t *testing.T) {
+	t.Parallel()
+	clk := clocktesting.NewFakePassiveClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	lc := NewLeaseCounter(nil, clk, zap.NewNop())
+	lc.add(leaseMeta("old", "tokenbroker-lease-a", "west", clk.Now().Add(time.Minute)))
+	lc.add(leaseMeta("argo", "tokenbroker-lease-b", "west", clk.Now().Add(time.Hour)))
+	lc.add(leaseMeta("argo", "tokenbroker-lease-c", "west", clk.Now().Add(-time.Minute)))
+	own, total := lc.Live("west")
+	require.Equal(t, 2, own, "one already expired when seen")
+	require.Equal(t, 2, total)
+
+	clk.SetTime(clk.Now().Add(2 * time.Minute))
+	lc.sweep()
+	own, _ = lc.Live("west")
+	require.Equal(t, 1, own)
+	lc.remove(leaseMeta("old", "tokenbroker-lease-a", "west", time.Time{}))
+	own, total = lc.Live("west")
+	require.Equal(t, 1, own, "deleting an expired lease does not count it twice")
+	require.Equal(t, 1, total)
 }
 
 func TestLimitsAreValidatedWithTheirPaths(t *testing.T) {
@@ -142,6 +168,9 @@ limits: {enrollmentsPerMinute: 1}
 	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-b", nil))
 }
 
-func leaseMeta(ns, name, peer string) *metav1.PartialObjectMetadata {
-	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer}}}
+func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMetadata {
+	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
+		Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer},
+		Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
+	}}
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -252,7 +253,7 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
-	leases := broker.NewLeaseCounter(metaClient, log.Named("leases"))
+	leases := broker.NewLeaseCounter(metaClient, clock.RealClock{}, log.Named("leases"))
 	namespaces, err := namespaceInformer(ctx, metaClient, log)
 	if err != nil {
 		return err
