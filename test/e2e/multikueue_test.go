@@ -215,6 +215,24 @@ func createdWith(t *testing.T, auditLog, name string) string {
 // dispatched with the new token.
 func TestMultiKueueDispatchesWithTheAgentsSecretAndKeepsItsClusterActiveAcrossARotation(t *testing.T) {
 	t.Parallel()
+	testMultiKueue(t, false)
+}
+
+// TestMultiKueueDispatchesThroughAClusterProfileAndThePlugin is the
+// guide's second path with Kueue v0.17.0's controllers: the feature gate
+// MultiKueueClusterProfile on and the guide's credentialsProviders in
+// Kueue's configuration, the agent publishing the tokenbroker access
+// provider on west's ClusterProfile, and Kueue running `tokenbroker
+// credential` in its own process to reach east. A Job is dispatched with
+// the plugin's token.
+func TestMultiKueueDispatchesThroughAClusterProfileAndThePlugin(t *testing.T) {
+	t.Parallel()
+	testMultiKueue(t, true)
+}
+
+// testMultiKueue runs the MultiKueue end-to-end test through the agent's
+// Secret or, viaProfile, through a ClusterProfile and the plugin.
+func testMultiKueue(t *testing.T, viaProfile bool) {
 	bin := consumerBinary(t, consumerMultiKueue)
 	kubectl := kubectlBinary(t)
 	guide := readDoc(t, "docs/guides/multikueue.md")
@@ -283,6 +301,18 @@ peers:
 	const grace = 5 * time.Second
 	targets := replaceAll(t, fencedBlock(t, guide, "yaml", "targets:\n  - name: worker1"),
 		"https://broker.worker1.example.com:8443", "https://"+e.api, "ttl: 2h", "ttl: 10m")
+	mkCluster := fencedBlock(t, guide, "yaml", "apiVersion: kueue.x-k8s.io/v1beta2\nkind: MultiKueueCluster\nmetadata: {name: worker1}\nspec:\n  clusterSource:\n    kubeConfig")
+	managerArgs := []string{"--role", "manager", "--kubeconfig", west.KubeconfigPath}
+	if viaProfile {
+		installClusterProfileCRD(t, west.KubeconfigPath)
+		output := fencedBlock(t, guide, "yaml", "    outputs:\n      - clusterProfile:")
+		targets = targets[:strings.Index(targets, "    outputs:\n")] + output
+		mkCluster = fencedBlock(t, guide, "yaml", "apiVersion: kueue.x-k8s.io/v1beta2\nkind: MultiKueueCluster\nmetadata: {name: worker1}\nspec:\n  clusterSource:\n    clusterProfileRef")
+		kueueConfig := replaceAll(t, fencedBlock(t, guide, "yaml", "# Kueue v0.15 – v0.18"),
+			"/plugins/tokenbroker", tokenbrokerBinary(t), "/var/run/tokenbroker/identity", idDir, "/var/cache/plugins", t.TempDir())
+		managerArgs = append(managerArgs, "--config", writeFile(t, filepath.Join(t.TempDir(), "kueue.yaml"),
+			"apiVersion: config.kueue.x-k8s.io/v1beta2\nkind: Configuration\nnamespace: kueue-system\n"+kueueConfig))
+	}
 	ops := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	cfg := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), fmt.Sprintf(`identity:
   dir: %s
@@ -290,11 +320,16 @@ refresh: {fraction: 0.02, jitter: 0.01, minBackoff: 500ms, maxBackoff: 2s, revok
 kubeconfig: %s
 opsAddress: %q
 %s`, idDir, grace, west.KubeconfigPath, ops, targets))
-	first := watchAdded(t, west, "kueue-system", "worker1")
+	var first <-chan time.Time
+	if !viaProfile {
+		first = watchAdded(t, west, "kueue-system", "worker1")
+	}
 	agentProc := startAgent(t, cfg)
-	waitTime(t, first, agentSecretsWait, "the agent's multikueue Secret")
+	if !viaProfile {
+		waitTime(t, first, agentSecretsWait, "the agent's multikueue Secret")
+	}
 	agentProc.waitReady(t)
-	manager := startProcess(t, bin, "--role", "manager", "--kubeconfig", west.KubeconfigPath)
+	manager := startProcess(t, bin, managerArgs...)
 	applyYAML(t, kubectl, west, kueueQueues("multikueue")+`---
 apiVersion: kueue.x-k8s.io/v1beta2
 kind: AdmissionCheck
@@ -309,7 +344,7 @@ metadata: {name: workers}
 spec:
   clusters: [worker1]
 ---
-`+fencedBlock(t, guide, "yaml", "apiVersion: kueue.x-k8s.io/v1beta2\nkind: MultiKueueCluster\nmetadata: {name: worker1}\nspec:\n  clusterSource:\n    kubeConfig"))
+`+mkCluster)
 
 	westDyn := dynamic.NewForConfigOrDie(west.Config)
 	mkc := westDyn.Resource(multiKueueClusterGVR)
@@ -363,6 +398,9 @@ spec:
 	// with a token of the broker's (the audit policy records no one
 	// else).
 	require.NotEmpty(t, createdWith(t, auditLog, "sample-1"), "east's audit log has the brokered ServiceAccount creating the Job copy")
+	if viaProfile {
+		return
+	}
 	sec := getSecret(t, west, "kueue-system", "worker1")
 	jti1 := jtiOf(t, tokenOf(t, sec.Data["kubeconfig"]))
 
