@@ -24,7 +24,7 @@ HELM_VERSION := v3.19.5
 CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # The consumer checkers of `make conformance`, each a nested module pinned to
 # one consumer's release (test/conformance/consumers, docs/testing.md).
-CONSUMERS := admiralty argocd flux kargo clusterprofile
+CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
 .PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref image-test clean help
 
@@ -75,14 +75,14 @@ unit: ## unit tests with the race detector, and each fuzz target briefly
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
 	cd test && $(GO) test -count=1 -timeout 20m ./...
 
-conformance-bins: ## build the consumer checkers (Argo CD, Flux, and the Admiralty and Kargo mirrors) into bin/
+conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-inventory-api, Kueue's controllers, and the Admiralty and Kargo mirrors) into bin/
 	@set -e; for m in $(CONSUMERS); do \
 	  echo "building bin/conformance-$$m"; \
 	  (cd test/conformance/consumers/$$m && $(GO) build -o $(BIN)/conformance-$$m .); \
 	done
 
-conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers
-	cd test && $(GO) test -count=1 -timeout 10m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader' -v ./e2e/
+conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers; MultiKueue end to end with Kueue's controllers
+	cd test && $(GO) test -count=1 -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
 
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...

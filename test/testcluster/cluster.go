@@ -355,6 +355,9 @@ func (c *Cluster) apiServerArgs() []string {
 	if c.opts.maxTokenExpiration > 0 {
 		args = append(args, "--service-account-max-token-expiration="+c.opts.maxTokenExpiration.String())
 	}
+	if c.opts.minRequestTimeout > 0 {
+		args = append(args, "--min-request-timeout="+strconv.Itoa(int(c.opts.minRequestTimeout/time.Second)))
+	}
 	return append(args, c.opts.apiServerArgs...)
 }
 

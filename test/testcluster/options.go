@@ -35,6 +35,7 @@ type options struct {
 	controllerManager  bool
 	controllers        []string
 	apiServerArgs      []string
+	minRequestTimeout  time.Duration
 	startTimeout       time.Duration
 	stopTimeout        time.Duration
 }
@@ -46,6 +47,9 @@ const minMaxTokenExpiration = time.Hour
 func (o *options) validate() error {
 	if o.maxTokenExpiration != 0 && o.maxTokenExpiration < minMaxTokenExpiration {
 		return fmt.Errorf("max token expiration %s is below the API server's minimum of %s", o.maxTokenExpiration, minMaxTokenExpiration)
+	}
+	if o.minRequestTimeout != 0 && (o.minRequestTimeout < time.Second || o.minRequestTimeout%time.Second != 0) {
+		return fmt.Errorf("min request timeout %s is not a whole number of seconds of at least 1s", o.minRequestTimeout)
 	}
 	if o.startTimeout <= 0 || o.stopTimeout <= 0 {
 		return errors.New("start and stop timeouts must be positive")
@@ -105,6 +109,15 @@ func WithControllerManager(controllers ...string) Option {
 		o.controllerManager = true
 		o.controllers = append([]string(nil), controllers...)
 	}
+}
+
+// WithMinRequestTimeout sets --min-request-timeout, which bounds how long
+// the API server keeps a watch open: it ends each watch after a random time
+// between d and 2d (1800s by default). A watch is authenticated when it
+// starts, so this is also how long a watch opened with a since-revoked
+// token can go on delivering events. Whole seconds, at least 1s.
+func WithMinRequestTimeout(d time.Duration) Option {
+	return func(o *options) { o.minRequestTimeout = d }
 }
 
 // WithAPIServerArgs appends flags to the kube-apiserver command line. They

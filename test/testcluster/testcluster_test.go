@@ -320,6 +320,8 @@ func TestRunRejectsInvalidOptionsBeforeStartingAnything(t *testing.T) {
 	}{
 		{"a max token expiration below the API server's 1h minimum", WithMaxTokenExpiration(10 * time.Minute), "below the API server's minimum"},
 		{"a zero start timeout", WithStartTimeout(0), "timeouts must be positive"},
+		{"a min request timeout below a second", WithMinRequestTimeout(500 * time.Millisecond), "whole number of seconds"},
+		{"a min request timeout that is not whole seconds", WithMinRequestTimeout(1500 * time.Millisecond), "whole number of seconds"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
