@@ -12,6 +12,13 @@
 // at each concurrency, and prints latency percentiles, throughput and the
 // ratios broker ÷ direct pair, broker ÷ direct TokenRequest and client
 // certificate ÷ token through the broker.
+//
+// The direct calls use a client configured like the broker's own (see
+// directClient): the same kubeconfig, client-side limit, content type and
+// transport, so that a ratio measures what the broker adds, not a slower
+// client on the other side. The pair's throughput at each concurrency is
+// the API server's own ceiling for that work ("API server saturation"),
+// against which the broker's throughput is read.
 package main
 
 import (
@@ -40,6 +47,8 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -91,7 +100,7 @@ func run() error {
 	defer br.stop()
 	url, client := br.url, br.client
 	time.Sleep(time.Second)
-	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid)}
+	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid), DirectClient: directClientDescription()}
 
 	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: "runner", TTL: "10m"})
 	certBody, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", Credential: apiv1.CredentialClientCertificate, TTL: "10m"})
@@ -104,6 +113,10 @@ func run() error {
 		return err
 	}
 	workloadToken := wl.Status.Token
+	direct, err := directClient(c.KubeconfigPath)
+	if err != nil {
+		return err
+	}
 	post := func(ctx context.Context, body []byte, bearer ...string) error {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/kubeconfigs", bytes.NewReader(body))
 		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
@@ -127,18 +140,18 @@ func run() error {
 		op   func(context.Context) error
 	}{
 		{caseTokenRequest, func(ctx context.Context) error {
-			_, err := c.Client.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner",
+			_, err := direct.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner",
 				&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &seconds}}, metav1.CreateOptions{})
 			return err
 		}},
 		{casePair, func(ctx context.Context) error {
-			s, err := c.Client.CoreV1().Secrets("bench").Create(ctx, &corev1.Secret{
+			s, err := direct.CoreV1().Secrets("bench").Create(ctx, &corev1.Secret{
 				ObjectMeta: metav1.ObjectMeta{GenerateName: "pair-", Labels: map[string]string{"bench": "pair"}},
 			}, metav1.CreateOptions{})
 			if err != nil {
 				return err
 			}
-			_, err = c.Client.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+			_, err = direct.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
 				ExpirationSeconds: &seconds,
 				BoundObjectRef:    &authnv1.BoundObjectReference{Kind: "Secret", APIVersion: "v1", Name: s.Name, UID: s.UID},
 			}}, metav1.CreateOptions{})
@@ -184,6 +197,7 @@ func run() error {
 		report.Tenants = t
 	}
 	report.Results = results
+	report.Saturation = saturationOf(results)
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench: broker own time:", err)
@@ -209,6 +223,41 @@ const (
 	caseBrokerWorkload = "broker + workload token (mTLS)"
 	benchAudience      = "tokenbroker.bench"
 )
+
+// brokerKubeQPS and brokerKubeBurst are serve's defaults for --kube-qps and
+// --kube-burst (cmd/tokenbroker/serve.go). bench passes them to the broker
+// and gives them to the direct client.
+const (
+	brokerKubeQPS   = 2000
+	brokerKubeBurst = 4000
+)
+
+// directClientDescription is what the report says about the direct client.
+func directClientDescription() string {
+	return fmt.Sprintf("like the broker's: the same kubeconfig loaded with kubectl's rules, QPS %d, burst %d, "+
+		"protobuf (application/vnd.kubernetes.protobuf), client-go's default transport (HTTP/2, one connection to the API server)",
+		brokerKubeQPS, brokerKubeBurst)
+}
+
+// directClient is the client of the direct rows, built as the broker builds
+// its own (server/run.go kubeRESTConfig, from the kubeconfig serve gets
+// with --kube-qps/--kube-burst at their defaults): the client-side limit
+// lifted the same way and protobuf, which costs both ends less CPU than
+// JSON. It shares no rate limiter with the harness's admin client.
+func directClient(kubeconfig string) (kubernetes.Interface, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("load the direct client's kubeconfig: %w", err)
+	}
+	rc = rest.CopyConfig(rc)
+	rc.QPS, rc.Burst = brokerKubeQPS, brokerKubeBurst
+	rc.ContentType = "application/vnd.kubernetes.protobuf"
+	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	rc.UserAgent = "tokenbroker-bench/direct"
+	return kubernetes.NewForConfig(rc)
+}
 
 func measure(ctx context.Context, op func(context.Context) error, conc, n int) result {
 	lat := make([]time.Duration, n)
@@ -256,11 +305,70 @@ type report struct {
 	// Tenants compares a grant by namespaceSelector with few and with
 	// many matching namespaces.
 	Tenants *tenantReport `json:"tenants,omitempty"`
+	// DirectClient says how the direct rows' client is configured.
+	DirectClient string `json:"direct_client"`
+	// Saturation is the direct pair's throughput at each concurrency:
+	// what the API server itself sustains for the work of an issuance.
+	Saturation []saturation `json:"apiserver_saturation"`
+}
+
+// saturation is the direct pair's throughput at one concurrency and the
+// broker's as a fraction of it.
+type saturation struct {
+	Concurrency     int     `json:"concurrency"`
+	PairPerSecond   float64 `json:"pair_per_second"`
+	BrokerPerSecond float64 `json:"broker_per_second"`
+	BrokerFraction  float64 `json:"broker_fraction"`
+}
+
+// saturationOf picks the pair's and the broker's throughput per
+// concurrency out of rs.
+func saturationOf(rs []result) []saturation {
+	var out []saturation
+	idx := map[int]int{}
+	for _, r := range rs {
+		if r.Name != casePair && r.Name != caseBroker {
+			continue
+		}
+		i, ok := idx[r.Concurrency]
+		if !ok {
+			i = len(out)
+			idx[r.Concurrency] = i
+			out = append(out, saturation{Concurrency: r.Concurrency})
+		}
+		if r.Name == casePair {
+			out[i].PairPerSecond = r.PerSecond
+		} else {
+			out[i].BrokerPerSecond = r.PerSecond
+		}
+	}
+	for i := range out {
+		if out[i].PairPerSecond > 0 {
+			out[i].BrokerFraction = out[i].BrokerPerSecond / out[i].PairPerSecond
+		}
+	}
+	return out
 }
 
 func (r *report) print() {
+	fmt.Printf("direct client: %s\n\n", r.DirectClient)
 	printResults(r.Results)
 	fmt.Println()
+	if len(r.Saturation) > 0 {
+		var parts []string
+		ceiling := 0.0
+		for _, s := range r.Saturation {
+			parts = append(parts, fmt.Sprintf("c=%d %.0f/s", s.Concurrency, s.PairPerSecond))
+			ceiling = max(ceiling, s.PairPerSecond)
+		}
+		fmt.Printf("API server saturation (direct pair, the broker's work without the broker): %s; ceiling %.0f/s\n",
+			strings.Join(parts, ", "), ceiling)
+		parts = parts[:0]
+		for _, s := range r.Saturation {
+			parts = append(parts, fmt.Sprintf("c=%d %.2f", s.Concurrency, s.BrokerFraction))
+		}
+		fmt.Printf("broker throughput ÷ pair throughput: %s\n\n", strings.Join(parts, ", "))
+	}
 	fmt.Printf("broker ready after start: %.0f ms; RSS idle %.1f MB, under load (peak) %.1f MB\n", r.ReadyMillis, r.IdleRSSMB, r.LoadRSSMB)
 	if len(r.OwnMillis) > 0 {
 		fmt.Printf("broker own time per issuance (histogram estimate): p50 %.3f ms, p90 %.3f ms, p99 %.3f ms\n",
@@ -413,7 +521,10 @@ peers:
 		"--tls-cert-file", f("server.crt"), "--tls-key-file", f("server.key"),
 		"--client-ca-file", f("ca.crt"), "--policy-file", f("policy.yaml"),
 		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn", fmt.Sprintf("--pprof=%t", pprof),
-		"--credentials", apiv1.CredentialToken+","+apiv1.CredentialClientCertificate, "--max-live-leases", "1000000")
+		"--credentials", apiv1.CredentialToken+","+apiv1.CredentialClientCertificate, "--max-live-leases", "1000000",
+		// Stated, not left to the defaults, so that the direct client's
+		// limit is the broker's by construction.
+		fmt.Sprintf("--kube-qps=%d", brokerKubeQPS), fmt.Sprintf("--kube-burst=%d", brokerKubeBurst))
 	logFile, err := os.Create(f("broker.log"))
 	if err != nil {
 		return fail(err)
