@@ -318,7 +318,7 @@ func TestUsedJoinTokenRecordsAreCollectedAfterExpiryAndNeverListedAsLeases(t *te
 	_, err := e.b.Enroll(ctx, tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
 
-	leases, err := e.b.ListLeases(ctx, Caller{Identity: westID})
+	leases, err := allLeases(ctx, e.b, Caller{Identity: westID})
 	require.NoError(t, err)
 	require.Empty(t, leases)
 

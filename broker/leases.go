@@ -20,35 +20,76 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
-// ListLeases returns the caller's leases, oldest first. A peer sees only
-// its own leases: the peer label narrows the query and the identity
-// annotation must match, so that a renamed peer never inherits another's.
-// Only the namespaces the peer's grants name are searched, so that the
-// broker needs no cluster-wide access to Secrets.
-func (b *Broker) ListLeases(ctx context.Context, c Caller) ([]apiv1.Lease, error) {
+// ListLeases returns one page of the caller's leases and the continue
+// token of the next page ("" after the last). A peer sees only its own
+// leases: the peer label narrows the query and the identity annotation
+// must match, so that a renamed peer never inherits another's. Only the
+// namespaces the peer's grants name are searched, one at a time in name
+// order, so that the broker needs no cluster-wide access to Secrets; in
+// each, the API server pages the list (Limit/Continue) and orders it by
+// Secret name, so the broker holds one page at most. A page may hold fewer
+// than the limit, even none, and still have a next one: leases of another
+// identity or workload are left out after the API server counted them.
+//
+// An invalid request is KindInvalid, and so is a continue token the API
+// server no longer honours (expired: start again).
+func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest) (*apiv1.LeaseList, error) {
+	cur, limit, err := req.parse()
+	if err != nil {
+		return nil, err
+	}
+	out := &apiv1.LeaseList{Items: []apiv1.Lease{}}
 	p, err := b.policy()
 	if err != nil {
 		return nil, err
 	}
 	peer := p.peer(c.Identity)
 	if peer == nil {
-		return []apiv1.Lease{}, nil
+		return out, nil
 	}
-	secrets, err := b.listLeaseSecrets(ctx, b.peerNamespaces(peer), labels.Set{LabelPeer: peer.Name})
-	if err != nil {
-		return nil, err
+	namespaces := b.peerNamespaces(peer) // sorted
+	i, _ := slices.BinarySearch(namespaces, cur.Namespace)
+	if i >= len(namespaces) || namespaces[i] != cur.Namespace {
+		cur.APIContinue = "" // its namespace left the peer's grants: the next one from its start
 	}
-	out := make([]apiv1.Lease, 0, len(secrets))
-	for i := range secrets {
-		// A workload sees only its own leases.
-		if c.Workload != nil && secrets[i].Annotations[AnnotationWorkload] != c.Workload.String() {
-			continue
+	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind, LabelPeer: peer.Name}
+	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Continue: cur.APIContinue}
+	for remaining := limit; i < len(namespaces) && remaining > 0; {
+		opts.Limit = int64(remaining)
+		t0 := b.cfg.Clock.Now()
+		list, err := b.cfg.Secrets.Secrets(namespaces[i]).List(ctx, opts)
+		b.timeAPI(ctx, "list_leases", t0, err)
+		switch {
+		case apierrors.IsResourceExpired(err) || (opts.Continue != "" && apierrors.IsBadRequest(err)):
+			return nil, &Error{Kind: KindInvalid, Detail: "the request is invalid", Err: err, Fields: []apiv1.FieldError{
+				{Field: "continue", Detail: "has expired or is not valid; start again without it"}}}
+		case err != nil:
+			return nil, classify(err, "list leases in "+namespaces[i], "no Secrets")
 		}
-		if secrets[i].Annotations[AnnotationIdentity] == c.Identity {
-			out = append(out, leaseFromSecret(&secrets[i]))
+		remaining -= len(list.Items)
+		for j := range list.Items {
+			s := &list.Items[j]
+			// A workload sees only its own leases.
+			if c.Workload != nil && s.Annotations[AnnotationWorkload] != c.Workload.String() {
+				continue
+			}
+			if s.Annotations[AnnotationIdentity] == c.Identity {
+				out.Items = append(out.Items, leaseFromSecret(s))
+			}
 		}
+		if list.Continue != "" {
+			opts.Continue = list.Continue
+			if remaining <= 0 {
+				out.Continue = encodeLeaseContinue(leaseCursor{Namespace: namespaces[i], APIContinue: list.Continue})
+				return out, nil
+			}
+			continue // the API server answered fewer than asked; same namespace
+		}
+		i, opts.Continue = i+1, ""
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].CreatedAt.Before(out[j].CreatedAt) })
+	if i < len(namespaces) {
+		out.Continue = encodeLeaseContinue(leaseCursor{Namespace: namespaces[i]})
+	}
 	return out, nil
 }
 

@@ -33,8 +33,10 @@ type Broker interface {
 	// kubeconfig whose user runs the exec credential plugin against
 	// brokerURL (https://host[:port], checked); it issues nothing.
 	ExecKubeconfig(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
-	// ListLeases returns the caller's own leases.
-	ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
+	// ListLeases returns one page of the caller's own leases and the
+	// continue token of the next; an invalid limit or continue token is
+	// KindInvalid.
+	ListLeases(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error)
 	// GetLease returns one of the caller's leases. id has passed
 	// apiv1.ValidLeaseID; a lease that does not exist and one that is not
 	// the caller's must both be KindNotFound with the same detail.

@@ -1,6 +1,8 @@
 package server
 
 import (
+	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -11,6 +13,7 @@ import (
 	"time"
 
 	"github.com/go-chi/chi/v5"
+	"go.uber.org/zap"
 
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -235,17 +238,63 @@ func (s *Server) execKubeconfig(w http.ResponseWriter, r *http.Request, p peer, 
 	writeJSON(w, r, http.StatusOK, &apiv1.ExecKubeconfigResponse{Kubeconfig: string(kc)})
 }
 
-// listLeases handles GET /v1/leases.
+// listLeases handles GET /v1/leases[?limit=N][&continue=TOKEN]: one page.
+// An unparsable limit is validated as -1.
 func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
-	leases, err := s.broker.ListLeases(r.Context(), p.caller)
+	q := r.URL.Query()
+	for _, key := range []string{"limit", "continue"} {
+		if len(q[key]) > 1 {
+			writeError(w, r, broker.Invalid(apiv1.FieldError{Field: key, Detail: "must be given once"}))
+			return
+		}
+	}
+	req := broker.LeasePageRequest{Continue: q.Get("continue")}
+	if v := q.Get("limit"); q.Has("limit") {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			n = -1
+		}
+		req.Limit = n
+	}
+	if err := req.Validate(); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	page, err := s.broker.ListLeases(r.Context(), p.caller, req)
 	if err != nil {
 		writeError(w, r, err)
 		return
 	}
-	if leases == nil {
-		leases = []apiv1.Lease{}
+	writeLeaseList(w, r, page)
+}
+
+// writeLeaseList answers 200 with page, encoded one lease at a time into a
+// small buffer rather than as one slice of bytes the size of the page.
+// Nothing in a Lease can fail to encode; should it anyway, the body stops
+// short, which no client takes for a complete list.
+func writeLeaseList(w http.ResponseWriter, r *http.Request, page *apiv1.LeaseList) {
+	w.Header().Set("Content-Type", apiv1.MediaTypeJSON)
+	w.WriteHeader(http.StatusOK)
+	bw := bufio.NewWriterSize(w, 16<<10)
+	enc := json.NewEncoder(bw) // each value ends in a newline, which JSON allows
+	_, _ = bw.WriteString(`{"items":[`)
+	for i := range page.Items {
+		if i > 0 {
+			_ = bw.WriteByte(',')
+		}
+		if err := enc.Encode(&page.Items[i]); err != nil {
+			loggerFrom(r.Context()).Error("encoding a lease failed; the list is cut short", zap.Error(err))
+			_ = bw.Flush()
+			return
+		}
 	}
-	writeJSON(w, r, http.StatusOK, apiv1.LeaseList{Items: leases})
+	_ = bw.WriteByte(']')
+	if page.Continue != "" {
+		_, _ = bw.WriteString(`,"continue":`)
+		_ = enc.Encode(page.Continue)
+	}
+	_ = bw.WriteByte('}')
+	_ = bw.Flush() // the client has gone; nothing left to tell it
 }
 
 // getLease handles GET /v1/leases/{id}.

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -281,6 +282,62 @@ func TestLeases(t *testing.T) {
 		require.Equal(t, http.StatusOK, rec.Code)
 		require.JSONEq(t, `{"items":[]}`, rec.Body.String())
 	})
+
+	t.Run("Listing passes limit and continue to the broker and answers its continue token.", func(t *testing.T) {
+		t.Parallel()
+		var got broker.LeasePageRequest
+		h := newHarness(t, &fakeBroker{
+			page: func(_ context.Context, _ broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
+				got = req
+				return &apiv1.LeaseList{Items: []apiv1.Lease{testLease(), testLease()}, Continue: "bDEKZmx1eAo"}, nil
+			},
+		})
+		rec := h.do(request{method: http.MethodGet, path: "/v1/leases?limit=2&continue=bDEKYXJnbwo"})
+		require.Equal(t, http.StatusOK, rec.Code)
+		require.Equal(t, broker.LeasePageRequest{Limit: 2, Continue: "bDEKYXJnbwo"}, got)
+		require.Equal(t, apiv1.MediaTypeJSON, rec.Header().Get("Content-Type"))
+		requireSecurityHeaders(t, rec.Header())
+		var list apiv1.LeaseList
+		dec := json.NewDecoder(rec.Body)
+		dec.DisallowUnknownFields()
+		require.NoError(t, dec.Decode(&list))
+		require.Equal(t, apiv1.LeaseList{Items: []apiv1.Lease{testLease(), testLease()}, Continue: "bDEKZmx1eAo"}, list)
+		require.False(t, dec.More(), "one JSON value")
+	})
+
+	t.Run("Listing without limit asks the broker for its default page.", func(t *testing.T) {
+		t.Parallel()
+		var got broker.LeasePageRequest
+		h := newHarness(t, &fakeBroker{
+			page: func(_ context.Context, _ broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
+				got = req
+				return &apiv1.LeaseList{Items: []apiv1.Lease{}}, nil
+			},
+		})
+		rec := h.do(request{method: http.MethodGet, path: "/v1/leases"})
+		require.Equal(t, http.StatusOK, rec.Code)
+		require.Equal(t, broker.LeasePageRequest{}, got)
+		require.JSONEq(t, `{"items":[]}`, rec.Body.String(), "no continue on the last page")
+	})
+
+	for _, tc := range []struct{ name, query, field string }{
+		{"A limit that is not a number is 400.", "limit=ten", "limit"},
+		{"A limit of zero is 400.", "limit=0", "limit"},
+		{"A limit over 1000 is 400.", "limit=1001", "limit"},
+		{"Two limits are 400.", "limit=1&limit=2", "limit"},
+		{"A continue token that is not the broker's is 400.", "continue=" + url.QueryEscape(`{"rv":1}`), "continue"},
+		{"Two continue tokens are 400.", "continue=a&continue=b", "continue"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, nil)
+			rec := h.do(request{method: http.MethodGet, path: "/v1/leases?" + tc.query})
+			p := requireProblem(t, rec, http.StatusBadRequest, "invalid-request")
+			require.Len(t, p.Errors, 1)
+			require.Equal(t, tc.field, p.Errors[0].Field)
+			require.Zero(t, h.broker.calls.Load(), "refused before the broker is asked")
+		})
+	}
 
 	t.Run("Getting a lease returns it.", func(t *testing.T) {
 		t.Parallel()

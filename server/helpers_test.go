@@ -44,9 +44,11 @@ const testKubeconfig = "apiVersion: v1\nkind: Config\nusers:\n- name: west\n  us
 // fakeBroker answers with the functions it is given, or with defaults, and
 // counts calls so that tests can prove the broker was not reached.
 type fakeBroker struct {
-	issue  func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
-	exec   func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
-	list   func(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
+	issue func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error)
+	exec  func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
+	list  func(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
+	// page, if set, answers ListLeases instead of list.
+	page   func(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error)
 	get    func(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error)
 	revoke func(ctx context.Context, c broker.Caller, id string) error
 	whoami func(c broker.Caller) (string, []apiv1.Grant)
@@ -124,12 +126,19 @@ func (f *fakeBroker) ExecKubeconfig(ctx context.Context, c broker.Caller, req ap
 	return []byte("apiVersion: v1\nkind: Config\n# exec " + brokerURL + "\n"), nil
 }
 
-func (f *fakeBroker) ListLeases(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error) {
+func (f *fakeBroker) ListLeases(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
 	f.record(c)
-	if f.list != nil {
-		return f.list(ctx, c)
+	if f.page != nil {
+		return f.page(ctx, c, req)
 	}
-	return []apiv1.Lease{testLease()}, nil
+	if f.list != nil {
+		items, err := f.list(ctx, c)
+		if err != nil {
+			return nil, err
+		}
+		return &apiv1.LeaseList{Items: items}, nil
+	}
+	return &apiv1.LeaseList{Items: []apiv1.Lease{testLease()}}, nil
 }
 
 func (f *fakeBroker) GetLease(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error) {

@@ -191,13 +191,49 @@ func (c *Client) ExecKubeconfig(ctx context.Context, req apiv1.KubeconfigRequest
 	return []byte(out.Kubeconfig), nil
 }
 
-// Leases lists the caller's leases.
+// Leases lists all the caller's leases, following the broker's continue
+// tokens page by page (LeasePages).
 func (c *Client) Leases(ctx context.Context) ([]apiv1.Lease, error) {
-	var out apiv1.LeaseList
-	if err := c.doAs(ctx, http.MethodGet, "/v1/leases", nil, http.StatusOK, &out); err != nil {
+	var out []apiv1.Lease
+	err := c.LeasePages(ctx, func(page []apiv1.Lease) error {
+		out = append(out, page...)
+		return nil
+	})
+	if err != nil {
 		return nil, err
 	}
-	return out.Items, nil
+	if out == nil {
+		out = []apiv1.Lease{}
+	}
+	return out, nil
+}
+
+// LeasePages calls fn with each page of the caller's leases (GET
+// /v1/leases with the broker's default page size) until the broker sends
+// no continue token, fn fails, or a request does. A broker that answers
+// the token it was given is an error, not an endless walk.
+func (c *Client) LeasePages(ctx context.Context, fn func([]apiv1.Lease) error) error {
+	token := ""
+	for {
+		path := "/v1/leases"
+		if token != "" {
+			path += "?continue=" + url.QueryEscape(token)
+		}
+		var page apiv1.LeaseList
+		if err := c.doAs(ctx, http.MethodGet, path, nil, http.StatusOK, &page); err != nil {
+			return err
+		}
+		if err := fn(page.Items); err != nil {
+			return err
+		}
+		switch page.Continue {
+		case "":
+			return nil
+		case token:
+			return errors.New("list leases: the broker answered the continue token it was given")
+		}
+		token = page.Continue
+	}
 }
 
 // RevokeLease revokes one of the caller's leases.

@@ -103,9 +103,13 @@ type Lease struct {
 	Grant string `json:"grant,omitempty"`
 }
 
-// LeaseList is the answer of GET /v1/leases.
+// LeaseList is the answer of GET /v1/leases: one page of the caller's
+// leases.
 type LeaseList struct {
 	Items []Lease `json:"items"`
+	// Continue, when set, asks for the next page (GET
+	// /v1/leases?continue=...); absent on the last page. Opaque.
+	Continue string `json:"continue,omitempty"`
 }
 
 // Grant is one grant of the policy as it applies to a peer.
