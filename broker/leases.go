@@ -338,24 +338,42 @@ type LeaseRecord struct {
 }
 
 // ListLeaseSecrets lists the lease Secrets in namespace ("" for every
-// namespace) whose labels also match extra, page by page, with whatever
-// credentials secrets has: "tokenbroker leases" lists as the
-// administrator, not as the
+// namespace) whose labels also match extra, with whatever credentials
+// secrets has: "tokenbroker leases" lists as the administrator, not as the
+// broker. It holds them all: for lookups by lease id; walk a whole cluster
+// with EachLeaseSecretPage.
 func ListLeaseSecrets(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set) ([]corev1.Secret, error) {
+	var out []corev1.Secret
+	err := EachLeaseSecretPage(ctx, secrets, namespace, extra, func(page []corev1.Secret) error {
+		out = append(out, page...)
+		return nil
+	})
+	return out, err
+}
+
+// LeaseSecretPageSize is the page size of EachLeaseSecretPage.
+const LeaseSecretPageSize = 500
+
+// EachLeaseSecretPage is ListLeaseSecrets one page of the API server's at
+// a time (ListOptions Limit/Continue, LeaseSecretPageSize): fn gets each
+// page in the API server's order (namespace, then Secret name), and no more
+// than one page is held. It stops at fn's first error and returns it.
+func EachLeaseSecretPage(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set, fn func([]corev1.Secret) error) error {
 	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}
 	for k, v := range extra {
 		set[k] = v
 	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: 500}
-	var out []corev1.Secret
+	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: LeaseSecretPageSize}
 	for {
 		list, err := secrets.Secrets(namespace).List(ctx, opts)
 		if err != nil {
-			return nil, err
+			return err
 		}
-		out = append(out, list.Items...)
+		if err := fn(list.Items); err != nil {
+			return err
+		}
 		if list.Continue == "" {
-			return out, nil
+			return nil
 		}
 		opts.Continue = list.Continue
 	}

@@ -392,32 +392,32 @@ func (b *Broker) sweepUnmatched(ctx context.Context) {
 	if p == nil || len(p.selectorGrants()) == 0 {
 		return
 	}
-	secrets, err := ListLeaseSecrets(ctx, b.cfg.Secrets, "", nil)
-	if err != nil {
-		if ctx.Err() == nil {
-			b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
-				zap.Error(err))
-		}
-		return
-	}
+	// Page by page: the whole cluster's leases need not fit in memory.
 	seen := map[unmatch]bool{}
-	for i := range secrets {
-		s := &secrets[i]
-		peer := p.peerNamed(s.Labels[LabelPeer])
-		if peer == nil {
-			continue
+	err := EachLeaseSecretPage(ctx, b.cfg.Secrets, "", nil, func(secrets []corev1.Secret) error {
+		for i := range secrets {
+			s := &secrets[i]
+			peer := p.peerNamed(s.Labels[LabelPeer])
+			if peer == nil {
+				continue
+			}
+			g := peer.grantNamed(s.Annotations[AnnotationGrant])
+			if g == nil || !g.keptTrue() || g.covers(b.tenants, s.Namespace) {
+				continue
+			}
+			item := unmatch{peer: peer.Name, grant: g.Name, namespace: s.Namespace, reason: UnmatchFoundAtStart}
+			if !seen[item] {
+				seen[item] = true
+				b.tenants.mu.Lock()
+				b.tenants.unmatchedLocked(selectorGrant{peer.Name, g.Name}, g, s.Namespace, UnmatchFoundAtStart)
+				b.tenants.mu.Unlock()
+			}
 		}
-		g := peer.grantNamed(s.Annotations[AnnotationGrant])
-		if g == nil || !g.keptTrue() || g.covers(b.tenants, s.Namespace) {
-			continue
-		}
-		item := unmatch{peer: peer.Name, grant: g.Name, namespace: s.Namespace, reason: UnmatchFoundAtStart}
-		if !seen[item] {
-			seen[item] = true
-			b.tenants.mu.Lock()
-			b.tenants.unmatchedLocked(selectorGrant{peer.Name, g.Name}, g, s.Namespace, UnmatchFoundAtStart)
-			b.tenants.mu.Unlock()
-		}
+		return nil
+	})
+	if err != nil && ctx.Err() == nil {
+		b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
+			zap.Error(err))
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -56,8 +57,10 @@ that the broker's garbage collector has not deleted yet shows "expired".
 
 Every namespace is searched unless -n is given (not the kubeconfig context's
 namespace). --peer selects by label on the API server; --service-account is
-matched here, since the ServiceAccount is an annotation. Sorted by namespace,
-ServiceAccount and issue time.
+matched here, since the ServiceAccount is an annotation. The list is read
+and printed a page of 500 leases at a time, as the API server pages it:
+namespace by namespace, each page sorted by namespace, ServiceAccount and
+issue time (one sorted list when there are no more than 500).
 
 Uses --kubeconfig, else $KUBECONFIG, else ~/.kube/config; it needs the RBAC
 permission to list Secrets in the namespaces searched (cluster-wide without
@@ -164,37 +167,57 @@ func explainAPIError(err error, verb, namespace string) error {
 	}
 }
 
+// runLeases lists the lease Secrets page by page (the API server's
+// paging) and prints each page as it comes, so that the first lines of a
+// large cluster show at once and memory holds one page.
 func runLeases(ctx context.Context, secrets corev1client.SecretsGetter, o leasesOptions, out, errOut io.Writer, now time.Time) error {
 	var sel labels.Set
 	if o.Peer != "" {
 		sel = labels.Set{broker.LabelPeer: o.Peer}
 	}
-	list, err := broker.ListLeaseSecrets(ctx, secrets, o.Namespace, sel)
+	p := newLeasePrinter(out, o.Output, now)
+	err := broker.EachLeaseSecretPage(ctx, secrets, o.Namespace, sel, func(page []corev1.Secret) error {
+		return p.page(broker.LeaseRecords(page, o.ServiceAccount, now))
+	})
 	if err != nil {
 		return explainAPIError(err, "list", o.Namespace)
 	}
-	return printLeases(out, errOut, broker.LeaseRecords(list, o.ServiceAccount, now), o.Output, now)
+	return p.end(errOut)
 }
 
-// printLeases writes records in the given format. An empty table is a
-// message on errOut, as kubectl does, so that stdout stays parseable.
-func printLeases(out, errOut io.Writer, records []broker.LeaseRecord, format string, now time.Time) error {
-	if format == "json" {
-		enc := json.NewEncoder(out)
-		enc.SetIndent("", "  ")
-		return enc.Encode(records)
+// leasePrinter prints lease records in one of leasesOutputs, a page at a
+// time: a table gets its header once and is aligned within each page (as
+// kubectl's chunked lists are); JSON is one array, written element by
+// element.
+type leasePrinter struct {
+	out    io.Writer
+	format string
+	now    time.Time
+	n      int
+}
+
+func newLeasePrinter(out io.Writer, format string, now time.Time) *leasePrinter {
+	return &leasePrinter{out: out, format: format, now: now}
+}
+
+// page prints one page of records.
+func (p *leasePrinter) page(records []broker.LeaseRecord) error {
+	if p.format == "json" {
+		return p.jsonPage(records)
 	}
 	if len(records) == 0 {
-		_, err := fmt.Fprintln(errOut, "No leases.")
-		return err
+		return nil
 	}
-	wide := format == "wide"
-	tw := tabwriter.NewWriter(out, 0, 8, 3, ' ', 0)
-	header := "NAMESPACE\tSERVICEACCOUNT\tPEER\tIDENTITY\tLEASE\tISSUED\tEXPIRES"
-	if wide {
-		header += "\tCREDENTIAL\tGRANT\tISSUED-AT\tEXPIRES-AT\tWORKLOAD"
+	wide := p.format == "wide"
+	tw := tabwriter.NewWriter(p.out, 0, 8, 3, ' ', 0)
+	if p.n == 0 {
+		header := "NAMESPACE\tSERVICEACCOUNT\tPEER\tIDENTITY\tLEASE\tISSUED\tEXPIRES"
+		if wide {
+			header += "\tCREDENTIAL\tGRANT\tISSUED-AT\tEXPIRES-AT\tWORKLOAD"
+		}
+		fmt.Fprintln(tw, header)
 	}
-	fmt.Fprintln(tw, header)
+	now := p.now
 	for _, r := range records {
 		line := strings.Join([]string{r.Namespace, r.ServiceAccount, orNone(r.Peer), orNone(r.Identity), r.ID,
 			ago(now, r.CreatedAt), leaseExpiry(now, r.ExpiresAt)}, "\t")
@@ -209,7 +232,48 @@ func printLeases(out, errOut io.Writer, records []broker.LeaseRecord, format str
 		}
 		fmt.Fprintln(tw, line)
 	}
+	p.n += len(records)
 	return tw.Flush()
+}
+
+// jsonPage writes records as the next elements of one JSON array indented
+// as json.Encoder with SetIndent("", "  ") indents a whole slice.
+func (p *leasePrinter) jsonPage(records []broker.LeaseRecord) error {
+	for _, r := range records {
+		b, err := json.MarshalIndent(r, "  ", "  ")
+		if err != nil {
+			return err
+		}
+		sep := ",\n  "
+		if p.n == 0 {
+			sep = "[\n  "
+		}
+		if _, err := io.WriteString(p.out, sep); err != nil {
+			return err
+		}
+		if _, err := p.out.Write(b); err != nil {
+			return err
+		}
+		p.n++
+	}
+	return nil
+}
+
+// end finishes the output. An empty table is a message on errOut, as
+// kubectl does, so that stdout stays parseable.
+func (p *leasePrinter) end(errOut io.Writer) error {
+	switch {
+	case p.format == "json" && p.n == 0:
+		_, err := io.WriteString(p.out, "[]\n")
+		return err
+	case p.format == "json":
+		_, err := io.WriteString(p.out, "\n]\n")
+		return err
+	case p.n == 0:
+		_, err := fmt.Fprintln(errOut, "No leases.")
+		return err
+	}
+	return nil
 }
 
 func orNone(s string) string {

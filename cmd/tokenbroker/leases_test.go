@@ -225,3 +225,62 @@ func TestLeasesRevokeSaysWhichPermissionIsMissing(t *testing.T) {
 	err := runLeasesRevoke(context.Background(), cs.CoreV1(), "argo", []string{idB}, new(bytes.Buffer), leasesNow)
 	require.ErrorContains(t, err, "permission missing: delete secrets in namespace argo")
 }
+
+// pagedClientset is a clientset whose Secret lists come in pages of one, as
+// the API server pages them with a Limit, so that each page is printed on
+// its own. It records the requests' limits.
+func pagedClientset(secrets ...*corev1.Secret) (*fake.Clientset, *[]int64) {
+	cs := fake.NewClientset()
+	var limits []int64
+	cs.PrependReactor("list", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		opts := a.(k8stesting.ListActionImpl).ListOptions
+		limits = append(limits, opts.Limit)
+		i := 0
+		if opts.Continue != "" {
+			i = int(opts.Continue[0] - '0')
+		}
+		list := &corev1.SecretList{Items: []corev1.Secret{*secrets[i]}}
+		if i+1 < len(secrets) {
+			list.Continue = string(rune('0' + i + 1))
+		}
+		return true, list, nil
+	})
+	return cs, &limits
+}
+
+func TestLeasesAreReadAndPrintedPageByPage(t *testing.T) {
+	t.Parallel()
+	pages := []*corev1.Secret{
+		leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute),
+		leaseSecret("flux", idE, "west", "reconciler", 3*time.Hour, time.Hour),
+		leaseSecret("kargo", idC, "west", "promoter", time.Minute, time.Hour),
+	}
+
+	t.Run("A table has one header and every page's leases, in the API server's order.", func(t *testing.T) {
+		t.Parallel()
+		cs, limits := pagedClientset(pages...)
+		out, _, err := runLeasesFor(t, cs, leasesOptions{})
+		require.NoError(t, err)
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		require.Len(t, lines, 4, out)
+		require.True(t, strings.HasPrefix(lines[0], "NAMESPACE"))
+		for i, ns := range []string{"argo", "flux", "kargo"} {
+			require.True(t, strings.HasPrefix(lines[i+1], ns+" "), lines[i+1])
+		}
+		require.Equal(t, []int64{broker.LeaseSecretPageSize, broker.LeaseSecretPageSize, broker.LeaseSecretPageSize}, *limits)
+	})
+
+	t.Run("JSON is one array of every page's leases.", func(t *testing.T) {
+		t.Parallel()
+		cs, _ := pagedClientset(pages...)
+		out, _, err := runLeasesFor(t, cs, leasesOptions{Output: "json"})
+		require.NoError(t, err)
+		var records []broker.LeaseRecord
+		require.NoError(t, json.Unmarshal([]byte(out), &records))
+		require.Len(t, records, 3)
+		require.Equal(t, []string{idB, idE, idC}, []string{records[0].ID, records[1].ID, records[2].ID})
+		all, err := json.MarshalIndent(records, "", "  ")
+		require.NoError(t, err)
+		require.Equal(t, string(all)+"\n", out, "indented as one encoded slice")
+	})
+}
