@@ -69,8 +69,12 @@ type stack struct {
 type stackOption func(*stackConfig)
 
 type stackConfig struct {
-	ca *pki.CA
+	ca            *pki.CA
+	maxLiveLeases int
 }
+
+// withMaxLiveLeases sets serve's --max-live-leases.
+func withMaxLiveLeases(n int) stackOption { return func(c *stackConfig) { c.maxLiveLeases = n } }
 
 // withCA makes the stack sign with (and trust) ca, so that two stacks are
 // two replicas of one broker.
@@ -129,6 +133,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 			KubeQPS:        1000,
 			KubeBurst:      2000,
 			GCInterval:     time.Minute,
+			MaxLiveLeases:  sc.maxLiveLeases,
 			ReloadInterval: reloadInterval,
 			MaxBodyBytes:   server.DefaultMaxBodyBytes,
 			Credentials:    []string{apiv1.CredentialToken},
