@@ -17,6 +17,10 @@ CYCLONEDX_GOMOD_VERSION := v1.10.0
 # Requests per measurement and concurrency levels for `make bench`.
 BENCH_N ?= 1000
 BENCH_C ?= 1,8,32
+# Live-lease levels for `make bench-scale` (add 50000 for the issue's largest).
+SCALE_LEASES ?= 1000,10000
+# Issuances timed at each level of `make bench-scale`.
+SCALE_N ?= 200
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # helm for the chart in deploy/helm, built from the Go module proxy.
@@ -26,7 +30,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench fuzz image image-ref image-test clean help
+.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -87,6 +91,9 @@ conformance: build kube conformance-bins ## load the agent's Secrets with each c
 bench: build kube ## measure the broker against direct API server calls; prints a table, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -out $(CURDIR)/bench/results.json
+
+bench-scale: build kube ## fill a harness with SCALE_LEASES live leases; issuance, broker RSS and paged GET /v1/leases at each level; writes bench/scale.json
+	cd test && $(GO) run ./cmd/bench -scale $(SCALE_LEASES) -n $(SCALE_N) -out $(CURDIR)/bench/scale.json
 
 fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
 	@set -e; for pkg in $$($(GO) list ./...); do \

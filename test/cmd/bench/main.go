@@ -80,6 +80,7 @@ func run() error {
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
 	out := flag.String("out", "", "also write the results as JSON to this file")
 	tenantNamespaces := flag.Int("namespaces", 5000, "namespaces a selector grant matches in the tenant measurement (0 skips it)")
+	scale := flag.String("scale", "", "instead of the comparison: fill the cluster to each of these comma-separated numbers of live leases and measure at each (make bench-scale)")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -99,6 +100,9 @@ func run() error {
 	}
 	defer br.stop()
 	url, client := br.url, br.client
+	if *scale != "" {
+		return runScale(ctx, br, *scale, *n, *out)
+	}
 	time.Sleep(time.Second)
 	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid), DirectClient: directClientDescription()}
 
