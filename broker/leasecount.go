@@ -122,6 +122,7 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		}
 		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, secretsGVR, ns, 0,
 			cache.Indexers{}, func(o *metav1.ListOptions) { o.LabelSelector = leaseSelector }).Informer()
+		_ = inf.SetTransform(trimLease) // fails only once the informer runs
 		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{ // fails only after the informer has stopped
 			AddFunc:    lc.add,
 			UpdateFunc: func(_, obj any) { lc.add(obj) },
@@ -131,6 +132,27 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		lc.watches[ns] = w
 		go inf.Run(w.stop)
 	}
+}
+
+// trimLease keeps of a lease Secret's metadata only what the counter
+// reads, so that the informer's cache costs a few hundred bytes a lease
+// rather than the whole metadata (managed fields, every annotation).
+func trimLease(obj any) (any, error) {
+	m, ok := obj.(*metav1.PartialObjectMetadata)
+	if !ok {
+		return obj, nil // a tombstone: leave it as it is
+	}
+	return &metav1.PartialObjectMetadata{
+		TypeMeta: m.TypeMeta,
+		ObjectMeta: metav1.ObjectMeta{
+			Namespace:       m.Namespace,
+			Name:            m.Name,
+			UID:             m.UID,
+			ResourceVersion: m.ResourceVersion,
+			Labels:          map[string]string{LabelPeer: m.Labels[LabelPeer]},
+			Annotations:     map[string]string{AnnotationExpiresAt: m.Annotations[AnnotationExpiresAt]},
+		},
+	}, nil
 }
 
 func keyNamespace(key string) string {

@@ -174,3 +174,20 @@ func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMe
 		Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
 	}}
 }
+
+func TestTheLeaseInformerKeepsOnlyWhatTheCounterReads(t *testing.T) {
+	t.Parallel()
+	exp := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
+	m := leaseMeta("argo", "tokenbroker-lease-a", "west", exp)
+	m.Labels[LabelLeaseID] = "x"
+	m.Annotations["tokenbroker.io/other"] = "y"
+	m.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "tokenbroker"}}
+	out, err := trimLease(m)
+	require.NoError(t, err)
+	want := leaseMeta("argo", "tokenbroker-lease-a", "west", exp)
+	require.Equal(t, want, out)
+	lc := NewLeaseCounter(nil, clocktesting.NewFakePassiveClock(exp.Add(-time.Hour)), zap.NewNop())
+	lc.add(out)
+	own, _ := lc.Live("west")
+	require.Equal(t, 1, own, "the trimmed lease still counts")
+}
