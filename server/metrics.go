@@ -14,8 +14,9 @@ const routeUnmatched = "unmatched"
 
 // httpMetrics are the metrics listed in the package doc.
 type httpMetrics struct {
-	requests *prometheus.CounterVec
-	duration *prometheus.HistogramVec
+	requests   *prometheus.CounterVec
+	duration   *prometheus.HistogramVec
+	handshakes *prometheus.CounterVec
 }
 
 func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
@@ -29,8 +30,12 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 			Help:    "Time to answer an API request, by listener and route pattern.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"listener", "route"}),
+		handshakes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_tls_handshake_failures_total",
+			Help: "TLS handshakes that failed on an API listener, by listener and reason.",
+		}, []string{"listener", "reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.handshakes} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -41,6 +46,10 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 func (m *httpMetrics) observe(listener, route, method string, status int, d time.Duration) {
 	m.requests.WithLabelValues(listener, route, method, strconv.Itoa(status)).Inc()
 	m.duration.WithLabelValues(listener, route).Observe(d.Seconds())
+}
+
+func (m *httpMetrics) handshakeFailed(listener, reason string) {
+	m.handshakes.WithLabelValues(listener, reason).Inc()
 }
 
 // methodLabel bounds the method label (and log field) to the standard
