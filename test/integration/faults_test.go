@@ -8,8 +8,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 func TestAnUnavailableAPIServerIsA503AndLeavesNothingBehind(t *testing.T) {
@@ -39,4 +41,45 @@ func TestAnUnavailableAPIServerIsA503AndLeavesNothingBehind(t *testing.T) {
 	// Recovered without a restart, and the failed request left no lease.
 	require.Len(t, leaseSecrets(t, s.cluster.Client), before)
 	issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+}
+
+func TestARevocationDuringAnOutageIsA503AndTheLeaseIsGoneWhenTheAPIServerIsBack(t *testing.T) {
+	s, west := setUp(t)
+	lease := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+	require.Len(t, leaseSecrets(t, s.cluster.Client), 1)
+
+	require.NoError(t, s.cluster.StopAPIServer())
+	req, err := http.NewRequest(http.MethodDelete, s.url+"/v1/leases/"+lease.LeaseID, nil)
+	require.NoError(t, err)
+	resp, err := west.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode, "the DELETE claims nothing")
+	require.NotEmpty(t, resp.Header.Get("Retry-After"))
+	require.Equal(t, 1, s.broker.PendingDeletions(), "the revocation is queued")
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	start := time.Now()
+	require.NoError(t, s.cluster.StartAPIServer(ctx))
+	back := time.Now()
+	// Nobody retries the DELETE: the broker does.
+	require.Eventually(t, func() bool {
+		l, err := s.cluster.Client.CoreV1().Secrets("argo").List(ctx, metav1.ListOptions{LabelSelector: broker.LabelLeaseID + "=" + lease.LeaseID})
+		return err == nil && len(l.Items) == 0
+	}, time.Minute, 20*time.Millisecond, "the revoked lease must be deleted once the API server is back")
+	t.Logf("API server ready %s after its start; lease gone %s after it was ready", back.Sub(start).Round(time.Millisecond), time.Since(back).Round(time.Millisecond))
+	require.Eventually(t, func() bool { return s.broker.PendingDeletions() == 0 }, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, http.StatusNotFound, statusOf(t, west, http.MethodDelete, s.url+"/v1/leases/"+lease.LeaseID))
+	require.NotEmpty(t, s.logs.FilterMessage("revocation failed: API server unavailable; retrying in the background").All())
+}
+
+func statusOf(t *testing.T, c *http.Client, method, url string) int {
+	t.Helper()
+	req, err := http.NewRequest(method, url, nil)
+	require.NoError(t, err)
+	resp, err := c.Do(req)
+	require.NoError(t, err)
+	_ = resp.Body.Close()
+	return resp.StatusCode
 }
