@@ -3,7 +3,6 @@ package broker
 import (
 	"context"
 	"crypto/rand"
-	"crypto/x509"
 	"encoding/base32"
 	"errors"
 	"fmt"
@@ -171,7 +170,7 @@ func New(cfg Config) (*Broker, error) {
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue()}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Clock.Now)
+		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
 	}
 	if cfg.Namespaces != nil {
 		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)

@@ -118,6 +118,7 @@ const (
 	ConfigPolicy            = "policy"
 	ConfigServerCertificate = "server-certificate"
 	ConfigClientCA          = "client-ca"
+	ConfigCA                = "ca"
 )
 
 // NewMetrics creates the broker metrics and registers them with reg.

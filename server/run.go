@@ -232,10 +232,23 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
 	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
-	// A nil *pki.CA must not become a non-nil interface.
+	// A nil *pki.CAReloader must not become a non-nil interface.
 	var ca broker.CertificateAuthority
 	if opts.CACertFile != "" {
-		c, err := pki.LoadCA(opts.CACertFile, opts.CAKeyFile)
+		// Validate-then-swap like the other files; a new CA that the
+		// client-CA bundle does not trust is also warned about.
+		var c *pki.CAReloader
+		report := reloadReporter(log, metrics, broker.ConfigCA, opts.CACertFile)
+		o := []pki.ReloaderOption{pki.WithReloadCallback(func(err error) {
+			report(err)
+			if err == nil {
+				warnUntrustedCA(log, c.Certificate(), clientCAs)
+			}
+		})}
+		if opts.ReloadInterval > 0 {
+			o = append(o, pki.WithReloadInterval(opts.ReloadInterval))
+		}
+		c, err = pki.NewCAReloader(opts.CACertFile, opts.CAKeyFile, pki.CAOptions{}, o...)
 		if err != nil {
 			return fmt.Errorf("load signing CA: %w", err)
 		}
@@ -244,6 +257,7 @@ func Run(ctx context.Context, opts Options) error {
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
 			zap.Duration("default_ttl", opts.ClientCertTTL))
+		warnUntrustedCA(log, c.Certificate(), clientCAs)
 	}
 
 	store := broker.NewPolicyStore(policy)
@@ -416,6 +430,17 @@ func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) fun
 			return
 		}
 		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
+	}
+}
+
+// warnUntrustedCA warns when the signing CA does not chain to the client-CA
+// bundle: the certificates it signs would be refused by this broker's own
+// handshake. It is a warning, not a refusal, because the two files are
+// replaced separately during a rotation and either may be read first.
+func warnUntrustedCA(log *zap.Logger, ca *x509.Certificate, bundle *pki.PoolReloader) {
+	if _, err := ca.Verify(x509.VerifyOptions{Roots: bundle.Pool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		log.Warn("the signing CA is not in the client-CA bundle; certificates it signs are refused until it is",
+			zap.String("ca", pki.Fingerprint(ca)), zap.Error(err))
 	}
 }
 
