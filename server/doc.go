@@ -50,6 +50,11 @@
 //     its typed error; each is also logged ("TLS handshake failed"),
 //     rate-limited, with the remote address and the subject and SPIFFE ID of
 //     a refused certificate, nothing else of it.
+//   - tokenbroker_connections_refused_total{listener,reason}: counter of
+//     connections closed over a cap: per_ip (Config.MaxConnsPerIP, before
+//     the handshake) or per_identity (Config.MaxConnsPerIdentity, after it).
+//   - tokenbroker_connections_open{listener}: gauge of the open
+//     connections of the api and enroll listeners, handshakes included.
 //
 // Requests to the operations listener (/healthz, /readyz, /metrics) are not
 // counted and not access-logged.

@@ -128,8 +128,15 @@ type handshakeListener struct {
 	name     string
 	timeout  time.Duration
 	failures func(listener, reason string)
+	refused  func(listener, reason string)
+	open     func(listener string, delta float64)
 	log      *zap.Logger
 	now      func() time.Time
+
+	// perIP bounds the connections of one client address, counted from
+	// accept (before the handshake costs anything) to close; perIdentity
+	// those of one verified identity, from the handshake to close.
+	perIP, perIdentity *connLimit
 
 	logLimit   *rate.Limiter
 	mu         sync.Mutex
@@ -153,11 +160,18 @@ func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Con
 		name:     name,
 		timeout:  s.cfg.ReadHeaderTimeout,
 		failures: s.metrics.handshakeFailed,
+		refused:  s.metrics.connectionRefused,
+		open:     s.metrics.connectionsOpen,
+		perIP:    newConnLimit(s.cfg.MaxConnsPerIP),
 		log:      s.log.With(zap.String("listener", name)),
 		now:      s.cfg.Now,
 		logLimit: rate.NewLimiter(rate.Every(handshakeLogEvery), handshakeLogBurst),
 		conns:    make(chan net.Conn),
 		errc:     make(chan error, 1),
+	}
+	if name == listenerAPI {
+		// Only the mutual-TLS listener knows who connects.
+		l.perIdentity = newConnLimit(s.cfg.MaxConnsPerIdentity)
 	}
 	l.ctx, l.cancel = context.WithCancel(context.Background())
 	l.wg.Add(1)
@@ -214,12 +228,22 @@ func (l *handshakeListener) acceptLoop() {
 			return
 		}
 		backoff = 0
+		ip := hostOf(raw.RemoteAddr())
+		if !l.perIP.acquire(ip) {
+			l.refuse(ConnRefusedPerIP, raw.RemoteAddr(), "")
+			_ = raw.Close()
+			continue
+		}
+		c := &trackedConn{Conn: raw}
+		c.onClose(func() { l.perIP.release(ip) })
+		l.open(l.name, 1)
+		c.onClose(func() { l.open(l.name, -1) })
 		l.wg.Add(1)
-		go l.handshake(raw)
+		go l.handshake(c)
 	}
 }
 
-func (l *handshakeListener) handshake(raw net.Conn) {
+func (l *handshakeListener) handshake(raw *trackedConn) {
 	defer l.wg.Done()
 	conn := tls.Server(raw, l.cfg)
 	// HandshakeContext closes the connection when ctx ends: at the
@@ -234,11 +258,46 @@ func (l *handshakeListener) handshake(raw net.Conn) {
 		}
 		return
 	}
+	if l.perIdentity != nil {
+		if id := peerIdentity(conn.ConnectionState()); id != "" {
+			if !l.perIdentity.acquire(id) {
+				l.refuse(ConnRefusedPerIdentity, raw.RemoteAddr(), id)
+				_ = conn.Close()
+				return
+			}
+			raw.onClose(func() { l.perIdentity.release(id) })
+		}
+	}
 	select {
 	case l.conns <- conn:
 	case <-l.ctx.Done():
 		_ = conn.Close()
 	}
+}
+
+// peerIdentity is the SPIFFE identity of the verified client certificate,
+// or "" (a certificate without one is refused by the authentication
+// middleware with 401 and not counted per identity).
+func peerIdentity(st tls.ConnectionState) string {
+	if len(st.PeerCertificates) == 0 {
+		return ""
+	}
+	id, err := pki.IdentityFromCert(st.PeerCertificates[0])
+	if err != nil {
+		return ""
+	}
+	return id
+}
+
+// refuse counts a connection refused over a cap and logs it, rate-limited
+// with the handshake failures.
+func (l *handshakeListener) refuse(reason string, remote net.Addr, identity string) {
+	l.refused(l.name, reason)
+	fields := []zap.Field{zap.String("reason", reason), zap.String("remote", addrString(remote))}
+	if identity != "" {
+		fields = append(fields, zap.String("identity", identity))
+	}
+	l.logLimited(zapcore.WarnLevel, "connection refused: too many connections", fields)
 }
 
 // failed counts a failed handshake and logs it, unless too many were
@@ -251,19 +310,6 @@ func (l *handshakeListener) failed(remote net.Addr, err error) {
 	if reason == HandshakeClosed {
 		level = zapcore.DebugLevel
 	}
-	if !l.log.Core().Enabled(level) {
-		return
-	}
-	l.mu.Lock()
-	if !l.logLimit.AllowN(l.now(), 1) {
-		l.suppressed++
-		l.mu.Unlock()
-		return
-	}
-	suppressed := l.suppressed
-	l.suppressed = 0
-	l.mu.Unlock()
-
 	fields := []zap.Field{zap.String("reason", reason), zap.String("remote", addrString(remote))}
 	var verr *tls.CertificateVerificationError
 	if errors.As(err, &verr) && len(verr.UnverifiedCertificates) > 0 {
@@ -278,12 +324,115 @@ func (l *handshakeListener) failed(remote net.Addr, err error) {
 		// reasons are fully said by their label.
 		fields = append(fields, zap.Error(err))
 	}
+	l.logLimited(level, "TLS handshake failed", fields)
+}
+
+// logLimited writes a log line unless the listener's log budget is spent;
+// the next line written says how many were skipped.
+func (l *handshakeListener) logLimited(level zapcore.Level, msg string, fields []zap.Field) {
+	if !l.log.Core().Enabled(level) {
+		return
+	}
+	l.mu.Lock()
+	if !l.logLimit.AllowN(l.now(), 1) {
+		l.suppressed++
+		l.mu.Unlock()
+		return
+	}
+	suppressed := l.suppressed
+	l.suppressed = 0
+	l.mu.Unlock()
 	if suppressed > 0 {
 		fields = append(fields, zap.Int("suppressed", suppressed))
 	}
-	if ce := l.log.Check(level, "TLS handshake failed"); ce != nil {
+	if ce := l.log.Check(level, msg); ce != nil {
 		ce.Write(fields...)
 	}
+}
+
+// hostOf is the IP of a remote address, the key of the per-address cap.
+func hostOf(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.IP.String()
+	}
+	host, _, err := net.SplitHostPort(addrString(a))
+	if err != nil {
+		return addrString(a)
+	}
+	return host
+}
+
+// Reasons a connection is refused over a cap, the values of the reason
+// label of tokenbroker_connections_refused_total.
+const (
+	// ConnRefusedPerIP: the client address has Config.MaxConnsPerIP open
+	// connections (handshakes included); closed before the handshake.
+	ConnRefusedPerIP = "per_ip"
+	// ConnRefusedPerIdentity: the verified identity has
+	// Config.MaxConnsPerIdentity open connections; closed after the
+	// handshake, before any request is read.
+	ConnRefusedPerIdentity = "per_identity"
+)
+
+// connLimit counts open connections by key and refuses one over max.
+type connLimit struct {
+	max  int
+	mu   sync.Mutex
+	open map[string]int
+}
+
+func newConnLimit(max int) *connLimit { return &connLimit{max: max, open: map[string]int{}} }
+
+func (c *connLimit) acquire(key string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.open[key] >= c.max {
+		return false
+	}
+	c.open[key]++
+	return true
+}
+
+func (c *connLimit) release(key string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.open[key]--; c.open[key] <= 0 {
+		delete(c.open, key) // the map holds only keys with open connections
+	}
+}
+
+// trackedConn is the TCP connection under a TLS one; closing it (which
+// closing the TLS connection does) runs the releases once.
+type trackedConn struct {
+	net.Conn
+	mu       sync.Mutex
+	closed   bool
+	releases []func()
+}
+
+// onClose adds a release; if the connection is already closed, it runs
+// at once.
+func (c *trackedConn) onClose(f func()) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		f()
+		return
+	}
+	c.releases = append(c.releases, f)
+	c.mu.Unlock()
+}
+
+func (c *trackedConn) Close() error {
+	err := c.Conn.Close()
+	c.mu.Lock()
+	releases := c.releases
+	c.releases, c.closed = nil, true
+	c.mu.Unlock()
+	for _, f := range releases {
+		f()
+	}
+	return err
 }
 
 func addrString(a net.Addr) string {

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bufio"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -11,6 +12,7 @@ import (
 	"io"
 	"math/big"
 	"net"
+	"net/http"
 	"net/url"
 	"strings"
 	"testing"
@@ -22,6 +24,8 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/time/rate"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // caAndLeaf makes a CA and a client certificate for testIdentity signed by
@@ -201,4 +205,113 @@ func TestHandshakeFailureReason(t *testing.T) {
 		})
 	}
 	require.Len(t, HandshakeReasons(), 10)
+}
+
+// dialFrom opens a TCP connection to addr from the loopback address src.
+func dialFrom(t *testing.T, src, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}}
+	conn, err := d.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// closedByServer reports whether the server closed conn within d.
+func closedByServer(conn net.Conn, d time.Duration) bool {
+	_ = conn.SetReadDeadline(time.Now().Add(d))
+	_, err := io.ReadAll(conn)
+	var ne net.Error
+	return !(errors.As(err, &ne) && ne.Timeout())
+}
+
+func TestGreedyAndSlowClientsDoNotStarveAWellBehavedPeer(t *testing.T) {
+	t.Parallel()
+	const perIP, perIdentity = 8, 4
+	const headerTimeout = 2 * time.Second
+	r := startServer(t, &fakeBroker{}, nil, func(c *Config) {
+		c.MaxConnsPerIP, c.MaxConnsPerIdentity, c.ReadHeaderTimeout = perIP, perIdentity, headerTimeout
+	})
+	addr := r.srv.Addr().String()
+	m := r.srv.metrics
+	good := r.client(r.goodClientCert(t))
+	issue := func() {
+		t.Helper()
+		resp, err := good.Post(r.apiURL("/v1/kubeconfigs"), "application/json",
+			strings.NewReader(`{"namespace":"argo","serviceAccount":"admiralty-source"}`))
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, http.StatusCreated, resp.StatusCode)
+	}
+	issue()
+
+	// A greedy client (127.0.0.2) opens connections and says nothing; one
+	// over the cap is closed at once, before any handshake.
+	var idle []net.Conn
+	for range perIP {
+		idle = append(idle, dialFrom(t, "127.0.0.2", addr))
+	}
+	require.Eventually(t, func() bool { return testutil.ToFloat64(m.openConns.WithLabelValues(listenerAPI)) >= perIP },
+		5*time.Second, 5*time.Millisecond)
+	extra := dialFrom(t, "127.0.0.2", addr)
+	// Closed by the cap, not by a timeout: the counter says which.
+	require.True(t, closedByServer(extra, 5*headerTimeout), "the connection over the cap is closed")
+	require.Equal(t, 1.0, testutil.ToFloat64(m.refused.WithLabelValues(listenerAPI, ConnRefusedPerIP)))
+
+	// A slow peer (another identity, 127.0.0.3) sends half a request on
+	// each of its connections; one over its cap is closed after the
+	// handshake.
+	rogueKP, err := r.pki.ca.IssueClient(pki.ClientOptions{Identity: "spiffe://oc.example/cluster/rogue", Lifetime: time.Hour})
+	require.NoError(t, err)
+	rogue, err := rogueKP.TLSCertificate()
+	require.NoError(t, err)
+	rogueTLS := func() *tls.Conn {
+		t.Helper()
+		c := tls.Client(dialFrom(t, "127.0.0.3", addr), &tls.Config{
+			MinVersion: tls.VersionTLS13, RootCAs: r.pki.ca.CertPool(), ServerName: "127.0.0.1",
+			GetClientCertificate: presentAlways(&rogue),
+		})
+		require.NoError(t, c.Handshake())
+		return c
+	}
+	var slow []*tls.Conn
+	for range perIdentity {
+		c := rogueTLS()
+		_, err := io.WriteString(c, "POST /v1/kubeconfigs HTTP/1.1\r\nHost: broker\r\nContent-Ty")
+		require.NoError(t, err)
+		slow = append(slow, c)
+	}
+	over := rogueTLS()
+	require.True(t, closedByServer(over, 5*headerTimeout), "the identity's connection over the cap is closed before any request")
+	require.Eventually(t, func() bool {
+		return testutil.ToFloat64(m.refused.WithLabelValues(listenerAPI, ConnRefusedPerIdentity)) == 1
+	}, 5*time.Second, 5*time.Millisecond)
+
+	// The well-behaved peer is served throughout.
+	start := time.Now()
+	issue()
+	require.Less(t, time.Since(start), headerTimeout, "issuance does not wait for the greedy clients")
+
+	// The server ends them all at its header timeout: the idle ones in the
+	// handshake, the slow ones before their headers are complete.
+	for _, c := range idle {
+		require.True(t, closedByServer(c, 5*headerTimeout), "an idle connection is closed")
+	}
+	for _, c := range slow {
+		require.True(t, closedByServer(c, 5*headerTimeout), "a half request is closed")
+	}
+	require.Eventually(t, func() bool {
+		return testutil.ToFloat64(m.handshakes.WithLabelValues(listenerAPI, HandshakeTimeout)) == perIP
+	}, 5*time.Second, 5*time.Millisecond)
+	// And their places are free again.
+	require.Eventually(t, func() bool { return testutil.ToFloat64(m.openConns.WithLabelValues(listenerAPI)) <= 1 },
+		5*time.Second, 5*time.Millisecond, "only the good client's kept-alive connection is open")
+	again := rogueTLS()
+	_, err = io.WriteString(again, "GET /v1/whoami HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n")
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(bufio.NewReader(again), nil)
+	require.NoError(t, err)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	issue()
 }

@@ -73,6 +73,11 @@ type Options struct {
 	ReloadInterval time.Duration
 	// MaxBodyBytes bounds a request body.
 	MaxBodyBytes int64
+	// MaxConnsPerIP and MaxConnsPerIdentity bound the open connections of
+	// one client address and of one verified identity (Config); zero means
+	// the defaults.
+	MaxConnsPerIP       int
+	MaxConnsPerIdentity int
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
 	// Credentials are the credential kinds this broker issues (see
@@ -144,6 +149,9 @@ func (o Options) Validate() error {
 	}
 	if o.MaxBodyBytes <= 0 {
 		errs = append(errs, errors.New("--max-body-bytes must be positive"))
+	}
+	if o.MaxConnsPerIP < 0 || o.MaxConnsPerIdentity < 0 {
+		errs = append(errs, errors.New("--max-conns-per-ip and --max-conns-per-identity must not be negative"))
 	}
 	if (o.CACertFile == "") != (o.CAKeyFile == "") {
 		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
@@ -296,16 +304,18 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	scfg := Config{
-		Addr:         opts.ListenAddress,
-		OpsAddr:      opts.OpsAddress,
-		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
-		ClientCAs:    clientCAs,
-		MaxBodyBytes: opts.MaxBodyBytes,
-		Pprof:        opts.Pprof,
-		Logger:       log.Named("http"),
-		Registerer:   reg,
-		Gatherer:     reg,
-		Broker:       b,
+		Addr:                opts.ListenAddress,
+		OpsAddr:             opts.OpsAddress,
+		TLSConfig:           pki.ServerTLSConfigReloading(certs, clientCAs),
+		ClientCAs:           clientCAs,
+		MaxBodyBytes:        opts.MaxBodyBytes,
+		MaxConnsPerIP:       opts.MaxConnsPerIP,
+		MaxConnsPerIdentity: opts.MaxConnsPerIdentity,
+		Pprof:               opts.Pprof,
+		Logger:              log.Named("http"),
+		Registerer:          reg,
+		Gatherer:            reg,
+		Broker:              b,
 	}
 	if opts.EnrollAddress != "" {
 		scfg.EnrollAddr = opts.EnrollAddress

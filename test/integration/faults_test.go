@@ -2,8 +2,12 @@ package integration
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
+	"io"
+	"net"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,6 +16,8 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/server"
 )
 
 func TestAnUnavailableAPIServerIsA503AndLeavesNothingBehind(t *testing.T) {
@@ -82,4 +88,56 @@ func statusOf(t *testing.T, c *http.Client, method, url string) int {
 	require.NoError(t, err)
 	_ = resp.Body.Close()
 	return resp.StatusCode
+}
+
+func TestIdleAndSlowlorisConnectionsDoNotStopIssuanceForAWellBehavedPeer(t *testing.T) {
+	s, west := setUp(t)
+	issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+	addr := strings.TrimPrefix(s.url, "https://")
+	dial := func(src string) net.Conn {
+		d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}}
+		conn, err := d.Dial("tcp", addr)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.Close() })
+		return conn
+	}
+	refused := func(reason string) float64 {
+		return counter(t, s.reg, "tokenbroker_connections_refused_total", map[string]string{"listener": "api", "reason": reason})
+	}
+
+	// 200 idle connections from one address, over its cap of 128.
+	const idle = 200
+	for range idle {
+		dial("127.0.0.2")
+	}
+	require.Eventually(t, func() bool { return refused("per_ip") == idle-server.DefaultMaxConnsPerIP },
+		10*time.Second, 10*time.Millisecond)
+
+	// 40 connections of another peer, each with half a request, over its
+	// cap of 32.
+	kp, err := s.ca.IssueClient(pki.ClientOptions{Identity: identity(t, "north")})
+	require.NoError(t, err)
+	north, err := kp.TLSCertificate()
+	require.NoError(t, err)
+	const slow = 40
+	for range slow {
+		c := tls.Client(dial("127.0.0.3"), &tls.Config{
+			MinVersion: tls.VersionTLS13, RootCAs: s.ca.CertPool(), ServerName: "127.0.0.1",
+			GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &north, nil },
+		})
+		require.NoError(t, c.Handshake())
+		_, _ = io.WriteString(c, "POST /v1/kubeconfigs HTTP/1.1\r\nHost: broker\r\nContent-Le")
+	}
+	require.Eventually(t, func() bool { return refused("per_identity") == slow-server.DefaultMaxConnsPerIdentity },
+		10*time.Second, 10*time.Millisecond)
+
+	// Meanwhile the well-behaved peer gets kubeconfigs, on new connections
+	// too, as fast as ever.
+	for range 5 {
+		west.CloseIdleConnections()
+		start := time.Now()
+		issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+		t.Logf("issued in %s with %g connections open", time.Since(start).Round(time.Millisecond),
+			counterOrGauge(t, s.reg, "tokenbroker_connections_open", map[string]string{"listener": "api"}))
+	}
 }
