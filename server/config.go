@@ -147,12 +147,16 @@ const (
 	// DefaultMaxConnsPerIP bounds the open connections of one client
 	// address on each TLS listener, handshakes included: a client that
 	// opens connections and sends nothing holds them for the handshake
-	// timeout (the header timeout) at most.
-	DefaultMaxConnsPerIP = 128
+	// timeout (the header timeout) at most. It is above
+	// DefaultMaxConnsPerIdentity, since a NAT or a load balancer puts
+	// several peers behind one address.
+	DefaultMaxConnsPerIP = 512
 	// DefaultMaxConnsPerIdentity bounds the open connections of one
-	// verified identity on the mutual-TLS listener; an agent keeps one or
-	// two alive.
-	DefaultMaxConnsPerIdentity = 32
+	// verified identity on the mutual-TLS listener. An agent keeps one or
+	// two alive, but every kubectl that runs the exec credential plugin
+	// in a source cluster connects as that cluster: 200 at once are
+	// served (test/e2e/hostile_test.go).
+	DefaultMaxConnsPerIdentity = 256
 	// DefaultShutdownGrace fits inside Kubernetes' default 30s
 	// terminationGracePeriodSeconds.
 	DefaultShutdownGrace = 20 * time.Second

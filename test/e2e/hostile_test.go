@@ -90,7 +90,8 @@ func hostileRequests() []hostileRequest {
 		post("a body just over the 64 KiB limit", `{"namespace":"argo","serviceAccount":"runner","audiences":["`+strings.Repeat("a", 64<<10)+`"]}`, 413),
 		post("a namespace outside the grant", `{"namespace":"kube-system","serviceAccount":"runner"}`, 403),
 		post("a ServiceAccount outside the grant", `{"namespace":"argo","serviceAccount":"admin"}`, 403),
-		post("a credential kind the grant does not give", req(`,"credential":"clientCertificate"`), 403),
+		// A clientCertificate request names no ServiceAccount (else 400).
+		post("a credential kind the grant does not give", `{"namespace":"argo","credential":"clientCertificate"}`, 403),
 		{name: "a text/plain body", method: http.MethodPost, path: "/v1/kubeconfigs", contentType: "text/plain", body: req(``), status: 415},
 		{name: "no Content-Type", method: http.MethodPost, path: "/v1/kubeconfigs", body: req(``), status: 415},
 		{name: "a JSON body in Latin-1", method: http.MethodPost, path: "/v1/kubeconfigs", contentType: "application/json; charset=iso-8859-1", body: req(``), status: 415},

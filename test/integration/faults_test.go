@@ -105,21 +105,21 @@ func TestIdleAndSlowlorisConnectionsDoNotStopIssuanceForAWellBehavedPeer(t *test
 		return counter(t, s.reg, "tokenbroker_connections_refused_total", map[string]string{"listener": "api", "reason": reason})
 	}
 
-	// 200 idle connections from one address, over its cap of 128.
-	const idle = 200
+	// Idle connections from one address, 72 over its cap.
+	const idle = server.DefaultMaxConnsPerIP + 72
 	for range idle {
 		dial("127.0.0.2")
 	}
 	require.Eventually(t, func() bool { return refused("per_ip") == idle-server.DefaultMaxConnsPerIP },
 		10*time.Second, 10*time.Millisecond)
 
-	// 40 connections of another peer, each with half a request, over its
-	// cap of 32.
+	// Connections of another peer, each with half a request, 8 over its
+	// cap.
 	kp, err := s.ca.IssueClient(pki.ClientOptions{Identity: identity(t, "north")})
 	require.NoError(t, err)
 	north, err := kp.TLSCertificate()
 	require.NoError(t, err)
-	const slow = 40
+	const slow = server.DefaultMaxConnsPerIdentity + 8
 	for range slow {
 		c := tls.Client(dial("127.0.0.3"), &tls.Config{
 			MinVersion: tls.VersionTLS13, RootCAs: s.ca.CertPool(), ServerName: "127.0.0.1",
