@@ -23,6 +23,9 @@ SCALE_LEASES ?= 1000,10000
 SCALE_N ?= 200
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
+# promtool, built from the Go module proxy at the Prometheus version that
+# test/promqlcheck pins (one Prometheus for the PromQL parser and the rule tests).
+PROMTOOL_VERSION = $(shell cd test/promqlcheck && $(GO) list -m -f '{{.Version}}' github.com/prometheus/prometheus)
 # helm for the chart in deploy/helm, built from the Go module proxy.
 HELM_VERSION := v3.19.5
 CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
@@ -30,7 +33,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube helm localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -49,13 +52,28 @@ helm: ## build bin/helm (the pinned HELM_VERSION) from the Go module proxy unles
 	  GOBIN=$(BIN) $(GO) install -ldflags '-X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION)' helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
 	fi
 
+promtool: ## build bin/promtool (the Prometheus version test/promqlcheck pins) from the Go module proxy unless it is there
+	@v=$(PROMTOOL_VERSION); if ! $(GO) version -m $(BIN)/promtool 2>/dev/null | grep -Eq "^\s+mod\s+github.com/prometheus/prometheus\s+$$v\s"; then \
+	  echo "building promtool $$v"; \
+	  GOBIN=$(BIN) $(GO) install github.com/prometheus/prometheus/cmd/promtool@$$v; \
+	fi
+
+alerts-test: promtool ## promtool test rules: every alert the charts ship (test/alerts/*.test.yaml), and promtool check rules
+	@set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
+	for c in $(CHARTS); do \
+	  { echo "groups:"; cat $$c/files/alerts.yaml; } > "$$d/$$(basename $$c).rules.yaml"; \
+	  $(BIN)/promtool check rules "$$d/$$(basename $$c).rules.yaml"; \
+	done; \
+	cp test/alerts/*.test.yaml "$$d/"; \
+	$(BIN)/promtool test rules "$$d"/*.test.yaml
+
 localcluster: ## build bin/localcluster, the harness as a command
 	cd test && $(GO) build -o $(BIN)/localcluster ./cmd/localcluster
 
 dev: build kube localcluster ## start a local cluster, a dev PKI and a broker with a demo policy (Ctrl-C stops everything)
 	$(BIN)/localcluster --controller-manager --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/tokenbroker dev --dir $(CURDIR)/.dev --kubeconfig $(CURDIR)/.dev/admin.kubeconfig
 
-test: check chart-lint unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
+test: check chart-lint alerts-test unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 
 check: ## gofmt and go vet on every module
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^vendor/')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -65,7 +83,7 @@ check: ## gofmt and go vet on every module
 	cd test/image && $(GO) vet ./...
 	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(GO) vet ./...); done
 
-chart-lint: helm ## helm lint --strict of the broker's and the agent's chart, with their defaults and each ci/ values file
+chart-lint: helm alerts-test ## helm lint --strict of the broker's and the agent's chart, with their defaults and each ci/ values file; the charts' alerts evaluated
 	@set -e; for c in $(CHARTS); do \
 	  $(BIN)/helm lint --strict $$c; \
 	  for f in $$c/ci/*-values.yaml; do $(BIN)/helm lint --strict $$c -f $$f; done; \

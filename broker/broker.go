@@ -3,12 +3,10 @@ package broker
 import (
 	"context"
 	"crypto/rand"
-	"crypto/x509"
 	"encoding/base32"
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"sync/atomic"
 	"time"
@@ -17,7 +15,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/apimachinery/pkg/util/wait"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/client-go/rest"
@@ -95,11 +92,8 @@ type Config struct {
 	Clock clock.WithTicker
 	Rand  io.Reader
 	// CleanupTimeout bounds one deletion of a lease after a failed
-	// request; default 10s. CleanupRetryFor is how long a deletion that
-	// failed because the API server was unavailable is retried in the
-	// background; default 5m.
-	CleanupTimeout  time.Duration
-	CleanupRetryFor time.Duration
+	// request and one retry of a failed deletion (retry.go); default 10s.
+	CleanupTimeout time.Duration
 
 	// Namespace is the broker's own namespace, where used join tokens are
 	// recorded. Required when CA is set.
@@ -143,7 +137,7 @@ type Broker struct {
 	cfg        Config
 	limits     *limiter
 	joinTokens JoinTokenVerifier
-	cleanups   atomic.Int64 // background lease deletions under way
+	retries    *retryQueue // failed lease deletions, retried until done
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants
 }
@@ -171,15 +165,12 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.CleanupTimeout == 0 {
 		cfg.CleanupTimeout = 10 * time.Second
 	}
-	if cfg.CleanupRetryFor == 0 {
-		cfg.CleanupRetryFor = 5 * time.Minute
-	}
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue()}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = pki.NewJoinTokenVerifier([]*x509.Certificate{cfg.CA.Certificate()}, cfg.Clock.Now)
+		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
 	}
 	if cfg.Namespaces != nil {
 		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)
@@ -613,23 +604,12 @@ func (b *Broker) deleteLease(ctx context.Context, s *corev1.Secret, log *zap.Log
 	b.cleanUpLater(s, log)
 }
 
-// maxCleanups bounds the background deletions under way at once; past it
-// the GC removes the leases when they expire.
-const maxCleanups = 256
-
-// cleanUpLater deletes s in the background (retryDelete), unless
-// maxCleanups are already under way.
+// cleanUpLater queues s for deletion with backoff until it is gone
+// (retry.go).
 func (b *Broker) cleanUpLater(s *corev1.Secret, log *zap.Logger) {
-	if b.cleanups.Add(1) > maxCleanups {
-		b.cleanups.Add(-1)
-		log.Error("too many lease deletions pending; the GC deletes this lease when it expires",
-			zap.String("secret", s.Namespace+"/"+s.Name))
-		return
+	if !b.queueSecretDeletion(s, deleteFailed) {
+		log.Error("the GC deletes this lease when it expires", zap.String("secret", s.Namespace+"/"+s.Name))
 	}
-	go func() {
-		defer b.cleanups.Add(-1)
-		b.retryDelete(s, log)
-	}()
 }
 
 // neverSent reports whether err says the request never reached the API
@@ -638,31 +618,6 @@ func (b *Broker) cleanUpLater(s *corev1.Secret, log *zap.Logger) {
 func neverSent(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && op.Op == "dial"
-}
-
-// retryDelete deletes s with capped exponential backoff until it succeeds
-// (or s turns out not to exist) or CleanupRetryFor has passed; after that
-// the GC removes the lease once it expires.
-func (b *Broker) retryDelete(s *corev1.Secret, log *zap.Logger) {
-	deadline := b.cfg.Clock.Now().Add(b.cfg.CleanupRetryFor)
-	backoff := wait.Backoff{Duration: 250 * time.Millisecond, Factor: 2, Cap: 10 * time.Second, Steps: math.MaxInt32}
-	for {
-		// Step keeps returning the cap once it is reached.
-		d := backoff.Step()
-		if !b.cfg.Clock.Now().Add(d).Before(deadline) {
-			break
-		}
-		<-b.cfg.Clock.After(d)
-		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
-		err := b.deleteSecret(ctx, s)
-		cancel()
-		if err == nil {
-			log.Info("lease of a failed request deleted after retries", zap.String("secret", s.Namespace+"/"+s.Name))
-			return
-		}
-	}
-	log.Error("gave up deleting the lease of a failed request; the GC deletes it when it expires",
-		zap.String("secret", s.Namespace+"/"+s.Name))
 }
 
 // deleteSecret deletes s, with a UID precondition when s came from the API

@@ -364,7 +364,6 @@ func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
 func TestALeaseThatCannotBeDeletedDuringAnOutageIsDeletedWhenTheAPIServerIsBack(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	e.b.cfg.CleanupRetryFor = 30 * time.Second
 	var mu sync.Mutex
 	down := true
 	e.client.PrependReactor("delete", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {

@@ -49,9 +49,33 @@ type JoinTokenVerifier interface {
 
 var (
 	_ CertificateAuthority = (*pki.CA)(nil)
+	_ CertificateAuthority = (*pki.CAReloader)(nil)
 	_ TrustSource          = (*pki.PoolReloader)(nil)
 	_ JoinTokenVerifier    = (*pki.JoinTokenVerifier)(nil)
+	_ JoinTokenVerifier    = caJoinTokens{}
 )
+
+// caJoinTokens verifies join tokens with the key of the signing CA in
+// force and with the keys of the CAs of the trust bundle in force, both
+// read at every verification, so that they follow a signing CA that is
+// replaced at run time: during a CA rotation the old CA stays in the
+// bundle, and the tokens it signed keep verifying until it is dropped from
+// the bundle. Accepting a bundle CA's token gives nothing its key could not
+// already give: a CA of the bundle can sign a client certificate for any
+// identity, which the broker accepts.
+type caJoinTokens struct {
+	ca    CertificateAuthority
+	trust TrustSource
+	now   func() time.Time
+}
+
+func (v caJoinTokens) Verify(token string) (pki.JoinTokenClaims, error) {
+	keys := []*x509.Certificate{v.ca.Certificate()}
+	if v.trust != nil {
+		keys = append(keys, v.trust.Certificates()...)
+	}
+	return pki.NewJoinTokenVerifier(keys, v.now).Verify(token)
+}
 
 // The record of a used join token: a Secret with no data in the broker's
 // namespace, named after the token's jti, so that creating it is the

@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -375,4 +376,79 @@ type failingCA struct{ *pki.CA }
 
 func (failingCA) SignClient(*x509.CertificateRequest, string, time.Duration) (*pki.KeyPair, error) {
 	return nil, errors.New("sign client certificate: " + pki.ErrLifetimeExceedsCA.Error())
+}
+
+// swappableCA is a CertificateAuthority whose CA the test replaces, as a
+// pki.CAReloader's is replaced when its files change.
+type swappableCA struct{ atomic.Pointer[pki.CA] }
+
+func (s *swappableCA) SignClient(csr *x509.CertificateRequest, identity string, lifetime time.Duration) (*pki.KeyPair, error) {
+	return s.Load().SignClient(csr, identity, lifetime)
+}
+func (s *swappableCA) Certificate() *x509.Certificate { return s.Load().Certificate() }
+
+// bundleTrust is a TrustSource over the CAs the test sets.
+type bundleTrust struct{ cas atomic.Pointer[[]*pki.CA] }
+
+func (b *bundleTrust) set(cas ...*pki.CA) { b.cas.Store(&cas) }
+func (b *bundleTrust) PEM() []byte {
+	var out []byte
+	for _, ca := range *b.cas.Load() {
+		out = append(out, ca.BundlePEM()...)
+	}
+	return out
+}
+func (b *bundleTrust) Certificates() []*x509.Certificate {
+	var out []*x509.Certificate
+	for _, ca := range *b.cas.Load() {
+		out = append(out, ca.Certificate())
+	}
+	return out
+}
+
+func TestJoinTokensOfTheOldSigningCAVerifyWhileItIsInTheBundle(t *testing.T) {
+	t.Parallel()
+	mk := func(name string) *pki.CA {
+		ca, err := pki.NewCA(pki.CAOptions{CommonName: name})
+		require.NoError(t, err)
+		return ca
+	}
+	oldCA, newCA, foreign := mk("old"), mk("new"), mk("foreign")
+	var signing swappableCA
+	signing.Store(oldCA)
+	var trust bundleTrust
+	trust.set(oldCA)
+	b, err := New(Config{
+		Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
+		Namespace: brokerNS, CA: &signing, Trust: &trust, Revocations: StaticRevocationList(NewDenyList(nil)),
+	})
+	require.NoError(t, err)
+	enroll := func(ca *pki.CA) (*apiv1.CertificateResponse, error) {
+		tok, _, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: westID})
+		require.NoError(t, err)
+		return b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	}
+	issuer := func(resp *apiv1.CertificateResponse) *x509.Certificate {
+		certs, err := pki.ParseCertificatesPEM([]byte(resp.Certificate))
+		require.NoError(t, err)
+		return certs[0]
+	}
+
+	// The rotation: both CAs in the bundle, then the signing CA swapped.
+	trust.set(newCA, oldCA)
+	signing.Store(newCA)
+	for _, ca := range []*pki.CA{oldCA, newCA} {
+		resp, err := enroll(ca)
+		require.NoError(t, err, "a token of %s during the overlap", ca.Certificate().Subject.CommonName)
+		require.NoError(t, issuer(resp).CheckSignatureFrom(newCA.Certificate()), "signed by the CA in force")
+	}
+	_, err = enroll(foreign)
+	requireUniformUnauthenticated(t, err)
+
+	// The old CA leaves the bundle: its tokens stop verifying.
+	trust.set(newCA)
+	_, err = enroll(oldCA)
+	requireUniformUnauthenticated(t, err)
+	_, err = enroll(newCA)
+	require.NoError(t, err)
 }

@@ -106,10 +106,19 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 
 // RevokeLease deletes one of the caller's leases, which makes the API
 // server reject its credential. Every call ends in one audit event
-// (ActionRevoke).
+// (ActionRevoke). When the API server is unavailable it returns
+// KindUnavailable (retryable) and has deleted nothing, but the revocation
+// is queued: the broker looks the lease up again as the caller and deletes
+// it, with backoff, once the API server answers (a second audit event
+// then says so). A retried DELETE is harmless: it finds the lease or gets
+// KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
 	err := b.revokeLease(ctx, c, id, &a.ev)
+	if KindOf(err) == KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
+		b.cfg.Logger.Warn("revocation failed: API server unavailable; retrying in the background",
+			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.Error(err))
+	}
 	if !apiv1.ValidLeaseID(id) {
 		a.ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
 	}
@@ -280,8 +289,11 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 			continue
 		}
 		if err := b.deleteSecret(ctx, s); err != nil {
-			// One Secret that cannot be deleted must not keep the others.
+			// One Secret that cannot be deleted must not keep the others;
+			// it is retried with backoff until it is gone, not only at
+			// the next round.
 			errs = append(errs, err)
+			b.queueSecretDeletion(s, deleteExpired)
 			continue
 		}
 		if usedToken {

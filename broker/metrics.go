@@ -48,6 +48,10 @@ import (
 //	tokenbroker_lease_gc_runs_total{result}                GC passes, "success" or "failure"
 //	tokenbroker_lease_gc_duration_seconds                  time of one GC pass
 //	tokenbroker_lease_gc_last_success_timestamp_seconds    Unix time of the last successful GC pass
+//	tokenbroker_lease_deletions_pending                    lease deletions that failed and wait for a
+//	                                                       retry (revocations answered 503, expired
+//	                                                       leases the GC could not delete, leases of
+//	                                                       failed requests); 0 when all are done
 //	tokenbroker_certificate_expiry_timestamp_seconds{certificate}
 //	                                                       NotAfter (Unix time) of the "server"
 //	                                                       certificate, the signing "ca" and the
@@ -90,6 +94,7 @@ type Metrics struct {
 	gcRuns       *prometheus.CounterVec
 	gcDur        prometheus.Histogram
 	gcLast       prometheus.Gauge
+	pendingDel   prometheus.Gauge
 	certExpiry   *expiryCollector
 	apiErrors    *prometheus.CounterVec
 	auditEvents  *prometheus.CounterVec
@@ -113,6 +118,7 @@ const (
 	ConfigPolicy            = "policy"
 	ConfigServerCertificate = "server-certificate"
 	ConfigClientCA          = "client-ca"
+	ConfigCA                = "ca"
 )
 
 // NewMetrics creates the broker metrics and registers them with reg.
@@ -200,6 +206,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_lease_gc_last_success_timestamp_seconds",
 			Help: "Unix time of the last successful lease garbage collection pass.",
 		}),
+		pendingDel: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "tokenbroker_lease_deletions_pending",
+			Help: "Lease deletions (revocations, expired leases, leases of failed requests) that failed and wait for a retry.",
+		}),
 		certExpiry: &expiryCollector{desc: prometheus.NewDesc(
 			"tokenbroker_certificate_expiry_timestamp_seconds",
 			"NotAfter, as Unix time, of the server certificate (server), the signing CA (ca) and the earliest certificate of the client-CA bundle (client-ca).",
@@ -234,7 +244,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"peer", "grant"}),
 	}
 	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
-		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast,
+		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast, m.pendingDel,
 		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited, m.unmatched, m.selectorNS} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -275,6 +285,13 @@ func (m *Metrics) leaseDeleted(reason string, n int) {
 		return
 	}
 	m.deleted.WithLabelValues(reason).Add(float64(n))
+}
+
+func (m *Metrics) setPendingDeletions(n int) {
+	if m == nil {
+		return
+	}
+	m.pendingDel.Set(float64(n))
 }
 
 func (m *Metrics) observeCertificate(operation, outcome string) {

@@ -34,7 +34,8 @@
 // CertReloader and the trust bundle from a PoolReloader, both of which poll
 // their files, so that rotating a certificate or a CA (adding the new CA to the
 // bundle, then removing the old one) needs no restart; a bad new file is
-// refused and the old one stays in service.
+// refused and the old one stays in service. The signing CA comes from a
+// CAReloader, which follows its files the same way.
 //
 // # Conventions
 //

@@ -146,6 +146,19 @@ const (
 	DefaultWriteTimeout = 30 * time.Second
 	// DefaultIdleTimeout closes idle keep-alive connections.
 	DefaultIdleTimeout = 90 * time.Second
+	// DefaultMaxConnsPerIP bounds the open connections of one client
+	// address on each TLS listener, handshakes included: a client that
+	// opens connections and sends nothing holds them for the handshake
+	// timeout (the header timeout) at most. It is above
+	// DefaultMaxConnsPerIdentity, since a NAT or a load balancer puts
+	// several peers behind one address.
+	DefaultMaxConnsPerIP = 512
+	// DefaultMaxConnsPerIdentity bounds the open connections of one
+	// verified identity on the mutual-TLS listener. An agent keeps one or
+	// two alive, but every kubectl that runs the exec credential plugin
+	// in a source cluster connects as that cluster: 200 at once are
+	// served (test/e2e/hostile_test.go).
+	DefaultMaxConnsPerIdentity = 256
 	// DefaultShutdownGrace fits inside Kubernetes' default 30s
 	// terminationGracePeriodSeconds.
 	DefaultShutdownGrace = 20 * time.Second
@@ -201,6 +214,15 @@ type Config struct {
 	ReadTimeout       time.Duration
 	WriteTimeout      time.Duration
 	IdleTimeout       time.Duration
+	// MaxConnsPerIP bounds the open connections from one client address
+	// on each TLS listener, counted from accept; one more is closed before
+	// its handshake. MaxConnsPerIdentity bounds those of one verified
+	// identity on the mutual-TLS listener; one more is closed after its
+	// handshake. Behind a load balancer that does not keep the client's
+	// address every peer shares the balancer's, so raise MaxConnsPerIP
+	// there.
+	MaxConnsPerIP       int
+	MaxConnsPerIdentity int
 	// ShutdownGrace is how long Run waits for in-flight requests after its
 	// context is cancelled before closing connections.
 	ShutdownGrace time.Duration
@@ -281,6 +303,19 @@ func (c Config) withDefaults() (Config, error) {
 		errs = append(errs, errors.New("MaxHeaderBytes must not be negative"))
 	case c.MaxHeaderBytes == 0:
 		c.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+
+	for _, f := range []struct {
+		name string
+		v    *int
+		def  int
+	}{{"MaxConnsPerIP", &c.MaxConnsPerIP, DefaultMaxConnsPerIP}, {"MaxConnsPerIdentity", &c.MaxConnsPerIdentity, DefaultMaxConnsPerIdentity}} {
+		switch {
+		case *f.v < 0:
+			errs = append(errs, fmt.Errorf("%s must not be negative", f.name))
+		case *f.v == 0:
+			*f.v = f.def
+		}
 	}
 
 	if c.Logger == nil {

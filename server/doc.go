@@ -43,6 +43,18 @@
 //   - tokenbroker_http_request_duration_seconds{listener,route}: histogram of
 //     the time from the start of the middleware chain to the handler's
 //     return.
+//   - tokenbroker_tls_handshake_failures_total{listener,reason}: counter of
+//     refused TLS handshakes on the api and enroll listeners, by reason (see
+//     HandshakeReasons). The listeners do the handshake themselves, before
+//     net/http sees the connection, so that the failure is classified from
+//     its typed error; each is also logged ("TLS handshake failed"),
+//     rate-limited, with the remote address and the subject and SPIFFE ID of
+//     a refused certificate, nothing else of it.
+//   - tokenbroker_connections_refused_total{listener,reason}: counter of
+//     connections closed over a cap: per_ip (Config.MaxConnsPerIP, before
+//     the handshake) or per_identity (Config.MaxConnsPerIdentity, after it).
+//   - tokenbroker_connections_open{listener}: gauge of the open
+//     connections of the api and enroll listeners, handshakes included.
 //
 // Requests to the operations listener (/healthz, /readyz, /metrics) are not
 // counted and not access-logged.

@@ -14,8 +14,11 @@ const routeUnmatched = "unmatched"
 
 // httpMetrics are the metrics listed in the package doc.
 type httpMetrics struct {
-	requests *prometheus.CounterVec
-	duration *prometheus.HistogramVec
+	requests   *prometheus.CounterVec
+	duration   *prometheus.HistogramVec
+	handshakes *prometheus.CounterVec
+	refused    *prometheus.CounterVec
+	openConns  *prometheus.GaugeVec
 }
 
 func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
@@ -29,8 +32,20 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 			Help:    "Time to answer an API request, by listener and route pattern.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"listener", "route"}),
+		handshakes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_tls_handshake_failures_total",
+			Help: "TLS handshakes that failed on an API listener, by listener and reason.",
+		}, []string{"listener", "reason"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_connections_refused_total",
+			Help: "Connections closed unanswered because their client address or identity had too many open, by listener and reason (per_ip, per_identity).",
+		}, []string{"listener", "reason"}),
+		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_connections_open",
+			Help: "Open connections of the TLS listeners, handshakes included, by listener.",
+		}, []string{"listener"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.handshakes, m.refused, m.openConns} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -41,6 +56,18 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 func (m *httpMetrics) observe(listener, route, method string, status int, d time.Duration) {
 	m.requests.WithLabelValues(listener, route, method, strconv.Itoa(status)).Inc()
 	m.duration.WithLabelValues(listener, route).Observe(d.Seconds())
+}
+
+func (m *httpMetrics) handshakeFailed(listener, reason string) {
+	m.handshakes.WithLabelValues(listener, reason).Inc()
+}
+
+func (m *httpMetrics) connectionRefused(listener, reason string) {
+	m.refused.WithLabelValues(listener, reason).Inc()
+}
+
+func (m *httpMetrics) connectionsOpen(listener string, delta float64) {
+	m.openConns.WithLabelValues(listener).Add(delta)
 }
 
 // methodLabel bounds the method label (and log field) to the standard

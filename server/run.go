@@ -74,6 +74,11 @@ type Options struct {
 	ReloadInterval time.Duration
 	// MaxBodyBytes bounds a request body.
 	MaxBodyBytes int64
+	// MaxConnsPerIP and MaxConnsPerIdentity bound the open connections of
+	// one client address and of one verified identity (Config); zero means
+	// the defaults.
+	MaxConnsPerIP       int
+	MaxConnsPerIdentity int
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
 	// Credentials are the credential kinds this broker issues (see
@@ -145,6 +150,9 @@ func (o Options) Validate() error {
 	}
 	if o.MaxBodyBytes <= 0 {
 		errs = append(errs, errors.New("--max-body-bytes must be positive"))
+	}
+	if o.MaxConnsPerIP < 0 || o.MaxConnsPerIdentity < 0 {
+		errs = append(errs, errors.New("--max-conns-per-ip and --max-conns-per-identity must not be negative"))
 	}
 	if (o.CACertFile == "") != (o.CAKeyFile == "") {
 		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
@@ -233,10 +241,23 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
 	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
-	// A nil *pki.CA must not become a non-nil interface.
+	// A nil *pki.CAReloader must not become a non-nil interface.
 	var ca broker.CertificateAuthority
 	if opts.CACertFile != "" {
-		c, err := pki.LoadCA(opts.CACertFile, opts.CAKeyFile)
+		// Validate-then-swap like the other files; a new CA that the
+		// client-CA bundle does not trust is also warned about.
+		var c *pki.CAReloader
+		report := reloadReporter(log, metrics, broker.ConfigCA, opts.CACertFile)
+		o := []pki.ReloaderOption{pki.WithReloadCallback(func(err error) {
+			report(err)
+			if err == nil {
+				warnUntrustedCA(log, c.Certificate(), clientCAs)
+			}
+		})}
+		if opts.ReloadInterval > 0 {
+			o = append(o, pki.WithReloadInterval(opts.ReloadInterval))
+		}
+		c, err = pki.NewCAReloader(opts.CACertFile, opts.CAKeyFile, pki.CAOptions{}, o...)
 		if err != nil {
 			return fmt.Errorf("load signing CA: %w", err)
 		}
@@ -245,6 +266,7 @@ func Run(ctx context.Context, opts Options) error {
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
 			zap.Duration("default_ttl", opts.ClientCertTTL))
+		warnUntrustedCA(log, c.Certificate(), clientCAs)
 	}
 
 	store := broker.NewPolicyStore(policy)
@@ -283,16 +305,18 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	scfg := Config{
-		Addr:         opts.ListenAddress,
-		OpsAddr:      opts.OpsAddress,
-		TLSConfig:    pki.ServerTLSConfigReloading(certs, clientCAs),
-		ClientCAs:    clientCAs,
-		MaxBodyBytes: opts.MaxBodyBytes,
-		Pprof:        opts.Pprof,
-		Logger:       log.Named("http"),
-		Registerer:   reg,
-		Gatherer:     reg,
-		Broker:       b,
+		Addr:                opts.ListenAddress,
+		OpsAddr:             opts.OpsAddress,
+		TLSConfig:           pki.ServerTLSConfigReloading(certs, clientCAs),
+		ClientCAs:           clientCAs,
+		MaxBodyBytes:        opts.MaxBodyBytes,
+		MaxConnsPerIP:       opts.MaxConnsPerIP,
+		MaxConnsPerIdentity: opts.MaxConnsPerIdentity,
+		Pprof:               opts.Pprof,
+		Logger:              log.Named("http"),
+		Registerer:          reg,
+		Gatherer:            reg,
+		Broker:              b,
 	}
 	if opts.EnrollAddress != "" {
 		scfg.EnrollAddr = opts.EnrollAddress
@@ -417,6 +441,17 @@ func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) fun
 			return
 		}
 		log.Info("reloaded", zap.String("config", config), zap.String("file", file))
+	}
+}
+
+// warnUntrustedCA warns when the signing CA does not chain to the client-CA
+// bundle: the certificates it signs would be refused by this broker's own
+// handshake. It is a warning, not a refusal, because the two files are
+// replaced separately during a rotation and either may be read first.
+func warnUntrustedCA(log *zap.Logger, ca *x509.Certificate, bundle *pki.PoolReloader) {
+	if _, err := ca.Verify(x509.VerifyOptions{Roots: bundle.Pool(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		log.Warn("the signing CA is not in the client-CA bundle; certificates it signs are refused until it is",
+			zap.String("ca", pki.Fingerprint(ca)), zap.Error(err))
 	}
 }
 

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -127,7 +128,17 @@ type serving struct {
 	name string
 	ln   net.Listener
 	srv  *http.Server
-	tls  bool
+}
+
+// withALPN returns a copy of cfg offering HTTP/2 and HTTP/1.1 unless it
+// names its own protocols, as http.Server.ServeTLS would. A configuration
+// chosen per connection (GetConfigForClient) decides for itself.
+func withALPN(cfg *tls.Config) *tls.Config {
+	c := cfg.Clone()
+	if len(c.NextProtos) == 0 {
+		c.NextProtos = []string{"h2", "http/1.1"}
+	}
+	return c
 }
 
 // Run serves until ctx is cancelled or a listener fails, then shuts down
@@ -166,27 +177,20 @@ func (s *Server) Run(ctx context.Context) error {
 
 	// In shutdown order: the API listeners first, so /readyz keeps
 	// answering "shutting down" while requests drain.
-	servers := []serving{{name: listenerAPI, ln: lns.api, srv: s.httpServer(s.api, baseCtx, listenerAPI), tls: true}}
-	servers[0].srv.TLSConfig = s.cfg.TLSConfig
+	// The TLS listeners do the handshake themselves (handshakeListener),
+	// so that its failures are counted by reason.
+	servers := []serving{{name: listenerAPI, ln: s.newHandshakeListener(lns.api, listenerAPI, withALPN(s.cfg.TLSConfig)),
+		srv: s.httpServer(s.api, baseCtx, listenerAPI)}}
 	if lns.enroll != nil {
-		e := serving{name: listenerEnroll, ln: lns.enroll, srv: s.httpServer(s.enroll, baseCtx, listenerEnroll), tls: true}
-		e.srv.TLSConfig = s.cfg.EnrollTLSConfig
-		servers = append(servers, e)
+		servers = append(servers, serving{name: listenerEnroll, ln: s.newHandshakeListener(lns.enroll, listenerEnroll, withALPN(s.cfg.EnrollTLSConfig)),
+			srv: s.httpServer(s.enroll, baseCtx, listenerEnroll)})
 	}
 	servers = append(servers, serving{name: "ops", ln: lns.ops, srv: s.httpServer(s.ops, baseCtx, "ops")})
 
 	errc := make(chan error, len(servers))
 	fields := make([]zap.Field, 0, len(servers))
 	for _, sv := range servers {
-		go func() {
-			if sv.tls {
-				// Empty file names: the certificate comes from TLSConfig,
-				// which reloads it. ServeTLS adds the ALPN protocols.
-				errc <- serveErr(sv.name, sv.srv.ServeTLS(sv.ln, "", ""))
-				return
-			}
-			errc <- serveErr(sv.name, sv.srv.Serve(sv.ln))
-		}()
+		go func() { errc <- serveErr(sv.name, sv.srv.Serve(sv.ln)) }()
 		fields = append(fields, zap.Stringer(sv.name, sv.ln.Addr()))
 	}
 	s.log.Info("listening", fields...)

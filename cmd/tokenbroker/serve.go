@@ -104,6 +104,8 @@ func serveFlags() *pflag.FlagSet {
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int("max-live-leases", broker.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
+	fs.Int("max-conns-per-ip", server.DefaultMaxConnsPerIP, "open connections of one client address on each TLS listener, handshakes included; one more is closed before its handshake (behind a load balancer that hides client addresses, every peer shares one)")
+	fs.Int("max-conns-per-identity", server.DefaultMaxConnsPerIdentity, "open connections of one verified peer identity on the mutual-TLS listener; one more is closed after its handshake")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
 	fs.Duration("signing-timeout", clientcert.DefaultTimeout, "how long to wait for the cluster's signer to issue a client certificate before answering 503")
@@ -113,26 +115,28 @@ func serveFlags() *pflag.FlagSet {
 
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{Options: server.Options{
-		ListenAddress:  v.GetString("listen-address"),
-		EnrollAddress:  v.GetString("enroll-address"),
-		OpsAddress:     v.GetString("ops-address"),
-		TLSCertFile:    v.GetString("tls-cert-file"),
-		TLSKeyFile:     v.GetString("tls-key-file"),
-		ClientCAFile:   v.GetString("client-ca-file"),
-		CACertFile:     v.GetString("ca-cert-file"),
-		CAKeyFile:      v.GetString("ca-key-file"),
-		ClientCertTTL:  v.GetDuration("client-cert-ttl"),
-		PolicyFile:     v.GetString("policy-file"),
-		Namespace:      namespaceOrDefault(v.GetString("namespace")),
-		KubeQPS:        float32(v.GetFloat64("kube-qps")),
-		KubeBurst:      v.GetInt("kube-burst"),
-		GCInterval:     v.GetDuration("gc-interval"),
-		MaxLiveLeases:  v.GetInt("max-live-leases"),
-		MaxBodyBytes:   v.GetInt64("max-body-bytes"),
-		Pprof:          v.GetBool("pprof"),
-		Credentials:    v.GetStringSlice("credentials"),
-		SigningTimeout: v.GetDuration("signing-timeout"),
-		AuditLog:       v.GetString("audit-log"),
+		ListenAddress:       v.GetString("listen-address"),
+		EnrollAddress:       v.GetString("enroll-address"),
+		OpsAddress:          v.GetString("ops-address"),
+		TLSCertFile:         v.GetString("tls-cert-file"),
+		TLSKeyFile:          v.GetString("tls-key-file"),
+		ClientCAFile:        v.GetString("client-ca-file"),
+		CACertFile:          v.GetString("ca-cert-file"),
+		CAKeyFile:           v.GetString("ca-key-file"),
+		ClientCertTTL:       v.GetDuration("client-cert-ttl"),
+		PolicyFile:          v.GetString("policy-file"),
+		Namespace:           namespaceOrDefault(v.GetString("namespace")),
+		KubeQPS:             float32(v.GetFloat64("kube-qps")),
+		KubeBurst:           v.GetInt("kube-burst"),
+		GCInterval:          v.GetDuration("gc-interval"),
+		MaxLiveLeases:       v.GetInt("max-live-leases"),
+		MaxBodyBytes:        v.GetInt64("max-body-bytes"),
+		MaxConnsPerIP:       v.GetInt("max-conns-per-ip"),
+		MaxConnsPerIdentity: v.GetInt("max-conns-per-identity"),
+		Pprof:               v.GetBool("pprof"),
+		Credentials:         v.GetStringSlice("credentials"),
+		SigningTimeout:      v.GetDuration("signing-timeout"),
+		AuditLog:            v.GetString("audit-log"),
 	}, Kubeconfig: v.GetString("kubeconfig"), Log: logConfigFrom(v)}
 	return cfg, cfg.Validate()
 }

@@ -284,3 +284,76 @@ func requireQueriesOverDocumentedMetrics(t *testing.T, documented map[string][]s
 		}
 	}
 }
+
+// TestEveryShippedAlertHasPromtoolTests holds test/alerts (the promtool unit
+// tests `make alerts-test` runs) to the alerts the charts ship: every alert
+// has a case where it fires, with its labels and annotations, and one where
+// it does not; no test names an alert that is not shipped. With bin/promtool
+// (make promtool) it also runs them.
+func TestEveryShippedAlertHasPromtoolTests(t *testing.T) {
+	root := repoRoot(t)
+	type ruleFile []struct {
+		Name  string `json:"name"`
+		Rules []struct {
+			Alert string `json:"alert"`
+		} `json:"rules"`
+	}
+	type testFile struct {
+		RuleFiles []string `json:"rule_files"`
+		Tests     []struct {
+			AlertRuleTest []struct {
+				Alertname string            `json:"alertname"`
+				ExpAlerts []json.RawMessage `json:"exp_alerts"`
+			} `json:"alert_rule_test"`
+		} `json:"tests"`
+	}
+	dir := t.TempDir()
+	for _, c := range []struct{ chart, test string }{
+		{"tokenbroker", "broker.test.yaml"},
+		{"tokenbroker-agent", "agent.test.yaml"},
+	} {
+		src, err := os.ReadFile(filepath.Join(root, "deploy", "helm", c.chart, "files", "alerts.yaml"))
+		require.NoError(t, err)
+		var groups ruleFile
+		require.NoError(t, yaml.Unmarshal(src, &groups))
+		shipped := map[string]bool{}
+		for _, g := range groups {
+			for _, r := range g.Rules {
+				shipped[r.Alert] = true
+			}
+		}
+		require.NotEmpty(t, shipped)
+		rules := c.chart + ".rules.yaml"
+		require.NoError(t, os.WriteFile(filepath.Join(dir, rules), append([]byte("groups:\n"), src...), 0o600))
+
+		raw, err := os.ReadFile(filepath.Join(root, "test", "alerts", c.test))
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, c.test), raw, 0o600))
+		var tf testFile
+		require.NoError(t, yaml.Unmarshal(raw, &tf))
+		require.Equal(t, []string{rules}, tf.RuleFiles, c.test)
+		fires, quiet := map[string]bool{}, map[string]bool{}
+		for _, tc := range tf.Tests {
+			for _, a := range tc.AlertRuleTest {
+				require.True(t, shipped[a.Alertname], "%s tests %s, which %s does not ship", c.test, a.Alertname, c.chart)
+				if len(a.ExpAlerts) > 0 {
+					fires[a.Alertname] = true
+				} else {
+					quiet[a.Alertname] = true
+				}
+			}
+		}
+		for name := range shipped {
+			require.True(t, fires[name], "%s: no test where %s fires", c.test, name)
+			require.True(t, quiet[name], "%s: no test where %s stays quiet", c.test, name)
+		}
+	}
+
+	promtool := filepath.Join(root, "bin", "promtool")
+	if _, err := os.Stat(promtool); err != nil {
+		t.Skipf("no %s (make promtool builds it; make alerts-test runs these tests)", promtool)
+	}
+	out, err := exec.Command(promtool, "test", "rules", filepath.Join(dir, "broker.test.yaml"), filepath.Join(dir, "agent.test.yaml")).CombinedOutput()
+	require.NoError(t, err, string(out))
+	t.Logf("promtool: %s", strings.TrimSpace(string(out)))
+}

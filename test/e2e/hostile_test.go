@@ -235,17 +235,18 @@ func TestTLSRefusals(t *testing.T) {
 		name   string
 		prefix string // "" for no certificate
 		tls12  bool
-		reason string // what the broker logs
+		reason string // what the broker logs (tokenbroker_tls_handshake_failures_total's reason)
 	}{
-		{name: "a TLS 1.2 client", prefix: filepath.Join(e.dir, "west"), tls12: true, reason: "unsupported versions"},
-		{name: "a client without a certificate", reason: "didn't provide a certificate"},
-		{name: "an expired certificate", prefix: write("expired", expired), reason: "expired or is not yet valid"},
-		{name: "a certificate that is not valid yet", prefix: write("future", future), reason: "expired or is not yet valid"},
-		{name: "a certificate from another CA", prefix: filepath.Join(e.dir, "impostor"), reason: "unknown authority"},
-		{name: "a server certificate used as a client certificate", prefix: write("serveronly", serverOnly), reason: "incompatible key usage"},
+		{name: "a TLS 1.2 client", prefix: filepath.Join(e.dir, "west"), tls12: true, reason: "protocol_version"},
+		{name: "a client without a certificate", reason: "no_certificate"},
+		{name: "an expired certificate", prefix: write("expired", expired), reason: "expired"},
+		{name: "a certificate that is not valid yet", prefix: write("future", future), reason: "expired"},
+		{name: "a certificate from another CA", prefix: filepath.Join(e.dir, "impostor"), reason: "unknown_authority"},
+		{name: "a server certificate used as a client certificate", prefix: write("serveronly", serverOnly), reason: "wrong_usage"},
 	}
 	for _, cl := range clients {
 		t.Run(cl.name+" is refused by the Go TLS client's handshake", func(t *testing.T) {
+			before := e.handshakeFailures(t, cl.reason)
 			cfg := &tls.Config{RootCAs: mustPool(t, e.ca), MinVersion: tls.VersionTLS12}
 			if cl.tls12 {
 				cfg.MaxVersion = tls.VersionTLS12
@@ -265,9 +266,10 @@ func TestTLSRefusals(t *testing.T) {
 				conn.Close()
 			}
 			require.Error(t, err, "the broker must refuse the connection")
-			e.requireLog(t, cl.reason)
+			e.requireHandshakeFailure(t, cl.reason, before)
 		})
 		t.Run(cl.name+" is refused with openssl s_client", func(t *testing.T) {
+			before := e.handshakeFailures(t, cl.reason)
 			args := []string{"s_client", "-connect", e.api, "-CAfile", e.ca, "-verify_return_error", "-ign_eof"}
 			if cl.tls12 {
 				args = append(args, "-tls1_2")
@@ -280,6 +282,7 @@ func TestTLSRefusals(t *testing.T) {
 			out, _ := cmd.CombinedOutput()
 			require.NotContains(t, string(out), "HTTP/1.1 200", "openssl got an answer through a refused connection")
 			require.Regexp(t, `(?i)ssl3? alert|alert number|tlsv1[23]? alert`, string(out), "openssl must report the broker's alert")
+			e.requireHandshakeFailure(t, cl.reason, before)
 		})
 	}
 

@@ -47,6 +47,20 @@ func runLoad(t *testing.T, e *brokerEnv, client *http.Client, conc, n int, stop 
 
 // startLoad runs a load until stop is closed; done delivers it then. The
 // test watches its progress with waitFor instead of sleeping.
+// startLoadBroker is startBroker with the per-peer limits lifted (a million
+// a minute, a million live leases): the load tests measure the broker
+// under load, which the limits would cut to 30 + 60 a minute
+// (limits_test.go tests those).
+func startLoadBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
+	t.Helper()
+	e := newBrokerEnv(t, c, extra...)
+	policy, err := os.ReadFile(e.policy)
+	require.NoError(t, err)
+	writeFile(t, e.policy, string(policy)+"limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}\n")
+	e.launch(t)
+	return e
+}
+
 func startLoad(e *brokerEnv, client *http.Client, conc int, stop <-chan struct{}) (l *load, done <-chan *load) {
 	l = &load{statuses: map[int]int{}}
 	ch := make(chan *load, 1)
@@ -187,7 +201,7 @@ func TestTenThousandIssuances(t *testing.T) {
 	}
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startUnlimitedBroker(t, c, "--pprof", "--log-level", "warn")
+	e := startLoadBroker(t, c, "--pprof", "--log-level", "warn")
 	client := e.keptAlive(t)
 	runLoad(t, e, client, 32, 200, nil) // warm up connections and caches
 	client.CloseIdleConnections()
@@ -248,7 +262,7 @@ func TestTenThousandIssuances(t *testing.T) {
 func TestAPIServerOutageUnderLoad(t *testing.T) {
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startUnlimitedBroker(t, c)
+	e := startLoadBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
 	running, done := startLoad(e, client, 8, stop)
@@ -288,7 +302,7 @@ func TestAPIServerOutageUnderLoad(t *testing.T) {
 func TestBrokerKilledMidRun(t *testing.T) {
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startBroker(t, c)
+	e := startLoadBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
 	running, done := startLoad(e, client, 16, stop)
@@ -350,7 +364,7 @@ func TestTwoReplicas(t *testing.T) {
 func TestGracefulShutdown(t *testing.T) {
 	c := testcluster.Start(t)
 	setUpTarget(t, c)
-	e := startUnlimitedBroker(t, c)
+	e := startLoadBroker(t, c)
 	client := e.keptAlive(t)
 	stop := make(chan struct{})
 	running, done := startLoad(e, client, 16, stop)
@@ -384,16 +398,4 @@ func tokenValid(t *testing.T, c *testcluster.Cluster, token string) bool {
 		&authnv1.TokenReview{Spec: authnv1.TokenReviewSpec{Token: token}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	return r.Status.Authenticated
-}
-
-// startUnlimitedBroker is startBroker with the per-peer limits lifted, for
-// the load tests, which would reach them; limits_test.go tests the limits.
-func startUnlimitedBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
-	t.Helper()
-	e := newBrokerEnv(t, c, append([]string{"--max-live-leases", "1000000"}, extra...)...)
-	policy, err := os.ReadFile(e.policy)
-	require.NoError(t, err)
-	writeFile(t, e.policy, strings.Replace(string(policy), "peers:", "limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}\npeers:", 1))
-	e.launch(t)
-	return e
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -120,8 +121,11 @@ func TestPKILifecycle(t *testing.T) {
 }
 
 func testJoinTokenAcrossReplicas(t *testing.T, c *testcluster.Cluster) {
-	s1 := startStack(t, c, grants)
-	s2 := startStack(t, c, grants, withCA(s1.ca))
+	// The races below enroll 23 times from one address, over the default
+	// enrollment bucket (10 a minute), which is not what they test.
+	policy := grants + "limits: {enrollmentsPerMinute: 100}\n"
+	s1 := startStack(t, c, policy)
+	s2 := startStack(t, c, policy, withCA(s1.ca))
 	roots := s1.ca.CertPool()
 	west := identity(t, "west")
 
@@ -338,6 +342,10 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	// Step 2: the broker's own certificate comes from the new CA.
 	s.rotateServerCertificate(t, newCA)
 
+	// Step 2b: the signing CA moves to the new CA, without a restart.
+	testSigningCARotation(t, s, oldCA, newCA, oldClient, roots)
+	oldToken := joinToken(t, oldCA, identity(t, "east2"))
+
 	// Step 3: the old CA leaves the bundle. Its clients are refused on new
 	// connections (handshake) and on kept-alive ones (401).
 	writeFileAtomic(t, s.clientCAFile, newCA.BundlePEM())
@@ -352,6 +360,9 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, status)
 	require.GreaterOrEqual(t, reloads(t, s, broker.ConfigClientCA, "success"), 2.0)
+	status, _, err = s.enroll(t, oldToken, identity(t, "east2"), roots)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusUnauthorized, status, "a join token of the old CA ends with its place in the bundle")
 
 	// A bundle file that is broken is refused and the bundle in force kept.
 	writeFileAtomic(t, s.clientCAFile, []byte("not a bundle"))
@@ -363,6 +374,93 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	status, err = whoami(s.clientFrom(t, newCA, "north", roots))
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, status)
+}
+
+// testSigningCARotation replaces the signing CA's files of s (signing
+// oldCA, trusting both CAs) with a broken file, then with newCA: the broken
+// one is refused and counted while oldCA signs on; then renewals and
+// enrollments get certificates of newCA, and join tokens of both CAs
+// verify while both are in the bundle.
+func testSigningCARotation(t *testing.T, s *stack, oldCA, newCA *pki.CA, client *http.Client, roots *x509.CertPool) {
+	t.Helper()
+	renew := func() *x509.Certificate {
+		t.Helper()
+		csr, _, err := pki.NewCSR(identity(t, "west"), nil)
+		require.NoError(t, err)
+		var renewed apiv1.CertificateResponse
+		status, body := do(t, client, http.MethodPost, s.url+"/v1/certificates", apiv1.CertificateRequest{CSR: string(csr)}, &renewed)
+		require.Equal(t, http.StatusCreated, status, string(body))
+		certs, err := pki.ParseCertificatesPEM([]byte(renewed.Certificate))
+		require.NoError(t, err)
+		return certs[0]
+	}
+	signedBy := func(c *x509.Certificate, ca *pki.CA) bool { return c.CheckSignatureFrom(ca.Certificate()) == nil }
+	oldToken := joinToken(t, oldCA, identity(t, "east1"))
+	require.True(t, signedBy(renew(), oldCA))
+
+	// A broken CA file: refused, counted, the old CA signs on. (Each
+	// scrape looks at the files too, through the CA expiry metric; renewals
+	// are rate-limited, so the test polls the metrics.)
+	writeFileAtomic(t, s.caCertFile, []byte("not a CA"))
+	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigCA, "failure") >= 1 },
+		5*time.Second, 10*time.Millisecond, "a broken CA file is refused and counted")
+	require.True(t, signedBy(renew(), oldCA))
+	require.NotEmpty(t, s.logs.FilterMessage("reload refused; keeping the previous one").FilterField(zap.String("config", broker.ConfigCA)).All())
+
+	// The new CA's files: picked up at the next look.
+	start := time.Now()
+	require.NoError(t, newCA.ReplaceFiles(s.caCertFile, s.caKeyFile))
+	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigCA, "success") >= 1 },
+		5*time.Second, 10*time.Millisecond, "the new CA is taken without a restart")
+	t.Logf("new signing CA in service %s after its files were written", time.Since(start).Round(time.Millisecond))
+	require.True(t, signedBy(renew(), newCA), "renewals are signed by the new CA")
+	require.Empty(t, s.logs.FilterMessageSnippet("the signing CA is not in the client-CA bundle").All(), "the new CA is in the bundle")
+
+	// Join tokens of both CAs enroll during the overlap, and the
+	// certificates come from the new CA and work.
+	for name, tok := range map[string]string{"east1": oldToken, "north": joinToken(t, newCA, identity(t, "north"))} {
+		status, e, err := s.enroll(t, tok, identity(t, name), roots)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusCreated, status, name)
+		certs, err := pki.ParseCertificatesPEM([]byte(e.resp.Certificate))
+		require.NoError(t, err)
+		require.True(t, signedBy(certs[0], newCA), name)
+		require.Contains(t, e.resp.CABundle, string(oldCA.BundlePEM()), "the bundle still holds the old CA")
+		require.Contains(t, e.resp.CABundle, string(newCA.BundlePEM()))
+		enrolled := s.clientWith(t, []byte(e.resp.Certificate), e.keyPEM, roots)
+		status, _, err = tryDo(enrolled, http.MethodGet, s.url+"/v1/whoami", "", nil, nil)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, status, name)
+	}
+	expiry := counterOrGauge(t, s.reg, "tokenbroker_certificate_expiry_timestamp_seconds", map[string]string{"certificate": broker.CertificateCA})
+	require.Equal(t, float64(newCA.Certificate().NotAfter.Unix()), expiry, "the CA expiry metric follows the reload")
+}
+
+// counterOrGauge returns the value of a counter or gauge of reg with the
+// given labels.
+func counterOrGauge(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
+					continue metrics
+				}
+			}
+			if m.GetGauge() != nil {
+				return m.GetGauge().GetValue()
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("no %s%v", name, labels)
+	return 0
 }
 
 func testPolicyReload(t *testing.T, c *testcluster.Cluster) {

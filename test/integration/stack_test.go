@@ -63,6 +63,9 @@ type stack struct {
 	// starts out holding ca's bundle.
 	clientCAFile string
 	policyFile   string
+	// caCertFile and caKeyFile are the signing CA's files the broker
+	// follows; they start out holding ca.
+	caCertFile, caKeyFile string
 }
 
 // stackOption changes how startStack builds a stack.
@@ -109,6 +112,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	ensureNamespace(t, c, brokerNamespace)
 	caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
 	require.NoError(t, ca.WriteFiles(caCert, caKey))
+	s.caCertFile, s.caKeyFile = caCert, caKey
 
 	core, logs := observer.New(zap.DebugLevel)
 	started := make(chan server.Started, 1)

@@ -1,0 +1,189 @@
+package broker
+
+import (
+	"context"
+	"math"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+)
+
+// Lease deletions that failed are not forgotten: a revocation the API
+// server could not carry out (the DELETE was answered 503), an expired
+// lease the GC could not delete and the lease of a failed request are kept
+// in the broker's retry queue and deleted, with capped exponential
+// backoff, until they are gone. The queue lives in the replica's memory:
+// a replica that stops loses it, and then the GC removes what is left
+// once it expires (a revoked lease whose DELETE was answered 503 must then
+// be revoked again).
+
+// maxPendingDeletions bounds the retry queue; past it a deletion is not
+// queued (a revocation still answers 503, the GC removes expired leases on
+// its next round).
+const maxPendingDeletions = 4096
+
+// Backoff of the retry queue: first retry after retryFirst, doubling, at
+// most retryCap apart.
+const (
+	retryFirst = 250 * time.Millisecond
+	retryCap   = 30 * time.Second
+)
+
+// Reasons a deletion is queued; revoked and expired are also the reason
+// label of tokenbroker_leases_deleted_total once it succeeds (failed
+// requests' leases are not counted there, as when they are deleted at
+// once).
+const (
+	deleteRevoked = "revoked"
+	deleteExpired = "expired"
+	deleteFailed  = "failed_request"
+)
+
+// pendingDeletion is one queued deletion: a Secret known by name (and UID),
+// or a revocation whose lease could not even be looked up, which is looked
+// up again as its caller at every attempt.
+type pendingDeletion struct {
+	reason string
+	secret *corev1.Secret
+	caller Caller
+	id     string
+
+	backoff wait.Backoff
+	next    time.Time
+}
+
+// retryQueue is the broker's queue of deletions to retry, keyed by Secret
+// or by caller and lease id, so that a deletion is queued once.
+type retryQueue struct {
+	mu      sync.Mutex
+	pending map[string]*pendingDeletion
+	running bool
+	wake    chan struct{}
+}
+
+func newRetryQueue() *retryQueue {
+	return &retryQueue{pending: map[string]*pendingDeletion{}, wake: make(chan struct{}, 1)}
+}
+
+// queueSecretDeletion queues the deletion of s for reason (deleteExpired
+// or deleteFailed); it reports false when the queue is full.
+func (b *Broker) queueSecretDeletion(s *corev1.Secret, reason string) bool {
+	return b.queueDeletion("secret/"+s.Namespace+"/"+s.Name, &pendingDeletion{reason: reason, secret: s})
+}
+
+// queueRevocation queues the revocation of the caller's lease id, which
+// could not be looked up.
+func (b *Broker) queueRevocation(c Caller, id string) bool {
+	return b.queueDeletion("revoke/"+c.Identity+"/"+id, &pendingDeletion{reason: deleteRevoked, caller: c, id: id})
+}
+
+func (b *Broker) queueDeletion(key string, d *pendingDeletion) bool {
+	q := b.retries
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if _, ok := q.pending[key]; ok {
+		return true
+	}
+	if len(q.pending) >= maxPendingDeletions {
+		b.cfg.Logger.Error("too many lease deletions pending; not retrying this one",
+			zap.String("deletion", key), zap.String("reason", d.reason))
+		return false
+	}
+	d.backoff = wait.Backoff{Duration: retryFirst, Factor: 2, Cap: retryCap, Steps: math.MaxInt32}
+	d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
+	q.pending[key] = d
+	b.cfg.Metrics.setPendingDeletions(len(q.pending))
+	if !q.running {
+		// The worker runs while there is something to retry and stops when
+		// the queue is empty.
+		q.running = true
+		go b.runRetries()
+	}
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+// PendingDeletions is the number of lease deletions waiting for a retry.
+func (b *Broker) PendingDeletions() int {
+	b.retries.mu.Lock()
+	defer b.retries.mu.Unlock()
+	return len(b.retries.pending)
+}
+
+// runRetries retries the due deletions until the queue is empty.
+func (b *Broker) runRetries() {
+	q := b.retries
+	for {
+		q.mu.Lock()
+		if len(q.pending) == 0 {
+			q.running = false
+			q.mu.Unlock()
+			return
+		}
+		now := b.cfg.Clock.Now()
+		var next time.Time
+		due := map[string]*pendingDeletion{}
+		for k, d := range q.pending {
+			if !d.next.After(now) {
+				due[k] = d
+			} else if next.IsZero() || d.next.Before(next) {
+				next = d.next
+			}
+		}
+		q.mu.Unlock()
+
+		if len(due) == 0 {
+			select {
+			case <-b.cfg.Clock.After(next.Sub(now)):
+			case <-q.wake:
+			}
+			continue
+		}
+		for k, d := range due {
+			err := b.retryDeletion(d)
+			q.mu.Lock()
+			if err == nil {
+				delete(q.pending, k)
+			} else {
+				d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
+			}
+			b.cfg.Metrics.setPendingDeletions(len(q.pending))
+			q.mu.Unlock()
+		}
+	}
+}
+
+// retryDeletion makes one attempt at d; nil means the lease is gone.
+func (b *Broker) retryDeletion(d *pendingDeletion) error {
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
+	defer cancel()
+	if d.secret == nil {
+		// A revocation: look the lease up again as its caller, so that
+		// only the caller's own lease is deleted.
+		ev := AuditEvent{Action: ActionRevoke, Identity: d.caller.Identity, CertSHA256: d.caller.CertSHA256, LeaseID: d.id}
+		err := b.revokeLease(ctx, d.caller, d.id, &ev)
+		switch {
+		case err == nil:
+			ev.Decision, ev.Reason = DecisionAllow, "revoked after the API server was unavailable"
+			b.audit(ctx, ev)
+			return nil
+		case KindOf(err) == KindNotFound:
+			return nil // gone already (or never the caller's)
+		}
+		return err
+	}
+	if err := b.deleteSecret(ctx, d.secret); err != nil {
+		return err
+	}
+	b.cfg.Logger.Info("lease deleted after retries", zap.String("secret", d.secret.Namespace+"/"+d.secret.Name), zap.String("reason", d.reason))
+	if d.reason == deleteExpired {
+		b.cfg.Metrics.leaseDeleted(deleteExpired, 1)
+	}
+	return nil
+}

@@ -1,0 +1,443 @@
+package server
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/time/rate"
+
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// Reasons a TLS handshake failed, the values of the reason label of
+// tokenbroker_tls_handshake_failures_total. The set is closed so that a
+// client cannot grow it.
+const (
+	// HandshakeNoCertificate: the mutual-TLS listener asked for a client
+	// certificate and got none.
+	HandshakeNoCertificate = "no_certificate"
+	// HandshakeUnknownAuthority: the client certificate does not chain to
+	// the client-CA bundle in force (a peer of another CA, or of a CA
+	// dropped at the end of a rotation).
+	HandshakeUnknownAuthority = "unknown_authority"
+	// HandshakeExpired: the client certificate is expired or not yet
+	// valid (a peer whose renewal failed, or a skewed clock).
+	HandshakeExpired = "expired"
+	// HandshakeWrongUsage: the certificate chains to the bundle but is not
+	// for client authentication (a server certificate used as a client's).
+	HandshakeWrongUsage = "wrong_usage"
+	// HandshakeProtocolVersion: the client offers no TLS 1.3.
+	HandshakeProtocolVersion = "protocol_version"
+	// HandshakeRefusedByClient: the client aborted with an alert, usually
+	// because it does not trust the server certificate (its ca.crt lacks
+	// the CA that signed it).
+	HandshakeRefusedByClient = "refused_by_client"
+	// HandshakeNotTLS: the first bytes were not TLS (plain HTTP to the TLS
+	// port, a scanner).
+	HandshakeNotTLS = "not_tls"
+	// HandshakeTimeout: the handshake did not finish within the header
+	// timeout (a stalled or slowloris client).
+	HandshakeTimeout = "timeout"
+	// HandshakeClosed: the client closed the connection before finishing,
+	// as TCP health checks of load balancers do; logged at debug level.
+	HandshakeClosed = "closed"
+	// HandshakeOther is every other failure.
+	HandshakeOther = "other"
+)
+
+// HandshakeReasons lists every reason label value, in the order of the
+// documentation.
+func HandshakeReasons() []string {
+	return []string{
+		HandshakeNoCertificate, HandshakeUnknownAuthority, HandshakeExpired, HandshakeWrongUsage,
+		HandshakeProtocolVersion, HandshakeRefusedByClient, HandshakeNotTLS, HandshakeTimeout,
+		HandshakeClosed, HandshakeOther,
+	}
+}
+
+// HandshakeFailureReason classifies the error of a failed server-side TLS
+// handshake. It prefers the typed errors of crypto/x509 and crypto/tls;
+// the two failures crypto/tls reports only as text (no client certificate,
+// no common protocol version) are matched on its fixed messages.
+func HandshakeFailureReason(err error) string {
+	var (
+		unknown x509.UnknownAuthorityError
+		invalid x509.CertificateInvalidError
+		record  tls.RecordHeaderError
+		op      *net.OpError
+		netErr  net.Error
+	)
+	switch {
+	case err == nil:
+		return ""
+	case errors.As(err, &unknown):
+		return HandshakeUnknownAuthority
+	case errors.As(err, &invalid) && invalid.Reason == x509.Expired:
+		return HandshakeExpired
+	case errors.As(err, &invalid) && invalid.Reason == x509.IncompatibleUsage:
+		return HandshakeWrongUsage
+	case errors.As(err, &record):
+		return HandshakeNotTLS
+	case errors.As(err, &op) && op.Op == "remote error":
+		// crypto/tls reports an alert from the peer as a *net.OpError
+		// with this Op.
+		return HandshakeRefusedByClient
+	case errors.As(err, &netErr) && netErr.Timeout():
+		return HandshakeTimeout
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.ECONNRESET), errors.Is(err, net.ErrClosed):
+		return HandshakeClosed
+	}
+	msg := err.Error()
+	switch {
+	case strings.Contains(msg, "didn't provide a certificate"):
+		return HandshakeNoCertificate
+	case strings.Contains(msg, "unsupported versions"), strings.Contains(msg, "protocol version not supported"):
+		return HandshakeProtocolVersion
+	}
+	return HandshakeOther
+}
+
+// Handshake failure logging is rate-limited per listener: a scanner or a
+// peer in a retry loop must not flood the log. The counter counts every
+// failure; the log line after a suppressed stretch says how many it
+// skipped.
+const (
+	handshakeLogEvery = time.Second
+	handshakeLogBurst = 10
+)
+
+// handshakeListener accepts TCP connections and performs the TLS handshake
+// of each in its own goroutine, bounded by a deadline, before it hands the
+// connection (a *tls.Conn whose handshake is complete, so that net/http
+// sees TLS and skips its own) to the http.Server. Doing the handshake here
+// instead of inside net/http is what gives its failures their typed errors:
+// net/http reduces them to a line of text in its ErrorLog.
+type handshakeListener struct {
+	net.Listener
+	cfg      *tls.Config
+	name     string
+	timeout  time.Duration
+	failures func(listener, reason string)
+	refused  func(listener, reason string)
+	open     func(listener string, delta float64)
+	log      *zap.Logger
+	now      func() time.Time
+
+	// perIP bounds the connections of one client address, counted from
+	// accept (before the handshake costs anything) to close; perIdentity
+	// those of one verified identity, from the handshake to close.
+	perIP, perIdentity *connLimit
+
+	logLimit   *rate.Limiter
+	mu         sync.Mutex
+	suppressed int
+
+	conns chan net.Conn
+	errc  chan error
+	// ctx ends when the listener is closed.
+	ctx       context.Context
+	cancel    context.CancelFunc
+	closeOnce sync.Once
+	wg        sync.WaitGroup
+}
+
+// newHandshakeListener wraps ln and starts accepting on it; Close stops it.
+// cfg is used as is: the caller sets NextProtos.
+func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Config) *handshakeListener {
+	l := &handshakeListener{
+		Listener: ln,
+		cfg:      cfg,
+		name:     name,
+		timeout:  s.cfg.ReadHeaderTimeout,
+		failures: s.metrics.handshakeFailed,
+		refused:  s.metrics.connectionRefused,
+		open:     s.metrics.connectionsOpen,
+		perIP:    newConnLimit(s.cfg.MaxConnsPerIP),
+		log:      s.log.With(zap.String("listener", name)),
+		now:      s.cfg.Now,
+		logLimit: rate.NewLimiter(rate.Every(handshakeLogEvery), handshakeLogBurst),
+		conns:    make(chan net.Conn),
+		errc:     make(chan error, 1),
+	}
+	if name == listenerAPI {
+		// Only the mutual-TLS listener knows who connects.
+		l.perIdentity = newConnLimit(s.cfg.MaxConnsPerIdentity)
+	}
+	l.ctx, l.cancel = context.WithCancel(context.Background())
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l
+}
+
+// Accept returns the next connection whose handshake succeeded.
+func (l *handshakeListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case err := <-l.errc:
+		return nil, err
+	case <-l.ctx.Done():
+		return nil, net.ErrClosed
+	}
+}
+
+// Close stops accepting, closes the socket and waits for the handshakes in
+// progress, closing their connections.
+func (l *handshakeListener) Close() error {
+	var err error
+	l.closeOnce.Do(func() {
+		l.cancel()
+		err = l.Listener.Close()
+		l.wg.Wait()
+	})
+	return err
+}
+
+func (l *handshakeListener) acceptLoop() {
+	defer l.wg.Done()
+	var backoff time.Duration
+	for {
+		raw, err := l.Listener.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) || errors.Is(err, syscall.ECONNABORTED) {
+				// Out of file descriptors and the like: wait a little and
+				// go on, as net/http does.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				select {
+				case <-time.After(backoff):
+					continue
+				case <-l.ctx.Done():
+					return
+				}
+			}
+			select {
+			case l.errc <- err:
+			case <-l.ctx.Done():
+			}
+			return
+		}
+		backoff = 0
+		ip := hostOf(raw.RemoteAddr())
+		if !l.perIP.acquire(ip) {
+			l.refuse(ConnRefusedPerIP, raw.RemoteAddr(), "")
+			_ = raw.Close()
+			continue
+		}
+		c := &trackedConn{Conn: raw}
+		c.onClose(func() { l.perIP.release(ip) })
+		l.open(l.name, 1)
+		c.onClose(func() { l.open(l.name, -1) })
+		l.wg.Add(1)
+		go l.handshake(c)
+	}
+}
+
+func (l *handshakeListener) handshake(raw *trackedConn) {
+	defer l.wg.Done()
+	conn := tls.Server(raw, l.cfg)
+	// HandshakeContext closes the connection when ctx ends: at the
+	// timeout, or when the listener is closed.
+	ctx, cancel := context.WithTimeout(l.ctx, l.timeout)
+	err := conn.HandshakeContext(ctx)
+	cancel()
+	if err != nil {
+		_ = raw.Close()
+		if l.ctx.Err() == nil {
+			l.failed(raw.RemoteAddr(), err)
+		}
+		return
+	}
+	if l.perIdentity != nil {
+		if id := peerIdentity(conn.ConnectionState()); id != "" {
+			if !l.perIdentity.acquire(id) {
+				l.refuse(ConnRefusedPerIdentity, raw.RemoteAddr(), id)
+				_ = conn.Close()
+				return
+			}
+			raw.onClose(func() { l.perIdentity.release(id) })
+		}
+	}
+	select {
+	case l.conns <- conn:
+	case <-l.ctx.Done():
+		_ = conn.Close()
+	}
+}
+
+// peerIdentity is the SPIFFE identity of the verified client certificate,
+// or "" (a certificate without one is refused by the authentication
+// middleware with 401 and not counted per identity).
+func peerIdentity(st tls.ConnectionState) string {
+	if len(st.PeerCertificates) == 0 {
+		return ""
+	}
+	id, err := pki.IdentityFromCert(st.PeerCertificates[0])
+	if err != nil {
+		return ""
+	}
+	return id
+}
+
+// refuse counts a connection refused over a cap and logs it, rate-limited
+// with the handshake failures.
+func (l *handshakeListener) refuse(reason string, remote net.Addr, identity string) {
+	l.refused(l.name, reason)
+	fields := []zap.Field{zap.String("reason", reason), zap.String("remote", addrString(remote))}
+	if identity != "" {
+		fields = append(fields, zap.String("identity", identity))
+	}
+	l.logLimited(zapcore.WarnLevel, "connection refused: too many connections", fields)
+}
+
+// failed counts a failed handshake and logs it, unless too many were
+// logged lately. The log carries the remote address and, for a refused
+// certificate, its subject and SPIFFE ID, nothing else of it.
+func (l *handshakeListener) failed(remote net.Addr, err error) {
+	reason := HandshakeFailureReason(err)
+	l.failures(l.name, reason)
+	level := zapcore.WarnLevel
+	if reason == HandshakeClosed {
+		level = zapcore.DebugLevel
+	}
+	fields := []zap.Field{zap.String("reason", reason), zap.String("remote", addrString(remote))}
+	var verr *tls.CertificateVerificationError
+	if errors.As(err, &verr) && len(verr.UnverifiedCertificates) > 0 {
+		leaf := verr.UnverifiedCertificates[0]
+		fields = append(fields, zap.String("subject", leaf.Subject.String()))
+		if id, err := pki.IdentityFromCert(leaf); err == nil {
+			fields = append(fields, zap.String("identity", id))
+		}
+	}
+	if reason == HandshakeOther {
+		// The x509 errors name certificates' contents; the other
+		// reasons are fully said by their label.
+		fields = append(fields, zap.Error(err))
+	}
+	l.logLimited(level, "TLS handshake failed", fields)
+}
+
+// logLimited writes a log line unless the listener's log budget is spent;
+// the next line written says how many were skipped.
+func (l *handshakeListener) logLimited(level zapcore.Level, msg string, fields []zap.Field) {
+	if !l.log.Core().Enabled(level) {
+		return
+	}
+	l.mu.Lock()
+	if !l.logLimit.AllowN(l.now(), 1) {
+		l.suppressed++
+		l.mu.Unlock()
+		return
+	}
+	suppressed := l.suppressed
+	l.suppressed = 0
+	l.mu.Unlock()
+	if suppressed > 0 {
+		fields = append(fields, zap.Int("suppressed", suppressed))
+	}
+	if ce := l.log.Check(level, msg); ce != nil {
+		ce.Write(fields...)
+	}
+}
+
+// hostOf is the IP of a remote address, the key of the per-address cap.
+func hostOf(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.IP.String()
+	}
+	host, _, err := net.SplitHostPort(addrString(a))
+	if err != nil {
+		return addrString(a)
+	}
+	return host
+}
+
+// Reasons a connection is refused over a cap, the values of the reason
+// label of tokenbroker_connections_refused_total.
+const (
+	// ConnRefusedPerIP: the client address has Config.MaxConnsPerIP open
+	// connections (handshakes included); closed before the handshake.
+	ConnRefusedPerIP = "per_ip"
+	// ConnRefusedPerIdentity: the verified identity has
+	// Config.MaxConnsPerIdentity open connections; closed after the
+	// handshake, before any request is read.
+	ConnRefusedPerIdentity = "per_identity"
+)
+
+// connLimit counts open connections by key and refuses one over max.
+type connLimit struct {
+	max  int
+	mu   sync.Mutex
+	open map[string]int
+}
+
+func newConnLimit(max int) *connLimit { return &connLimit{max: max, open: map[string]int{}} }
+
+func (c *connLimit) acquire(key string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.open[key] >= c.max {
+		return false
+	}
+	c.open[key]++
+	return true
+}
+
+func (c *connLimit) release(key string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.open[key]--; c.open[key] <= 0 {
+		delete(c.open, key) // the map holds only keys with open connections
+	}
+}
+
+// trackedConn is the TCP connection under a TLS one; closing it (which
+// closing the TLS connection does) runs the releases once.
+type trackedConn struct {
+	net.Conn
+	mu       sync.Mutex
+	closed   bool
+	releases []func()
+}
+
+// onClose adds a release; if the connection is already closed, it runs
+// at once.
+func (c *trackedConn) onClose(f func()) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		f()
+		return
+	}
+	c.releases = append(c.releases, f)
+	c.mu.Unlock()
+}
+
+func (c *trackedConn) Close() error {
+	err := c.Conn.Close()
+	c.mu.Lock()
+	releases := c.releases
+	c.releases, c.closed = nil, true
+	c.mu.Unlock()
+	for _, f := range releases {
+		f()
+	}
+	return err
+}
+
+func addrString(a net.Addr) string {
+	if a == nil {
+		return ""
+	}
+	return a.String()
+}
