@@ -263,12 +263,27 @@ func FuzzParsePolicy(f *testing.F) {
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchExpressions: [{key: tenant, operator: In, values: [oil]}, {key: x, operator: NotIn, values: [y]}, {key: e, operator: Exists}, {key: d, operator: DoesNotExist}]}, serviceAccounts: [sa], revokeDelay: 30s}\n"))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {}, serviceAccounts: [sa]}\n"))
 	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"name":"t","namespaceSelector":{"matchLabels":{"a/b":"c"}},"serviceAccounts":["sa"],"revokeOnUnmatch":false}]}]}`))
+	// The limits section: top level and per peer, in and out of range.
+	f.Add([]byte(limitsPolicy))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\nlimits: {issuancesPerMinute: 0, burst: -1, maxLiveLeases: 1000001, enrollmentsPerMinute: 1}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  limits: {renewalsPerMinute: 1, enrollmentsPerMinute: 2}\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		p, err := ParsePolicy(data)
 		if err != nil {
 			return
 		}
 		require.NoError(t, p.Validate())
+		// Every limit in force is a positive, bounded figure: no policy
+		// that validates can switch a limit off or overflow it.
+		for i := range append(p.Peers, PeerSpec{}) {
+			var peer *PeerSpec
+			if i < len(p.Peers) {
+				peer = &p.Peers[i]
+			}
+			l := p.limitsFor(peer)
+			for _, v := range []int{l.IssuancesPerMinute, l.Burst, l.RenewalsPerMinute, l.MaxLiveLeases, p.enrollmentsPerMinute()} {
+				require.True(t, v >= 1 && v <= maxLimit, "limit %d", v)
+			}
+		}
 		// A valid selector grant is named, compiled and never empty: it
 		// cannot grant every namespace.
 		for _, peer := range p.Peers {

@@ -112,6 +112,17 @@ peers:
 		require.Equal(t, 201, status, "a revoked lease frees its place, and the refusal by the quota took no token of the rate: %s", out)
 	})
 
+	t.Run("a second replica counts the same live leases: the quota holds across replicas", func(t *testing.T) {
+		r := e.replica(t) // ready only once its lease informer has synced
+		status, out, err := r.curl(t, west, "https://"+r.api+"/v1/whoami")
+		require.NoError(t, err)
+		require.Equal(t, 200, status)
+		require.Contains(t, out, `"liveLeases":4`, "the replica sees the leases the first one issued")
+		status, out = r.postKubeconfig(t, west, body)
+		require.Equal(t, http.StatusTooManyRequests, status, out)
+		require.Contains(t, out, "holds its maxLiveLeases of 4 live leases")
+	})
+
 	t.Run("the refusals are counted by peer and reason", func(t *testing.T) {
 		var limitedLines []string
 		for _, l := range strings.Split(run(t, "curl", "-sSf", "http://"+e.ops+"/metrics"), "\n") {
@@ -122,6 +133,6 @@ peers:
 		require.Equal(t, []string{
 			`tokenbroker_limited_total{peer="west",reason="issuance_rate"} 1`,
 			`tokenbroker_limited_total{peer="west",reason="max_live_leases"} 1`,
-		}, limitedLines, "rogue was never limited")
+		}, limitedLines, "rogue was never limited (and the replica counts its own)")
 	})
 }
