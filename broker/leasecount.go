@@ -122,7 +122,7 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		}
 		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, secretsGVR, ns, 0,
 			cache.Indexers{}, func(o *metav1.ListOptions) { o.LabelSelector = leaseSelector }).Informer()
-		_ = inf.SetTransform(trimLease) // fails only once the informer runs
+		_ = inf.SetTransform(trimLease)                             // fails only once the informer runs
 		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{ // fails only after the informer has stopped
 			AddFunc:    lc.add,
 			UpdateFunc: func(_, obj any) { lc.add(obj) },
