@@ -243,7 +243,7 @@ func (b *Broker) admitLease(p *Policy, identity, peer string, a *pendingAudit) (
 				"the broker holds its --max-live-leases of %d live leases for all peers together; retry later", b.cfg.MaxLiveLeases))
 		}
 	}
-	if err := b.admitIssuance(p, identity, peer, a); err != nil {
+	if err := b.takeIssuance(identity, peer, lim, a); err != nil {
 		if pl != nil {
 			pl.release()
 		}
@@ -254,7 +254,12 @@ func (b *Broker) admitLease(p *Policy, identity, peer string, a *pendingAudit) (
 
 // admitIssuance applies the peer's issuance bucket.
 func (b *Broker) admitIssuance(p *Policy, identity, peer string, a *pendingAudit) error {
-	lim := p.limitsFor(p.peer(identity))
+	return b.takeIssuance(identity, peer, p.limitsFor(p.peer(identity)), a)
+}
+
+// takeIssuance takes a token of the peer's issuance bucket, whose figures
+// are lim.
+func (b *Broker) takeIssuance(identity, peer string, lim Limits, a *pendingAudit) error {
 	if ok, wait := b.limits.take("issue:"+identity, lim.IssuancesPerMinute, lim.Burst); !ok {
 		return b.refuseLimited(a, peer, limitIssuanceRate, limited(wait,
 			"peer %s is over its limit of %d issuances a minute (burst %d); retry in %ds", peer, lim.IssuancesPerMinute, lim.Burst, retrySeconds(wait)))

@@ -69,6 +69,14 @@ func joinToken(t *testing.T, ca *pki.CA, identity string) string {
 // it has not been counted yet.
 func counter(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
+	v, _ := metricValue(t, reg, name, labels)
+	return v
+}
+
+// metricValue returns the value of the first counter or gauge of reg named
+// name whose labels include labels, and whether there is one.
+func metricValue(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) (float64, bool) {
+	t.Helper()
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
 	for _, mf := range mfs {
@@ -82,10 +90,13 @@ func counter(t *testing.T, reg prometheus.Gatherer, name string, labels map[stri
 					continue metrics
 				}
 			}
-			return m.GetCounter().GetValue()
+			if m.GetGauge() != nil {
+				return m.GetGauge().GetValue(), true
+			}
+			return m.GetCounter().GetValue(), true
 		}
 	}
-	return 0
+	return 0, false
 }
 
 func reloads(t *testing.T, s *stack, config, result string) float64 {
@@ -437,30 +448,14 @@ func testSigningCARotation(t *testing.T, s *stack, oldCA, newCA *pki.CA, client 
 }
 
 // counterOrGauge returns the value of a counter or gauge of reg with the
-// given labels.
+// given labels, and fails the test if there is none.
 func counterOrGauge(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	metrics:
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
-					continue metrics
-				}
-			}
-			if m.GetGauge() != nil {
-				return m.GetGauge().GetValue()
-			}
-			return m.GetCounter().GetValue()
-		}
+	v, ok := metricValue(t, reg, name, labels)
+	if !ok {
+		t.Fatalf("no %s%v", name, labels)
 	}
-	t.Fatalf("no %s%v", name, labels)
-	return 0
+	return v
 }
 
 func testPolicyReload(t *testing.T, c *testcluster.Cluster) {
