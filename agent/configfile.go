@@ -509,21 +509,6 @@ func (v *validator) objectRef(field string, r ObjectRef) {
 	}
 }
 
-func (v *validator) duration(field, s string) time.Duration {
-	if s == "" {
-		return 0
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil {
-		v.add(field, `must be a duration such as "1h": %v`, err)
-		return 0
-	}
-	if d <= 0 {
-		v.add(field, "must be positive")
-	}
-	return d
-}
-
 func (v *validator) refresh(path string, r RefreshConfig) {
 	if r.Fraction <= 0 || r.Fraction >= 1 {
 		v.add(path+".fraction", "must be between 0 and 1 (exclusive), not %g", r.Fraction)

@@ -74,15 +74,14 @@ users:
 
 // fakeBroker answers the refresher's calls from a script and records them.
 type fakeBroker struct {
-	mu       sync.Mutex
-	now      func() time.Time
-	ttl      time.Duration
-	n        int
-	fail     error // if set, Kubeconfig fails with it
-	revoked  []string
-	revErr   error
-	calls    []string
-	onIssued func(id string)
+	mu      sync.Mutex
+	now     func() time.Time
+	ttl     time.Duration
+	n       int
+	fail    error // if set, Kubeconfig fails with it
+	revoked []string
+	revErr  error
+	calls   []string
 }
 
 func newFakeBroker(now func() time.Time, ttl time.Duration) *fakeBroker {
