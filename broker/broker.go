@@ -126,6 +126,10 @@ type Config struct {
 	// decided from it and kept true (RunTenants). Without it such grants
 	// match nothing. While it is not synced the broker is not ready.
 	Namespaces NamespaceInformer
+	// Pool sizes the pool of pre-created lease Secrets that takes the
+	// Secret's create off a token issuance's critical path (pool.go); it
+	// is kept only while RunPool runs.
+	Pool PoolConfig
 	// PeerKeys holds the key sets peers upload (workloadIdentity
 	// jwksFromPeer); nil refuses uploads and those peers' workload tokens.
 	// While it is not synced the broker is not ready.
@@ -140,6 +144,10 @@ type Broker struct {
 	retries    *retryQueue // failed lease deletions, retried until done
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants
+	// pool is nil when disabled.
+	pool *leasePool
+	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
+	gcPasses atomic.Uint64
 }
 
 // New checks cfg and returns a Broker.
@@ -168,7 +176,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue()}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
 	}
@@ -209,6 +217,10 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	}}
 	if w := c.Workload; w != nil {
 		a.ev.Workload, a.ev.WorkloadUID, a.ev.WorkloadPod, a.ev.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
+	}
+	if b.pool != nil {
+		b.pool.start()
+		defer b.pool.done()
 	}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)
@@ -383,8 +395,16 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		a.ev.User = cert.user
 	}
 
-	id, err := b.newLeaseID()
-	if err != nil {
+	// A token is issued on a pooled Secret when the pool has one ready
+	// (pool.go): TokenRequest and claim at once.
+	var ready *pooled
+	if cert == nil {
+		ready = b.pool.take(req.Namespace, b.cfg.Clock.Now())
+	}
+	var id string
+	if ready != nil {
+		id = ready.id
+	} else if id, err = b.newLeaseID(); err != nil {
 		return nil, outcomeError, err
 	}
 	a.ev.LeaseID = id
@@ -395,44 +415,75 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		lease.Annotations[AnnotationUser] = cert.user
 		lease.Labels[LabelKeyFingerprint] = cert.fingerprint
 	}
-	t0 := b.cfg.Clock.Now()
-	created, err := b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
-	b.timeAPI(ctx, "create_lease", t0, err)
-	if err != nil {
-		err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
-		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
-		if KindOf(err) == KindUnavailable && !neverSent(err) {
-			// The API server may have stored the Secret and failed before
-			// it answered. Its name is unique, so delete it by name once
-			// the API server is back.
-			b.cleanUpLater(lease, log)
-		}
-		return nil, outcomeFor(err), err
-	}
-	// From here on, every failure must delete the lease: no orphans.
-	fail := func(outcome string, err error) (*apiv1.KubeconfigResponse, string, error) {
-		b.deleteLease(ctx, created, log)
-		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "issuance failed"), zap.Error(err))
-		return nil, outcome, err
-	}
-
-	issueStart := b.cfg.Clock.Now()
-	t0 = b.cfg.Clock.Now()
 	ireq := issuers.Request{
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
 		TTL:            d.TTL,
 		Audiences:      req.Audiences,
-		Lease:          issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID},
 	}
 	if cert != nil {
 		ireq.CSR, ireq.User, ireq.Role = cert.csrPEM, cert.user, d.Role
 	}
-	cred, err := issuer.Issue(ctx, ireq)
-	b.cfg.Metrics.observeIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
-	if err != nil {
-		err = classifyIssuer(err, req)
-		return fail(outcomeFor(err), err)
+	// From the moment a lease Secret exists, every failure must delete
+	// it: no orphans.
+	fail := func(created *corev1.Secret, outcome string, err error) (*apiv1.KubeconfigResponse, string, error) {
+		b.deleteLease(ctx, created, log)
+		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "issuance failed"), zap.Error(err))
+		return nil, outcome, err
+	}
+	issueStart := b.cfg.Clock.Now()
+	var (
+		created *corev1.Secret
+		cred    issuers.Credential
+	)
+	if ready != nil {
+		claimed, got, claimErr, issueErr := b.claim(ctx, ready, lease, issuer, d.Credential, ireq)
+		switch {
+		case isNotFound(claimErr):
+			// Another replica's GC, its clock ahead, took the pooled
+			// Secret: nothing is left to delete, and nothing stops the
+			// sequential path.
+			log.Info("lease pool: the claimed Secret was gone; issuing on the sequential path", zap.Error(claimErr))
+			ready = nil
+		case claimErr != nil:
+			// The pooled Secret goes, and a token bound to it with it.
+			err = classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
+			return fail(ready.secret, outcomeFor(err), err)
+		case issueErr != nil:
+			err = classifyIssuer(issueErr, req)
+			return fail(claimed, outcomeFor(err), err)
+		default:
+			b.cfg.Metrics.observePoolPath(pathPool)
+			created, cred = claimed, got
+		}
+	}
+	if ready == nil {
+		if cert == nil {
+			b.cfg.Metrics.observePoolPath(pathSequential)
+		}
+		t0 := b.cfg.Clock.Now()
+		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
+		b.timeAPI(ctx, "create_lease", t0, err)
+		if err != nil {
+			err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
+			log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
+			if KindOf(err) == KindUnavailable && !neverSent(err) {
+				// The API server may have stored the Secret and failed
+				// before it answered. Its name is unique, so delete it by
+				// name once the API server is back.
+				b.cleanUpLater(lease, log)
+			}
+			return nil, outcomeFor(err), err
+		}
+		issueStart = b.cfg.Clock.Now()
+		ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID}
+		t0 = b.cfg.Clock.Now()
+		cred, err = issuer.Issue(ctx, ireq)
+		b.cfg.Metrics.observeIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
+		if err != nil {
+			err = classifyIssuer(err, req)
+			return fail(created, outcomeFor(err), err)
+		}
 	}
 	if cert != nil {
 		cred.KeyPEM = cert.keyPEM // nil when the caller holds the key
@@ -457,18 +508,18 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	if minTTL > 0 && granted < minTTL {
 		a.denial = denyMinTTL
-		return fail(outcomeUnprocessable, Errorf(KindUnprocessable,
+		return fail(created, outcomeUnprocessable, Errorf(KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
 	if clampedBy == ClampedByAPIServer || clampedBy == ClampedBySigner {
 		// Keep the lease's recorded expiry true for listings and the GC.
 		if err := b.setExpiry(ctx, created, cred.ExpiresAt); err != nil {
-			return fail(outcomeFor(err), err)
+			return fail(created, outcomeFor(err), err)
 		}
 	}
 
 	if cred.Kind() != issuer.Kind() {
-		return fail(outcomeError, fmt.Errorf("the %s issuer returned a %s credential", issuer.Kind(), cred.Kind()))
+		return fail(created, outcomeError, fmt.Errorf("the %s issuer returned a %s credential", issuer.Kind(), cred.Kind()))
 	}
 	subject := req.ServiceAccount
 	if cert != nil {
@@ -476,7 +527,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	kc, err := buildKubeconfig(p.Cluster, req.Namespace, subject, cred)
 	if err != nil {
-		return fail(outcomeError, fmt.Errorf("build kubeconfig: %w", err))
+		return fail(created, outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
 	// The audit names the credential without holding it: a token's jti,
 	// a certificate's serial.

@@ -1,6 +1,7 @@
 package broker
 
 import (
+	"container/heap"
 	"context"
 	"slices"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/metadata/metadatainformer"
@@ -43,6 +45,11 @@ type LeaseCounter struct {
 	// reserved are the places of requests not yet seen as Secrets, by
 	// peer, oldest first.
 	reserved map[string][]*reservation
+	// expiring orders the Secrets with a readable expiry that have not
+	// passed it, soonest first, so that a sweep touches only what expired;
+	// expired holds those that have, for the GC, by key.
+	expiring expiryHeap
+	expired  map[string]*counted
 }
 
 // counted is a lease Secret the counter knows: its peer, its recorded
@@ -50,9 +57,17 @@ type LeaseCounter struct {
 // lease GC never collects, left in a namespace the policy stopped
 // granting, does not hold a place for ever).
 type counted struct {
+	key     string
+	uid     types.UID
 	peer    string
 	expires time.Time
 	live    bool
+	// pool marks an unclaimed pooled Secret (PoolKind): never counted,
+	// but collected past its deadline like an expired lease.
+	pool bool
+	// created is the Secret's creation time, for a lease without a
+	// readable expiry.
+	created time.Time
 }
 
 // reservation is one request's place in a quota; done once its Secret is
@@ -69,11 +84,13 @@ func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap
 	return &LeaseCounter{
 		client: client, clock: clk, log: log,
 		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
+		expired: map[string]*counted{},
 	}
 }
 
-// leaseSelector selects the broker's lease Secrets.
-var leaseSelector = labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}).String()
+// leaseSelector selects the broker's lease Secrets and its pooled ones
+// (the GC collects both from the counter).
+var leaseSelector = labels.Set{LabelManagedBy: ManagedByValue}.String() + "," + LabelKind + " in (" + LeaseKind + "," + PoolKind + ")"
 
 // Run counts until ctx ends. If the broker may list Secrets in every
 // namespace (deploy/base binds its role cluster-wide), one informer
@@ -145,12 +162,13 @@ func trimLease(obj any) (any, error) {
 	return &metav1.PartialObjectMetadata{
 		TypeMeta: m.TypeMeta,
 		ObjectMeta: metav1.ObjectMeta{
-			Namespace:       m.Namespace,
-			Name:            m.Name,
-			UID:             m.UID,
-			ResourceVersion: m.ResourceVersion,
-			Labels:          map[string]string{LabelPeer: m.Labels[LabelPeer]},
-			Annotations:     map[string]string{AnnotationExpiresAt: m.Annotations[AnnotationExpiresAt]},
+			Namespace:         m.Namespace,
+			Name:              m.Name,
+			UID:               m.UID,
+			ResourceVersion:   m.ResourceVersion,
+			CreationTimestamp: m.CreationTimestamp,
+			Labels:            map[string]string{LabelPeer: m.Labels[LabelPeer], LabelKind: m.Labels[LabelKind]},
+			Annotations:       map[string]string{AnnotationExpiresAt: m.Annotations[AnnotationExpiresAt]},
 		},
 	}, nil
 }
@@ -175,13 +193,25 @@ func (lc *LeaseCounter) add(obj any) {
 	if c, seen := lc.byKey[key]; seen {
 		lc.forget(key, c)
 	}
-	lc.count(key, &counted{peer: m.Labels[LabelPeer], expires: exp})
+	lc.count(&counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], expires: exp,
+		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time})
 }
 
-// count starts counting c under key, unless it has expired; lc.mu is held.
-func (lc *LeaseCounter) count(key string, c *counted) {
-	lc.byKey[key] = c
+// count starts counting c, unless it has expired or is a pooled Secret;
+// lc.mu is held.
+func (lc *LeaseCounter) count(c *counted) {
+	lc.byKey[c.key] = c
 	if !c.expires.IsZero() && !lc.clock.Now().Before(c.expires) {
+		lc.expired[c.key] = c
+		return
+	}
+	if !c.expires.IsZero() {
+		heap.Push(&lc.expiring, c)
+		if len(lc.expiring) > 2*len(lc.byKey)+64 {
+			lc.compact() // many deleted before they expired
+		}
+	}
+	if c.pool {
 		return
 	}
 	c.live = true
@@ -203,6 +233,7 @@ func (lc *LeaseCounter) remove(obj any) {
 
 func (lc *LeaseCounter) forget(key string, c *counted) {
 	delete(lc.byKey, key)
+	delete(lc.expired, key)
 	lc.uncount(c)
 }
 
@@ -218,16 +249,83 @@ func (lc *LeaseCounter) uncount(c *counted) {
 }
 
 // sweep stops counting the leases that have expired since they were
-// counted; Run calls it every few seconds.
+// counted and hands them to the GC; Run calls it every few seconds. It
+// touches only what expired (and, once each, entries replaced since).
 func (lc *LeaseCounter) sweep() {
 	now := lc.clock.Now()
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	for _, c := range lc.byKey {
-		if c.live && !c.expires.IsZero() && !now.Before(c.expires) {
-			lc.uncount(c)
+	for len(lc.expiring) > 0 && !now.Before(lc.expiring[0].expires) {
+		c := heap.Pop(&lc.expiring).(*counted)
+		if lc.byKey[c.key] != c {
+			continue // replaced or forgotten since
+		}
+		lc.uncount(c)
+		lc.expired[c.key] = c
+	}
+}
+
+// compact rebuilds the heap from the entries still current; lc.mu is held.
+func (lc *LeaseCounter) compact() {
+	h := lc.expiring[:0]
+	for _, c := range lc.expiring {
+		if lc.byKey[c.key] == c {
+			h = append(h, c)
 		}
 	}
+	clear(lc.expiring[len(h):])
+	lc.expiring = h
+	heap.Init(&lc.expiring)
+}
+
+// ExpiredSecret is a lease Secret (or an unclaimed pooled one) past its
+// recorded expiry, as the counter last saw it.
+type ExpiredSecret struct {
+	Namespace, Name string
+	UID             types.UID
+	Expires         time.Time
+	// Pool marks an unclaimed pooled Secret past its claim deadline.
+	Pool bool
+}
+
+// Expired returns, after a sweep, the Secrets whose recorded expiry has
+// passed and that the informers have not yet seen deleted, at most max.
+func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
+	lc.sweep()
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	out := make([]ExpiredSecret, 0, min(max, len(lc.expired)))
+	for key, c := range lc.expired {
+		if len(out) == max {
+			break
+		}
+		ns, name, _ := cache.SplitMetaNamespaceKey(key)
+		out = append(out, ExpiredSecret{Namespace: ns, Name: name, UID: c.uid, Expires: c.expires, Pool: c.pool})
+	}
+	return out
+}
+
+// Counted is how many unexpired leases the informers see, reserved places
+// left out.
+func (lc *LeaseCounter) Counted() int {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	return lc.live
+}
+
+// expiryHeap is a min-heap of counted Secrets by expiry.
+type expiryHeap []*counted
+
+func (h expiryHeap) Len() int           { return len(h) }
+func (h expiryHeap) Less(i, j int) bool { return h[i].expires.Before(h[j].expires) }
+func (h expiryHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *expiryHeap) Push(x any)        { *h = append(*h, x.(*counted)) }
+func (h *expiryHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return x
 }
 
 // Synced reports whether every informer has listed its namespace.
@@ -301,8 +399,11 @@ func (p *place) commit(namespace, name string, expires time.Time) {
 		return
 	}
 	key := namespace + "/" + name
-	if _, seen := lc.byKey[key]; !seen {
-		lc.count(key, &counted{peer: p.peer, expires: expires})
+	if c, seen := lc.byKey[key]; !seen || c.pool {
+		if seen {
+			lc.forget(key, c) // a claimed pooled Secret the informer saw unclaimed
+		}
+		lc.count(&counted{key: key, peer: p.peer, expires: expires})
 	}
 }
 

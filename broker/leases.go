@@ -248,11 +248,21 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	return n, err
 }
 
+// gcFullEvery: every gcFullEvery-th GC pass, the first, and every pass
+// while the lease counter is not synced list every Secret of the broker in
+// the lease namespaces; the others delete what the counter saw expire and
+// list only the used join token records of the broker's own namespace, so
+// that their work follows what expired, not how many leases live. The full
+// passes collect what the counter cannot know: leases without a readable
+// expiry.
+const gcFullEvery = 30
+
+// gcBatch bounds the Secrets one pass deletes from the counter's list.
+const gcBatch = 5000
+
 // collectGarbage is CollectGarbage; it also returns the number of lease
 // Secrets that have not expired, for tokenbroker_leases_active.
 func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
-	// Every kind at once, including lease Secrets made before the kind
-	// label existed.
 	now := b.cfg.Clock.Now()
 	maxTTL := 24 * time.Hour
 	if p := b.cfg.Policy.Load(); p != nil {
@@ -262,18 +272,58 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	if b.cfg.Namespace != "" && !slices.Contains(namespaces, b.cfg.Namespace) {
 		namespaces = append(namespaces, b.cfg.Namespace)
 	}
-	secrets, err := b.listManagedSecrets(ctx, namespaces, nil, "list_gc")
-	if err != nil {
-		return 0, 0, err
+	pass := b.gcPasses.Add(1)
+	if b.cfg.Leases == nil || !b.cfg.Leases.Synced() || pass%gcFullEvery == 1 {
+		// Every kind at once, including lease Secrets made before the kind
+		// label existed.
+		secrets, err := b.listManagedSecrets(ctx, namespaces, nil, "list_gc")
+		if err != nil {
+			return 0, 0, err
+		}
+		return b.collect(ctx, secrets, now, maxTTL)
 	}
-	leases, tokens, active := 0, 0, 0
+	var secrets []corev1.Secret
+	if b.cfg.Namespace != "" {
+		var err error
+		secrets, err = b.listManagedSecrets(ctx, []string{b.cfg.Namespace}, labels.Set{LabelKind: UsedJoinTokenKind}, "list_gc")
+		if err != nil {
+			return 0, 0, err
+		}
+	}
+	looked := make(map[string]bool, len(namespaces))
+	for _, ns := range namespaces {
+		looked[ns] = true
+	}
+	for _, e := range b.cfg.Leases.Expired(gcBatch) {
+		if !looked[e.Namespace] {
+			continue // not a namespace the GC looks in (see CollectGarbage)
+		}
+		kind := LeaseKind
+		if e.Pool {
+			kind = PoolKind
+		}
+		secrets = append(secrets, corev1.Secret{ObjectMeta: metav1.ObjectMeta{
+			Namespace: e.Namespace, Name: e.Name, UID: e.UID,
+			Labels:      map[string]string{LabelKind: kind},
+			Annotations: map[string]string{AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
+		}})
+	}
+	n, _, err := b.collect(ctx, secrets, now, maxTTL)
+	return n, b.cfg.Leases.Counted(), err
+}
+
+// collect deletes those of secrets whose expiry has passed and returns
+// how many it deleted and how many leases have not expired.
+func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.Time, maxTTL time.Duration) (int, int, error) {
+	leases, others, active := 0, 0, 0
 	var errs []error
 	for i := range secrets {
 		s := &secrets[i]
-		if s.Labels[LabelKind] == PeerKeysKind {
+		kind := s.Labels[LabelKind]
+		if kind == PeerKeysKind {
 			continue // a peer's key set does not expire; it is replaced
 		}
-		usedToken := s.Labels[LabelKind] == UsedJoinTokenKind
+		usedToken := kind == UsedJoinTokenKind
 		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
 		switch {
 		case err == nil:
@@ -283,7 +333,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 			exp = s.CreationTimestamp.Add(maxTTL)
 		}
 		if now.Before(exp) {
-			if !usedToken {
+			if !usedToken && kind != PoolKind {
 				active++
 			}
 			continue
@@ -296,20 +346,20 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 			b.queueSecretDeletion(s, deleteExpired)
 			continue
 		}
-		if usedToken {
-			tokens++
+		if usedToken || kind == PoolKind {
+			others++
 		} else {
 			leases++
 		}
 	}
 	b.cfg.Metrics.leaseDeleted("expired", leases)
-	if tokens > 0 {
-		b.cfg.Logger.Info("expired used join token records deleted", zap.Int("count", tokens))
+	if others > 0 {
+		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", others))
 	}
 	if len(errs) > 0 {
-		return leases + tokens, active, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
+		return leases + others, active, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
 	}
-	return leases + tokens, active, nil
+	return leases + others, active, nil
 }
 
 // RunGC collects expired leases and used join token records every

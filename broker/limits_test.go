@@ -171,7 +171,7 @@ limits: {enrollmentsPerMinute: 1}
 
 func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMetadata {
 	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
-		Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer},
+		Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer, LabelKind: LeaseKind},
 		Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
 	}}
 }

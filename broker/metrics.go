@@ -72,6 +72,11 @@ import (
 //	                                                       policy_narrowed, found_at_start (counted by the
 //	                                                       replica whose delete removed the lease)
 //	tokenbroker_selector_namespaces{peer,grant}            namespaces a grant's namespaceSelector matches now
+//	tokenbroker_lease_pool_issuances_total{path}           token issuances by path: "pool" (a pre-created
+//	                                                       lease Secret claimed, TokenRequest and claim in
+//	                                                       parallel) or "sequential" (Secret, then token)
+//	tokenbroker_lease_pool_ready                           unclaimed pre-created lease Secrets this replica
+//	                                                       holds
 //
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -103,6 +108,8 @@ type Metrics struct {
 	limited      *prometheus.CounterVec
 	unmatched    *prometheus.CounterVec
 	selectorNS   *prometheus.GaugeVec
+	poolIssued   *prometheus.CounterVec
+	poolReady    prometheus.Gauge
 }
 
 // The certificate label values of
@@ -242,10 +249,19 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_selector_namespaces",
 			Help: "Namespaces a grant's namespaceSelector matches now, by peer and grant.",
 		}, []string{"peer", "grant"}),
+		poolIssued: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_lease_pool_issuances_total",
+			Help: "Token issuances by path: pool (a pre-created lease Secret claimed) or sequential (the Secret created first).",
+		}, []string{"path"}),
+		poolReady: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "tokenbroker_lease_pool_ready",
+			Help: "Unclaimed pre-created lease Secrets this replica holds.",
+		}),
 	}
 	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
 		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast, m.pendingDel,
-		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited, m.unmatched, m.selectorNS} {
+		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited, m.unmatched, m.selectorNS,
+		m.poolIssued, m.poolReady} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -285,6 +301,20 @@ func (m *Metrics) leaseDeleted(reason string, n int) {
 		return
 	}
 	m.deleted.WithLabelValues(reason).Add(float64(n))
+}
+
+func (m *Metrics) observePoolPath(path string) {
+	if m == nil {
+		return
+	}
+	m.poolIssued.WithLabelValues(path).Inc()
+}
+
+func (m *Metrics) setPoolReady(n int) {
+	if m == nil {
+		return
+	}
+	m.poolReady.Set(float64(n))
 }
 
 func (m *Metrics) setPendingDeletions(n int) {

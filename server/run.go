@@ -68,6 +68,12 @@ type Options struct {
 	// MaxLiveLeases bounds the live leases of all peers together, whatever
 	// the policy says; zero means broker.DefaultMaxLiveLeasesTotal.
 	MaxLiveLeases int
+	// LeasePool is how many unclaimed lease Secrets the broker keeps ready
+	// per namespace it recently issued tokens in (broker.PoolConfig): zero
+	// means broker.DefaultPoolPerNamespace, negative turns the pool off.
+	// LeasePoolMax bounds them over all namespaces; zero means
+	// broker.DefaultPoolMax.
+	LeasePool, LeasePoolMax int
 	// ReloadInterval is how often the certificate, bundle and policy
 	// files are looked at; zero means each one's default (about a
 	// second). Tests shorten it.
@@ -136,6 +142,12 @@ func (o Options) Validate() error {
 	}
 	if o.MaxLiveLeases < 0 {
 		errs = append(errs, errors.New("--max-live-leases must not be negative"))
+	}
+	if o.LeasePool > 64 {
+		errs = append(errs, errors.New("--lease-pool must be between 0 (off) and 64"))
+	}
+	if o.LeasePoolMax < 0 || o.LeasePoolMax > 4096 {
+		errs = append(errs, errors.New("--lease-pool-max must be between 1 and 4096"))
 	}
 	if o.GCInterval < time.Second {
 		errs = append(errs, errors.New("--gc-interval must be at least 1s"))
@@ -297,6 +309,7 @@ func Run(ctx context.Context, opts Options) error {
 		Auditor:        auditor,
 		Leases:         leases,
 		MaxLiveLeases:  opts.MaxLiveLeases,
+		Pool:           broker.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
 		Namespaces:     namespaces,
 		PeerKeys:       peerKeys,
 	})
@@ -335,6 +348,9 @@ func Run(ctx context.Context, opts Options) error {
 	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
+	poolDone := make(chan struct{})
+	go func() { defer close(poolDone); b.RunPool(ctx) }()
+	defer func() { cancel(); <-poolDone }() // its unclaimed Secrets are deleted before serve returns
 	go leases.Run(ctx, b.LeaseNamespaces, leaseWatchInterval(opts.ReloadInterval))
 	// Until the deny list is read every caller is refused (fail closed);
 	// wait for it a little so that a healthy start serves at once.

@@ -103,6 +103,8 @@ func serveFlags() *pflag.FlagSet {
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int("max-live-leases", broker.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
+	fs.Int("lease-pool", broker.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token issuances, so that the TokenRequest and the lease record run at once; 0 turns the pool off")
+	fs.Int("lease-pool-max", broker.DefaultPoolMax, "unclaimed lease Secrets kept ready over all namespaces")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int("max-conns-per-ip", server.DefaultMaxConnsPerIP, "open connections of one client address on each TLS listener, handshakes included; one more is closed before its handshake (behind a load balancer that hides client addresses, every peer shares one)")
 	fs.Int("max-conns-per-identity", server.DefaultMaxConnsPerIdentity, "open connections of one verified peer identity on the mutual-TLS listener; one more is closed after its handshake")
@@ -130,6 +132,8 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		KubeBurst:           v.GetInt("kube-burst"),
 		GCInterval:          v.GetDuration("gc-interval"),
 		MaxLiveLeases:       v.GetInt("max-live-leases"),
+		LeasePool:           poolSize(v.GetInt("lease-pool")),
+		LeasePoolMax:        v.GetInt("lease-pool-max"),
 		MaxBodyBytes:        v.GetInt64("max-body-bytes"),
 		MaxConnsPerIP:       v.GetInt("max-conns-per-ip"),
 		MaxConnsPerIdentity: v.GetInt("max-conns-per-identity"),
@@ -164,4 +168,13 @@ func runServe(ctx context.Context, cfg serveConfig, log *zap.Logger) error {
 	opts.Kube, opts.Logger = rc, log
 	opts.Build = currentBuild().server()
 	return server.Run(ctx, opts)
+}
+
+// poolSize maps --lease-pool to server.Options.LeasePool, where zero is the
+// default and off is negative.
+func poolSize(n int) int {
+	if n == 0 {
+		return -1
+	}
+	return n
 }

@@ -320,10 +320,12 @@ func mustPool(t *testing.T, file string) *x509.CertPool {
 	return p
 }
 
+// countLeases counts the broker's Secrets but the unclaimed pooled ones,
+// which are no lease (broker/pool.go).
 func countLeases(t *testing.T, c *testcluster.Cluster) int {
 	t.Helper()
 	l, err := c.Client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue,
+		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "!=" + broker.PoolKind,
 	})
 	require.NoError(t, err)
 	return len(l.Items)

@@ -64,9 +64,12 @@ func review(t *testing.T, c kubernetes.Interface, token string) *authnv1.TokenRe
 	return &r.Status
 }
 
+// leaseSecrets lists the broker's Secrets but the unclaimed pooled ones,
+// which are no lease (broker/pool.go).
 func leaseSecrets(t *testing.T, c kubernetes.Interface) []corev1.Secret {
 	t.Helper()
-	l, err := c.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue})
+	l, err := c.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
+		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "!=" + broker.PoolKind})
 	require.NoError(t, err)
 	return l.Items
 }

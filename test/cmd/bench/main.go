@@ -71,6 +71,9 @@ type result struct {
 	P90ms       float64 `json:"p90_ms"`
 	P99ms       float64 `json:"p99_ms"`
 	PerSecond   float64 `json:"per_second"`
+	// PoolFraction is, for the broker's token row, the fraction of its
+	// issuances that claimed a pooled Secret (the rest were sequential).
+	PoolFraction *float64 `json:"pool_fraction,omitempty"`
 }
 
 func run() error {
@@ -99,10 +102,16 @@ func run() error {
 		return err
 	}
 	defer br.stop()
-	url, client := br.url, br.client
 	if *scale != "" {
 		return runScale(ctx, br, *scale, *n, *out)
 	}
+	// The same broker without its lease pool: the sequential pair it
+	// replaces, measured in the same run.
+	seq, err := startBroker(ctx, c, *binDir, false, "--lease-pool=0")
+	if err != nil {
+		return err
+	}
+	defer seq.stop()
 	time.Sleep(time.Second)
 	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid), DirectClient: directClientDescription()}
 
@@ -121,13 +130,13 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	post := func(ctx context.Context, body []byte, bearer ...string) error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/kubeconfigs", bytes.NewReader(body))
+	postTo := func(ctx context.Context, br *brokerProcess, body []byte, bearer ...string) error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
 		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
 		for _, b := range bearer {
 			req.Header.Set("Authorization", "Bearer "+b)
 		}
-		resp, err := client.Do(req)
+		resp, err := br.client.Do(req)
 		if err != nil {
 			return err
 		}
@@ -137,6 +146,9 @@ func run() error {
 			return fmt.Errorf("status %d", resp.StatusCode)
 		}
 		return nil
+	}
+	post := func(ctx context.Context, body []byte, bearer ...string) error {
+		return postTo(ctx, br, body, bearer...)
 	}
 	seconds := int64(600)
 	cases := []struct {
@@ -162,6 +174,7 @@ func run() error {
 			return err
 		}},
 		{caseBroker, func(ctx context.Context) error { return post(ctx, body) }},
+		{caseBrokerSequential, func(ctx context.Context) error { return postTo(ctx, seq, body) }},
 		{caseBrokerCert, func(ctx context.Context) error { return post(ctx, certBody) }},
 		{caseBrokerWorkload, func(ctx context.Context) error { return post(ctx, body, workloadToken) }},
 	}
@@ -182,7 +195,14 @@ func run() error {
 				*cpuProfile = "" // one profile
 				go func() { profiled <- fetchProfile(ctx, br.opsURL, file) }()
 			}
-			r := measure(ctx, tc.op, conc, *n)
+			var r result
+			if tc.name == caseBroker {
+				var f float64
+				r, f = pooledFraction(ctx, br.opsURL, func() result { return measure(ctx, tc.op, conc, *n) })
+				r.PoolFraction = &f
+			} else {
+				r = measure(ctx, tc.op, conc, *n)
+			}
 			if profiled != nil {
 				if err := <-profiled; err != nil {
 					fmt.Fprintln(os.Stderr, "bench: CPU profile:", err)
@@ -222,7 +242,10 @@ const (
 	caseTokenRequest = "direct TokenRequest"
 	casePair         = "direct Secret + bound TokenRequest"
 	caseBroker       = "broker POST /v1/kubeconfigs (mTLS)"
-	caseBrokerCert   = "broker client certificate (mTLS)"
+	// caseBrokerSequential is caseBroker on a broker without its lease
+	// pool (--lease-pool=0): Secret, then TokenRequest.
+	caseBrokerSequential = "broker, pool off (--lease-pool=0)"
+	caseBrokerCert       = "broker client certificate (mTLS)"
 	// caseBrokerWorkload is caseBroker with a workload token to verify.
 	caseBrokerWorkload = "broker + workload token (mTLS)"
 	benchAudience      = "tokenbroker.bench"
@@ -323,6 +346,9 @@ type saturation struct {
 	PairPerSecond   float64 `json:"pair_per_second"`
 	BrokerPerSecond float64 `json:"broker_per_second"`
 	BrokerFraction  float64 `json:"broker_fraction"`
+	// Sequential* are the broker without its lease pool.
+	SequentialPerSecond float64 `json:"sequential_per_second"`
+	SequentialFraction  float64 `json:"sequential_fraction"`
 }
 
 // saturationOf picks the pair's and the broker's throughput per
@@ -331,7 +357,7 @@ func saturationOf(rs []result) []saturation {
 	var out []saturation
 	idx := map[int]int{}
 	for _, r := range rs {
-		if r.Name != casePair && r.Name != caseBroker {
+		if r.Name != casePair && r.Name != caseBroker && r.Name != caseBrokerSequential {
 			continue
 		}
 		i, ok := idx[r.Concurrency]
@@ -340,15 +366,19 @@ func saturationOf(rs []result) []saturation {
 			idx[r.Concurrency] = i
 			out = append(out, saturation{Concurrency: r.Concurrency})
 		}
-		if r.Name == casePair {
+		switch r.Name {
+		case casePair:
 			out[i].PairPerSecond = r.PerSecond
-		} else {
+		case caseBroker:
 			out[i].BrokerPerSecond = r.PerSecond
+		default:
+			out[i].SequentialPerSecond = r.PerSecond
 		}
 	}
 	for i := range out {
 		if out[i].PairPerSecond > 0 {
 			out[i].BrokerFraction = out[i].BrokerPerSecond / out[i].PairPerSecond
+			out[i].SequentialFraction = out[i].SequentialPerSecond / out[i].PairPerSecond
 		}
 	}
 	return out
@@ -369,7 +399,7 @@ func (r *report) print() {
 			strings.Join(parts, ", "), ceiling)
 		parts = parts[:0]
 		for _, s := range r.Saturation {
-			parts = append(parts, fmt.Sprintf("c=%d %.2f", s.Concurrency, s.BrokerFraction))
+			parts = append(parts, fmt.Sprintf("c=%d %.2f (pool off %.2f)", s.Concurrency, s.BrokerFraction, s.SequentialFraction))
 		}
 		fmt.Printf("broker throughput ÷ pair throughput: %s\n\n", strings.Join(parts, ", "))
 	}
@@ -403,11 +433,18 @@ func printResults(rs []result) {
 		}
 		p50[r.Concurrency][r.Name] = r.P50ms
 	}
-	fmt.Printf("%-6s %22s %24s %26s %28s\n", "conc", "broker/pair p50", "broker/TokenRequest p50", "certificate/token p50", "workload token added p50 ms")
+	pooled := map[int]float64{}
+	for _, r := range rs {
+		if r.PoolFraction != nil {
+			pooled[r.Concurrency] = *r.PoolFraction
+		}
+	}
+	fmt.Printf("%-6s %16s %24s %14s %16s %22s %28s\n", "conc", "broker/pair p50", "broker/TokenRequest p50", "pooled share",
+		"pool off/pair", "certificate/token p50", "workload token added p50 ms")
 	for _, c := range concs {
 		m := p50[c]
-		fmt.Printf("%-6d %22.2f %24.2f %26.2f %28.2f\n", c, m[caseBroker]/m[casePair], m[caseBroker]/m[caseTokenRequest], m[caseBrokerCert]/m[caseBroker],
-			m[caseBrokerWorkload]-m[caseBroker])
+		fmt.Printf("%-6d %16.2f %24.2f %14.2f %16.2f %22.2f %28.2f\n", c, m[caseBroker]/m[casePair], m[caseBroker]/m[caseTokenRequest],
+			pooled[c], m[caseBrokerSequential]/m[casePair], m[caseBrokerCert]/m[caseBroker], m[caseBrokerWorkload]-m[caseBroker])
 	}
 }
 
@@ -452,7 +489,7 @@ func (b *brokerProcess) stop() {
 // startBroker writes a PKI and a policy, starts the broker binary as its
 // own process (so that its memory and start time are its own) and returns
 // it with a kept-alive mTLS client using the production TLS profile.
-func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, pprof bool) (*brokerProcess, error) {
+func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, pprof bool, extraArgs ...string) (*brokerProcess, error) {
 	bin, err := tokenbrokerBinary(binDir)
 	if err != nil {
 		return nil, err
@@ -529,6 +566,7 @@ peers:
 		// Stated, not left to the defaults, so that the direct client's
 		// limit is the broker's by construction.
 		fmt.Sprintf("--kube-qps=%d", brokerKubeQPS), fmt.Sprintf("--kube-burst=%d", brokerKubeBurst))
+	b.cmd.Args = append(b.cmd.Args, extraArgs...)
 	logFile, err := os.Create(f("broker.log"))
 	if err != nil {
 		return fail(err)

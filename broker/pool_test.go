@@ -1,0 +1,261 @@
+package broker
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/kubernetes/fake"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// The pool's bookkeeping around the API server, with the fake clientset;
+// test/integration/pool_test.go runs it against a real kube-apiserver
+// (bound-object revocation, the GC of a crashed claim).
+
+type poolEnv struct {
+	b      *Broker
+	client *fake.Clientset
+	iss    *fakeIssuer
+	clock  *clocktesting.FakeClock
+}
+
+func newPoolEnv(t *testing.T, cfg PoolConfig) *poolEnv {
+	t.Helper()
+	clk := clocktesting.NewFakeClock(time.Now())
+	client := fake.NewClientset()
+	iss := &fakeIssuer{}
+	b, err := New(Config{
+		Secrets: client.CoreV1(),
+		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
+		Policy:  NewPolicyStore(mustPolicy(t, testPolicy)),
+		Logger:  zap.NewNop(),
+		Clock:   clk,
+		Pool:    cfg,
+	})
+	require.NoError(t, err)
+	if b.pool != nil {
+		b.pool.running.Store(true) // as RunPool does; the tests tend it by hand
+	}
+	return &poolEnv{b: b, client: client, iss: iss, clock: clk}
+}
+
+func (e *poolEnv) secrets(t *testing.T, kind string) []corev1.Secret {
+	t.Helper()
+	l, err := e.client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
+		LabelSelector: labels.Set{LabelKind: kind}.String()})
+	require.NoError(t, err)
+	return l.Items
+}
+
+var poolRequest = apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h"}
+
+func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: 3})
+	ctx := context.Background()
+
+	first, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.NoError(t, err)
+	require.Empty(t, e.secrets(t, PoolKind), "the first issuance in a namespace is sequential")
+
+	e.b.tendPool(ctx)
+	pooled := e.secrets(t, PoolKind)
+	require.Len(t, pooled, 3, "the namespace asked for a pool")
+	for _, s := range pooled {
+		require.Equal(t, "argo", s.Namespace)
+		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+		require.NoError(t, err)
+		require.WithinDuration(t, e.clock.Now().Add(poolDeadline), exp, time.Second, "a claim deadline the GC enforces")
+		require.Empty(t, s.Labels[LabelLeaseID])
+	}
+	page, err := e.b.ListLeases(ctx, west, LeasePageRequest{})
+	require.NoError(t, err)
+	require.Len(t, page.Items, 1, "pooled Secrets are no leases")
+
+	second, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.NoError(t, err)
+	require.Len(t, e.secrets(t, PoolKind), 2, "one was claimed")
+	got := e.iss.got[len(e.iss.got)-1]
+	require.Equal(t, leaseSecretPrefix+second.LeaseID, got.Lease.Name, "the token is bound to the claimed Secret")
+	var claimedFromPool bool
+	for _, s := range pooled {
+		claimedFromPool = claimedFromPool || s.Name == got.Lease.Name
+	}
+	require.True(t, claimedFromPool)
+
+	leases := e.secrets(t, LeaseKind)
+	require.Len(t, leases, 2)
+	for _, s := range leases {
+		if s.Labels[LabelLeaseID] != second.LeaseID {
+			continue
+		}
+		require.Equal(t, "west", s.Labels[LabelPeer])
+		require.Equal(t, west.Identity, s.Annotations[AnnotationIdentity])
+		require.Equal(t, "admiralty-source", s.Annotations[AnnotationSA])
+		require.Equal(t, second.ExpiresAt.UTC().Format(time.RFC3339), s.Annotations[AnnotationExpiresAt])
+	}
+	page, err = e.b.ListLeases(ctx, west, LeasePageRequest{})
+	require.NoError(t, err)
+	require.Len(t, page.Items, 2)
+	require.NoError(t, e.b.RevokeLease(ctx, west, second.LeaseID))
+	require.NoError(t, e.b.RevokeLease(ctx, west, first.LeaseID))
+	require.Empty(t, e.secrets(t, LeaseKind))
+}
+
+func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: 1})
+	ctx := context.Background()
+	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.NoError(t, err)
+	e.b.tendPool(ctx)
+	require.Len(t, e.secrets(t, PoolKind), 1)
+
+	e.iss.err = errors.New("the API server refused the TokenRequest")
+	_, err = e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.Error(t, err)
+	require.Empty(t, e.secrets(t, PoolKind), "the pooled Secret is gone")
+	require.Len(t, e.secrets(t, LeaseKind), 1, "only the first lease is left")
+}
+
+func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: 1})
+	ctx := context.Background()
+	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.NoError(t, err)
+	e.b.tendPool(ctx)
+	pooled := e.secrets(t, PoolKind)
+	require.Len(t, pooled, 1)
+	// Another replica's GC, its clock ahead, deleted it.
+	require.NoError(t, e.client.CoreV1().Secrets("argo").Delete(ctx, pooled[0].Name, metav1.DeleteOptions{}))
+
+	resp, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
+	require.NoError(t, err)
+	require.Len(t, e.secrets(t, LeaseKind), 2)
+	require.Equal(t, leaseSecretPrefix+resp.LeaseID, e.iss.got[len(e.iss.got)-1].Lease.Name,
+		"the token is bound to the Secret created on the sequential path")
+}
+
+func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: 4, Max: 5})
+	ctx := context.Background()
+	p := e.b.pool
+	p.take("argo", e.clock.Now())
+	p.take("flux", e.clock.Now())
+
+	p.inflight.Store(poolBusy)
+	e.b.tendPool(ctx)
+	require.Empty(t, e.secrets(t, PoolKind), "busy: issuances take the sequential path, no extra writes")
+
+	p.inflight.Store(0)
+	e.b.tendPool(ctx)
+	pooled := e.secrets(t, PoolKind)
+	require.Len(t, pooled, 5, "Max bounds the pool over all namespaces")
+	per := map[string]int{}
+	for _, s := range pooled {
+		per[s.Namespace]++
+	}
+	require.Equal(t, map[string]int{"argo": 3, "flux": 2}, per, "filled evenly")
+
+	// Too old to hand out: deleted, and replaced while still wanted.
+	e.clock.Step(poolHandout)
+	p.take("argo", e.clock.Now())
+	e.b.tendPool(ctx)
+	for _, s := range e.secrets(t, PoolKind) {
+		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
+		require.Equal(t, e.clock.Now().Add(poolDeadline).UTC().Format(time.RFC3339), s.Annotations[AnnotationExpiresAt], "only new ones")
+	}
+	require.Len(t, e.secrets(t, PoolKind), 4)
+
+	e.clock.Step(poolIdle)
+	e.b.tendPool(ctx)
+	require.Empty(t, e.secrets(t, PoolKind), "no token issued in argo for poolIdle: its pool is deleted")
+}
+
+func TestStoppingThePoolDeletesItsSecrets(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: 2})
+	e.b.pool.running.Store(false)
+	e.b.pool.take("argo", e.clock.Now()) // not running: records nothing
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); e.b.RunPool(ctx) }()
+	require.Eventually(t, func() bool { return e.b.pool.running.Load() }, 10*time.Second, time.Millisecond)
+	e.b.pool.take("argo", e.clock.Now())
+	e.b.pool.wake() // as the end of an issuance does
+	require.Eventually(t, func() bool { return len(e.secrets(t, PoolKind)) == 2 }, 10*time.Second, time.Millisecond)
+	cancel()
+	<-done
+	require.Empty(t, e.secrets(t, PoolKind))
+	require.Nil(t, e.b.pool.take("argo", e.clock.Now()), "a stopped pool hands out nothing")
+}
+
+func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
+	ctx := context.Background()
+	lc := NewLeaseCounter(nil, e.clock, zap.NewNop())
+	e.b.cfg.Leases = lc // no informers: synced, fed by hand below
+	now := e.clock.Now()
+	mk := func(name, kind string, expires time.Time) {
+		s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name,
+			Labels:      map[string]string{LabelManagedBy: ManagedByValue, LabelKind: kind, LabelPeer: "west"},
+			Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)}}}
+		_, err := e.client.CoreV1().Secrets("argo").Create(ctx, s, metav1.CreateOptions{})
+		require.NoError(t, err)
+	}
+	mk("tokenbroker-lease-seen", LeaseKind, now.Add(time.Minute))
+	mk("tokenbroker-lease-pool", PoolKind, now.Add(time.Minute))
+	mk("tokenbroker-lease-live", LeaseKind, now.Add(time.Hour))
+	mk("tokenbroker-lease-unseen", LeaseKind, now.Add(time.Minute))
+	lc.add(leaseMeta("argo", "tokenbroker-lease-seen", "west", now.Add(time.Minute)))
+	pm := leaseMeta("argo", "tokenbroker-lease-pool", "", now.Add(time.Minute))
+	pm.Labels[LabelKind] = PoolKind
+	lc.add(pm)
+	lc.add(leaseMeta("argo", "tokenbroker-lease-live", "west", now.Add(time.Hour)))
+	own, total := lc.Live("west")
+	require.Equal(t, 2, own, "a pooled Secret holds no place")
+	require.Equal(t, 2, total)
+
+	n, err := e.b.CollectGarbage(ctx) // the first pass lists everything
+	require.NoError(t, err)
+	require.Zero(t, n)
+
+	e.clock.Step(2 * time.Minute)
+	n, err = e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, n, "the expired lease and the pooled Secret past its deadline")
+	left := map[string]bool{}
+	for _, s := range append(e.secrets(t, LeaseKind), e.secrets(t, PoolKind)...) {
+		left[s.Name] = true
+	}
+	require.Equal(t, map[string]bool{"tokenbroker-lease-live": true, "tokenbroker-lease-unseen": true}, left,
+		"a lease the counter does not know waits for a full pass: this one listed nothing")
+	own, _ = lc.Live("west")
+	require.Equal(t, 1, own)
+}
+
+func TestTheCounterSweepsOnlyWhatExpired(t *testing.T) {
+	t.Parallel()
+	clk := clocktesting.NewFakeClock(time.Now())
+	lc := NewLeaseCounter(nil, clk, zap.NewNop())
+	for i := range 1000 {
+		lc.add(leaseMeta("argo", "l"+string(rune('a'+i%26))+time.Duration(i).String(), "west", clk.Now().Add(time.Duration(i+1)*time.Second)))
+	}
+	clk.Step(10 * time.Second)
+	require.Len(t, lc.Expired(100), 10)
+	require.Len(t, lc.expiring, 990, "the heap gave up the ten that expired, no more")
+	own, _ := lc.Live("west")
+	require.Equal(t, 990, own)
+}
