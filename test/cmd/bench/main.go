@@ -5,9 +5,12 @@
 //   - the pair of calls the broker makes — create a lease Secret, then a
 //     TokenRequest bound to it — made directly, and
 //   - POST /v1/kubeconfigs through the broker over mutual TLS with a
-//     kept-alive client, and
+//     kept-alive client,
 //   - the same for a client certificate (RoleBinding, CSR, approval and
-//     kube-controller-manager's signer),
+//     kube-controller-manager's signer), and
+//   - HashiCorp Vault's Kubernetes secrets engine driven in process, in
+//     its unrevocable and revocable modes, as shipped and with its
+//     client-side limiter lifted (vault.go),
 //
 // at each concurrency, and prints latency percentiles, throughput and the
 // ratios broker ÷ direct pair, broker ÷ direct TokenRequest and client
@@ -84,6 +87,7 @@ func run() error {
 	out := flag.String("out", "", "also write the results as JSON to this file")
 	tenantNamespaces := flag.Int("namespaces", 5000, "namespaces a selector grant matches in the tenant measurement (0 skips it)")
 	scale := flag.String("scale", "", "instead of the comparison: fill the cluster to each of these comma-separated numbers of live leases and measure at each (make bench-scale)")
+	vaultOpts := vaultFlags()
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -127,6 +131,10 @@ func run() error {
 	}
 	workloadToken := wl.Status.Token
 	direct, err := directClient(c.KubeconfigPath)
+	if err != nil {
+		return err
+	}
+	vault, err := newVaultBench(ctx, c, vaultOpts)
 	if err != nil {
 		return err
 	}
@@ -211,6 +219,7 @@ func run() error {
 			r.Name = tc.name
 			results = append(results, r)
 		}
+		results = append(results, vault.measureRound(ctx, conc, *n)...)
 	}
 	report.LoadRSSMB = peak()
 	if *tenantNamespaces > 0 {
@@ -222,6 +231,9 @@ func run() error {
 	}
 	report.Results = results
 	report.Saturation = saturationOf(results)
+	if report.Vault, err = vault.report(ctx, results, br, body); err != nil {
+		return fmt.Errorf("vault: %w", err)
+	}
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench: broker own time:", err)
@@ -337,6 +349,8 @@ type report struct {
 	// Saturation is the direct pair's throughput at each concurrency:
 	// what the API server itself sustains for the work of an issuance.
 	Saturation []saturation `json:"apiserver_saturation"`
+	// Vault is Vault's Kubernetes secrets engine side by side (vault.go).
+	Vault *vaultReport `json:"vault,omitempty"`
 }
 
 // saturation is the direct pair's throughput at one concurrency and the
@@ -416,6 +430,7 @@ func (r *report) print() {
 		fmt.Printf("  broker RSS %.1f MB before the namespaces, %.1f MB with them (+%.1f MB); cache synced %.1f s after the last create\n",
 			t.RSSBeforeMB, t.RSSAfterMB, t.RSSAfterMB-t.RSSBeforeMB, t.SyncSeconds)
 	}
+	r.Vault.print()
 }
 
 func printResults(rs []result) {
