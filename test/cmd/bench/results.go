@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 )
 
 // writeResultsKey sets key in the JSON object stored in file to v and
@@ -18,6 +19,31 @@ import (
 // overwritten. The file is replaced by a rename, so a failed run leaves
 // the old one.
 func writeResultsKey(file, key string, v any) error {
+	val, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return mergeResults(file, []field{{key, val}})
+}
+
+// writeResultsKeys is writeResultsKey for each key of v, a struct or map
+// that encodes as a JSON object. A key v leaves out (omitempty) keeps the
+// value a former run wrote.
+func writeResultsKeys(file string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	fields, err := objectFields(b)
+	if err != nil {
+		return err
+	}
+	return mergeResults(file, fields)
+}
+
+// mergeResults sets the given keys in the JSON object in file, replacing
+// each in place or adding it at the end.
+func mergeResults(file string, set []field) error {
 	old, err := os.ReadFile(file)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
@@ -26,18 +52,13 @@ func writeResultsKey(file, key string, v any) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", file, err)
 	}
-	val, err := json.Marshal(v)
-	if err != nil {
-		return err
-	}
-	replaced := false
-	for i := range fields {
-		if fields[i].key == key {
-			fields[i].value, replaced = val, true
+	for _, f := range set {
+		i := slices.IndexFunc(fields, func(g field) bool { return g.key == f.key })
+		if i < 0 {
+			fields = append(fields, f)
+		} else {
+			fields[i].value = f.value
 		}
-	}
-	if !replaced {
-		fields = append(fields, field{key, val})
 	}
 	// Indented as json.MarshalIndent(obj, "", "  ") indents, so that the
 	// keys left alone show no change in a diff.

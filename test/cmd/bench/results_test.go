@@ -49,6 +49,16 @@ func TestWriteResultsKey(t *testing.T) {
 		require.Equal(t, "{\n  \"vault\": {\n    \"p50_ms\": 1\n  },\n  \"scale\": {\n    \"leases\": 50000\n  },\n  \"agent\": [\n    1,\n    2\n  ]\n}\n", string(got))
 	})
 
+	t.Run("Each key of a report is set and the keys it does not have are kept.", func(t *testing.T) {
+		t.Parallel()
+		file := filepath.Join(t.TempDir(), "results.json")
+		require.NoError(t, os.WriteFile(file, []byte(`{"results": [], "scale": {"leases": 1}}`), 0o644))
+		require.NoError(t, writeResultsKeys(file, report{rows, 3}))
+		got, err := os.ReadFile(file)
+		require.NoError(t, err)
+		require.JSONEq(t, `{"results": [{"name": "direct <TokenRequest>", "p50_ms": 1.523}], "scale": {"leases": 1}, "ready_ms": 3}`, string(got))
+	})
+
 	t.Run("A missing file becomes an object with the one key.", func(t *testing.T) {
 		t.Parallel()
 		file := filepath.Join(t.TempDir(), "bench", "results.json")
