@@ -20,10 +20,13 @@ BENCH_C ?= 1,8,32
 # Requests per as-shipped Vault row of `make bench`: client-go's default
 # limiter holds Vault's Kubernetes secrets engine to about 5 requests/s.
 VAULT_SHIPPED_N ?= 50
-# Live-lease levels for `make bench-scale` (add 50000 for the issue's largest).
-SCALE_LEASES ?= 1000,10000
+# Live-lease levels for `make bench-scale` (the empty cluster is measured first).
+SCALE_LEASES ?= 1000,10000,50000
 # Issuances timed at each level of `make bench-scale`.
-SCALE_N ?= 200
+SCALE_N ?= 500
+# The broker's --gc-interval in `make bench-scale`: each level's measurements
+# run between two GC passes, so it must exceed them.
+SCALE_GC_INTERVAL ?= 30s
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
@@ -113,8 +116,8 @@ bench: build kube ## measure the broker against direct API server calls and Vaul
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -vault-shipped-n $(VAULT_SHIPPED_N) -out $(CURDIR)/bench/results.json
 
-bench-scale: build kube ## fill a harness with SCALE_LEASES live leases; issuance, broker RSS and paged GET /v1/leases at each level; writes bench/scale.json
-	cd test && $(GO) run ./cmd/bench -scale $(SCALE_LEASES) -n $(SCALE_N) -out $(CURDIR)/bench/scale.json
+bench-scale: build kube ## fill a harness with SCALE_LEASES live leases; issuance, broker memory, GC pass, GET /v1/leases and `tokenbroker leases` at each level; sets "scale" in bench/results.json
+	cd test && $(GO) run ./cmd/bench -scale $(SCALE_LEASES) -n $(SCALE_N) -gc-interval $(SCALE_GC_INTERVAL) -out $(CURDIR)/bench/results.json
 
 fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
 	@set -e; for pkg in $$($(GO) list ./...); do \

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -283,4 +286,20 @@ func TestLeasesAreReadAndPrintedPageByPage(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, string(all)+"\n", out, "indented as one encoded slice")
 	})
+}
+
+func TestLeasesCommandsAreNotHeldBackByClientGosDefaultLimit(t *testing.T) {
+	t.Parallel()
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	require.NoError(t, os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:6443"}}]
+users: [{name: u, user: {token: x}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+`), 0o600))
+	secrets, err := adminSecrets(kubeconfig, "")
+	require.NoError(t, err)
+	limiter := secrets.(interface{ RESTClient() rest.Interface }).RESTClient().GetRateLimiter()
+	require.Equal(t, float32(leasesKubeQPS), limiter.QPS(), "a walk of 100 pages is not stretched to 18 s")
 }
