@@ -5,23 +5,27 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/metadata"
-	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/clock"
 )
 
 // LeaseCounter counts the lease Secrets of every peer from metadata-only
-// informers, one per namespace the policy grants (listing across all
-// namespaces would need the right to read every Secret of the cluster), so
+// reflectors (watches whose store is the counter itself, so that a lease
+// costs one small entry), one per namespace the policy grants (listing
+// across all namespaces would need the right to read every Secret of the
+// cluster), so
 // that the quota check of an issuance reads memory, not the API server. A
 // lease counts from its creation until its Secret is deleted: revoked, or
 // collected by GC within --gc-interval of its expiry. Requests between
@@ -74,9 +78,12 @@ type counted struct {
 // counted or the request gave the place back.
 type reservation struct{ done bool }
 
+// nsWatch is the reflector of one namespace (or all), which feeds the
+// counter directly: the counter is its store, so a lease costs the counter's
+// own entry and no informer cache beside it.
 type nsWatch struct {
-	inf  cache.SharedIndexInformer
-	stop chan struct{}
+	stop   chan struct{}
+	synced atomic.Bool // the first list has been counted
 }
 
 // NewLeaseCounter makes a counter; Run starts it.
@@ -137,40 +144,57 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		if lc.watches[ns] != nil {
 			continue
 		}
-		inf := metadatainformer.NewFilteredMetadataInformer(lc.client, secretsGVR, ns, 0,
-			cache.Indexers{}, func(o *metav1.ListOptions) { o.LabelSelector = leaseSelector }).Informer()
-		_ = inf.SetTransform(trimLease)                             // fails only once the informer runs
-		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{ // fails only after the informer has stopped
-			AddFunc:    lc.add,
-			UpdateFunc: func(_, obj any) { lc.add(obj) },
-			DeleteFunc: lc.remove,
-		})
-		w := &nsWatch{inf: inf, stop: make(chan struct{})}
+		w := &nsWatch{stop: make(chan struct{})}
+		lw := &cache.ListWatch{
+			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				o.LabelSelector = leaseSelector
+				return lc.client.Resource(secretsGVR).Namespace(ns).List(ctx, o)
+			},
+			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				o.LabelSelector = leaseSelector
+				return lc.client.Resource(secretsGVR).Namespace(ns).Watch(ctx, o)
+			},
+		}
+		r := cache.NewReflectorWithOptions(lw, &metav1.PartialObjectMetadata{}, &counterStore{lc: lc, ns: ns, w: w},
+			cache.ReflectorOptions{Name: "lease counter " + ns})
 		lc.watches[ns] = w
-		go inf.Run(w.stop)
+		go r.Run(w.stop)
 	}
 }
 
-// trimLease keeps of a lease Secret's metadata only what the counter
-// reads, so that the informer's cache costs a few hundred bytes a lease
-// rather than the whole metadata (managed fields, every annotation).
-func trimLease(obj any) (any, error) {
-	m, ok := obj.(*metav1.PartialObjectMetadata)
-	if !ok {
-		return obj, nil // a tombstone: leave it as it is
+// counterStore is a reflector's store that counts: what the reflector
+// lists and watches in namespace ns (metav1.NamespaceAll: every one) goes
+// straight into the counter, and nothing else is kept.
+type counterStore struct {
+	lc *LeaseCounter
+	ns string
+	w  *nsWatch
+}
+
+func (s *counterStore) Add(obj any) error    { s.lc.add(obj); return nil }
+func (s *counterStore) Update(obj any) error { s.lc.add(obj); return nil }
+func (s *counterStore) Delete(obj any) error { s.lc.remove(obj); return nil }
+func (s *counterStore) Resync() error        { return nil }
+
+// Replace makes the counter's Secrets of the store's namespace those of
+// list, after a (re)list.
+func (s *counterStore) Replace(list []any, _ string) error {
+	lc := s.lc
+	keep := make(map[string]bool, len(list))
+	lc.mu.Lock()
+	for _, obj := range list {
+		if m, ok := obj.(*metav1.PartialObjectMetadata); ok {
+			keep[lc.addLocked(m)] = true
+		}
 	}
-	return &metav1.PartialObjectMetadata{
-		TypeMeta: m.TypeMeta,
-		ObjectMeta: metav1.ObjectMeta{
-			Namespace:         m.Namespace,
-			Name:              m.Name,
-			UID:               m.UID,
-			ResourceVersion:   m.ResourceVersion,
-			CreationTimestamp: m.CreationTimestamp,
-			Labels:            map[string]string{LabelPeer: m.Labels[LabelPeer], LabelKind: m.Labels[LabelKind]},
-			Annotations:       map[string]string{AnnotationExpiresAt: m.Annotations[AnnotationExpiresAt]},
-		},
-	}, nil
+	for key, c := range lc.byKey {
+		if !keep[key] && (s.ns == metav1.NamespaceAll || keyNamespace(key) == s.ns) {
+			lc.forget(key, c)
+		}
+	}
+	lc.mu.Unlock()
+	s.w.synced.Store(true)
+	return nil
 }
 
 func keyNamespace(key string) string {
@@ -183,18 +207,25 @@ func (lc *LeaseCounter) add(obj any) {
 	if !ok {
 		return
 	}
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	lc.addLocked(m)
+}
+
+// addLocked counts m, replacing what the counter knew under its key, and
+// returns the key; lc.mu is held. Only what the counter reads is kept.
+func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 	key := m.Namespace + "/" + m.Name
 	exp, err := time.Parse(time.RFC3339, m.Annotations[AnnotationExpiresAt])
 	if err != nil {
 		exp = time.Time{} // no readable expiry: counts until deleted
 	}
-	lc.mu.Lock()
-	defer lc.mu.Unlock()
 	if c, seen := lc.byKey[key]; seen {
 		lc.forget(key, c)
 	}
 	lc.count(&counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], expires: exp,
 		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time})
+	return key
 }
 
 // count starts counting c, unless it has expired or is a pooled Secret;
@@ -333,7 +364,7 @@ func (lc *LeaseCounter) Synced() bool {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	for _, w := range lc.watches {
-		if !w.inf.HasSynced() {
+		if !w.synced.Load() {
 			return false
 		}
 	}

@@ -198,22 +198,43 @@ func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel 
 // in the given namespaces, one namespace at a time: listing across all
 // namespaces would need the right to read every Secret of the cluster.
 func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, sel labels.Set, call string) ([]corev1.Secret, error) {
+	var out []corev1.Secret
+	err := b.eachManagedSecretPage(ctx, namespaces, sel, call, func(page []corev1.Secret) error {
+		out = append(out, page...)
+		return nil
+	})
+	return out, err
+}
+
+// gcPageSize is the page size of eachManagedSecretPage.
+const gcPageSize = 500
+
+// eachManagedSecretPage is listManagedSecrets one page of at most
+// gcPageSize Secrets at a time, so that no more than a page is held.
+func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string, sel labels.Set, call string, fn func([]corev1.Secret) error) error {
 	set := labels.Set{LabelManagedBy: ManagedByValue}
 	for k, v := range sel {
 		set[k] = v
 	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String()}
-	var out []corev1.Secret
 	for _, ns := range namespaces {
-		t0 := b.cfg.Clock.Now()
-		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
-		b.timeAPI(ctx, call, t0, err)
-		if err != nil {
-			return nil, classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+		opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: gcPageSize}
+		for {
+			t0 := b.cfg.Clock.Now()
+			list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
+			b.timeAPI(ctx, call, t0, err)
+			if err != nil {
+				return classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+			}
+			if err := fn(list.Items); err != nil {
+				return err
+			}
+			if list.Continue == "" {
+				break
+			}
+			opts.Continue = list.Continue
 		}
-		out = append(out, list.Items...)
 	}
-	return out, nil
+	return nil
 }
 
 func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
@@ -275,12 +296,21 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	pass := b.gcPasses.Add(1)
 	if b.cfg.Leases == nil || !b.cfg.Leases.Synced() || pass%gcFullEvery == 1 {
 		// Every kind at once, including lease Secrets made before the kind
-		// label existed.
-		secrets, err := b.listManagedSecrets(ctx, namespaces, nil, "list_gc")
+		// label existed, a page at a time.
+		deleted, active := 0, 0
+		var errs []error
+		err := b.eachManagedSecretPage(ctx, namespaces, nil, "list_gc", func(page []corev1.Secret) error {
+			n, a, err := b.collect(ctx, page, now, maxTTL)
+			deleted, active = deleted+n, active+a
+			if err != nil {
+				errs = append(errs, err) // the other pages still go
+			}
+			return nil
+		})
 		if err != nil {
-			return 0, 0, err
+			return deleted, 0, err
 		}
-		return b.collect(ctx, secrets, now, maxTTL)
+		return deleted, active, errors.Join(errs...)
 	}
 	var secrets []corev1.Secret
 	if b.cfg.Namespace != "" {

@@ -176,21 +176,28 @@ func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMe
 	}}
 }
 
-func TestTheLeaseInformerKeepsOnlyWhatTheCounterReads(t *testing.T) {
+func TestTheCounterIsItsReflectorsStore(t *testing.T) {
 	t.Parallel()
 	exp := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
-	m := leaseMeta("argo", "tokenbroker-lease-a", "west", exp)
-	m.Labels[LabelLeaseID] = "x"
-	m.Annotations["tokenbroker.io/other"] = "y"
-	m.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "tokenbroker"}}
-	out, err := trimLease(m)
-	require.NoError(t, err)
-	want := leaseMeta("argo", "tokenbroker-lease-a", "west", exp)
-	require.Equal(t, want, out)
 	lc := NewLeaseCounter(nil, clocktesting.NewFakePassiveClock(exp.Add(-time.Hour)), zap.NewNop())
-	lc.add(out)
+	argo := &counterStore{lc: lc, ns: "argo", w: &nsWatch{}}
+	flux := &counterStore{lc: lc, ns: "flux", w: &nsWatch{}}
+	require.NoError(t, argo.Replace([]any{leaseMeta("argo", "a", "west", exp), leaseMeta("argo", "b", "west", exp)}, "1"))
+	require.NoError(t, flux.Replace([]any{leaseMeta("flux", "c", "west", exp)}, "1"))
+	require.True(t, argo.w.synced.Load())
 	own, _ := lc.Live("west")
-	require.Equal(t, 1, own, "the trimmed lease still counts")
+	require.Equal(t, 3, own)
+
+	// A relist of argo forgets what went meanwhile, and only in argo.
+	require.NoError(t, argo.Replace([]any{leaseMeta("argo", "b", "west", exp)}, "2"))
+	own, _ = lc.Live("west")
+	require.Equal(t, 2, own)
+	require.NoError(t, argo.Delete(leaseMeta("argo", "b", "west", exp)))
+	require.NoError(t, flux.Update(leaseMeta("flux", "c", "east", exp)))
+	own, _ = lc.Live("west")
+	require.Zero(t, own)
+	own, _ = lc.Live("east")
+	require.Equal(t, 1, own, "an update replaces what the counter knew")
 }
 
 // BenchmarkAdmitLease is the limits' cost on an issuance: the quota
