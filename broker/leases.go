@@ -55,7 +55,9 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind, LabelPeer: peer.Name}
 	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Continue: cur.APIContinue}
 	for remaining := limit; i < len(namespaces) && remaining > 0; {
-		opts.Limit = int64(remaining)
+		// At most apiPageSize Secrets from the API server at a time, so
+		// that a page of 1000 leases holds a quarter of them decoded.
+		opts.Limit = int64(min(remaining, apiPageSize))
 		t0 := b.cfg.Clock.Now()
 		list, err := b.cfg.Secrets.Secrets(namespaces[i]).List(ctx, opts)
 		b.timeAPI(ctx, "list_leases", t0, err)
@@ -92,6 +94,10 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	}
 	return out, nil
 }
+
+// apiPageSize bounds the Secrets one API server list of ListLeases
+// returns.
+const apiPageSize = 250
 
 // GetLease returns one of the caller's leases. A lease of another peer is
 // reported as not found, like one that does not exist.
