@@ -220,7 +220,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	}
 	if b.pool != nil {
 		b.pool.start()
-		defer b.pool.done()
+		defer func() { b.pool.done(b.cfg.Clock.Now()) }()
 	}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)

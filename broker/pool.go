@@ -40,11 +40,12 @@ import (
 // revocation of leases ever sees them: a lease is listed, audited and
 // revocable exactly as one created on the sequential path.
 //
-// The pool costs one API server write per pooled issuance (the claim). It
-// is refilled, one Secret at a time, only while fewer than poolBusy
-// issuances are in flight on the replica; under more load it empties and
-// issuances take the sequential path, so a saturated API server gets no
-// extra writes.
+// The pool costs one API server write per pooled issuance (the claim) and
+// takes the create off the critical path only if the create runs while
+// the API server is idle. So it is refilled, one Secret at a time, only
+// once no issuance has been in flight on the replica for poolQuiet; under
+// back-to-back load it empties and issuances take the sequential path, so
+// a busy API server gets no extra writes.
 
 // PoolKind is the kind label of a pre-created, unclaimed lease Secret.
 const PoolKind = "lease-pool"
@@ -65,9 +66,10 @@ const (
 	// poolIdle is how long a namespace keeps its pool after its last token
 	// issuance.
 	poolIdle = 5 * time.Minute
-	// poolBusy: the pool is refilled only while fewer issuances than this
-	// are in flight on the replica.
-	poolBusy = 2
+	// poolQuiet: the pool is refilled only once no issuance has been in
+	// flight on the replica for this long, so that its creates use the
+	// API server's idle time and never compete with issuances.
+	poolQuiet = 5 * time.Millisecond
 	// poolTick is how often the pool is looked after without a kick.
 	poolTick = 30 * time.Second
 )
@@ -102,8 +104,10 @@ type leasePool struct {
 	perNS, max int
 	// running is set while RunPool runs: only then does take hand out.
 	running atomic.Bool
-	// inflight counts the token issuances in progress.
+	// inflight counts the issuances in progress; lastDone is when the last
+	// one ended (Unix nanoseconds on the broker's clock).
 	inflight atomic.Int32
+	lastDone atomic.Int64
 	kick     chan struct{}
 
 	mu     sync.Mutex
@@ -166,9 +170,20 @@ func (p *leasePool) setReady(namespace string, q []*pooled) {
 // start and done bracket an issuance.
 func (p *leasePool) start() { p.inflight.Add(1) }
 
-func (p *leasePool) done() {
+func (p *leasePool) done(now time.Time) {
+	p.lastDone.Store(now.UnixNano())
 	p.inflight.Add(-1)
 	p.wake()
+}
+
+// quietFor is how much longer the replica must stay without an issuance
+// in flight before the pool may grow: 0 when it may now, poolQuiet while
+// one is in flight.
+func (p *leasePool) quietFor(now time.Time) time.Duration {
+	if p.inflight.Load() > 0 {
+		return poolQuiet
+	}
+	return max(0, poolQuiet-now.Sub(time.Unix(0, p.lastDone.Load())))
 }
 
 func (p *leasePool) wake() {
@@ -205,12 +220,9 @@ func (p *leasePool) sweep(now time.Time) []*pooled {
 	return out
 }
 
-// next returns a namespace that wants one more Secret, if the pool may
-// grow: fewer than poolBusy issuances in flight, fewer than max Secrets.
+// next returns a namespace that wants one more Secret, if the pool holds
+// fewer than max.
 func (p *leasePool) next() (string, bool) {
-	if p.inflight.Load() >= poolBusy {
-		return "", false
-	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.n >= p.max {
@@ -271,25 +283,33 @@ func (b *Broker) RunPool(ctx context.Context) {
 		b.deletePooled(ctx, p.drain())
 	}()
 	for {
-		b.tendPool(ctx)
+		wait := poolTick
+		if again := b.tendPool(ctx); again > 0 {
+			wait = again
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-p.kick:
-		case <-b.cfg.Clock.After(poolTick):
+		case <-b.cfg.Clock.After(wait):
 		}
 	}
 }
 
 // tendPool deletes what may no longer be handed out and refills, one
-// Secret at a time, while the pool may grow.
-func (b *Broker) tendPool(ctx context.Context) {
+// Secret at a time, while the pool may grow. It returns when to look again
+// if it stopped because issuances were not quiet yet, else 0.
+func (b *Broker) tendPool(ctx context.Context) time.Duration {
 	p := b.pool
+	defer func() { b.cfg.Metrics.setPoolReady(p.size()) }()
 	b.deletePooled(ctx, p.sweep(b.cfg.Clock.Now()))
 	for ctx.Err() == nil {
 		ns, ok := p.next()
 		if !ok {
 			break
+		}
+		if wait := p.quietFor(b.cfg.Clock.Now()); wait > 0 {
+			return wait
 		}
 		s, err := b.createPooled(ctx, ns)
 		if err != nil {
@@ -308,7 +328,7 @@ func (b *Broker) tendPool(ctx context.Context) {
 			b.deletePooled(ctx, []*pooled{s})
 		}
 	}
-	b.cfg.Metrics.setPoolReady(p.size())
+	return 0
 }
 
 func (b *Broker) createPooled(ctx context.Context, namespace string) (*pooled, error) {

@@ -67,6 +67,7 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, e.secrets(t, PoolKind), "the first issuance in a namespace is sequential")
 
+	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
 	pooled := e.secrets(t, PoolKind)
 	require.Len(t, pooled, 3, "the namespace asked for a pool")
@@ -117,6 +118,7 @@ func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
 	ctx := context.Background()
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
+	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
 	require.Len(t, e.secrets(t, PoolKind), 1)
 
@@ -133,6 +135,7 @@ func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
 	ctx := context.Background()
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
+	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
 	pooled := e.secrets(t, PoolKind)
 	require.Len(t, pooled, 1)
@@ -154,12 +157,17 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	p.take("argo", e.clock.Now())
 	p.take("flux", e.clock.Now())
 
-	p.inflight.Store(poolBusy)
-	e.b.tendPool(ctx)
+	p.start()
+	require.Equal(t, poolQuiet, e.b.tendPool(ctx), "look again once quiet")
 	require.Empty(t, e.secrets(t, PoolKind), "busy: issuances take the sequential path, no extra writes")
+	p.done(e.clock.Now())
+	require.Equal(t, poolQuiet, e.b.tendPool(ctx))
+	e.clock.Step(poolQuiet / 2)
+	require.Equal(t, poolQuiet/2, e.b.tendPool(ctx))
+	require.Empty(t, e.secrets(t, PoolKind), "an issuance just ended: another may follow at once")
 
-	p.inflight.Store(0)
-	e.b.tendPool(ctx)
+	e.clock.Step(poolQuiet / 2)
+	require.Zero(t, e.b.tendPool(ctx))
 	pooled := e.secrets(t, PoolKind)
 	require.Len(t, pooled, 5, "Max bounds the pool over all namespaces")
 	per := map[string]int{}

@@ -151,7 +151,7 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 	c.CAData = pki.caCert
 
-	if c.etcd, err = startEtcd(ctx, dir); err != nil {
+	if c.etcd, err = startEtcd(ctx, dir, c.opts.etcdFsync); err != nil {
 		return err
 	}
 

@@ -29,7 +29,7 @@ type embeddedEtcd struct {
 // startEtcd starts etcd with its data and log in dir. It listens on
 // 127.0.0.1 port 0 (client and peer), so it never races another cluster for
 // a port; the client URL is read back from the bound listener.
-func startEtcd(ctx context.Context, dir string) (*embeddedEtcd, error) {
+func startEtcd(ctx context.Context, dir string, fsync bool) (*embeddedEtcd, error) {
 	logFile, err := os.OpenFile(filepath.Join(dir, etcdLogFile), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open etcd log: %w", err)
@@ -50,8 +50,9 @@ func startEtcd(ctx context.Context, dir string) (*embeddedEtcd, error) {
 	cfg.AdvertisePeerUrls = []url.URL{local}
 	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
 	cfg.ListenMetricsUrls = nil
-	// Test data is thrown away: skip fsync, the main cost of etcd writes.
-	cfg.UnsafeNoFsync = true
+	// Test data is thrown away: skip fsync, the main cost of etcd writes,
+	// unless asked (WithEtcdFsync).
+	cfg.UnsafeNoFsync = !fsync
 	cfg.Logger = "zap"
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(logger)
 

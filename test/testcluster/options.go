@@ -34,6 +34,7 @@ type options struct {
 	audiences          []string
 	controllerManager  bool
 	controllers        []string
+	etcdFsync          bool
 	apiServerArgs      []string
 	minRequestTimeout  time.Duration
 	startTimeout       time.Duration
@@ -98,6 +99,13 @@ func WithServiceAccountIssuer(issuer string) Option {
 // and puts in tokens requested without audiences. The default is the issuer.
 func WithAPIAudiences(audiences ...string) Option {
 	return func(o *options) { o.audiences = append([]string(nil), audiences...) }
+}
+
+// WithEtcdFsync makes etcd fsync its log on every write, as a production
+// etcd does; by default it does not (test data is thrown away), so a write
+// costs CPU only. Benchmarks use it to see what a write costs on a disk.
+func WithEtcdFsync() Option {
+	return func(o *options) { o.etcdFsync = true }
 }
 
 // WithControllerManager also starts a kube-controller-manager that runs the

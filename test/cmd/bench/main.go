@@ -90,12 +90,17 @@ func run() error {
 	heapProfile := flag.String("heapprofile", "", "with -scale: write the broker's heap profile at the largest level (after a forced Go GC) to this file")
 	gcInterval := flag.Duration("gc-interval", 30*time.Second, "with -scale: the broker's --gc-interval; a level's measurements run between two GC passes, so it must exceed them")
 	vaultOpts := vaultFlags()
+	fsync := flag.Bool("etcd-fsync", false, "run the harness's etcd with fsync on every write, as a production etcd (default off: writes cost CPU only)")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	// kube-controller-manager signs the client certificates.
-	c, err := testcluster.Run(ctx, testcluster.WithControllerManager())
+	opts := []testcluster.Option{testcluster.WithControllerManager()}
+	if *fsync {
+		opts = append(opts, testcluster.WithEtcdFsync())
+	}
+	c, err := testcluster.Run(ctx, opts...)
 	if err != nil {
 		return err
 	}
@@ -229,6 +234,25 @@ func run() error {
 		}
 		results = append(results, vault.measureRound(ctx, conc, *n)...)
 	}
+	// Paced: the pool's case, one request now and then.
+	for _, tc := range cases {
+		switch tc.name {
+		case caseTokenRequest, casePair, caseBroker, caseBrokerSequential:
+		default:
+			continue
+		}
+		pacedN := min(*n, 300)
+		var r result
+		if tc.name == caseBroker {
+			var f float64
+			r, f = pooledFraction(ctx, br.opsURL, func() result { return measurePaced(ctx, tc.op, pacedN, pacedEvery) })
+			r.PoolFraction = &f
+		} else {
+			r = measurePaced(ctx, tc.op, pacedN, pacedEvery)
+		}
+		r.Name = pacedPrefix + tc.name
+		results = append(results, r)
+	}
 	report.LoadRSSMB = peak()
 	if *tenantNamespaces > 0 {
 		t, err := measureTenants(ctx, c.Client, br, *tenantNamespaces, *n)
@@ -248,6 +272,13 @@ func run() error {
 	}
 	report.print()
 	if *out != "" {
+		if *fsync {
+			// A second view of the same rows, beside the main one.
+			return writeResultsKey(*out, "etcd_fsync", struct {
+				Results    []result     `json:"results"`
+				Saturation []saturation `json:"apiserver_saturation"`
+			}{report.Results, report.Saturation})
+		}
 		// Its own keys only: make bench-scale's "scale" and others stay.
 		return writeResultsKeys(*out, report)
 	}
@@ -455,7 +486,7 @@ func printResults(rs []result) {
 	}
 	pooled := map[int]float64{}
 	for _, r := range rs {
-		if r.PoolFraction != nil {
+		if r.PoolFraction != nil && r.Name == caseBroker {
 			pooled[r.Concurrency] = *r.PoolFraction
 		}
 	}
@@ -465,6 +496,17 @@ func printResults(rs []result) {
 		m := p50[c]
 		fmt.Printf("%-6d %16.2f %24.2f %14.2f %16.2f %22.2f %28.2f\n", c, m[caseBroker]/m[casePair], m[caseBroker]/m[caseTokenRequest],
 			pooled[c], m[caseBrokerSequential]/m[casePair], m[caseBrokerCert]/m[caseBroker], m[caseBrokerWorkload]-m[caseBroker])
+	}
+	if m := p50[1]; m[pacedPrefix+caseBroker] > 0 {
+		var share float64
+		for _, r := range rs {
+			if r.Name == pacedPrefix+caseBroker && r.PoolFraction != nil {
+				share = *r.PoolFraction
+			}
+		}
+		fmt.Printf("\npaced, one request every %s: broker/TokenRequest p50 %.2f (pool off %.2f), broker/pair p50 %.2f (pool off %.2f), pooled share %.2f\n",
+			pacedEvery, m[pacedPrefix+caseBroker]/m[pacedPrefix+caseTokenRequest], m[pacedPrefix+caseBrokerSequential]/m[pacedPrefix+caseTokenRequest],
+			m[pacedPrefix+caseBroker]/m[pacedPrefix+casePair], m[pacedPrefix+caseBrokerSequential]/m[pacedPrefix+casePair], share)
 	}
 }
 
