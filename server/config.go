@@ -170,11 +170,19 @@ const (
 	// together, handshakes included, and DefaultMaxHandshakes those still
 	// in their TLS handshake; DefaultMaxHandshakesPerIP bounds the latter
 	// for one client address on each TLS listener. They are sized to the
-	// 256Mi memory limit that deploy/base and the chart ship, from the
-	// measured cost of a connection (docs/operations.md, "Memory").
-	DefaultMaxConns           = 4096
-	DefaultMaxHandshakes      = 2048
-	DefaultMaxHandshakesPerIP = 128
+	// 256Mi memory limit that deploy/base and the chart ship
+	// (docs/operations.md, "Memory"): a connection costs the broker at
+	// most about 46 KiB of RSS (an idle kept-alive one; a handshake
+	// stalled after its ClientHello about 45 KiB), so 2048 of them take at
+	// most 92 MiB beside the broker's own 100 MiB with 50,000 leases listed
+	// four times at once (test/e2e/memory_test.go measures both). Half of
+	// the places may be handshakes, so that a flood of stalled ones leaves
+	// the other half to established peers. 256 handshakes of one address
+	// let the 200 kubectls of a source cluster connect at once
+	// (test/e2e/hostile_test.go), as DefaultMaxConnsPerIdentity does.
+	DefaultMaxConns           = 2048
+	DefaultMaxHandshakes      = 1024
+	DefaultMaxHandshakesPerIP = 256
 	// DefaultShutdownGrace fits inside Kubernetes' default 30s
 	// terminationGracePeriodSeconds.
 	DefaultShutdownGrace = 20 * time.Second
