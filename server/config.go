@@ -156,7 +156,7 @@ const (
 	// DefaultMaxConnsPerIP bounds the open connections of one client
 	// address on each TLS listener, handshakes included: a client that
 	// opens connections and sends nothing holds them for the handshake
-	// timeout (the header timeout) at most. It is above
+	// timeout at most. It is above
 	// DefaultMaxConnsPerIdentity, since a NAT or a load balancer puts
 	// several peers behind one address.
 	DefaultMaxConnsPerIP = 512

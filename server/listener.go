@@ -46,8 +46,8 @@ const (
 	// HandshakeNotTLS: the first bytes were not TLS (plain HTTP to the TLS
 	// port, a scanner).
 	HandshakeNotTLS = "not_tls"
-	// HandshakeTimeout: the handshake did not finish within the header
-	// timeout (a stalled or slowloris client).
+	// HandshakeTimeout: the handshake did not finish within
+	// Config.HandshakeTimeout (a stalled or slowloris client).
 	HandshakeTimeout = "timeout"
 	// HandshakeClosed: the client closed the connection before finishing,
 	// as TCP health checks of load balancers do; logged at debug level.
@@ -259,31 +259,27 @@ func (l *handshakeListener) acceptLoop() {
 // own first so that a greedy address is refused as such: open connections
 // and handshakes of its address, then of all listeners. It returns the
 // tracked connection, which gives back its places on close, and the
-// function that gives back its handshake places; or the reason it is
-// refused, having taken nothing.
+// function to call once when its handshake is over, which gives back its
+// handshake places; or the reason it is refused, having taken nothing.
 func (l *handshakeListener) admit(raw net.Conn) (*trackedConn, func(), string) {
 	ip := hostOf(raw.RemoteAddr())
-	var undo []func()
-	rollback := func(reason string) (*trackedConn, func(), string) {
-		for i := len(undo) - 1; i >= 0; i-- {
-			undo[i]()
-		}
-		return nil, nil, reason
-	}
 	if !l.perIP.acquire(ip) {
-		return rollback(ConnRefusedPerIP)
+		return nil, nil, ConnRefusedPerIP
 	}
-	undo = append(undo, func() { l.perIP.release(ip) })
 	if !l.handshakesPerIP.acquire(ip) {
-		return rollback(ConnRefusedPerIPHandshakes)
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedPerIPHandshakes
 	}
-	undo = append(undo, func() { l.handshakesPerIP.release(ip) })
 	if !l.conns.acquire() {
-		return rollback(ConnRefusedConns)
+		l.handshakesPerIP.release(ip)
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedConns
 	}
-	undo = append(undo, l.conns.release)
 	if !l.handshakes.acquire() {
-		return rollback(ConnRefusedHandshakes)
+		l.conns.release()
+		l.handshakesPerIP.release(ip)
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedHandshakes
 	}
 
 	c := &trackedConn{Conn: raw}
@@ -292,13 +288,10 @@ func (l *handshakeListener) admit(raw net.Conn) (*trackedConn, func(), string) {
 	l.open(l.name, 1)
 	c.onClose(func() { l.open(l.name, -1) })
 	l.handshaking(l.name, 1)
-	var once sync.Once
 	handshakeDone := func() {
-		once.Do(func() {
-			l.handshakesPerIP.release(ip)
-			l.handshakes.release()
-			l.handshaking(l.name, -1)
-		})
+		l.handshakesPerIP.release(ip)
+		l.handshakes.release()
+		l.handshaking(l.name, -1)
 	}
 	return c, handshakeDone, ""
 }
