@@ -139,6 +139,13 @@ const (
 	DefaultMaxHeaderBytes = 16 << 10
 	// DefaultReadHeaderTimeout stops slow-header (slowloris) clients.
 	DefaultReadHeaderTimeout = 5 * time.Second
+	// DefaultHandshakeTimeout bounds a TLS handshake. It is shorter than
+	// the header timeout because a handshake is what a client without a
+	// certificate can stall, and a stalled handshake holds a slot of
+	// MaxHandshakes and its memory until it ends. A TLS 1.3 handshake with
+	// a client certificate takes two round trips: 3s leaves room for a
+	// slow link and a lost packet.
+	DefaultHandshakeTimeout = 3 * time.Second
 	// DefaultReadTimeout bounds reading a whole request, body included.
 	DefaultReadTimeout = 15 * time.Second
 	// DefaultWriteTimeout leaves room for a TokenRequest round trip to the
@@ -149,7 +156,7 @@ const (
 	// DefaultMaxConnsPerIP bounds the open connections of one client
 	// address on each TLS listener, handshakes included: a client that
 	// opens connections and sends nothing holds them for the handshake
-	// timeout (the header timeout) at most. It is above
+	// timeout at most. It is above
 	// DefaultMaxConnsPerIdentity, since a NAT or a load balancer puts
 	// several peers behind one address.
 	DefaultMaxConnsPerIP = 512
@@ -159,6 +166,23 @@ const (
 	// in a source cluster connects as that cluster: 200 at once are
 	// served (test/e2e/hostile_test.go).
 	DefaultMaxConnsPerIdentity = 256
+	// DefaultMaxConns bounds the open connections of all TLS listeners
+	// together, handshakes included, and DefaultMaxHandshakes those still
+	// in their TLS handshake; DefaultMaxHandshakesPerIP bounds the latter
+	// for one client address on each TLS listener. They are sized to the
+	// 256Mi memory limit that deploy/base and the chart ship
+	// (docs/operations.md, "Memory"): a connection costs the broker at
+	// most about 46 KiB of RSS (an idle kept-alive one; a handshake
+	// stalled after its ClientHello about 45 KiB), so 2048 of them take at
+	// most 92 MiB beside the broker's own 100 MiB with 50,000 leases listed
+	// four times at once (test/e2e/memory_test.go measures both). Half of
+	// the places may be handshakes, so that a flood of stalled ones leaves
+	// the other half to established peers. 256 handshakes of one address
+	// let the 200 kubectls of a source cluster connect at once
+	// (test/e2e/hostile_test.go), as DefaultMaxConnsPerIdentity does.
+	DefaultMaxConns           = 2048
+	DefaultMaxHandshakes      = 1024
+	DefaultMaxHandshakesPerIP = 256
 	// DefaultShutdownGrace fits inside Kubernetes' default 30s
 	// terminationGracePeriodSeconds.
 	DefaultShutdownGrace = 20 * time.Second
@@ -214,6 +238,10 @@ type Config struct {
 	ReadTimeout       time.Duration
 	WriteTimeout      time.Duration
 	IdleTimeout       time.Duration
+	// HandshakeTimeout bounds the TLS handshake of a connection on each
+	// TLS listener, which the listener does before net/http reads the
+	// request. It must be shorter than ReadHeaderTimeout.
+	HandshakeTimeout time.Duration
 	// MaxConnsPerIP bounds the open connections from one client address
 	// on each TLS listener, counted from accept; one more is closed before
 	// its handshake. MaxConnsPerIdentity bounds those of one verified
@@ -223,6 +251,17 @@ type Config struct {
 	// there.
 	MaxConnsPerIP       int
 	MaxConnsPerIdentity int
+	// MaxConns bounds the open connections of all TLS listeners together,
+	// counted from accept, and MaxHandshakes those of them still in their
+	// TLS handshake; MaxHandshakesPerIP bounds the connections of one
+	// client address in their handshake, on each TLS listener. One more
+	// is closed as soon as it is accepted, before any TLS state is made
+	// for it. They bound the memory the broker spends on connections
+	// whatever the number of client addresses; an established connection
+	// is never closed for a new one.
+	MaxConns           int
+	MaxHandshakes      int
+	MaxHandshakesPerIP int
 	// ShutdownGrace is how long Run waits for in-flight requests after its
 	// context is cancelled before closing connections.
 	ShutdownGrace time.Duration
@@ -289,6 +328,12 @@ func (c Config) withDefaults() (Config, error) {
 	positive("ReadTimeout", &c.ReadTimeout, DefaultReadTimeout)
 	positive("WriteTimeout", &c.WriteTimeout, DefaultWriteTimeout)
 	positive("IdleTimeout", &c.IdleTimeout, DefaultIdleTimeout)
+	positive("HandshakeTimeout", &c.HandshakeTimeout, DefaultHandshakeTimeout)
+	if c.ReadHeaderTimeout > 0 && c.HandshakeTimeout >= c.ReadHeaderTimeout {
+		// A handshake is the part a client without a certificate can
+		// stall; it must not hold its slot longer than a peer's headers.
+		errs = append(errs, fmt.Errorf("HandshakeTimeout (%s) must be shorter than ReadHeaderTimeout (%s)", c.HandshakeTimeout, c.ReadHeaderTimeout))
+	}
 	positive("ShutdownGrace", &c.ShutdownGrace, DefaultShutdownGrace)
 	positive("ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout)
 
@@ -309,7 +354,13 @@ func (c Config) withDefaults() (Config, error) {
 		name string
 		v    *int
 		def  int
-	}{{"MaxConnsPerIP", &c.MaxConnsPerIP, DefaultMaxConnsPerIP}, {"MaxConnsPerIdentity", &c.MaxConnsPerIdentity, DefaultMaxConnsPerIdentity}} {
+	}{
+		{"MaxConnsPerIP", &c.MaxConnsPerIP, DefaultMaxConnsPerIP},
+		{"MaxConnsPerIdentity", &c.MaxConnsPerIdentity, DefaultMaxConnsPerIdentity},
+		{"MaxConns", &c.MaxConns, DefaultMaxConns},
+		{"MaxHandshakes", &c.MaxHandshakes, DefaultMaxHandshakes},
+		{"MaxHandshakesPerIP", &c.MaxHandshakesPerIP, DefaultMaxHandshakesPerIP},
+	} {
 		switch {
 		case *f.v < 0:
 			errs = append(errs, fmt.Errorf("%s must not be negative", f.name))

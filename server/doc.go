@@ -51,10 +51,16 @@
 //     rate-limited, with the remote address and the subject and SPIFFE ID of
 //     a refused certificate, nothing else of it.
 //   - tokenbroker_connections_refused_total{listener,reason}: counter of
-//     connections closed over a cap: per_ip (Config.MaxConnsPerIP, before
-//     the handshake) or per_identity (Config.MaxConnsPerIdentity, after it).
+//     connections closed over a cap (see ConnRefusedReasons): per_ip
+//     (Config.MaxConnsPerIP), per_ip_handshakes (Config.MaxHandshakesPerIP),
+//     conns (Config.MaxConns), handshakes (Config.MaxHandshakes), all four
+//     as soon as the connection is accepted, before any TLS state is made
+//     for it; or per_identity (Config.MaxConnsPerIdentity), after the
+//     handshake.
 //   - tokenbroker_connections_open{listener}: gauge of the open
 //     connections of the api and enroll listeners, handshakes included.
+//   - tokenbroker_connections_handshaking{listener}: gauge of those still
+//     in their TLS handshake.
 //
 // Requests to the operations listener (/healthz, /readyz, /metrics) are not
 // counted and not access-logged.

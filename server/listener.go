@@ -9,6 +9,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -45,8 +46,8 @@ const (
 	// HandshakeNotTLS: the first bytes were not TLS (plain HTTP to the TLS
 	// port, a scanner).
 	HandshakeNotTLS = "not_tls"
-	// HandshakeTimeout: the handshake did not finish within the header
-	// timeout (a stalled or slowloris client).
+	// HandshakeTimeout: the handshake did not finish within
+	// Config.HandshakeTimeout (a stalled or slowloris client).
 	HandshakeTimeout = "timeout"
 	// HandshakeClosed: the client closed the connection before finishing,
 	// as TCP health checks of load balancers do; logged at debug level.
@@ -135,14 +136,23 @@ type handshakeListener struct {
 
 	// perIP bounds the connections of one client address, counted from
 	// accept (before the handshake costs anything) to close; perIdentity
-	// those of one verified identity, from the handshake to close.
-	perIP, perIdentity *connLimit
+	// those of one verified identity, from the handshake to close;
+	// handshakesPerIP those of one client address from accept to the end
+	// of the handshake.
+	perIP, perIdentity, handshakesPerIP *connLimit
+	// conns and handshakes are the Server's caps over all its TLS
+	// listeners: open connections from accept to close, and connections
+	// from accept to the end of their handshake.
+	conns, handshakes *connCount
+	// handshaking moves the gauge of connections in their handshake.
+	handshaking func(listener string, delta float64)
 
 	logLimit   *rate.Limiter
 	mu         sync.Mutex
 	suppressed int
 
-	conns chan net.Conn
+	// ready carries the connections whose handshake succeeded to Accept.
+	ready chan net.Conn
 	errc  chan error
 	// ctx ends when the listener is closed.
 	ctx       context.Context
@@ -155,19 +165,23 @@ type handshakeListener struct {
 // cfg is used as is: the caller sets NextProtos.
 func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Config) *handshakeListener {
 	l := &handshakeListener{
-		Listener: ln,
-		cfg:      cfg,
-		name:     name,
-		timeout:  s.cfg.ReadHeaderTimeout,
-		failures: s.metrics.handshakeFailed,
-		refused:  s.metrics.connectionRefused,
-		open:     s.metrics.connectionsOpen,
-		perIP:    newConnLimit(s.cfg.MaxConnsPerIP),
-		log:      s.log.With(zap.String("listener", name)),
-		now:      s.cfg.Now,
-		logLimit: rate.NewLimiter(rate.Every(handshakeLogEvery), handshakeLogBurst),
-		conns:    make(chan net.Conn),
-		errc:     make(chan error, 1),
+		Listener:        ln,
+		cfg:             cfg,
+		name:            name,
+		timeout:         s.cfg.HandshakeTimeout,
+		failures:        s.metrics.handshakeFailed,
+		refused:         s.metrics.connectionRefused,
+		open:            s.metrics.connectionsOpen,
+		handshaking:     s.metrics.connectionsHandshaking,
+		perIP:           newConnLimit(s.cfg.MaxConnsPerIP),
+		handshakesPerIP: newConnLimit(s.cfg.MaxHandshakesPerIP),
+		conns:           s.conns,
+		handshakes:      s.handshakes,
+		log:             s.log.With(zap.String("listener", name)),
+		now:             s.cfg.Now,
+		logLimit:        rate.NewLimiter(rate.Every(handshakeLogEvery), handshakeLogBurst),
+		ready:           make(chan net.Conn),
+		errc:            make(chan error, 1),
 	}
 	if name == listenerAPI {
 		// Only the mutual-TLS listener knows who connects.
@@ -182,7 +196,7 @@ func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Con
 // Accept returns the next connection whose handshake succeeded.
 func (l *handshakeListener) Accept() (net.Conn, error) {
 	select {
-	case c := <-l.conns:
+	case c := <-l.ready:
 		return c, nil
 	case err := <-l.errc:
 		return nil, err
@@ -228,22 +242,64 @@ func (l *handshakeListener) acceptLoop() {
 			return
 		}
 		backoff = 0
-		ip := hostOf(raw.RemoteAddr())
-		if !l.perIP.acquire(ip) {
-			l.refuse(ConnRefusedPerIP, raw.RemoteAddr(), "")
+		c, handshakeDone, reason := l.admit(raw)
+		if reason != "" {
+			// Closed before any TLS state exists for it: a refused
+			// connection costs its socket for this long only.
 			_ = raw.Close()
+			l.refuse(reason, raw.RemoteAddr(), "")
 			continue
 		}
-		c := &trackedConn{Conn: raw}
-		c.onClose(func() { l.perIP.release(ip) })
-		l.open(l.name, 1)
-		c.onClose(func() { l.open(l.name, -1) })
 		l.wg.Add(1)
-		go l.handshake(c)
+		go l.handshake(c, handshakeDone)
 	}
 }
 
-func (l *handshakeListener) handshake(raw *trackedConn) {
+// admit takes a connection's places under the caps, the client address's
+// own first so that a greedy address is refused as such: open connections
+// and handshakes of its address, then of all listeners. It returns the
+// tracked connection, which gives back its places on close, and the
+// function to call once when its handshake is over, which gives back its
+// handshake places; or the reason it is refused, having taken nothing.
+func (l *handshakeListener) admit(raw net.Conn) (*trackedConn, func(), string) {
+	ip := hostOf(raw.RemoteAddr())
+	if !l.perIP.acquire(ip) {
+		return nil, nil, ConnRefusedPerIP
+	}
+	if !l.handshakesPerIP.acquire(ip) {
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedPerIPHandshakes
+	}
+	if !l.conns.acquire() {
+		l.handshakesPerIP.release(ip)
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedConns
+	}
+	if !l.handshakes.acquire() {
+		l.conns.release()
+		l.handshakesPerIP.release(ip)
+		l.perIP.release(ip)
+		return nil, nil, ConnRefusedHandshakes
+	}
+
+	c := &trackedConn{Conn: raw}
+	c.onClose(func() { l.perIP.release(ip) })
+	c.onClose(l.conns.release)
+	l.open(l.name, 1)
+	c.onClose(func() { l.open(l.name, -1) })
+	l.handshaking(l.name, 1)
+	handshakeDone := func() {
+		l.handshakesPerIP.release(ip)
+		l.handshakes.release()
+		l.handshaking(l.name, -1)
+	}
+	return c, handshakeDone, ""
+}
+
+// handshake runs the TLS handshake of raw and hands the connection to
+// Accept; handshakeDone gives back its handshake places once the handshake
+// is over, whatever its outcome.
+func (l *handshakeListener) handshake(raw *trackedConn, handshakeDone func()) {
 	defer l.wg.Done()
 	conn := tls.Server(raw, l.cfg)
 	// HandshakeContext closes the connection when ctx ends: at the
@@ -251,6 +307,7 @@ func (l *handshakeListener) handshake(raw *trackedConn) {
 	ctx, cancel := context.WithTimeout(l.ctx, l.timeout)
 	err := conn.HandshakeContext(ctx)
 	cancel()
+	handshakeDone()
 	if err != nil {
 		_ = raw.Close()
 		if l.ctx.Err() == nil {
@@ -269,7 +326,7 @@ func (l *handshakeListener) handshake(raw *trackedConn) {
 		}
 	}
 	select {
-	case l.conns <- conn:
+	case l.ready <- conn:
 	case <-l.ctx.Done():
 		_ = conn.Close()
 	}
@@ -372,7 +429,43 @@ const (
 	// Config.MaxConnsPerIdentity open connections; closed after the
 	// handshake, before any request is read.
 	ConnRefusedPerIdentity = "per_identity"
+	// ConnRefusedPerIPHandshakes: the client address has
+	// Config.MaxHandshakesPerIP connections in their TLS handshake on the
+	// listener; closed before the handshake.
+	ConnRefusedPerIPHandshakes = "per_ip_handshakes"
+	// ConnRefusedConns: the TLS listeners together have Config.MaxConns
+	// open connections; closed before the handshake.
+	ConnRefusedConns = "conns"
+	// ConnRefusedHandshakes: the TLS listeners together have
+	// Config.MaxHandshakes connections in their TLS handshake; closed
+	// before the handshake.
+	ConnRefusedHandshakes = "handshakes"
 )
+
+// ConnRefusedReasons lists every reason label value of
+// tokenbroker_connections_refused_total, in the order of the documentation
+// (and of the checks: a client address's own caps come first).
+func ConnRefusedReasons() []string {
+	return []string{ConnRefusedPerIP, ConnRefusedPerIPHandshakes, ConnRefusedConns, ConnRefusedHandshakes, ConnRefusedPerIdentity}
+}
+
+// connCount counts the connections of all TLS listeners against one cap.
+type connCount struct {
+	max int64
+	n   atomic.Int64
+}
+
+func newConnCount(max int) *connCount { return &connCount{max: int64(max)} }
+
+func (c *connCount) acquire() bool {
+	if c.n.Add(1) > c.max {
+		c.n.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (c *connCount) release() { c.n.Add(-1) }
 
 // connLimit counts open connections by key and refuses one over max.
 type connLimit struct {

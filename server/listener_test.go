@@ -69,7 +69,7 @@ func TestHandshakeFailuresAreCountedByReason(t *testing.T) {
 	})
 	_, untrusted := caAndLeaf(t, func(*x509.Certificate) {})
 	r := startServer(t, &fakeBroker{}, []*x509.Certificate{expiredCA, usageCA},
-		func(c *Config) { c.ReadHeaderTimeout = 300 * time.Millisecond })
+		func(c *Config) { c.HandshakeTimeout = 300 * time.Millisecond })
 	addr := r.srv.Addr().String()
 	failures := r.srv.metrics.handshakes
 
@@ -228,9 +228,10 @@ func closedByServer(conn net.Conn, d time.Duration) bool {
 func TestGreedyAndSlowClientsDoNotStarveAWellBehavedPeer(t *testing.T) {
 	t.Parallel()
 	const perIP, perIdentity = 8, 4
-	const headerTimeout = 2 * time.Second
+	const handshakeTimeout, headerTimeout = time.Second, 2 * time.Second
 	r := startServer(t, &fakeBroker{}, nil, func(c *Config) {
-		c.MaxConnsPerIP, c.MaxConnsPerIdentity, c.ReadHeaderTimeout = perIP, perIdentity, headerTimeout
+		c.MaxConnsPerIP, c.MaxConnsPerIdentity = perIP, perIdentity
+		c.HandshakeTimeout, c.ReadHeaderTimeout = handshakeTimeout, headerTimeout
 	})
 	addr := r.srv.Addr().String()
 	m := r.srv.metrics

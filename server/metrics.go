@@ -14,11 +14,12 @@ const routeUnmatched = "unmatched"
 
 // httpMetrics are the metrics listed in the package doc.
 type httpMetrics struct {
-	requests   *prometheus.CounterVec
-	duration   *prometheus.HistogramVec
-	handshakes *prometheus.CounterVec
-	refused    *prometheus.CounterVec
-	openConns  *prometheus.GaugeVec
+	requests    *prometheus.CounterVec
+	duration    *prometheus.HistogramVec
+	handshakes  *prometheus.CounterVec
+	refused     *prometheus.CounterVec
+	openConns   *prometheus.GaugeVec
+	inHandshake *prometheus.GaugeVec
 }
 
 func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
@@ -38,14 +39,18 @@ func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 		}, []string{"listener", "reason"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_connections_refused_total",
-			Help: "Connections closed unanswered because their client address or identity had too many open, by listener and reason (per_ip, per_identity).",
+			Help: "Connections closed unanswered over a cap, by listener and reason (per_ip, per_ip_handshakes, conns, handshakes, per_identity).",
 		}, []string{"listener", "reason"}),
 		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "tokenbroker_connections_open",
 			Help: "Open connections of the TLS listeners, handshakes included, by listener.",
 		}, []string{"listener"}),
+		inHandshake: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_connections_handshaking",
+			Help: "Connections of the TLS listeners still in their TLS handshake, by listener.",
+		}, []string{"listener"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.handshakes, m.refused, m.openConns} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.handshakes, m.refused, m.openConns, m.inHandshake} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -68,6 +73,10 @@ func (m *httpMetrics) connectionRefused(listener, reason string) {
 
 func (m *httpMetrics) connectionsOpen(listener string, delta float64) {
 	m.openConns.WithLabelValues(listener).Add(delta)
+}
+
+func (m *httpMetrics) connectionsHandshaking(listener string, delta float64) {
+	m.inHandshake.WithLabelValues(listener).Add(delta)
 }
 
 // methodLabel bounds the method label (and log field) to the standard

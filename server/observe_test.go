@@ -210,6 +210,13 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		{name: "A Registerer without a Gatherer is refused.", mutate: func(c *Config) { c.Registerer = prometheus.NewRegistry() }, errMsg: "must be set together"},
 		{name: "A negative timeout is refused.", mutate: func(c *Config) { c.WriteTimeout = -time.Second }, errMsg: "WriteTimeout must not be negative"},
 		{name: "A negative body limit is refused.", mutate: func(c *Config) { c.MaxBodyBytes = -1 }, errMsg: "MaxBodyBytes must not be negative"},
+		{name: "A negative connection cap is refused.", mutate: func(c *Config) { c.MaxHandshakes = -1 }, errMsg: "MaxHandshakes must not be negative"},
+		{name: "A handshake timeout as long as the header timeout is refused.", mutate: func(c *Config) {
+			c.HandshakeTimeout, c.ReadHeaderTimeout = 2*time.Second, 2*time.Second
+		}, errMsg: "HandshakeTimeout (2s) must be shorter than ReadHeaderTimeout (2s)"},
+		{name: "A header timeout shorter than the default handshake timeout is refused.", mutate: func(c *Config) {
+			c.ReadHeaderTimeout = time.Second
+		}, errMsg: "HandshakeTimeout (3s) must be shorter than ReadHeaderTimeout (1s)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -233,6 +240,11 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		require.Equal(t, DefaultIdleTimeout, s.cfg.IdleTimeout)
 		require.Equal(t, DefaultShutdownGrace, s.cfg.ShutdownGrace)
 		require.Equal(t, DefaultReadyTimeout, s.cfg.ReadyTimeout)
+		require.Equal(t, DefaultHandshakeTimeout, s.cfg.HandshakeTimeout)
+		require.Less(t, DefaultHandshakeTimeout, DefaultReadHeaderTimeout)
+		require.Equal(t, DefaultMaxConns, s.cfg.MaxConns)
+		require.Equal(t, DefaultMaxHandshakes, s.cfg.MaxHandshakes)
+		require.Equal(t, DefaultMaxHandshakesPerIP, s.cfg.MaxHandshakesPerIP)
 		hs := s.httpServer(http.NotFoundHandler(), context.Background(), "api")
 		require.Equal(t, DefaultReadHeaderTimeout, hs.ReadHeaderTimeout)
 		require.Equal(t, DefaultReadTimeout, hs.ReadTimeout)

@@ -85,6 +85,17 @@ type Options struct {
 	// the defaults.
 	MaxConnsPerIP       int
 	MaxConnsPerIdentity int
+	// MaxConns, MaxHandshakes and MaxHandshakesPerIP bound the open
+	// connections of all TLS listeners, those in their TLS handshake, and
+	// those of one client address in their handshake (Config); zero means
+	// the defaults.
+	MaxConns           int
+	MaxHandshakes      int
+	MaxHandshakesPerIP int
+	// HandshakeTimeout bounds a TLS handshake; zero means
+	// DefaultHandshakeTimeout. It must be shorter than the header timeout
+	// (DefaultReadHeaderTimeout).
+	HandshakeTimeout time.Duration
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
 	// Credentials are the credential kinds this broker issues (see
@@ -163,8 +174,11 @@ func (o Options) Validate() error {
 	if o.MaxBodyBytes <= 0 {
 		errs = append(errs, errors.New("--max-body-bytes must be positive"))
 	}
-	if o.MaxConnsPerIP < 0 || o.MaxConnsPerIdentity < 0 {
-		errs = append(errs, errors.New("--max-conns-per-ip and --max-conns-per-identity must not be negative"))
+	if o.MaxConnsPerIP < 0 || o.MaxConnsPerIdentity < 0 || o.MaxConns < 0 || o.MaxHandshakes < 0 || o.MaxHandshakesPerIP < 0 {
+		errs = append(errs, errors.New("--max-conns, --max-conns-per-ip, --max-conns-per-identity, --max-handshakes and --max-handshakes-per-ip must not be negative"))
+	}
+	if o.HandshakeTimeout < 0 || o.HandshakeTimeout >= DefaultReadHeaderTimeout {
+		errs = append(errs, fmt.Errorf("--handshake-timeout must be between 0 (the default, %s) and the header timeout (%s), exclusive", DefaultHandshakeTimeout, DefaultReadHeaderTimeout))
 	}
 	if (o.CACertFile == "") != (o.CAKeyFile == "") {
 		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
@@ -325,6 +339,10 @@ func Run(ctx context.Context, opts Options) error {
 		MaxBodyBytes:        opts.MaxBodyBytes,
 		MaxConnsPerIP:       opts.MaxConnsPerIP,
 		MaxConnsPerIdentity: opts.MaxConnsPerIdentity,
+		MaxConns:            opts.MaxConns,
+		MaxHandshakes:       opts.MaxHandshakes,
+		MaxHandshakesPerIP:  opts.MaxHandshakesPerIP,
+		HandshakeTimeout:    opts.HandshakeTimeout,
 		Pprof:               opts.Pprof,
 		Logger:              log.Named("http"),
 		Registerer:          reg,

@@ -27,6 +27,9 @@ type Server struct {
 	refusals    RefusalAuditor
 	workloads   WorkloadAuthenticator
 	metrics     *httpMetrics
+	// conns and handshakes are the caps of Config.MaxConns and
+	// Config.MaxHandshakes, shared by the TLS listeners.
+	conns, handshakes *connCount
 	// router is the API listener's route table, enrollRouter the
 	// enrollment listener's; both are built from routeTable.
 	router       *chi.Mux
@@ -59,11 +62,13 @@ func New(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("register http metrics: %w", err)
 	}
 	s := &Server{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		broker:    cfg.Broker,
-		metrics:   m,
-		listening: make(chan struct{}),
+		cfg:        cfg,
+		log:        cfg.Logger,
+		broker:     cfg.Broker,
+		metrics:    m,
+		conns:      newConnCount(cfg.MaxConns),
+		handshakes: newConnCount(cfg.MaxHandshakes),
+		listening:  make(chan struct{}),
 	}
 	// Optional abilities of the broker.
 	s.certs, _ = cfg.Broker.(CertificateIssuer)

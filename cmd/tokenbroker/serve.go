@@ -108,6 +108,10 @@ func serveFlags() *pflag.FlagSet {
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int("max-conns-per-ip", server.DefaultMaxConnsPerIP, "open connections of one client address on each TLS listener, handshakes included; one more is closed before its handshake (behind a load balancer that hides client addresses, every peer shares one)")
 	fs.Int("max-conns-per-identity", server.DefaultMaxConnsPerIdentity, "open connections of one verified peer identity on the mutual-TLS listener; one more is closed after its handshake")
+	fs.Int("max-conns", server.DefaultMaxConns, "open connections of all TLS listeners together, handshakes included; one more is closed before its handshake (sized to a 256Mi memory limit: scale it with the limit)")
+	fs.Int("max-handshakes", server.DefaultMaxHandshakes, "connections of all TLS listeners still in their TLS handshake; one more is closed before its handshake (sized to a 256Mi memory limit: scale it with the limit)")
+	fs.Int("max-handshakes-per-ip", server.DefaultMaxHandshakesPerIP, "connections of one client address in their TLS handshake on each TLS listener; one more is closed before its handshake")
+	fs.Duration("handshake-timeout", server.DefaultHandshakeTimeout, "how long a TLS handshake may take before the connection is closed; shorter than the header timeout ("+server.DefaultReadHeaderTimeout.String()+")")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
 	fs.Duration("signing-timeout", clientcert.DefaultTimeout, "how long to wait for the cluster's signer to issue a client certificate before answering 503")
@@ -137,6 +141,10 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		MaxBodyBytes:        v.GetInt64("max-body-bytes"),
 		MaxConnsPerIP:       v.GetInt("max-conns-per-ip"),
 		MaxConnsPerIdentity: v.GetInt("max-conns-per-identity"),
+		MaxConns:            v.GetInt("max-conns"),
+		MaxHandshakes:       v.GetInt("max-handshakes"),
+		MaxHandshakesPerIP:  v.GetInt("max-handshakes-per-ip"),
+		HandshakeTimeout:    v.GetDuration("handshake-timeout"),
 		Pprof:               v.GetBool("pprof"),
 		Credentials:         v.GetStringSlice("credentials"),
 		SigningTimeout:      v.GetDuration("signing-timeout"),

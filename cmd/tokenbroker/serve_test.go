@@ -94,7 +94,8 @@ func TestAConfigFileWithAnUnknownKeyIsRejected(t *testing.T) {
 }
 
 func TestBadValuesAreRefused(t *testing.T) {
-	for _, args := range [][]string{{"--kube-qps", "0"}, {"--gc-interval", "1ms"}, {"--max-body-bytes", "-1"}, {"--max-conns-per-ip", "-1"}, {"--max-conns-per-identity", "-1"}} {
+	for _, args := range [][]string{{"--kube-qps", "0"}, {"--gc-interval", "1ms"}, {"--max-body-bytes", "-1"}, {"--max-conns-per-ip", "-1"}, {"--max-conns-per-identity", "-1"},
+		{"--max-conns", "-1"}, {"--max-handshakes", "-1"}, {"--max-handshakes-per-ip", "-1"}, {"--handshake-timeout", "5s"}, {"--handshake-timeout", "-1s"}} {
 		_, err := serveConfigOf(t, append(required, args...)...)
 		require.Error(t, err, args)
 	}

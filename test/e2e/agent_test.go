@@ -504,8 +504,17 @@ func (a *agentProc) metric(t *testing.T, name string, labels ...string) float64 
 	t.Helper()
 	status, body := a.get(t, "/metrics")
 	require.Equal(t, 200, status, body)
-	sum, found := 0.0, false
-	sc := bufio.NewScanner(strings.NewReader(body))
+	sum, found := sumSamples(t, body, name, labels...)
+	require.True(t, found, "no sample of %s%v on /metrics", name, labels)
+	return sum
+}
+
+// sumSamples sums the samples of name in a Prometheus text exposition
+// whose labels include the given name/value pairs, and says whether there
+// was one.
+func sumSamples(t *testing.T, exposition, name string, labels ...string) (sum float64, found bool) {
+	t.Helper()
+	sc := bufio.NewScanner(strings.NewReader(exposition))
 	for sc.Scan() {
 		m := sampleRE.FindStringSubmatch(sc.Text())
 		if m == nil || m[1] != name {
@@ -525,8 +534,7 @@ func (a *agentProc) metric(t *testing.T, name string, labels ...string) float64 
 			sum, found = sum+v, true
 		}
 	}
-	require.True(t, found, "no sample of %s%v on /metrics", name, labels)
-	return sum
+	return sum, found
 }
 
 // stopProcess stops p with SIGTERM and waits for it; its cleanup then finds

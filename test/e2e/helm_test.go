@@ -373,6 +373,8 @@ func TestHelmChartRenders(t *testing.T) {
 			"--enroll-address=:8444", "--ca-cert-file=/etc/tokenbroker/ca/ca.crt", "--ca-key-file=/etc/tokenbroker/ca/ca.key",
 			"--client-ca-file=/etc/tokenbroker/client-ca/bundle.crt", "--audit-log=/var/log/tokenbroker/audit.log",
 			"--log-level=debug", "--gc-interval=30s", "--kube-qps=500",
+			"--max-conns=4096", "--max-handshakes=2048", "--max-handshakes-per-ip=256", "--max-conns-per-ip=1024",
+			"--max-conns-per-identity=512", "--handshake-timeout=2s",
 		} {
 			require.Contains(t, ctr.Args, a)
 		}

@@ -10,7 +10,6 @@ import (
 	"os"
 	"regexp"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -161,17 +160,10 @@ func (e *brokerEnv) goroutines(t *testing.T) int {
 	return n
 }
 
+// rssMB is a process's resident set size in MiB.
 func rssMB(t *testing.T, pid int) float64 {
 	t.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	require.NoError(t, err)
-	for _, line := range strings.Split(string(data), "\n") {
-		if strings.HasPrefix(line, "VmRSS:") {
-			kb, _ := strconv.ParseFloat(strings.Fields(line)[1], 64)
-			return kb / 1024
-		}
-	}
-	return 0
+	return procStatusMiB(t, pid, "VmRSS")
 }
 
 // collectLater runs the lease GC as it will run once every lease of this

@@ -105,12 +105,13 @@ func TestIdleAndSlowlorisConnectionsDoNotStopIssuanceForAWellBehavedPeer(t *test
 		return counter(t, s.reg, "tokenbroker_connections_refused_total", map[string]string{"listener": "api", "reason": reason})
 	}
 
-	// Idle connections from one address, 72 over its cap.
-	const idle = server.DefaultMaxConnsPerIP + 72
+	// Idle connections from one address, 72 over its cap of connections
+	// in their TLS handshake (an idle one never leaves it).
+	const idle = server.DefaultMaxHandshakesPerIP + 72
 	for range idle {
 		dial("127.0.0.2")
 	}
-	require.Eventually(t, func() bool { return refused("per_ip") == idle-server.DefaultMaxConnsPerIP },
+	require.Eventually(t, func() bool { return refused("per_ip_handshakes") == idle-server.DefaultMaxHandshakesPerIP },
 		10*time.Second, 10*time.Millisecond)
 
 	// Connections of another peer, each with half a request, 8 over its
