@@ -44,6 +44,9 @@ type LeaseCounter struct {
 	mu      sync.Mutex
 	watches map[string]*nsWatch // by namespace
 	byKey   map[string]*counted // namespace/name → the lease Secret
+	// byName finds a Secret's namespace by its name (lease names are
+	// unique: 128 random bits), for lookups by lease id.
+	byName map[string]string
 	perPeer map[string]int      // unexpired leases by peer
 	live    int                 // unexpired leases of all peers
 	// reserved are the places of requests not yet seen as Secrets, by
@@ -91,7 +94,7 @@ func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap
 	return &LeaseCounter{
 		client: client, clock: clk, log: log,
 		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
-		expired: map[string]*counted{},
+		expired: map[string]*counted{}, byName: map[string]string{},
 	}
 }
 
@@ -232,6 +235,8 @@ func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 // lc.mu is held.
 func (lc *LeaseCounter) count(c *counted) {
 	lc.byKey[c.key] = c
+	ns, name, _ := cache.SplitMetaNamespaceKey(c.key)
+	lc.byName[name] = ns
 	if !c.expires.IsZero() && !lc.clock.Now().Before(c.expires) {
 		lc.expired[c.key] = c
 		return
@@ -264,6 +269,9 @@ func (lc *LeaseCounter) remove(obj any) {
 
 func (lc *LeaseCounter) forget(key string, c *counted) {
 	delete(lc.byKey, key)
+	if ns, name, _ := cache.SplitMetaNamespaceKey(key); lc.byName[name] == ns {
+		delete(lc.byName, name)
+	}
 	delete(lc.expired, key)
 	lc.uncount(c)
 }
@@ -334,6 +342,15 @@ func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
 		out = append(out, ExpiredSecret{Namespace: ns, Name: name, UID: c.uid, Expires: c.expires, Pool: c.pool})
 	}
 	return out
+}
+
+// NamespaceOf returns the namespace of the lease Secret named name, if the
+// counter has seen one.
+func (lc *LeaseCounter) NamespaceOf(name string) (string, bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	ns, ok := lc.byName[name]
+	return ns, ok
 }
 
 // Counted is how many unexpired leases the informers see, reserved places

@@ -178,7 +178,11 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if peer == nil {
 		return nil, notFound
 	}
-	secrets, err := b.listLeaseSecrets(ctx, b.peerNamespaces(peer), labels.Set{LabelLeaseID: id})
+	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id)
+	if err != nil {
+		return nil, err
+	}
+	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{LabelLeaseID: id})
 	if err != nil {
 		return nil, err
 	}
@@ -188,6 +192,42 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 		}
 	}
 	return nil, notFound
+}
+
+// leaseLookupWait is how long a lookup waits for the lease counter to see
+// a lease it does not know: one just issued by another replica.
+const leaseLookupWait = time.Second
+
+// leaseLookupNamespaces returns the namespaces where the lease id may be:
+// the one the lease counter saw it in, when the counter has synced, so that
+// a lookup is one list however many namespaces the peer's grants match;
+// else (or if the counter has not seen it within leaseLookupWait) every
+// namespace of the peer, listed one at a time. A lease the counter has not
+// seen and the peer does not hold is then not found without a list.
+func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string) ([]string, error) {
+	all := b.peerNamespaces(peer)
+	lc := b.cfg.Leases
+	if lc == nil || !lc.Synced() {
+		return all, nil
+	}
+	name := leaseSecretPrefix + id
+	deadline := b.cfg.Clock.Now().Add(leaseLookupWait)
+	for {
+		if ns, ok := lc.NamespaceOf(name); ok {
+			if _, granted := slices.BinarySearch(all, ns); granted {
+				return []string{ns}, nil
+			}
+			return nil, nil // in a namespace the peer holds no leases in
+		}
+		if !b.cfg.Clock.Now().Before(deadline) {
+			return nil, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-b.cfg.Clock.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // listLeaseSecrets lists lease Secrets (and only those: the kind label

@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"runtime"
 	"testing"
 	"time"
 
@@ -266,4 +267,48 @@ func TestTheCounterSweepsOnlyWhatExpired(t *testing.T) {
 	require.Len(t, lc.expiring, 990, "the heap gave up the ten that expired, no more")
 	own, _ := lc.Live("west")
 	require.Equal(t, 990, own)
+}
+
+func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
+	t.Parallel()
+	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
+	ctx := context.Background()
+	lc := NewLeaseCounter(nil, e.clock, zap.NewNop())
+	e.b.cfg.Leases = lc
+	resp, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "flux", ServiceAccount: "reader"})
+	require.NoError(t, err)
+	peer := e.b.cfg.Policy.Load().peer(west.Identity)
+
+	ns, err := e.b.leaseLookupNamespaces(ctx, peer, resp.LeaseID)
+	require.NoError(t, err)
+	require.Equal(t, []string{"flux"}, ns, "the counter knows the lease it committed")
+	e.client.ClearActions()
+	l, err := e.b.GetLease(ctx, west, resp.LeaseID)
+	require.NoError(t, err)
+	require.Equal(t, "flux", l.Namespace)
+	require.Len(t, e.client.Actions(), 1, "one list, in the lease's namespace")
+
+	// An id the counter has not seen: no list at all, once the wait for
+	// another replica's lease is over.
+	e.client.ClearActions()
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.b.GetLease(ctx, west, "aaaaaaaaaaaaaaaaaaaaaaaaaa")
+		done <- err
+	}()
+	for {
+		select {
+		case err := <-done:
+			require.Equal(t, KindNotFound, KindOf(err))
+			for _, a := range e.client.Actions() {
+				require.NotEqual(t, "list", a.GetVerb(), "an unknown id is not searched for")
+			}
+			return
+		default:
+			if e.clock.HasWaiters() {
+				e.clock.Step(50 * time.Millisecond) // the lookup waits on the fake clock
+			}
+			runtime.Gosched()
+		}
+	}
 }
