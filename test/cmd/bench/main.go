@@ -81,10 +81,16 @@ func run() error {
 	out := flag.String("out", "", "also write the results as JSON to this file")
 	tenantNamespaces := flag.Int("namespaces", 5000, "namespaces a selector grant matches in the tenant measurement (0 skips it)")
 	scale := flag.String("scale", "", "instead of the comparison: fill the cluster to each of these comma-separated numbers of live leases and measure at each (make bench-scale)")
+	agentTargets := flag.Int("agent-targets", 0, "instead of the comparison: measure one agent with this many targets and write its figures under \"agent\" in -out, keeping the file's other keys (make bench-agent)")
+	agentBrokers := flag.Int("agent-brokers", 4, "broker processes serving the agent's targets (with -agent-targets)")
+	agentEnv := flag.String("agent-env", "", "comma-separated NAME=VALUE added to the agent's environment, e.g. GOGC=50 (with -agent-targets)")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
+	if *agentTargets > 0 {
+		return runAgentBench(ctx, *binDir, *agentTargets, *agentBrokers, splitList(*agentEnv), *out)
+	}
 	// kube-controller-manager signs the client certificates.
 	c, err := testcluster.Run(ctx, testcluster.WithControllerManager())
 	if err != nil {
