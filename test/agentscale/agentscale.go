@@ -71,6 +71,9 @@ const (
 	// revokeGrace is short so that a cycle ends soon after its last
 	// refresh.
 	revokeGrace = 2 * time.Second
+	// brokerIdleConnTimeout is the agent's (agent/brokers.go): after it,
+	// the agent holds no broker connection.
+	brokerIdleConnTimeout = 5 * time.Second
 )
 
 // Options says what to run.
@@ -96,6 +99,10 @@ type Options struct {
 	Fraction float64
 	// Dir is a scratch directory for the PKI, configs and logs.
 	Dir string
+	// IdleSample, if set, is how long RSS is also sampled after the cycle,
+	// once its broker connections have closed: the agent between
+	// refreshes. The next cycle must not begin before it ends.
+	IdleSample time.Duration
 }
 
 // Result is what Run measured.
@@ -111,15 +118,22 @@ type Result struct {
 	FirstSecretMs float64 `json:"first_secret_ms"`
 	AllSecretsMs  float64 `json:"all_secrets_ms"`
 	// RSSPeakMB is the highest RSS sampled (every 50 ms) from the start to
-	// the end of the cycle; RSSSteadyMB the median of the samples during
-	// the cycle, after every Secret was written.
-	RSSPeakMB   float64 `json:"rss_peak_mb"`
-	RSSSteadyMB float64 `json:"rss_steady_mb"`
-	// RSSSteadyAnonMB is the anonymous part of RSSSteadyMB (heap, stacks,
-	// the runtime's own); the rest is the binary's pages.
-	RSSSteadyAnonMB float64 `json:"rss_steady_anon_mb"`
+	// the end of the cycle (or of the idle sample); RSSRefreshingMB the
+	// median during the cycle, from the last first write to the last
+	// revocation, while every target refreshes; RSSSteadyMB the median over
+	// Options.IdleSample after the cycle, once its broker connections have
+	// closed: the agent between refreshes, where it spends its time (0
+	// without IdleSample).
+	RSSPeakMB       float64 `json:"rss_peak_mb"`
+	RSSRefreshingMB float64 `json:"rss_refreshing_mb"`
+	RSSSteadyMB     float64 `json:"rss_steady_mb,omitempty"`
+	// RSSRefreshingAnonMB and RSSSteadyAnonMB are their anonymous parts
+	// (heap, stacks, the runtime's own); the rest is the binary's mapped
+	// pages.
+	RSSRefreshingAnonMB float64 `json:"rss_refreshing_anon_mb"`
+	RSSSteadyAnonMB     float64 `json:"rss_steady_anon_mb,omitempty"`
 	// HeapInuseMB, StackInuseMB and Goroutines are the agent's own, from
-	// its /metrics at the end of the cycle.
+	// its /metrics after the cycle (and the idle sample).
 	HeapInuseMB  float64 `json:"heap_inuse_mb"`
 	StackInuseMB float64 `json:"stack_inuse_mb"`
 	Goroutines   int     `json:"goroutines"`
@@ -312,16 +326,19 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 			refreshed++
 		}
 	}
+	// The revocations, as the brokers count them: scraping the agent
+	// itself this often would add to what is measured.
+	const revoke = "DELETE /v1/leases/{id}"
 	for {
-		n, err := metricSum(ctx, "http://"+ops+"/metrics", "tokenbroker_agent_revocations_total", nil)
+		calls, err := brokerCalls(ctx, brokers)
 		if err != nil {
 			return fail(err)
 		}
-		if int(n) >= o.Targets {
+		if calls[revoke]-brokersAtStart[revoke] >= o.Targets {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fail(fmt.Errorf("%d of %d replaced leases revoked by the deadline", int(n), o.Targets))
+			return fail(fmt.Errorf("%d of %d replaced leases revoked by the deadline", calls[revoke]-brokersAtStart[revoke], o.Targets))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -331,25 +348,30 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 	if err != nil {
 		return fail(err)
 	}
-	heap, err := metricSum(ctx, "http://"+ops+"/metrics", "go_memstats_heap_inuse_bytes", nil)
+	f := rss.figures(allWritten, cycleEnd)
+	r.RSSPeakMB, r.RSSRefreshingMB, r.RSSRefreshingAnonMB = f.peak, f.median, f.medianAnon
+	if o.IdleSample > 0 {
+		// Once the last connections have idled out, until the next cycle.
+		from := cycleEnd.Add(brokerIdleConnTimeout + time.Second)
+		to := from.Add(o.IdleSample)
+		select {
+		case <-time.After(time.Until(to)):
+		case <-ctx.Done():
+			return fail(ctx.Err())
+		}
+		f := rss.figures(from, to)
+		r.RSSPeakMB, r.RSSSteadyMB, r.RSSSteadyAnonMB = f.peak, f.median, f.medianAnon
+	}
+	// The agent's own figures, scraped once, after RSS was sampled.
+	own, err := scrape(ctx, "http://"+ops+"/metrics")
 	if err != nil {
 		return fail(err)
 	}
-	r.HeapInuseMB = heap / (1 << 20)
-	stack, err := metricSum(ctx, "http://"+ops+"/metrics", "go_memstats_stack_inuse_bytes", nil)
-	if err != nil {
-		return fail(err)
-	}
-	r.StackInuseMB = stack / (1 << 20)
-	g, err := metricSum(ctx, "http://"+ops+"/metrics", "go_goroutines", nil)
-	if err != nil {
-		return fail(err)
-	}
-	r.Goroutines = int(g)
-	f := rss.figuresSince(allWritten)
-	r.RSSPeakMB, r.RSSSteadyMB, r.RSSSteadyAnonMB = f.peak, f.steady, f.steadyAnon
-	// Events still queued belong to the cycle; a third event of a Secret
-	// means the next cycle had begun.
+	r.HeapInuseMB = sum(own["go_memstats_heap_inuse_bytes"]) / (1 << 20)
+	r.StackInuseMB = sum(own["go_memstats_stack_inuse_bytes"]) / (1 << 20)
+	r.Goroutines = int(sum(own["go_goroutines"]))
+	// Events still queued belong to the cycle (or the idle time after it);
+	// a third event of a Secret means the next cycle had begun.
 	for drained := false; !drained; {
 		select {
 		case ev := <-w.ResultChan():

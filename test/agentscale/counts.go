@@ -19,24 +19,13 @@ type sample struct {
 	value  float64
 }
 
-// metricSum fetches a /metrics exposition and sums the samples of name
-// (counter, gauge or untyped) whose labels include want.
-func metricSum(ctx context.Context, url, name string, want map[string]string) (float64, error) {
-	samples, err := scrape(ctx, url)
-	if err != nil {
-		return 0, err
+// sum adds up samples.
+func sum(samples []sample) float64 {
+	total := 0.0
+	for _, s := range samples {
+		total += s.value
 	}
-	sum := 0.0
-	for _, s := range samples[name] {
-		match := true
-		for k, v := range want {
-			match = match && s.labels[k] == v
-		}
-		if match {
-			sum += s.value
-		}
-	}
-	return sum, nil
+	return total
 }
 
 // scrape fetches a /metrics exposition: the samples of its counters,

@@ -149,27 +149,31 @@ func sampleRSS(pid int) *rssSampler {
 
 func (s *rssSampler) stop() { s.once.Do(func() { close(s.done) }) }
 
-// rssFigures are the sampler's figures in MB: the highest RSS and the
-// median RSS and anonymous RSS of the samples taken at or after since.
+// rssFigures are the sampler's figures in MB over a span: the highest
+// RSS from the first sample to the span's end, and the median RSS and
+// anonymous RSS of the samples in the span.
 type rssFigures struct {
-	peak, steady, steadyAnon float64
+	peak, median, medianAnon float64
 }
 
-func (s *rssSampler) figuresSince(since time.Time) rssFigures {
+func (s *rssSampler) figures(from, to time.Time) rssFigures {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var f rssFigures
 	var rss, anon []float64
 	for _, x := range s.samples {
+		if x.at.After(to) {
+			break
+		}
 		f.peak = max(f.peak, x.rss)
-		if !x.at.Before(since) {
+		if !x.at.Before(from) {
 			rss, anon = append(rss, x.rss), append(anon, x.anon)
 		}
 	}
 	if len(rss) > 0 {
 		slices.Sort(rss)
 		slices.Sort(anon)
-		f.steady, f.steadyAnon = rss[len(rss)/2], anon[len(anon)/2]
+		f.median, f.medianAnon = rss[len(rss)/2], anon[len(anon)/2]
 	}
 	return f
 }
