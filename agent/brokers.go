@@ -35,9 +35,9 @@ var errNoIdentityYet = errors.New("the agent has no client certificate yet")
 // apart (and once more revokeGrace later), so a connection kept for the
 // client's default 90 s serves nothing and holds two goroutines and its
 // TLS and buffer state, on the agent and on the broker, per broker URL
-// (with 100 targets refreshed every 30 s: 1.6 MB of the agent's RSS, 3 MB
-// of its peak; docs/agent.md, "Measured"). A refresh's own requests, and
-// retries a second apart, still share one.
+// (with 100 targets, about 3 MB of the agent's RSS; docs/agent.md,
+// "Measured"). A refresh's own requests, and retries a second apart, still
+// share one.
 const brokerIdleConnTimeout = 5 * time.Second
 
 func (b *brokers) client(url string) (*client.Client, error) { return b.clientAs(url, "") }

@@ -9,12 +9,12 @@ import (
 // every target reads its outputs, fetches and writes at the same moment;
 // unbounded, an agent with 100 targets had 100 TLS handshakes, answers and
 // Kubernetes requests in flight together, and kept the heap the garbage
-// collector grew for that burst (with 8 slots its RSS during a refresh
-// cycle fell from 49 to 43 MB; docs/agent.md, "Measured"). The Kubernetes
-// client's own limit (20 requests/s) paces the writes anyway, so the slots
-// cost no time, and the first Secrets come sooner (0.1 s instead of 7.6 s
-// with 100 targets): targets no longer queue behind every other target's
-// first read.
+// collector grew for that burst (8 slots save about 2 MB of its RSS
+// between refreshes and 6 MB while refreshing; docs/agent.md, "Measured").
+// The Kubernetes client's own limit (20 requests/s) paces the writes
+// anyway, so the slots cost no time, and the first Secrets come sooner
+// (0.1 s instead of 7.6 s with 100 targets): targets no longer queue
+// behind every other target's first read.
 //
 // A step that waits on an unresponsive broker holds its slot until the
 // client's timeout (30 s); other targets then wait their turn, never
