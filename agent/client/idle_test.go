@@ -20,7 +20,10 @@ func TestAClientClosesItsIdleConnectionsAfterIdleConnTimeout(t *testing.T) {
 	}))
 	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
 		if s == http.StateClosed {
-			closed <- struct{}{}
+			select {
+			case closed <- struct{}{}:
+			default:
+			}
 		}
 	}
 	srv.StartTLS()
