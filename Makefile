@@ -27,6 +27,10 @@ SCALE_N ?= 500
 # The broker's --gc-interval in `make bench-scale`: each level's measurements
 # run between two GC passes, so it must exceed them.
 SCALE_GC_INTERVAL ?= 30s
+# Targets of the one agent `make bench-agent` measures, and the broker
+# processes that serve them.
+AGENT_TARGETS ?= 100
+AGENT_BROKERS ?= 4
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
@@ -39,7 +43,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -112,9 +116,13 @@ conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-invento
 conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers; MultiKueue end to end with Kueue's controllers
 	cd test && $(GO) test -count=1 -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
 
-bench: build kube ## measure the broker against direct API server calls and Vault's Kubernetes secrets engine; prints a table, writes bench/results.json
+bench: build kube ## measure the broker against direct API server calls and Vault's Kubernetes secrets engine, then the agent (bench-agent); prints tables, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -vault-shipped-n $(VAULT_SHIPPED_N) -out $(CURDIR)/bench/results.json
+	$(MAKE) bench-agent
+
+bench-agent: build kube ## one agent with AGENT_TARGETS targets: RSS, time to every Secret, API server and broker calls per refresh cycle; writes "agent" in bench/results.json
+	cd test && $(GO) run ./cmd/bench -agent-targets $(AGENT_TARGETS) -agent-brokers $(AGENT_BROKERS) -out $(CURDIR)/bench/results.json
 
 bench-scale: build kube ## fill a harness with SCALE_LEASES live leases; issuance, broker memory, GC pass, GET /v1/leases and `tokenbroker leases` at each level; sets "scale" in bench/results.json
 	cd test && $(GO) run ./cmd/bench -scale $(SCALE_LEASES) -n $(SCALE_N) -gc-interval $(SCALE_GC_INTERVAL) -out $(CURDIR)/bench/results.json

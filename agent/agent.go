@@ -123,6 +123,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		a.store = dirStore{dir: IdentityDir(cfg.Identity.Dir)}
 	}
 
+	slots := newStepSlots(maxConcurrentSteps)
 	for i, t := range cfg.Targets {
 		outs := make([]output, 0, len(t.Outputs))
 		for _, o := range t.Outputs {
@@ -147,6 +148,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 			clock:   a.clock,
 			log:     a.log.Named("refresh").With(zap.String("target", t.Name)),
 			metrics: m,
+			slots:   slots,
 		}
 		m.initTarget(t.Name, outs)
 		a.targets = append(a.targets, r)

@@ -19,6 +19,9 @@
 //     is revoked (DELETE /v1/leases/{id}) refresh.revokeGrace after its
 //     successor reached every output. A restarted agent adopts a still
 //     valid credential it finds in its outputs instead of fetching at once.
+//     At most maxConcurrentSteps targets do this work at once, and broker
+//     connections are closed soon after their last request, so that memory
+//     stays small with many targets.
 //   - Outputs. Secrets in the formats admiralty, argocd, flux and
 //     kubeconfig (labelled app.kubernetes.io/managed-by: tokenbroker-agent,
 //     annotated with the lease) and files written atomically with mode

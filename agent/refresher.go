@@ -51,6 +51,8 @@ type refresher struct {
 	clock   clock.Clock
 	log     *zap.Logger
 	metrics *metrics
+	// slots bounds how many targets step at once (nil: no bound).
+	slots stepSlots
 
 	// The loop's own state, touched only by the goroutine running step.
 	started bool
@@ -128,7 +130,7 @@ func (r *refresher) update(fn func(*targetStatus)) {
 // revoke the current lease (consumers keep working) and drops the pending
 // revocations of replaced leases, which expire by themselves.
 func (r *refresher) run(ctx context.Context) {
-	runSteps(ctx, r.clock, r.step)
+	runSteps(ctx, r.clock, func(ctx context.Context) time.Time { return r.slots.do(ctx, r.step) })
 	if n := len(r.revokes); n > 0 {
 		r.log.Info("shutting down; replaced leases will expire by themselves", zap.Int("pending_revocations", n))
 	}

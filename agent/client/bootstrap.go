@@ -24,7 +24,7 @@ func FetchTrustBundle(ctx context.Context, brokerURL, fingerprint string) ([]byt
 		return nil, fmt.Errorf("client: a CA fingerprint to pin is required")
 	}
 	var b pki.Bootstrap
-	hc := &http.Client{Timeout: 30 * time.Second, Transport: newTransport(b.Config())}
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: newTransport(b.Config(), defaultIdleConnTimeout)}
 	defer hc.CloseIdleConnections()
 	var tb apiv1.TrustBundle
 	if err := roundTrip(ctx, hc, http.MethodGet, u.String()+"/v1/trust-bundle", "", nil, http.StatusOK, &tb); err != nil {

@@ -43,6 +43,11 @@ type Config struct {
 	GetClientCertificate func(*tls.CertificateRequestInfo) (*tls.Certificate, error)
 	// Timeout bounds each request; default 30s.
 	Timeout time.Duration
+	// IdleConnTimeout is how long a kept-alive connection may stay idle
+	// before it is closed; default 90s. A caller whose requests come
+	// minutes apart (the agent) sets it short: an idle connection holds two
+	// goroutines and its TLS and buffer state on both ends for nothing.
+	IdleConnTimeout time.Duration
 	// WorkloadToken, if set, returns the workload token (a ServiceAccount
 	// token of this cluster with the broker's audience) sent as the bearer
 	// token of kubeconfig, lease and whoami requests, so that the broker
@@ -92,22 +97,28 @@ func New(cfg Config) (*Client, error) {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 30 * time.Second
 	}
+	if cfg.IdleConnTimeout == 0 {
+		cfg.IdleConnTimeout = defaultIdleConnTimeout
+	}
 	tc := pki.ClientTLSConfig(cfg.RootCAs, cfg.Certificate)
 	if cfg.GetClientCertificate != nil {
 		tc.GetClientCertificate = cfg.GetClientCertificate
 	}
 	return &Client{base: u, workload: cfg.WorkloadToken, http: &http.Client{
 		Timeout:   cfg.Timeout,
-		Transport: newTransport(tc),
+		Transport: newTransport(tc, cfg.IdleConnTimeout),
 	}}, nil
 }
 
-func newTransport(tc *tls.Config) *http.Transport {
+// defaultIdleConnTimeout is Config.IdleConnTimeout's default.
+const defaultIdleConnTimeout = 90 * time.Second
+
+func newTransport(tc *tls.Config, idle time.Duration) *http.Transport {
 	return &http.Transport{
 		TLSClientConfig:       tc,
 		ForceAttemptHTTP2:     true,
 		MaxIdleConnsPerHost:   16,
-		IdleConnTimeout:       90 * time.Second,
+		IdleConnTimeout:       idle,
 		TLSHandshakeTimeout:   10 * time.Second,
 		ResponseHeaderTimeout: 30 * time.Second,
 	}

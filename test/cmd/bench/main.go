@@ -91,10 +91,16 @@ func run() error {
 	gcInterval := flag.Duration("gc-interval", 30*time.Second, "with -scale: the broker's --gc-interval; a level's measurements run between two GC passes, so it must exceed them")
 	vaultOpts := vaultFlags()
 	fsync := flag.Bool("etcd-fsync", false, "run the harness's etcd with fsync on every write, as a production etcd (default off: writes cost CPU only)")
+	agentTargets := flag.Int("agent-targets", 0, "instead of the comparison: measure one agent with this many targets and write its figures under \"agent\" in -out, keeping the file's other keys (make bench-agent)")
+	agentBrokers := flag.Int("agent-brokers", 4, "broker processes serving the agent's targets (with -agent-targets)")
+	agentEnv := flag.String("agent-env", "", "comma-separated NAME=VALUE added to the agent's environment, e.g. GOGC=50 (with -agent-targets)")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
+	if *agentTargets > 0 {
+		return runAgentBench(ctx, *binDir, *agentTargets, *agentBrokers, splitList(*agentEnv), *out)
+	}
 	// kube-controller-manager signs the client certificates.
 	opts := []testcluster.Option{testcluster.WithControllerManager()}
 	if *fsync {
