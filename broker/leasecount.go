@@ -46,9 +46,9 @@ type LeaseCounter struct {
 	byKey   map[string]*counted // namespace/name → the lease Secret
 	// byName finds a Secret's namespace by its name (lease names are
 	// unique: 128 random bits), for lookups by lease id.
-	byName map[string]string
-	perPeer map[string]int      // unexpired leases by peer
-	live    int                 // unexpired leases of all peers
+	byName  map[string]string
+	perPeer map[string]int // unexpired leases by peer
+	live    int            // unexpired leases of all peers
 	// reserved are the places of requests not yet seen as Secrets, by
 	// peer, oldest first.
 	reserved map[string][]*reservation
