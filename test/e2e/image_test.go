@@ -186,8 +186,18 @@ func (k kubelet) podmanArgs(t *testing.T, pod corev1.PodSpec) []string {
 			args = append(args, "--env", e.Name+"="+e.Value)
 		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.namespace":
 			args = append(args, "--env", e.Name+"="+k.namespace)
+		case e.ValueFrom.ResourceFieldRef != nil && e.ValueFrom.ResourceFieldRef.Resource == "limits.memory":
+			// As the kubelet: the container's limit in bytes over the
+			// divisor (default 1), rounded up.
+			limit, ok := ctr.Resources.Limits[corev1.ResourceMemory]
+			require.True(t, ok, "env %s: no memory limit to read", e.Name)
+			divisor := int64(1)
+			if d := e.ValueFrom.ResourceFieldRef.Divisor; !d.IsZero() {
+				divisor = d.Value()
+			}
+			args = append(args, "--env", fmt.Sprintf("%s=%d", e.Name, (limit.Value()+divisor-1)/divisor))
 		default:
-			t.Fatalf("env %s: the container test knows values and metadata.namespace", e.Name)
+			t.Fatalf("env %s: the container test knows values, metadata.namespace and limits.memory", e.Name)
 		}
 	}
 	require.Empty(t, ctr.EnvFrom)
