@@ -244,10 +244,11 @@ func (l *handshakeListener) acceptLoop() {
 		backoff = 0
 		c, handshakeDone, reason := l.admit(raw)
 		if reason != "" {
-			// Closed before any TLS state exists for it: a refused
-			// connection costs its socket for this long only.
-			_ = raw.Close()
+			// Counted, then closed before any TLS state exists for it: a
+			// refused connection costs its socket for this long only. (In
+			// this order, whoever sees the close sees the count.)
 			l.refuse(reason, raw.RemoteAddr(), "")
+			_ = raw.Close()
 			continue
 		}
 		l.wg.Add(1)
