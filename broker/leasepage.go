@@ -61,7 +61,9 @@ func encodeLeaseContinue(cur leaseCursor) string {
 // the API server's own tokens use. Anything else is errBadContinue. The API
 // server still checks its own token; a forged one gets a 400 there too.
 func decodeLeaseContinue(token string) (leaseCursor, error) {
-	if token == "" || len(token) > MaxLeaseContinueBytes {
+	// The decoder skips CR and LF even when strict: refuse them, so that a
+	// token is accepted in its one canonical form only.
+	if token == "" || len(token) > MaxLeaseContinueBytes || strings.ContainsAny(token, "\r\n") {
 		return leaseCursor{}, errBadContinue
 	}
 	raw, err := base64.RawURLEncoding.Strict().DecodeString(token)
