@@ -25,7 +25,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
@@ -158,21 +157,7 @@ func run() error {
 		return err
 	}
 	postTo := func(ctx context.Context, br *brokerProcess, body []byte, bearer ...string) error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
-		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
-		for _, b := range bearer {
-			req.Header.Set("Authorization", "Bearer "+b)
-		}
-		resp, err := br.client.Do(req)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		_, _ = io.Copy(io.Discard, resp.Body)
-		if resp.StatusCode != http.StatusCreated {
-			return fmt.Errorf("status %d", resp.StatusCode)
-		}
-		return nil
+		return br.postKubeconfig(ctx, body, http.StatusCreated, nil, bearer...)
 	}
 	post := func(ctx context.Context, body []byte, bearer ...string) error {
 		return postTo(ctx, br, body, bearer...)
@@ -861,20 +846,7 @@ func measureTenants(ctx context.Context, c kubernetes.Interface, br *brokerProce
 	r := &tenantReport{FewNamespaces: 1, Namespaces: many}
 	post := func(ns string, want int) func(context.Context) error {
 		body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: ns, ServiceAccount: "tenant-runner", TTL: "10m"})
-		return func(ctx context.Context) error {
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
-			req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
-			resp, err := br.client.Do(req)
-			if err != nil {
-				return err
-			}
-			defer resp.Body.Close()
-			_, _ = io.Copy(io.Discard, resp.Body)
-			if resp.StatusCode != want {
-				return fmt.Errorf("status %d, want %d", resp.StatusCode, want)
-			}
-			return nil
-		}
+		return func(ctx context.Context) error { return br.postKubeconfig(ctx, body, want, nil) }
 	}
 	deny, issue := post("bench-plain", http.StatusForbidden), post("bench", http.StatusCreated)
 	timed := func() (float64, float64, error) {

@@ -2,38 +2,23 @@ package main
 
 import (
 	"context"
-	"io"
-	"net/http"
 	"slices"
-	"strconv"
-	"strings"
 	"time"
 )
 
 // poolPaths reads the broker's tokenbroker_lease_pool_issuances_total:
 // issuances on a claimed pooled Secret and on the sequential path.
 func poolPaths(ctx context.Context, opsURL string) (pool, sequential float64, err error) {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
-	resp, err := http.DefaultClient.Do(req)
+	fams, err := scrapeMetrics(ctx, opsURL)
 	if err != nil {
 		return 0, 0, err
 	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, 0, err
-	}
-	for _, line := range strings.Split(string(raw), "\n") {
-		f := strings.Fields(line)
-		if len(f) != 2 {
-			continue
-		}
-		v, _ := strconv.ParseFloat(f[1], 64)
-		switch f[0] {
-		case `tokenbroker_lease_pool_issuances_total{path="pool"}`:
-			pool = v
-		case `tokenbroker_lease_pool_issuances_total{path="sequential"}`:
-			sequential = v
+	for _, m := range fams["tokenbroker_lease_pool_issuances_total"] {
+		switch m.labels["path"] {
+		case "pool":
+			pool = m.value
+		case "sequential":
+			sequential = m.value
 		}
 	}
 	return pool, sequential, nil

@@ -145,20 +145,7 @@ func runScale(ctx context.Context, br *brokerProcess, o scaleOptions) error {
 		return err
 	}
 	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: "runner", TTL: "1h"})
-	post := func(ctx context.Context) error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
-		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
-		resp, err := br.client.Do(req)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		_, _ = io.Copy(io.Discard, resp.Body)
-		if resp.StatusCode != http.StatusCreated {
-			return fmt.Errorf("status %d", resp.StatusCode)
-		}
-		return nil
-	}
+	post := func(ctx context.Context) error { return br.postKubeconfig(ctx, body, http.StatusCreated, nil) }
 	rep := scaleReport{IssuanceSample: o.n, GCInterval: o.gcInterval.String(), ParallelLists: parallelLists, ParallelListLimit: 1000}
 	live := 0
 	for i, target := range levels {

@@ -244,10 +244,8 @@ func (v *vaultBench) report(ctx context.Context, rs []result, br *brokerProcess,
 	}
 
 	brokerIssue := func(ctx context.Context) (string, func(context.Context) error, error) {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, br.url+"/v1/kubeconfigs", bytes.NewReader(body))
-		req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
 		var kr apiv1.KubeconfigResponse
-		if err := brokerDo(br, req, http.StatusCreated, &kr); err != nil {
+		if err := br.postKubeconfig(ctx, body, http.StatusCreated, &kr); err != nil {
 			return "", nil, err
 		}
 		return kr.Token, func(ctx context.Context) error {
@@ -361,6 +359,18 @@ func (v *vaultBench) revokeToRefusal(ctx context.Context, issue func(context.Con
 
 // brokerDo sends req with the broker's mTLS client, wants status and
 // decodes the answer into out when it is not nil.
+// postKubeconfig sends body to the broker's POST /v1/kubeconfigs, with a
+// workload token if bearer names one, and wants status; out, if not nil,
+// gets the decoded answer.
+func (b *brokerProcess) postKubeconfig(ctx context.Context, body []byte, status int, out any, bearer ...string) error {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.url+"/v1/kubeconfigs", bytes.NewReader(body))
+	req.Header.Set("Content-Type", apiv1.MediaTypeJSON)
+	for _, t := range bearer {
+		req.Header.Set("Authorization", "Bearer "+t)
+	}
+	return brokerDo(b, req, status, out)
+}
+
 func brokerDo(br *brokerProcess, req *http.Request, status int, out any) error {
 	resp, err := br.client.Do(req)
 	if err != nil {
