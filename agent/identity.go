@@ -117,7 +117,9 @@ func (h *identityHolder) GetClientCertificate(*tls.CertificateRequestInfo) (*tls
 type EnrollOptions struct {
 	// BrokerURL is the broker's enrollment listener, e.g. https://east.example.com:8444.
 	BrokerURL string
-	// Fingerprint pins the CA ("sha256:<hex>") when Bundle is empty.
+	// Fingerprint pins the CA ("sha256:<hex>"): the trust bundle is
+	// fetched and verified against it when Bundle is empty, and the
+	// caBundle of the broker's answer must hold it.
 	Fingerprint string
 	// Bundle is a trust bundle the caller already trusts; if empty it is
 	// fetched from the broker and checked against Fingerprint.
@@ -130,7 +132,11 @@ type EnrollOptions struct {
 
 // Enroll makes a key pair, sends a CSR for the join token's identity with
 // the token, and writes the certificate, the key and the trust bundle to
-// opts.Dir (see IdentityDir for how the three files are replaced together).
+// opts.Dir (see IdentityDir for how the three files are replaced
+// together). The trust bundle written is the one the broker was verified
+// with (opts.Bundle, or the pinned CA and the fetched CAs that chain to
+// it), never the caBundle of the broker's answer, which must hold the
+// pinned CA when opts.Fingerprint is set.
 // The private key never leaves this process except into opts.Dir. Nothing
 // is written if enrollment fails.
 func Enroll(ctx context.Context, opts EnrollOptions) (*apiv1.CertificateResponse, error) {
@@ -173,9 +179,18 @@ func enroll(ctx context.Context, opts EnrollOptions) (*identity, *apiv1.Certific
 	if err != nil {
 		return nil, nil, fmt.Errorf("enroll: %w", err)
 	}
-	id, err := identityFromResponse(resp, keyPEM)
+	if opts.Fingerprint != "" {
+		// The broker was verified against the pinned CA; a bundle in its
+		// answer that lacks that CA is not from the operators' broker.
+		if err := pki.VerifyBundleFingerprint([]byte(resp.CABundle), opts.Fingerprint); err != nil {
+			return nil, nil, fmt.Errorf("enroll: the broker's caBundle: %w", err)
+		}
+	}
+	// Keep the bundle that was verified, never the answer's: the answer
+	// could add an anchor beside the pinned CA.
+	id, err := parseIdentity([]byte(resp.Certificate), keyPEM, bundle)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("issued certificate: %w", err)
 	}
 	return id, resp, nil
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"time"
 )
 
 // Bootstrap is the TLS side of fetching a trust bundle before the client
@@ -14,9 +15,18 @@ import (
 // bootstrap`). The handshake cannot verify the server yet, so Config
 // records the server's chain; Verify then checks, before anything read
 // over the connection is used, that the fetched bundle holds the pinned CA
-// and that the recorded server chain verifies against that bundle for the
-// host that was dialled. Verification is deferred, never skipped.
+// and that the recorded server chain verifies, for the host that was
+// dialled, with the pinned CA as its only root. Verification is deferred,
+// never skipped.
+//
+// The pinned CA alone is the anchor: whoever answers the bootstrap request
+// chooses the bundle, so a bundle holding the operators' CA and another
+// one proves nothing about the other one. Other bundle certificates may
+// only be intermediates under the pinned CA.
 type Bootstrap struct {
+	// Now is the clock for certificate validity; nil means time.Now.
+	Now func() time.Time
+
 	mu    sync.Mutex
 	chain []*x509.Certificate
 }
@@ -26,7 +36,7 @@ func (b *Bootstrap) Config() *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		MaxVersion: tls.VersionTLS13,
-		// The chain is verified by Verify against the pinned bundle before
+		// The chain is verified by Verify against the pinned CA before
 		// the answer is trusted; see the type's doc.
 		InsecureSkipVerify: true, //nolint:gosec // verified after the bundle is fetched, by Verify
 		VerifyConnection: func(cs tls.ConnectionState) error {
@@ -41,29 +51,39 @@ func (b *Bootstrap) Config() *tls.Config {
 	}
 }
 
-// Verify returns nil iff bundlePEM holds a CA with the pinned fingerprint
-// and the server chain recorded during the handshake verifies against
-// bundlePEM as a server certificate for host (a DNS name or IP address).
-func (b *Bootstrap) Verify(bundlePEM []byte, fingerprint, host string) error {
-	if err := VerifyBundleFingerprint(bundlePEM, fingerprint); err != nil {
-		return err
+// Verify checks that bundlePEM holds a CA with the pinned fingerprint and
+// that the server chain recorded during the handshake verifies as a server
+// certificate for host (a DNS name or IP address) with that CA as the only
+// root; the other certificates of the bundle and of the chain may only be
+// intermediates. It returns the trust to keep, as PEM: the pinned CA and
+// the bundle's CAs that chain to it (see PinnedBundle), never the bundle
+// as served.
+func (b *Bootstrap) Verify(bundlePEM []byte, fingerprint, host string) ([]byte, error) {
+	now := time.Now()
+	if b.Now != nil {
+		now = b.Now()
 	}
-	certs, err := ParseCertificatesPEM(bundlePEM)
+	trusted, err := PinnedBundle(bundlePEM, fingerprint, now)
 	if err != nil {
-		return fmt.Errorf("bootstrap: trust bundle: %w", err)
+		return nil, err
+	}
+	all, err := ParseCertificatesPEM(bundlePEM)
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap: trust bundle: %w", err)
 	}
 	roots := x509.NewCertPool()
-	for _, c := range certs {
-		roots.AddCert(c)
-	}
+	roots.AddCert(trusted[0])
 	b.mu.Lock()
 	chain := b.chain
 	b.mu.Unlock()
 	if len(chain) == 0 {
-		return errors.New("bootstrap: no server certificate was recorded")
+		return nil, errors.New("bootstrap: no server certificate was recorded")
 	}
 	inter := x509.NewCertPool()
 	for _, c := range chain[1:] {
+		inter.AddCert(c)
+	}
+	for _, c := range all {
 		inter.AddCert(c)
 	}
 	if h, _, err := net.SplitHostPort(host); err == nil {
@@ -73,10 +93,11 @@ func (b *Bootstrap) Verify(bundlePEM []byte, fingerprint, host string) error {
 		DNSName:       host,
 		Roots:         roots,
 		Intermediates: inter,
+		CurrentTime:   now,
 		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	})
 	if err != nil {
-		return fmt.Errorf("bootstrap: the broker's certificate does not chain to the pinned trust bundle: %w", err)
+		return nil, fmt.Errorf("bootstrap: the broker's certificate does not chain to the pinned CA: %w", err)
 	}
-	return nil
+	return encodeCerts(trusted), nil
 }

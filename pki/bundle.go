@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // ErrFingerprintMismatch is returned (wrapped) by VerifyBundleFingerprint when
@@ -21,28 +22,80 @@ var ErrFingerprintMismatch = errors.New("no CA in the trust bundle has the pinne
 // ("sha256:" and 64 hex digits, either case). Digests are compared in constant
 // time.
 func VerifyBundleFingerprint(bundlePEM []byte, fingerprint string) error {
+	_, _, err := pinnedCA(bundlePEM, fingerprint)
+	return err
+}
+
+// pinnedCA parses bundlePEM and returns the CA certificate whose
+// fingerprint is pinned, with all the bundle's certificates.
+func pinnedCA(bundlePEM []byte, fingerprint string) (*x509.Certificate, []*x509.Certificate, error) {
 	want, err := parseFingerprint(fingerprint)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	certs, err := ParseCertificatesPEM(bundlePEM)
 	if err != nil {
-		return fmt.Errorf("verify trust bundle: %w", err)
+		return nil, nil, fmt.Errorf("verify trust bundle: %w", err)
 	}
-	found := false
+	var pinned *x509.Certificate
 	for _, c := range certs {
 		sum := sha256.Sum256(c.Raw)
 		// No early exit: the time taken does not tell which certificate
 		// matched.
 		match := subtle.ConstantTimeCompare(sum[:], want) == 1
-		if match && c.BasicConstraintsValid && c.IsCA {
-			found = true
+		if match && c.BasicConstraintsValid && c.IsCA && pinned == nil {
+			pinned = c
 		}
 	}
-	if !found {
-		return fmt.Errorf("verify trust bundle: %w", ErrFingerprintMismatch)
+	if pinned == nil {
+		return nil, nil, fmt.Errorf("verify trust bundle: %w", ErrFingerprintMismatch)
 	}
-	return nil
+	return pinned, certs, nil
+}
+
+// PinnedBundle returns the part of bundlePEM that the pinned CA vouches
+// for: the CA with the pinned fingerprint first, then every other CA
+// certificate of the bundle that chains to it at now (other bundle
+// certificates may serve as intermediates on the way, never as an
+// anchor). Everything else — a second root, a CA the pinned one did not
+// sign, a leaf — is dropped, so that whoever serves the bundle cannot add a
+// trust anchor beside the pinned one. The error wraps
+// ErrFingerprintMismatch when no CA of the bundle has the fingerprint.
+func PinnedBundle(bundlePEM []byte, fingerprint string, now time.Time) ([]*x509.Certificate, error) {
+	pinned, certs, err := pinnedCA(bundlePEM, fingerprint)
+	if err != nil {
+		return nil, err
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(pinned)
+	inter := x509.NewCertPool()
+	for _, c := range certs {
+		inter.AddCert(c)
+	}
+	out := []*x509.Certificate{pinned}
+	for _, c := range certs {
+		if c.Equal(pinned) || !c.BasicConstraintsValid || !c.IsCA || containsCert(out, c) {
+			continue
+		}
+		if _, err := c.Verify(x509.VerifyOptions{
+			Roots:         roots,
+			Intermediates: inter,
+			CurrentTime:   now,
+			KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
+		}); err == nil {
+			out = append(out, c)
+		}
+	}
+	return out, nil
+}
+
+func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {
+	for _, x := range certs {
+		if x.Equal(c) {
+			return true
+		}
+	}
+	return false
 }
 
 func parseFingerprint(s string) ([]byte, error) {

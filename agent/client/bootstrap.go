@@ -11,10 +11,12 @@ import (
 )
 
 // FetchTrustBundle fetches GET /v1/trust-bundle from a broker the client
-// does not trust yet and returns the bundle only if it holds the CA with
-// the pinned fingerprint ("sha256:<hex>", as `tokenbroker pki join-token`
-// prints it) and the broker's certificate chains to it. This is how a new
-// cluster gets its first trust anchor without turning verification off.
+// does not trust yet. It fails unless the bundle holds the CA with the
+// pinned fingerprint ("sha256:<hex>", as `tokenbroker pki join-token`
+// prints it) and the broker's certificate chains to that CA alone; it
+// returns the pinned CA and the bundle's CAs that chain to it, not the
+// bundle as served (see pki.Bootstrap.Verify). This is how a new cluster
+// gets its first trust anchor without turning verification off.
 func FetchTrustBundle(ctx context.Context, brokerURL, fingerprint string) ([]byte, error) {
 	u, err := parseBrokerURL(brokerURL)
 	if err != nil {
@@ -30,8 +32,9 @@ func FetchTrustBundle(ctx context.Context, brokerURL, fingerprint string) ([]byt
 	if err := roundTrip(ctx, hc, http.MethodGet, u.String()+"/v1/trust-bundle", "", nil, http.StatusOK, &tb); err != nil {
 		return nil, err
 	}
-	if err := b.Verify([]byte(tb.CABundle), fingerprint, u.Host); err != nil {
+	trusted, err := b.Verify([]byte(tb.CABundle), fingerprint, u.Host)
+	if err != nil {
 		return nil, err
 	}
-	return []byte(tb.CABundle), nil
+	return trusted, nil
 }
