@@ -82,8 +82,8 @@ type CertificateIssuer interface {
 // request, so that a revocation also ends keep-alive connections.
 type RevocationChecker interface {
 	// Revoked reports whether the identity or any of the serials (the
-	// lower-case hexadecimal serial numbers of the verified chain, leaf
-	// first) is revoked.
+	// lower-case hexadecimal serial numbers of the certificates of every
+	// verified chain, the leaf first, each once) is revoked.
 	Revoked(identity string, serials ...string) bool
 }
 

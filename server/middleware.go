@@ -238,15 +238,31 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		return known, refuse(broker.RefusedUntrustedCA, errors.New("client certificate's CA is no longer in the client CA bundle"))
 	}
 	if s.revocations != nil {
-		serials := make([]string, 0, len(st.VerifiedChains[0]))
-		for _, c := range st.VerifiedChains[0] {
-			serials = append(serials, c.SerialNumber.Text(16))
-		}
-		if s.revocations.Revoked(id, serials...) {
+		// Every verified chain, not only the first: a client certificate
+		// that also chains through a revoked intermediate or CA (a
+		// cross-signed one, a CA kept in the bundle during a rotation)
+		// is refused whichever chain the TLS stack listed first.
+		if s.revocations.Revoked(id, chainSerials(st.VerifiedChains)...) {
 			return known, refuse(broker.RefusedRevoked, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id))
 		}
 	}
 	return known, nil
+}
+
+// chainSerials returns the serials (lower-case hexadecimal) of the
+// certificates of every chain, each once, in the order first seen.
+func chainSerials(chains [][]*x509.Certificate) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, chain := range chains {
+		for _, c := range chain {
+			if s := c.SerialNumber.Text(16); !seen[s] {
+				seen[s] = true
+				out = append(out, s)
+			}
+		}
+	}
+	return out
 }
 
 // anchoredIn reports whether one of the verified chains ends at one of
