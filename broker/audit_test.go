@@ -167,7 +167,8 @@ func TestCertificateDecisionsAreAudited(t *testing.T) {
 	requireUniformUnauthenticated(t, err)
 	_, err = e.b.Enroll(ctx, "not-a-token", apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	requireUniformUnauthenticated(t, err)
-	caller := Caller{Identity: westID, CertSHA256: "sha256:beef"}
+	caller := callerFrom(t, e.ca, westID)
+	caller.CertSHA256 = "sha256:beef"
 	renewed, err := e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
 	_, err = e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, northID)})

@@ -102,8 +102,13 @@ type Config struct {
 	// both (they answer KindNotFound).
 	CA CertificateAuthority
 	// JoinTokens verifies join tokens; nil means a pki.JoinTokenVerifier
-	// that trusts the key of CA only.
+	// that trusts the keys of CA and PreviousCA only.
 	JoinTokens JoinTokenVerifier
+	// PreviousCA, if set, is the signing CA being replaced during a CA
+	// rotation: join tokens it signed still verify, and client
+	// certificates it issued may still renew. The other CAs of Trust
+	// authenticate peers but are never taken for signing CAs.
+	PreviousCA CACertificates
 	// Trust is the CA bundle served by TrustBundle and returned with every
 	// issued certificate.
 	Trust TrustSource
@@ -178,7 +183,7 @@ func New(cfg Config) (*Broker, error) {
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
+		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, now: cfg.Clock.Now}
 	}
 	if cfg.Namespaces != nil {
 		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)
@@ -252,6 +257,8 @@ const (
 	denyIdentityMismatch = "identity_mismatch"
 	denyDisabled         = "disabled"
 	denyWorkloadToken    = "workload_token"
+	denyNotSigningCA     = "not_signing_ca"
+	denyNotAPeer         = "not_a_peer"
 )
 
 // concludeOutcome concludes a kubeconfig or lease request by its outcome

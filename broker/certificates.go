@@ -1,6 +1,7 @@
 package broker
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"crypto/x509"
@@ -53,28 +54,55 @@ var (
 	_ TrustSource          = (*pki.PoolReloader)(nil)
 	_ JoinTokenVerifier    = (*pki.JoinTokenVerifier)(nil)
 	_ JoinTokenVerifier    = caJoinTokens{}
+	_ CACertificates       = (*pki.PoolReloader)(nil)
 )
 
+// CACertificates are CA certificates read at every use, so that they
+// follow a file that changes; *pki.PoolReloader is the implementation.
+type CACertificates interface {
+	Certificates() []*x509.Certificate
+}
+
 // caJoinTokens verifies join tokens with the key of the signing CA in
-// force and with the keys of the CAs of the trust bundle in force, both
-// read at every verification, so that they follow a signing CA that is
-// replaced at run time: during a CA rotation the old CA stays in the
-// bundle, and the tokens it signed keep verifying until it is dropped from
-// the bundle. Accepting a bundle CA's token gives nothing its key could not
-// already give: a CA of the bundle can sign a client certificate for any
-// identity, which the broker accepts.
+// force and, during a rotation, of the previous signing CA named
+// explicitly, both read at every verification so that they follow a
+// signing CA that is replaced at run time. The other CAs of the trust
+// bundle are not asked: a bundle CA authenticates peers, it does not
+// admit new ones, and an operator who adds a partner's CA to the bundle
+// must not thereby let that partner mint join tokens for this broker.
 type caJoinTokens struct {
-	ca    CertificateAuthority
-	trust TrustSource
-	now   func() time.Time
+	ca       CertificateAuthority
+	previous CACertificates
+	now      func() time.Time
 }
 
 func (v caJoinTokens) Verify(token string) (pki.JoinTokenClaims, error) {
-	keys := []*x509.Certificate{v.ca.Certificate()}
-	if v.trust != nil {
-		keys = append(keys, v.trust.Certificates()...)
+	return pki.NewJoinTokenVerifier(signingCAs(v.ca, v.previous), v.now).Verify(token)
+}
+
+// signingCAs are the CAs whose keys may have signed join tokens and the
+// client certificates that renew: the signing CA in force and the
+// previous one.
+func signingCAs(ca CertificateAuthority, previous CACertificates) []*x509.Certificate {
+	out := []*x509.Certificate{ca.Certificate()}
+	if previous != nil {
+		out = append(out, previous.Certificates()...)
 	}
-	return pki.NewJoinTokenVerifier(keys, v.now).Verify(token)
+	return out
+}
+
+// issuedBySigningCA reports whether cert was signed by the key of the
+// signing CA in force or of the previous one.
+func (b *Broker) issuedBySigningCA(cert *x509.Certificate) bool {
+	if cert == nil {
+		return false
+	}
+	for _, ca := range signingCAs(b.cfg.CA, b.cfg.PreviousCA) {
+		if bytes.Equal(cert.RawIssuer, ca.RawSubject) && cert.CheckSignatureFrom(ca) == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // The record of a used join token: a Secret with no data in the broker's
@@ -228,8 +256,10 @@ func (b *Broker) signLogged(csr *x509.CertificateRequest, identity string, log *
 
 // Renew issues a new certificate to a caller authenticated by its current,
 // verified and unrevoked client certificate, for the same identity and a
-// new key if the caller wants one. A CSR for another identity is
-// KindForbidden; a CSR that does not parse is KindInvalid.
+// new key if the caller wants one. A client certificate that the signing
+// CA (or Config.PreviousCA) did not issue, an identity that is not a peer
+// in the policy and a CSR for another identity are KindForbidden; a CSR
+// that does not parse is KindInvalid.
 func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, outcome, err := b.renew(c, req, a)
@@ -252,6 +282,21 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 		log.Info("renewal refused", zap.String("reason", "identity revoked"))
 		a.denial, a.reason = denyRevoked, "identity revoked"
 		return nil, certUnauthenticated, Wrap(KindUnauthenticated, "", errors.New("identity is revoked"))
+	}
+	// Only certificates of the signing CA (or the previous one) renew: a
+	// peer authenticated by another CA of the trust bundle gets its
+	// certificates from that CA.
+	if !b.issuedBySigningCA(c.Certificate) {
+		log.Info("renewal refused", zap.String("reason", "client certificate not issued by the signing CA"))
+		a.denial, a.reason = denyNotSigningCA, "client certificate not issued by the signing CA"
+		return nil, certDenied, Wrap(KindForbidden, "", errors.New("the client certificate was not issued by this broker's signing CA"))
+	}
+	// A peer removed from the policy has no business here any more: it
+	// keeps its certificate until it expires, but gets no new one.
+	if p := b.cfg.Policy.Load(); p == nil || p.Peer(c.Identity) == nil {
+		log.Info("renewal refused", zap.String("reason", "not a peer in the policy"))
+		a.denial, a.reason = denyNotAPeer, "not a peer in the policy"
+		return nil, certDenied, Wrap(KindForbidden, "", errors.New("the identity is not a peer in the policy"))
 	}
 	if err := b.admitRenewal(c.Identity, a); err != nil {
 		log.Info("renewal refused", zap.String("reason", errDetail(err)))

@@ -80,6 +80,15 @@ func (e *certEnv) joinToken(t *testing.T, identity string, opts ...func(*pki.Joi
 	return tok, claims
 }
 
+// callerFrom is the caller that a client certificate ca issued for
+// identity authenticates, as the transport layer makes it.
+func callerFrom(t *testing.T, ca *pki.CA, identity string) Caller {
+	t.Helper()
+	kp, err := ca.IssueClient(pki.ClientOptions{Identity: identity, Lifetime: time.Hour})
+	require.NoError(t, err)
+	return Caller{Identity: identity, CertSHA256: pki.Fingerprint(kp.Cert), Certificate: kp.Cert}
+}
+
 func newCSR(t *testing.T, identity string) string {
 	t.Helper()
 	csr, _, err := pki.NewCSR(identity, nil)
@@ -235,7 +244,7 @@ func TestThePolicyChoosesThePeersCertificateLifetime(t *testing.T) {
 	require.WithinDuration(t, time.Now().Add(2*time.Hour), resp.NotAfter, time.Minute)
 
 	// A peer without certificateTTL gets the broker's default.
-	resp, err = e.b.Renew(context.Background(), Caller{Identity: northID}, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+	resp, err = e.b.Renew(context.Background(), callerFrom(t, e.ca, northID), apiv1.CertificateRequest{CSR: newCSR(t, northID)})
 	require.NoError(t, err)
 	require.WithinDuration(t, time.Now().Add(pki.DefaultClientLifetime), resp.NotAfter, time.Minute)
 }
@@ -247,23 +256,23 @@ func TestRenewal(t *testing.T) {
 
 	t.Run("a caller renews for its own identity with a new key", func(t *testing.T) {
 		t.Parallel()
-		resp, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+		resp, err := e.b.Renew(ctx, callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 		require.NoError(t, err)
 		require.Equal(t, westID, resp.Identity)
 	})
 	t.Run("a CSR for another identity is forbidden", func(t *testing.T) {
 		t.Parallel()
-		_, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, "spiffe://oc.example/cluster/south")})
+		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, "spiffe://oc.example/cluster/south")})
 		require.Equal(t, KindForbidden, KindOf(err))
 	})
 	t.Run("a revoked identity cannot renew", func(t *testing.T) {
 		t.Parallel()
-		_, err := e.b.Renew(ctx, Caller{Identity: northID}, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
+		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, northID), apiv1.CertificateRequest{CSR: newCSR(t, northID)})
 		require.Equal(t, KindUnauthenticated, KindOf(err))
 	})
 	t.Run("a CSR that is not PEM is invalid with a field error", func(t *testing.T) {
 		t.Parallel()
-		_, err := e.b.Renew(ctx, Caller{Identity: westID}, apiv1.CertificateRequest{CSR: "hello"})
+		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: "hello"})
 		var be *Error
 		require.ErrorAs(t, err, &be)
 		require.Equal(t, KindInvalid, be.Kind)
@@ -357,7 +366,7 @@ func TestACertificateNeverOutlivesItsCA(t *testing.T) {
 	ca, err := pki.NewCA(pki.CAOptions{Lifetime: 3 * time.Hour})
 	require.NoError(t, err)
 	e.b.cfg.CA = ca
-	resp, err := e.b.Renew(context.Background(), Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	resp, err := e.b.Renew(context.Background(), callerFrom(t, ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
 	require.False(t, resp.NotAfter.After(ca.Certificate().NotAfter))
 	require.WithinDuration(t, ca.Certificate().NotAfter, resp.NotAfter, 2*time.Minute)
@@ -368,7 +377,7 @@ func TestTheCAsSigningErrorsAreNotTheCallersFault(t *testing.T) {
 	t.Parallel()
 	e := newCertEnv(t, testPolicy)
 	e.b.cfg.CA = failingCA{e.ca}
-	_, err := e.b.Renew(context.Background(), Caller{Identity: westID}, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+	_, err := e.b.Renew(context.Background(), callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.Equal(t, KindInternal, KindOf(err))
 }
 
@@ -406,21 +415,22 @@ func (b *bundleTrust) Certificates() []*x509.Certificate {
 	return out
 }
 
-func TestJoinTokensOfTheOldSigningCAVerifyWhileItIsInTheBundle(t *testing.T) {
+func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	t.Parallel()
 	mk := func(name string) *pki.CA {
 		ca, err := pki.NewCA(pki.CAOptions{CommonName: name})
 		require.NoError(t, err)
 		return ca
 	}
-	oldCA, newCA, foreign := mk("old"), mk("new"), mk("foreign")
+	oldCA, newCA, partner := mk("old"), mk("new"), mk("partner")
 	var signing swappableCA
 	signing.Store(oldCA)
-	var trust bundleTrust
-	trust.set(oldCA)
+	var trust, previous bundleTrust
+	trust.set(oldCA, partner)
+	previous.set()
 	b, err := New(Config{
 		Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
-		Namespace: brokerNS, CA: &signing, Trust: &trust, Revocations: StaticRevocationList(NewDenyList(nil)),
+		Namespace: brokerNS, CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: StaticRevocationList(NewDenyList(nil)),
 	})
 	require.NoError(t, err)
 	enroll := func(ca *pki.CA) (*apiv1.CertificateResponse, error) {
@@ -428,27 +438,38 @@ func TestJoinTokensOfTheOldSigningCAVerifyWhileItIsInTheBundle(t *testing.T) {
 		require.NoError(t, err)
 		return b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	}
+	renew := func(ca *pki.CA) error {
+		_, err := b.Renew(context.Background(), callerFrom(t, ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+		return err
+	}
 	issuer := func(resp *apiv1.CertificateResponse) *x509.Certificate {
 		certs, err := pki.ParseCertificatesPEM([]byte(resp.Certificate))
 		require.NoError(t, err)
 		return certs[0]
 	}
 
-	// The rotation: both CAs in the bundle, then the signing CA swapped.
-	trust.set(newCA, oldCA)
+	// A partner CA of the bundle authenticates peers but is no signing CA.
+	_, err = enroll(partner)
+	requireUniformUnauthenticated(t, err)
+	require.Equal(t, KindForbidden, KindOf(renew(partner)))
+
+	// The rotation: the new CA signs, the old one is named the previous CA.
+	trust.set(newCA, oldCA, partner)
 	signing.Store(newCA)
+	previous.set(oldCA)
 	for _, ca := range []*pki.CA{oldCA, newCA} {
 		resp, err := enroll(ca)
 		require.NoError(t, err, "a token of %s during the overlap", ca.Certificate().Subject.CommonName)
 		require.NoError(t, issuer(resp).CheckSignatureFrom(newCA.Certificate()), "signed by the CA in force")
+		require.NoError(t, renew(ca), "a certificate of %s renews during the overlap", ca.Certificate().Subject.CommonName)
 	}
-	_, err = enroll(foreign)
-	requireUniformUnauthenticated(t, err)
 
-	// The old CA leaves the bundle: its tokens stop verifying.
-	trust.set(newCA)
+	// The old CA is no longer named previous: its tokens and certificates
+	// stop working here even while it stays in the bundle.
+	previous.set()
 	_, err = enroll(oldCA)
 	requireUniformUnauthenticated(t, err)
+	require.Equal(t, KindForbidden, KindOf(renew(oldCA)))
 	_, err = enroll(newCA)
 	require.NoError(t, err)
 }

@@ -40,7 +40,8 @@ import (
 //	                                                       enroll, renew, authenticate) and reason code
 //	                                                       (not_granted, min_ttl, credential_unavailable,
 //	                                                       invalid, not_found, join_token, revoked,
-//	                                                       identity_mismatch, disabled; for authenticate
+//	                                                       identity_mismatch, disabled, not_signing_ca,
+//	                                                       not_a_peer; for authenticate
 //	                                                       the Refused* codes)
 //	tokenbroker_leases_active                              unexpired lease Secrets seen by the last
 //	                                                       successful GC pass, cluster-wide (every
@@ -126,6 +127,7 @@ const (
 	ConfigServerCertificate = "server-certificate"
 	ConfigClientCA          = "client-ca"
 	ConfigCA                = "ca"
+	ConfigPreviousCA        = "previous-ca"
 )
 
 // NewMetrics creates the broker metrics and registers them with reg.

@@ -218,7 +218,7 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		return peer{}, refuse(broker.RefusedNoCertificate, errors.New("no verified client certificate"))
 	}
 	cert := st.PeerCertificates[0]
-	known := peer{caller: broker.Caller{CertSHA256: pki.Fingerprint(cert)}, cert: cert}
+	known := peer{caller: broker.Caller{CertSHA256: pki.Fingerprint(cert), Certificate: cert}, cert: cert}
 	// A keep-alive connection can outlive the certificate it was opened
 	// with.
 	if now := s.cfg.Now(); now.Before(cert.NotBefore) || now.After(cert.NotAfter) {

@@ -48,6 +48,12 @@ type Options struct {
 	// renewal; empty disables both.
 	CACertFile string
 	CAKeyFile  string
+	// PreviousCACertFile, during a rotation of the signing CA, is the
+	// certificate of the CA being replaced: join tokens it signed still
+	// verify and client certificates it issued still renew. Empty: only
+	// the signing CA counts (the other CAs of ClientCAFile authenticate
+	// peers but never admit or renew them). Reloaded when it changes.
+	PreviousCACertFile string
 	// ClientCertTTL is the lifetime of issued client certificates unless
 	// the policy sets one for the peer.
 	ClientCertTTL time.Duration
@@ -183,6 +189,9 @@ func (o Options) Validate() error {
 	if (o.CACertFile == "") != (o.CAKeyFile == "") {
 		errs = append(errs, errors.New("--ca-cert-file and --ca-key-file go together"))
 	}
+	if o.PreviousCACertFile != "" && o.CACertFile == "" {
+		errs = append(errs, errors.New("--previous-ca-cert-file needs --ca-cert-file: it names the signing CA being replaced"))
+	}
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
 	}
@@ -295,6 +304,20 @@ func Run(ctx context.Context, opts Options) error {
 		warnUntrustedCA(log, c.Certificate(), clientCAs)
 	}
 
+	// A nil *pki.PoolReloader must not become a non-nil interface.
+	var previousCA broker.CACertificates
+	if opts.PreviousCACertFile != "" {
+		p, err := pki.NewPoolReloader(opts.PreviousCACertFile, reloadOpts(broker.ConfigPreviousCA, opts.PreviousCACertFile)...)
+		if err != nil {
+			return fmt.Errorf("load previous signing CA: %w", err)
+		}
+		previousCA = p
+		for _, c := range p.Certificates() {
+			log.Info("accepting the previous signing CA's join tokens and renewals until --previous-ca-cert-file is unset",
+				zap.String("previous_ca", pki.Fingerprint(c)))
+		}
+	}
+
 	store := broker.NewPolicyStore(policy)
 	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval)
 	if err != nil {
@@ -317,6 +340,7 @@ func Run(ctx context.Context, opts Options) error {
 		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
 		Namespace:      opts.Namespace,
 		CA:             ca,
+		PreviousCA:     previousCA,
 		Trust:          clientCAs,
 		CertificateTTL: opts.ClientCertTTL,
 		Revocations:    revocations,

@@ -95,6 +95,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.String("client-ca-file", "", "CA bundle that verifies peer client certificates, served as the trust bundle; reloaded when it changes")
 	fs.String("ca-cert-file", "", "certificate (chain) of the CA that signs enrolled and renewed client certificates and join tokens; empty disables both")
 	fs.String("ca-key-file", "", "private key of that CA (PEM)")
+	fs.String("previous-ca-cert-file", "", "during a rotation of the signing CA, the certificate of the CA being replaced: its join tokens still verify and the client certificates it issued still renew; unset it to end the overlap (other CAs of --client-ca-file never admit or renew peers)")
 	fs.Duration("client-cert-ttl", pki.DefaultClientLifetime, "lifetime of issued client certificates unless the policy sets peers[].certificateTTL")
 	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants; reloaded when it changes")
 	fs.String("namespace", "", "the broker's own namespace (used join tokens, revocation ConfigMap); default $POD_NAMESPACE, else "+defaultNamespace)
@@ -129,6 +130,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		ClientCAFile:        v.GetString("client-ca-file"),
 		CACertFile:          v.GetString("ca-cert-file"),
 		CAKeyFile:           v.GetString("ca-key-file"),
+		PreviousCACertFile:  v.GetString("previous-ca-cert-file"),
 		ClientCertTTL:       v.GetDuration("client-cert-ttl"),
 		PolicyFile:          v.GetString("policy-file"),
 		Namespace:           namespaceOrDefault(v.GetString("namespace")),
