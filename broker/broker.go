@@ -109,6 +109,16 @@ type Config struct {
 	// certificates it issued may still renew. The other CAs of Trust
 	// authenticate peers but are never taken for signing CAs.
 	PreviousCA CACertificates
+	// BrokerNames are the names this broker answers to in a join token's
+	// aud (pki join-token --audience); empty means the policy's
+	// cluster.name, read at every verification. A token that names none
+	// of them is refused, so that a token made for one broker cannot be
+	// replayed at another broker of the same CA.
+	BrokerNames []string
+	// AcceptUnboundJoinTokens also accepts join tokens that name no broker
+	// (aud pki.JoinTokenAudience, as made before audiences existed): the
+	// old behaviour, for the tokens in flight during an upgrade.
+	AcceptUnboundJoinTokens bool
 	// Trust is the CA bundle served by TrustBundle and returned with every
 	// issued certificate.
 	Trust TrustSource
@@ -183,7 +193,7 @@ func New(cfg Config) (*Broker, error) {
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, now: cfg.Clock.Now}
+		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, audiences: b.joinTokenAudiences, now: cfg.Clock.Now}
 	}
 	if cfg.Namespaces != nil {
 		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)

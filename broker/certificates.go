@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -70,14 +71,33 @@ type CACertificates interface {
 // bundle are not asked: a bundle CA authenticates peers, it does not
 // admit new ones, and an operator who adds a partner's CA to the bundle
 // must not thereby let that partner mint join tokens for this broker.
+//
+// The token's aud must name this broker (see Config.BrokerNames).
 type caJoinTokens struct {
-	ca       CertificateAuthority
-	previous CACertificates
-	now      func() time.Time
+	ca        CertificateAuthority
+	previous  CACertificates
+	audiences func() []string
+	now       func() time.Time
 }
 
 func (v caJoinTokens) Verify(token string) (pki.JoinTokenClaims, error) {
-	return pki.NewJoinTokenVerifier(signingCAs(v.ca, v.previous), v.now).Verify(token)
+	return pki.NewJoinTokenVerifierFor(signingCAs(v.ca, v.previous), v.audiences(), v.now).Verify(token)
+}
+
+// joinTokenAudiences are the aud values this broker accepts in a join
+// token: its names (Config.BrokerNames, else the policy's cluster.name),
+// and the unbound audience if Config.AcceptUnboundJoinTokens.
+func (b *Broker) joinTokenAudiences() []string {
+	names := slices.Clone(b.cfg.BrokerNames)
+	if len(names) == 0 {
+		if p := b.cfg.Policy.Load(); p != nil && p.Cluster.Name != "" {
+			names = append(names, p.Cluster.Name)
+		}
+	}
+	if b.cfg.AcceptUnboundJoinTokens {
+		names = append(names, pki.JoinTokenAudience)
+	}
+	return names
 }
 
 // signingCAs are the CAs whose keys may have signed join tokens and the

@@ -71,7 +71,7 @@ func newCertEnv(t *testing.T, policy string, deny ...RevocationEntry) *certEnv {
 
 func (e *certEnv) joinToken(t *testing.T, identity string, opts ...func(*pki.JoinTokenOptions)) (string, pki.JoinTokenClaims) {
 	t.Helper()
-	o := pki.JoinTokenOptions{Identity: identity}
+	o := pki.JoinTokenOptions{Identity: identity, Audiences: []string{"east"}}
 	for _, f := range opts {
 		f(&o)
 	}
@@ -157,7 +157,7 @@ func TestEveryJoinTokenFailureIsTheSameUnauthenticatedError(t *testing.T) {
 	e := newCertEnv(t, testPolicy, RevocationEntry{Kind: RevokeIdentity, Value: northID})
 	other, err := pki.NewCA(pki.CAOptions{CommonName: "someone else's CA"})
 	require.NoError(t, err)
-	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: westID})
+	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: westID, Audiences: []string{"east"}})
 	require.NoError(t, err)
 	expired, _ := e.joinToken(t, westID, func(o *pki.JoinTokenOptions) {
 		o.Now = func() time.Time { return time.Now().Add(-time.Hour) }
@@ -434,7 +434,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	})
 	require.NoError(t, err)
 	enroll := func(ca *pki.CA) (*apiv1.CertificateResponse, error) {
-		tok, _, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: westID})
+		tok, _, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: westID, Audiences: []string{"east"}})
 		require.NoError(t, err)
 		return b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	}
@@ -472,4 +472,41 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	require.Equal(t, KindForbidden, KindOf(renew(oldCA)))
 	_, err = enroll(newCA)
 	require.NoError(t, err)
+}
+
+func TestAJoinTokenMustNameThisBroker(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		names   []string // Config.BrokerNames
+		unbound bool     // Config.AcceptUnboundJoinTokens
+		aud     []string // nil: an unbound token
+		wantErr bool
+	}{
+		{name: "by default the policy's cluster.name is this broker's name", aud: []string{"east"}},
+		{name: "a token naming this broker among others enrolls", aud: []string{"south", "east"}},
+		{name: "a token for another broker of the CA is refused", aud: []string{"south"}, wantErr: true},
+		{name: "an unbound token is refused by default", wantErr: true},
+		{name: "an unbound token enrolls where unbound tokens are accepted", unbound: true},
+		{name: "a bound token for another broker stays refused where unbound tokens are accepted", unbound: true, aud: []string{"south"}, wantErr: true},
+		{name: "configured names replace the cluster.name", names: []string{"east-broker.example.com"}, aud: []string{"east"}, wantErr: true},
+		{name: "a token naming a configured name enrolls", names: []string{"east-a", "east-b"}, aud: []string{"east-b"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newCertEnv(t, testPolicy)
+			e.b.cfg.BrokerNames, e.b.cfg.AcceptUnboundJoinTokens = tc.names, tc.unbound
+			tok, claims := e.joinToken(t, westID, func(o *pki.JoinTokenOptions) { o.Audiences = tc.aud })
+			if tc.aud == nil {
+				require.Equal(t, []string{pki.JoinTokenAudience}, claims.Audiences)
+			}
+			_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
+			if tc.wantErr {
+				requireUniformUnauthenticated(t, err)
+				return
+			}
+			require.NoError(t, err)
+		})
+	}
 }

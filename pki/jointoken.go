@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -25,9 +26,15 @@ import (
 const (
 	// JoinTokenIssuer is the iss claim of every join token.
 	JoinTokenIssuer = "tokenbroker-pki"
-	// JoinTokenAudience is the aud claim of every join token; it keeps a
-	// join token from being taken for any other JWT the CA key might sign.
+	// JoinTokenAudience is the aud claim of an unbound join token, one
+	// made without JoinTokenOptions.Audiences (as every release before
+	// audiences made them): any broker of the CA would take it, so brokers
+	// accept it only when told to (serve --accept-unbound-join-tokens).
 	JoinTokenAudience = "tokenbroker-enrollment"
+	// MaxJoinTokenAudiences and MaxJoinTokenAudienceBytes bound the
+	// brokers one token may name and the length of each name.
+	MaxJoinTokenAudiences     = 16
+	MaxJoinTokenAudienceBytes = 253
 	// MaxJoinTokenBytes bounds a join token before it is parsed. Real
 	// ones are about 400 bytes.
 	MaxJoinTokenBytes = 4096
@@ -57,6 +64,12 @@ type JoinTokenOptions struct {
 	// Identity is the cluster identity the token lets its bearer enroll as,
 	// spiffe://<trust-domain>/cluster/<name> (the sub claim).
 	Identity string
+	// Audiences are the brokers the token is for (its aud claim), by the
+	// names they answer to (serve --broker-name, by default the policy's
+	// cluster.name): a broker refuses a token that does not name it, so a
+	// token cannot be replayed at another broker of the same CA. Empty
+	// makes an unbound token (aud JoinTokenAudience).
+	Audiences []string
 	// TTL is how long the token is valid; zero means DefaultJoinTokenTTL,
 	// more than MaxJoinTokenTTL is refused.
 	TTL time.Duration
@@ -74,6 +87,9 @@ type JoinTokenClaims struct {
 	// bits), usable as a Kubernetes object name or label value. The broker
 	// records it to refuse a second use and logs it instead of the token.
 	ID string
+	// Audiences is aud: the brokers the token is for, or
+	// [JoinTokenAudience] for an unbound token.
+	Audiences []string
 	// IssuedAt, NotBefore and ExpiresAt are iat, nbf and exp, in UTC at
 	// the second precision of JWT.
 	IssuedAt, NotBefore, ExpiresAt time.Time
@@ -90,6 +106,10 @@ type joinClaims struct {
 // and its claims, which are safe to log.
 func (ca *CA) IssueJoinToken(opts JoinTokenOptions) (string, JoinTokenClaims, error) {
 	if _, _, err := ParseIdentity(opts.Identity); err != nil {
+		return "", JoinTokenClaims{}, fmt.Errorf("issue join token: %w", err)
+	}
+	aud, err := joinTokenAudiences(opts.Audiences)
+	if err != nil {
 		return "", JoinTokenClaims{}, fmt.Errorf("issue join token: %w", err)
 	}
 	ttl := opts.TTL
@@ -124,7 +144,7 @@ func (ca *CA) IssueJoinToken(opts JoinTokenOptions) (string, JoinTokenClaims, er
 	claims := joinClaims{RegisteredClaims: jwt.RegisteredClaims{
 		Issuer:    JoinTokenIssuer,
 		Subject:   opts.Identity,
-		Audience:  jwt.ClaimStrings{JoinTokenAudience},
+		Audience:  aud,
 		ExpiresAt: exp,
 		NotBefore: iat,
 		IssuedAt:  iat,
@@ -137,8 +157,46 @@ func (ca *CA) IssueJoinToken(opts JoinTokenOptions) (string, JoinTokenClaims, er
 	return token, claims.public(), nil
 }
 
+// joinTokenAudiences checks the brokers a token names and returns its aud.
+func joinTokenAudiences(names []string) (jwt.ClaimStrings, error) {
+	if len(names) == 0 {
+		return jwt.ClaimStrings{JoinTokenAudience}, nil
+	}
+	if len(names) > MaxJoinTokenAudiences {
+		return nil, fmt.Errorf("%d audiences, at most %d", len(names), MaxJoinTokenAudiences)
+	}
+	out := make(jwt.ClaimStrings, 0, len(names))
+	for _, n := range names {
+		if err := ValidJoinTokenAudience(n); err != nil {
+			return nil, err
+		}
+		if !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
+
+// ValidJoinTokenAudience checks one broker name of a join token's aud: 1
+// to MaxJoinTokenAudienceBytes printable ASCII characters without spaces
+// or commas, and not JoinTokenAudience (which marks an unbound token).
+func ValidJoinTokenAudience(name string) error {
+	if name == "" || len(name) > MaxJoinTokenAudienceBytes {
+		return fmt.Errorf("audience %q: must be 1 to %d characters", name, MaxJoinTokenAudienceBytes)
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c <= ' ' || c > '~' || c == ',' {
+			return fmt.Errorf("audience %q: only printable ASCII without spaces or commas", name)
+		}
+	}
+	if name == JoinTokenAudience {
+		return fmt.Errorf("audience %q is the mark of an unbound token, not a broker name", name)
+	}
+	return nil
+}
+
 func (c *joinClaims) public() JoinTokenClaims {
-	out := JoinTokenClaims{Identity: c.Subject, ID: c.ID}
+	out := JoinTokenClaims{Identity: c.Subject, ID: c.ID, Audiences: slices.Clone([]string(c.Audience))}
 	if c.IssuedAt != nil {
 		out.IssuedAt = c.IssuedAt.UTC()
 	}
@@ -157,22 +215,33 @@ func (c *joinClaims) public() JoinTokenClaims {
 // the broker enforces that by recording the token's ID (jti) in the
 // Kubernetes API, where every replica sees it, before it signs anything.
 type JoinTokenVerifier struct {
-	keys   jwt.VerificationKeySet
-	parser *jwt.Parser
-	now    func() time.Time
+	// audiences counts the accepted audiences: with none, golang-jwt
+	// would check no aud at all, so Verify refuses everything.
+	audiences int
+	keys      jwt.VerificationKeySet
+	parser    *jwt.Parser
+	now       func() time.Time
 }
 
-// NewJoinTokenVerifier returns a verifier that accepts join tokens signed by
-// the key of any of keys: the CA certificates whose keys may have signed join
-// tokens, the current CA and, during a rotation, the previous one.
-// Certificates whose key is not ECDSA P-256 cannot have signed one and are
-// skipped; with no usable key every token is refused. now nil means
-// time.Now.
+// NewJoinTokenVerifier returns a verifier of unbound join tokens (aud
+// JoinTokenAudience) only; see NewJoinTokenVerifierFor.
 func NewJoinTokenVerifier(keys []*x509.Certificate, now func() time.Time) *JoinTokenVerifier {
+	return NewJoinTokenVerifierFor(keys, []string{JoinTokenAudience}, now)
+}
+
+// NewJoinTokenVerifierFor returns a verifier that accepts join tokens
+// signed by the key of any of keys, the CA certificates whose keys may
+// have signed join tokens (the current signing CA and, during a rotation,
+// the previous one), whose aud names at least one of audiences: the
+// broker's own names, and JoinTokenAudience if it takes unbound tokens.
+// Certificates whose key is not ECDSA P-256 cannot have signed one and are
+// skipped; with no usable key or no audience every token is refused. now
+// nil means time.Now.
+func NewJoinTokenVerifierFor(keys []*x509.Certificate, audiences []string, now func() time.Time) *JoinTokenVerifier {
 	if now == nil {
 		now = time.Now
 	}
-	v := &JoinTokenVerifier{now: now}
+	v := &JoinTokenVerifier{now: now, audiences: len(audiences)}
 	for _, c := range keys {
 		if c == nil {
 			continue
@@ -186,7 +255,9 @@ func NewJoinTokenVerifier(keys []*x509.Certificate, now func() time.Time) *JoinT
 		// every other algorithm are refused before any key is tried.
 		jwt.WithValidMethods([]string{jwt.SigningMethodES256.Alg()}),
 		jwt.WithIssuer(JoinTokenIssuer),
-		jwt.WithAudience(JoinTokenAudience),
+		// Any one of the broker's names (golang-jwt refuses a token
+		// without aud, and one naming none of them).
+		jwt.WithAudience(audiences...),
 		jwt.WithExpirationRequired(),
 		jwt.WithIssuedAt(),
 		jwt.WithLeeway(JoinTokenLeeway),
@@ -199,8 +270,10 @@ func NewJoinTokenVerifier(keys []*x509.Certificate, now func() time.Time) *JoinT
 
 // Verify checks a join token and returns its claims. It refuses, with an
 // error wrapping ErrInvalidJoinToken: a token longer than MaxJoinTokenBytes;
-// a signature that is not ES256 by one of the verifier's keys; an iss or aud
-// other than JoinTokenIssuer and JoinTokenAudience; a missing or past exp; an
+// a signature that is not ES256 by one of the verifier's keys; an iss other
+// than JoinTokenIssuer; an aud that names none of the verifier's audiences
+// (another broker's token, or an unbound one where unbound tokens are not
+// taken); a missing or past exp; an
 // nbf or iat in the future; an exp more than MaxJoinTokenTTL ahead; a sub
 // that is not a cluster identity; a missing or malformed jti (clock checks
 // allow JoinTokenLeeway). It does not check single use (see
@@ -211,6 +284,9 @@ func (v *JoinTokenVerifier) Verify(token string) (JoinTokenClaims, error) {
 	}
 	if len(v.keys.Keys) == 0 {
 		return JoinTokenClaims{}, fmt.Errorf("%w: no ECDSA P-256 CA key to verify with", ErrInvalidJoinToken)
+	}
+	if v.audiences == 0 {
+		return JoinTokenClaims{}, fmt.Errorf("%w: this broker has no name to find in aud", ErrInvalidJoinToken)
 	}
 	var claims joinClaims
 	_, err := v.parser.ParseWithClaims(token, &claims, func(*jwt.Token) (any, error) { return v.keys, nil })

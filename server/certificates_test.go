@@ -213,7 +213,7 @@ func newRealBroker(t *testing.T) *realBrokerEnv {
 	t.Helper()
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "enrollment test CA", Lifetime: 48 * time.Hour})
 	require.NoError(t, err)
-	policy, err := broker.ParsePolicy([]byte("cluster: {name: east, server: 'https://east.example.com', caData: x}\n"))
+	policy, err := broker.ParsePolicy([]byte("cluster: {name: east, server: 'https://east.example.com', caData: x}\nlimits: {enrollmentsPerMinute: 1000}\n"))
 	require.NoError(t, err)
 	b, err := broker.New(broker.Config{
 		Secrets:   fake.NewClientset().CoreV1(),
@@ -247,7 +247,7 @@ func goodClaims() jwt.RegisteredClaims {
 	return jwt.RegisteredClaims{
 		Issuer:    pki.JoinTokenIssuer,
 		Subject:   testIdentity,
-		Audience:  jwt.ClaimStrings{pki.JoinTokenAudience},
+		Audience:  jwt.ClaimStrings{"east"}, // the policy's cluster.name
 		ExpiresAt: jwt.NewNumericDate(now.Add(10 * time.Minute)),
 		NotBefore: jwt.NewNumericDate(now),
 		IssuedAt:  jwt.NewNumericDate(now),
@@ -260,7 +260,7 @@ func TestEveryEnrollmentFailureIsTheSame401(t *testing.T) {
 	e := newRealBroker(t)
 	h := newHarnessWith(t, e.b)
 	join := func(identity string, now time.Time) string {
-		tok, _, err := e.ca.IssueJoinToken(pki.JoinTokenOptions{Identity: identity, Now: func() time.Time { return now }})
+		tok, _, err := e.ca.IssueJoinToken(pki.JoinTokenOptions{Identity: identity, Audiences: []string{"east"}, Now: func() time.Time { return now }})
 		require.NoError(t, err)
 		return tok
 	}
@@ -270,10 +270,14 @@ func TestEveryEnrollmentFailureIsTheSame401(t *testing.T) {
 
 	other, err := pki.NewCA(pki.CAOptions{CommonName: "other"})
 	require.NoError(t, err)
-	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: testIdentity})
+	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: testIdentity, Audiences: []string{"east"}})
 	require.NoError(t, err)
 	wrongAud := goodClaims()
 	wrongAud.Audience = jwt.ClaimStrings{"kubernetes"}
+	otherBroker := goodClaims()
+	otherBroker.Audience = jwt.ClaimStrings{"south"}
+	unbound := goodClaims()
+	unbound.Audience = jwt.ClaimStrings{pki.JoinTokenAudience}
 	wrongIss := goodClaims()
 	wrongIss.Issuer = "someone"
 	noneHeader := base64.RawURLEncoding.EncodeToString([]byte(`{"alg":"none","typ":"JWT"}`))
@@ -297,6 +301,8 @@ func TestEveryEnrollmentFailureIsTheSame401(t *testing.T) {
 		{"a token that is not a JWT", http.Header{"Authorization": {"Bearer not.a.jwt"}}},
 		{"an expired token", http.Header{"Authorization": {"Bearer " + join(testIdentity, time.Now().Add(-time.Hour))}}},
 		{"a token for another audience", http.Header{"Authorization": {"Bearer " + e.signed(t, wrongAud)}}},
+		{"a token for another broker of the same CA", http.Header{"Authorization": {"Bearer " + e.signed(t, otherBroker)}}},
+		{"an unbound token (no broker named)", http.Header{"Authorization": {"Bearer " + e.signed(t, unbound)}}},
 		{"a token from another issuer", http.Header{"Authorization": {"Bearer " + e.signed(t, wrongIss)}}},
 		{"an unsigned alg none token", http.Header{"Authorization": {"Bearer " + algNone}}},
 		{"a token with a changed payload", http.Header{"Authorization": {"Bearer " + tampered}}},
@@ -337,7 +343,7 @@ func TestEnrollmentAfterAValidToken(t *testing.T) {
 	t.Parallel()
 	e := newRealBroker(t)
 	h := newHarnessWith(t, e.b)
-	tok, _, err := e.ca.IssueJoinToken(pki.JoinTokenOptions{Identity: testIdentity})
+	tok, _, err := e.ca.IssueJoinToken(pki.JoinTokenOptions{Identity: testIdentity, Audiences: []string{"east"}})
 	require.NoError(t, err)
 
 	t.Run("A CSR that does not parse is 400 on the csr field.", func(t *testing.T) {

@@ -54,6 +54,12 @@ type Options struct {
 	// the signing CA counts (the other CAs of ClientCAFile authenticate
 	// peers but never admit or renew them). Reloaded when it changes.
 	PreviousCACertFile string
+	// BrokerNames are the names this broker answers to in a join token's
+	// aud; empty means the policy's cluster.name (broker.Config).
+	BrokerNames []string
+	// AcceptUnboundJoinTokens also accepts join tokens that name no
+	// broker, as releases before audiences made them (broker.Config).
+	AcceptUnboundJoinTokens bool
 	// ClientCertTTL is the lifetime of issued client certificates unless
 	// the policy sets one for the peer.
 	ClientCertTTL time.Duration
@@ -191,6 +197,11 @@ func (o Options) Validate() error {
 	}
 	if o.PreviousCACertFile != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--previous-ca-cert-file needs --ca-cert-file: it names the signing CA being replaced"))
+	}
+	for _, n := range o.BrokerNames {
+		if err := pki.ValidJoinTokenAudience(n); err != nil {
+			errs = append(errs, fmt.Errorf("--broker-name: %w", err))
+		}
 	}
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
@@ -331,25 +342,27 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	peerKeys := broker.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
 	b, err := broker.New(broker.Config{
-		Secrets:        client.CoreV1(),
-		RoleBindings:   client.RbacV1(),
-		Issuers:        iss,
-		Policy:         store,
-		Logger:         log.Named("broker"),
-		Metrics:        metrics,
-		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
-		Namespace:      opts.Namespace,
-		CA:             ca,
-		PreviousCA:     previousCA,
-		Trust:          clientCAs,
-		CertificateTTL: opts.ClientCertTTL,
-		Revocations:    revocations,
-		Auditor:        auditor,
-		Leases:         leases,
-		MaxLiveLeases:  opts.MaxLiveLeases,
-		Pool:           broker.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
-		Namespaces:     namespaces,
-		PeerKeys:       peerKeys,
+		Secrets:                 client.CoreV1(),
+		RoleBindings:            client.RbacV1(),
+		Issuers:                 iss,
+		Policy:                  store,
+		Logger:                  log.Named("broker"),
+		Metrics:                 metrics,
+		APIServerReady:          broker.APIServerReadyz(client.Discovery().RESTClient()),
+		Namespace:               opts.Namespace,
+		CA:                      ca,
+		PreviousCA:              previousCA,
+		BrokerNames:             opts.BrokerNames,
+		AcceptUnboundJoinTokens: opts.AcceptUnboundJoinTokens,
+		Trust:                   clientCAs,
+		CertificateTTL:          opts.ClientCertTTL,
+		Revocations:             revocations,
+		Auditor:                 auditor,
+		Leases:                  leases,
+		MaxLiveLeases:           opts.MaxLiveLeases,
+		Pool:                    broker.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
+		Namespaces:              namespaces,
+		PeerKeys:                peerKeys,
 	})
 	if err != nil {
 		return err

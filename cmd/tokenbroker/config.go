@@ -147,7 +147,7 @@ func configKindsChecked() []schema.Kind {
 			}},
 		{Name: kindServe, Description: "a serve config (serve's flag names)", Keys: serveFileKeys(),
 			Check: func(path string, _ any) ([]apiv1.FieldError, []apiv1.FieldError) {
-				return validateServeConfig(path), nil
+				return validateServeConfig(path)
 			}},
 	}
 }
@@ -171,15 +171,17 @@ var serveRequiredFlags = []string{"tls-cert-file", "tls-key-file", "client-ca-fi
 
 // validateServeConfig checks the YAML file of "serve --config": the keys
 // and value types as newViper checks them, then serve's own checks of the
-// values the file gives.
-func validateServeConfig(path string) []apiv1.FieldError {
+// values the file gives. The notes explain refusals that a valid file
+// still leads to.
+func validateServeConfig(path string) (problems, notes []apiv1.FieldError) {
 	fv := viper.New()
 	fv.SetConfigFile(path)
 	if err := fv.ReadInConfig(); err != nil {
-		return []apiv1.FieldError{{Detail: err.Error()}}
+		return []apiv1.FieldError{{Detail: err.Error()}}, nil
 	}
 	flags := serveFlags()
 	problems, clean := schema.FlagFileProblems(flags, fv.AllSettings())
+	notes = joinTokenNotes(clean)
 
 	// serve's checks, on the file's values and the defaults only: no
 	// environment, and the required flags set to something, since flags
@@ -187,7 +189,7 @@ func validateServeConfig(path string) []apiv1.FieldError {
 	v := viper.New()
 	flags.VisitAll(func(f *pflag.Flag) { _ = v.BindPFlag(f.Name, f) })
 	if err := v.MergeConfigMap(clean); err != nil {
-		return append(problems, apiv1.FieldError{Detail: err.Error()})
+		return append(problems, apiv1.FieldError{Detail: err.Error()}), notes
 	}
 	for _, k := range serveRequiredFlags {
 		if _, ok := clean[k]; !ok {
@@ -198,7 +200,31 @@ func validateServeConfig(path string) []apiv1.FieldError {
 	for _, e := range unjoin(err) {
 		problems = append(problems, flagProblem(e.Error()))
 	}
-	return problems
+	return problems, notes
+}
+
+// joinTokenNotes explains, for a serve file with an enrollment listener,
+// which join tokens the broker takes: since audiences, a token must name
+// the broker, and one made without "pki join-token --audience" (as every
+// older release made them) is refused unless accept-unbound-join-tokens.
+func joinTokenNotes(settings map[string]any) []apiv1.FieldError {
+	if addr, _ := settings["enroll-address"].(string); addr == "" {
+		return nil
+	}
+	if unbound, _ := settings["accept-unbound-join-tokens"].(bool); unbound {
+		return []apiv1.FieldError{{Field: "accept-unbound-join-tokens",
+			Detail: "join tokens that name no broker are accepted: a token made for another broker of the same CA without --audience can be used here; remove this once the tokens made before the upgrade are used or expired"}}
+	}
+	name := "the policy's cluster.name"
+	if names, ok := settings["broker-name"].([]any); ok && len(names) > 0 {
+		parts := make([]string, 0, len(names))
+		for _, n := range names {
+			parts = append(parts, fmt.Sprint(n))
+		}
+		name = strings.Join(parts, " or ")
+	}
+	return []apiv1.FieldError{{Field: "enroll-address",
+		Detail: "join tokens must name this broker: make them with \"pki join-token --audience\" " + name + "; tokens without an audience (made before the upgrade) are refused (401) unless accept-unbound-join-tokens: true"}}
 }
 
 // unjoin returns the errors errors.Join joined, or err alone.

@@ -308,3 +308,34 @@ func TestAServeConfigFileThatLeavesRequiredFlagsToTheCommandLineIsValid(t *testi
 	require.False(t, failed, stdout+stderr)
 	require.Equal(t, file+": valid serve config\n", stdout)
 }
+
+func TestConfigValidateExplainsWhichJoinTokensAServeConfigRefuses(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		content string
+		want    string // on stderr; "" means no note
+	}{
+		{name: "an enrollment listener notes that tokens must name the policy's cluster.name",
+			content: "enroll-address: ':8444'\nca-cert-file: ca.crt\nca-key-file: ca.key\n", want: `enroll-address: join tokens must name this broker: make them with "pki join-token --audience" the policy's cluster.name; tokens without an audience (made before the upgrade) are refused (401) unless accept-unbound-join-tokens: true`},
+		{name: "configured broker names are the audiences to use",
+			content: "enroll-address: ':8444'\nca-cert-file: ca.crt\nca-key-file: ca.key\nbroker-name: [east-a, east-b]\n", want: `--audience" east-a or east-b;`},
+		{name: "accepting unbound tokens notes the replay it allows",
+			content: "enroll-address: ':8444'\nca-cert-file: ca.crt\nca-key-file: ca.key\naccept-unbound-join-tokens: true\n", want: "accept-unbound-join-tokens: join tokens that name no broker are accepted"},
+		{name: "without an enrollment listener there is nothing to note", content: "gc-interval: 2m\n"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			file := writeTemp(t, "broker.yaml", tc.content)
+			stdout, stderr, failed := validateArgs(t, "--kind", "serve", file)
+			require.False(t, failed, stdout+stderr)
+			require.Contains(t, stdout, "valid serve config")
+			if tc.want == "" {
+				require.Empty(t, stderr)
+				return
+			}
+			require.Contains(t, stderr, tc.want)
+		})
+	}
+}

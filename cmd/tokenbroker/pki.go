@@ -522,14 +522,22 @@ func roughDuration(d time.Duration) string {
 func newPKIJoinTokenCommand(env pkiEnv) *cobra.Command {
 	var (
 		caDir, trustDomain, cluster string
+		audiences                   []string
 		ttl                         time.Duration
 	)
 	cmd := &cobra.Command{
-		Use:   "join-token --ca-dir DIR --trust-domain TD --cluster NAME [--ttl 10m]",
+		Use:   "join-token --ca-dir DIR --trust-domain TD --cluster NAME --audience BROKER... [--ttl 10m]",
 		Short: "Make a single-use join token that lets a new cluster enroll as spiffe://TD/cluster/NAME",
 		Long: `Make a join token: a JWT signed (ES256) by the CA in DIR that lets one new
 cluster enroll, once, as spiffe://TD/cluster/NAME and get its first client
 certificate from a broker of this CA ("tokenbroker enroll").
+
+--audience names the broker the token is for (repeat it for several): the
+name the broker answers to, which is its policy's cluster.name unless serve
+--broker-name says otherwise. Any other broker of the same CA refuses the
+token, so that it cannot be replayed there. (Brokers refuse tokens made
+without an audience, as older releases made them, unless serve
+--accept-unbound-join-tokens is set.)
 
 The token, and nothing else, is printed on standard output, so that
 TOKEN=$(tokenbroker pki join-token ...) works. It is a secret until it is used
@@ -538,7 +546,7 @@ token ID (jti, what the broker logs), the expiry and the fingerprint of the
 root CA that the joining cluster must pin with --ca-fingerprint.
 
 Default TTL: 10 minutes; at most 24h.`,
-		Example: `  tokenbroker pki join-token --ca-dir ca --trust-domain oc.example --cluster west > west.token`,
+		Example: `  tokenbroker pki join-token --ca-dir ca --trust-domain oc.example --cluster west --audience east > west.token`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			id, err := pki.ClusterIdentity(trustDomain, cluster)
@@ -549,7 +557,7 @@ Default TTL: 10 minutes; at most 24h.`,
 			if err != nil {
 				return err
 			}
-			token, claims, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: id, TTL: ttl, Now: env.now, Rand: env.rand})
+			token, claims, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: id, Audiences: audiences, TTL: ttl, Now: env.now, Rand: env.rand})
 			if err != nil {
 				return err
 			}
@@ -563,6 +571,7 @@ Default TTL: 10 minutes; at most 24h.`,
 			out := cmd.ErrOrStderr()
 			fmt.Fprintf(out, "identity:       %s\n", claims.Identity)
 			fmt.Fprintf(out, "token id (jti): %s\n", claims.ID)
+			fmt.Fprintf(out, "for brokers:    %s\n", strings.Join(claims.Audiences, ", "))
 			fmt.Fprintf(out, "expires:        %s (valid for %s)\n", claims.ExpiresAt.Format(time.RFC3339), claims.ExpiresAt.Sub(claims.IssuedAt))
 			for _, a := range anchors {
 				fmt.Fprintf(out, "CA to pin:      %s (%s)\n", pki.Fingerprint(a), a.Subject.CommonName)
@@ -575,8 +584,9 @@ Default TTL: 10 minutes; at most 24h.`,
 	f.StringVar(&caDir, "ca-dir", "", "directory made by `pki init` (required)")
 	f.StringVar(&trustDomain, "trust-domain", "", "trust domain, e.g. oc.example (required)")
 	f.StringVar(&cluster, "cluster", "", "name of the joining cluster, a DNS-1123 label (required)")
+	f.StringSliceVar(&audiences, "audience", nil, "name of the broker the token is for (its policy's cluster.name, or serve --broker-name), repeatable; other brokers of the CA refuse the token (required)")
 	f.DurationVar(&ttl, "ttl", pki.DefaultJoinTokenTTL, "validity of the token, at most 24h")
-	for _, name := range []string{"ca-dir", "trust-domain", "cluster"} {
+	for _, name := range []string{"ca-dir", "trust-domain", "cluster", "audience"} {
 		_ = cmd.MarkFlagRequired(name)
 	}
 	return cmd

@@ -287,7 +287,7 @@ func TestPKIHelpDocumentsDefaults(t *testing.T) {
 		{name: "issue server help names the default files and lifetime.", args: []string{"issue", "server", "--help"}, want: []string{"CA-DIR/server.crt", "90 days", "--force"}},
 		{name: "issue client help names the default files and lifetime.", args: []string{"issue", "client", "--help"}, want: []string{"CA-DIR/NAME.crt", "30 days", "spiffe://TD/cluster/NAME"}},
 		{name: "init help describes the intermediate layout.", args: []string{"init", "--help"}, want: []string{"--intermediate", "root.key", "bundle.crt", "path length 1"}},
-		{name: "join-token help says the token alone goes to stdout.", args: []string{"join-token", "--help"}, want: []string{"TOKEN=$(tokenbroker pki join-token", "10 minutes", "--ca-fingerprint"}},
+		{name: "join-token help says the token alone goes to stdout.", args: []string{"join-token", "--help"}, want: []string{"TOKEN=$(tokenbroker pki join-token", "10 minutes", "--ca-fingerprint", "--audience", "cluster.name", "--accept-unbound-join-tokens"}},
 		{name: "bundle help describes a rotation.", args: []string{"bundle", "--help"}, want: []string{"--add", "rotation", "--out"}},
 		{name: "inspect help names the JSON output.", args: []string{"inspect", "--help"}, want: []string{"-o json", "fingerprint"}},
 	}
@@ -509,7 +509,8 @@ func TestPKIJoinToken(t *testing.T) {
 			dir := t.TempDir()
 			_, err := runPKI(t, append(tt.init, "--dir", dir)...)
 			require.NoError(t, err)
-			stdout, stderr, err := runPKIStreams(t, "join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west", "--ttl", "15m")
+			stdout, stderr, err := runPKIStreams(t, "join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west", "--ttl", "15m",
+				"--audience", "east", "--audience", "east-2")
 			require.NoError(t, err)
 
 			require.True(t, strings.HasSuffix(stdout, "\n"))
@@ -519,8 +520,12 @@ func TestPKIJoinToken(t *testing.T) {
 			require.NotContains(t, stderr, token, "the token is printed on stdout only")
 
 			signer := readCert(t, filepath.Join(dir, "ca.crt"))
-			claims, err := pki.NewJoinTokenVerifier([]*x509.Certificate{signer}, func() time.Time { return pkiTestNow }).Verify(token)
+			claims, err := pki.NewJoinTokenVerifierFor([]*x509.Certificate{signer}, []string{"east-2"}, func() time.Time { return pkiTestNow }).Verify(token)
 			require.NoError(t, err)
+			require.Equal(t, []string{"east", "east-2"}, claims.Audiences, "the token names the brokers it is for")
+			require.Contains(t, stderr, "for brokers:    east, east-2")
+			_, err = pki.NewJoinTokenVerifierFor([]*x509.Certificate{signer}, []string{"south"}, func() time.Time { return pkiTestNow }).Verify(token)
+			require.ErrorIs(t, err, pki.ErrInvalidJoinToken, "a broker the token does not name refuses it")
 			require.Equal(t, "spiffe://oc.example/cluster/west", claims.Identity)
 			require.Equal(t, pkiTestNow.Add(15*time.Minute), claims.ExpiresAt)
 
@@ -547,14 +552,19 @@ func TestPKIJoinToken(t *testing.T) {
 			{[]string{"--ttl", "25h"}, "outside"},
 			{[]string{"--ttl", "-1m"}, "outside"},
 			{[]string{"--cluster", "West"}, "DNS-1123 label"},
+			{[]string{"--audience", "tokenbroker-enrollment"}, "unbound token"},
+			{[]string{"--audience", "east west"}, "without spaces"},
 		} {
-			args := append([]string{"join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west"}, tc.args...)
+			args := append([]string{"join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west", "--audience", "east"}, tc.args...)
 			stdout, _, err := runPKIStreams(t, args...)
 			require.ErrorContains(t, err, tc.wantErr)
 			require.Empty(t, stdout)
 		}
-		stdout, _, err := runPKIStreams(t, "join-token", "--ca-dir", filepath.Join(dir, "missing"), "--trust-domain", "oc.example", "--cluster", "west")
+		stdout, _, err := runPKIStreams(t, "join-token", "--ca-dir", filepath.Join(dir, "missing"), "--trust-domain", "oc.example", "--cluster", "west", "--audience", "east")
 		require.ErrorContains(t, err, "no such file")
+		require.Empty(t, stdout)
+		stdout, _, err = runPKIStreams(t, "join-token", "--ca-dir", dir, "--trust-domain", "oc.example", "--cluster", "west")
+		require.ErrorContains(t, err, `required flag(s) "audience" not set`, "a token names its broker")
 		require.Empty(t, stdout)
 	})
 }

@@ -96,6 +96,8 @@ func serveFlags() *pflag.FlagSet {
 	fs.String("ca-cert-file", "", "certificate (chain) of the CA that signs enrolled and renewed client certificates and join tokens; empty disables both")
 	fs.String("ca-key-file", "", "private key of that CA (PEM)")
 	fs.String("previous-ca-cert-file", "", "during a rotation of the signing CA, the certificate of the CA being replaced: its join tokens still verify and the client certificates it issued still renew; unset it to end the overlap (other CAs of --client-ca-file never admit or renew peers)")
+	fs.StringSlice("broker-name", nil, "name this broker answers to in a join token's aud (pki join-token --audience), repeatable; default the policy's cluster.name")
+	fs.Bool("accept-unbound-join-tokens", false, "also accept join tokens that name no broker (made without pki join-token --audience, as before audiences existed): any broker of the CA takes those, so a token can be replayed at another broker")
 	fs.Duration("client-cert-ttl", pki.DefaultClientLifetime, "lifetime of issued client certificates unless the policy sets peers[].certificateTTL")
 	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants; reloaded when it changes")
 	fs.String("namespace", "", "the broker's own namespace (used join tokens, revocation ConfigMap); default $POD_NAMESPACE, else "+defaultNamespace)
@@ -122,35 +124,37 @@ func serveFlags() *pflag.FlagSet {
 
 func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{Options: server.Options{
-		ListenAddress:       v.GetString("listen-address"),
-		EnrollAddress:       v.GetString("enroll-address"),
-		OpsAddress:          v.GetString("ops-address"),
-		TLSCertFile:         v.GetString("tls-cert-file"),
-		TLSKeyFile:          v.GetString("tls-key-file"),
-		ClientCAFile:        v.GetString("client-ca-file"),
-		CACertFile:          v.GetString("ca-cert-file"),
-		CAKeyFile:           v.GetString("ca-key-file"),
-		PreviousCACertFile:  v.GetString("previous-ca-cert-file"),
-		ClientCertTTL:       v.GetDuration("client-cert-ttl"),
-		PolicyFile:          v.GetString("policy-file"),
-		Namespace:           namespaceOrDefault(v.GetString("namespace")),
-		KubeQPS:             float32(v.GetFloat64("kube-qps")),
-		KubeBurst:           v.GetInt("kube-burst"),
-		GCInterval:          v.GetDuration("gc-interval"),
-		MaxLiveLeases:       v.GetInt("max-live-leases"),
-		LeasePool:           poolSize(v.GetInt("lease-pool")),
-		LeasePoolMax:        v.GetInt("lease-pool-max"),
-		MaxBodyBytes:        v.GetInt64("max-body-bytes"),
-		MaxConnsPerIP:       v.GetInt("max-conns-per-ip"),
-		MaxConnsPerIdentity: v.GetInt("max-conns-per-identity"),
-		MaxConns:            v.GetInt("max-conns"),
-		MaxHandshakes:       v.GetInt("max-handshakes"),
-		MaxHandshakesPerIP:  v.GetInt("max-handshakes-per-ip"),
-		HandshakeTimeout:    v.GetDuration("handshake-timeout"),
-		Pprof:               v.GetBool("pprof"),
-		Credentials:         v.GetStringSlice("credentials"),
-		SigningTimeout:      v.GetDuration("signing-timeout"),
-		AuditLog:            v.GetString("audit-log"),
+		ListenAddress:           v.GetString("listen-address"),
+		EnrollAddress:           v.GetString("enroll-address"),
+		OpsAddress:              v.GetString("ops-address"),
+		TLSCertFile:             v.GetString("tls-cert-file"),
+		TLSKeyFile:              v.GetString("tls-key-file"),
+		ClientCAFile:            v.GetString("client-ca-file"),
+		CACertFile:              v.GetString("ca-cert-file"),
+		CAKeyFile:               v.GetString("ca-key-file"),
+		PreviousCACertFile:      v.GetString("previous-ca-cert-file"),
+		BrokerNames:             v.GetStringSlice("broker-name"),
+		AcceptUnboundJoinTokens: v.GetBool("accept-unbound-join-tokens"),
+		ClientCertTTL:           v.GetDuration("client-cert-ttl"),
+		PolicyFile:              v.GetString("policy-file"),
+		Namespace:               namespaceOrDefault(v.GetString("namespace")),
+		KubeQPS:                 float32(v.GetFloat64("kube-qps")),
+		KubeBurst:               v.GetInt("kube-burst"),
+		GCInterval:              v.GetDuration("gc-interval"),
+		MaxLiveLeases:           v.GetInt("max-live-leases"),
+		LeasePool:               poolSize(v.GetInt("lease-pool")),
+		LeasePoolMax:            v.GetInt("lease-pool-max"),
+		MaxBodyBytes:            v.GetInt64("max-body-bytes"),
+		MaxConnsPerIP:           v.GetInt("max-conns-per-ip"),
+		MaxConnsPerIdentity:     v.GetInt("max-conns-per-identity"),
+		MaxConns:                v.GetInt("max-conns"),
+		MaxHandshakes:           v.GetInt("max-handshakes"),
+		MaxHandshakesPerIP:      v.GetInt("max-handshakes-per-ip"),
+		HandshakeTimeout:        v.GetDuration("handshake-timeout"),
+		Pprof:                   v.GetBool("pprof"),
+		Credentials:             v.GetStringSlice("credentials"),
+		SigningTimeout:          v.GetDuration("signing-timeout"),
+		AuditLog:                v.GetString("audit-log"),
 	}, Kubeconfig: v.GetString("kubeconfig"), Log: logConfigFrom(v)}
 	return cfg, cfg.Validate()
 }

@@ -109,7 +109,7 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 	e.launch(t)
 
 	joinToken := func(t *testing.T, cluster string) (file, fingerprint string) {
-		stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", cluster, "--ttl", "10m")
+		stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", cluster, "--audience", "east", "--ttl", "10m")
 		require.NoError(t, err, stderr)
 		fingerprint = fingerprintRE.FindString(stderr)
 		require.NotEmpty(t, fingerprint, stderr)

@@ -50,7 +50,7 @@ peers:
 
 	// Command 1, on the CA side.
 	tokenFile := filepath.Join(dir, "north.token")
-	stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north", "--ttl", "10m")
+	stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north", "--audience", "east", "--ttl", "10m")
 	require.NoError(t, err, stderr)
 	require.Len(t, strings.Split(strings.TrimSpace(stdout), "\n"), 1, "stdout is the token alone")
 	require.NoError(t, os.WriteFile(tokenFile, []byte(stdout), 0o600))
@@ -110,7 +110,7 @@ peers:
 	})
 
 	t.Run("a wrong pinned fingerprint is refused before anything is sent", func(t *testing.T) {
-		stdout, _, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north")
+		stdout, _, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north", "--audience", "east")
 		require.NoError(t, err)
 		tf := writeFile(t, filepath.Join(t.TempDir(), "t"), stdout)
 		wrong := "sha256:" + strings.Repeat("0", 64)
@@ -125,7 +125,7 @@ peers:
 			require.NoError(t, err, "%s is needed (.ci/run installs it)", tool)
 		}
 		work := t.TempDir()
-		token, _, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north")
+		token, _, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north", "--audience", "east")
 		require.NoError(t, err)
 		writeFile(t, filepath.Join(work, "west.token"), token)
 		bundle, err := os.ReadFile(filepath.Join(pkiDir, "bundle.crt"))

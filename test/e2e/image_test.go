@@ -536,7 +536,7 @@ policy:
 
 	// The agent, from the agent's chart, enrolling with a join token at
 	// the containerised broker and writing a Secret.
-	tokenOut, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "west", "--ttl", "10m")
+	tokenOut, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "west", "--audience", "east", "--ttl", "10m")
 	require.NoError(t, err, stderr)
 	fingerprint := fingerprintRE.FindString(stderr)
 	require.NotEmpty(t, fingerprint, stderr)

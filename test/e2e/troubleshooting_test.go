@@ -241,7 +241,7 @@ func TestTroubleshootingRecipesWorkAsWritten(t *testing.T) {
 			"--enroll-address", enroll)
 		r.launch(t)
 
-		stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north")
+		stdout, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "north", "--audience", "east")
 		require.NoError(t, err, stderr)
 		token := writeFile(t, filepath.Join(t.TempDir(), "north.token"), stdout)
 		fp := fingerprintRE.FindString(stderr)

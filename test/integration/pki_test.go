@@ -60,7 +60,8 @@ func (s *stack) enroll(t *testing.T, token, identity string, roots *x509.CertPoo
 
 func joinToken(t *testing.T, ca *pki.CA, identity string) string {
 	t.Helper()
-	tok, _, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: identity})
+	// Every stack's policy names its cluster east: the broker's name.
+	tok, _, err := ca.IssueJoinToken(pki.JoinTokenOptions{Identity: identity, Audiences: []string{"east"}})
 	require.NoError(t, err)
 	return tok
 }
@@ -357,8 +358,10 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	testSigningCARotation(t, s, oldCA, newCA, oldClient, roots)
 	oldToken := joinToken(t, oldCA, identity(t, "east2"))
 
-	// Step 3: the old CA leaves the bundle. Its clients are refused on new
-	// connections (handshake) and on kept-alive ones (401).
+	// Step 3: the old CA leaves the bundle, and is no longer named the
+	// previous signing CA. Its clients are refused on new connections
+	// (handshake) and on kept-alive ones (401).
+	writeFileAtomic(t, s.previousCAFile, newCA.BundlePEM())
 	writeFileAtomic(t, s.clientCAFile, newCA.BundlePEM())
 	freshOld := s.clientFrom(t, oldCA, "south", roots)
 	require.Eventually(t, func() bool {
@@ -373,7 +376,7 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	require.GreaterOrEqual(t, reloads(t, s, broker.ConfigClientCA, "success"), 2.0)
 	status, _, err = s.enroll(t, oldToken, identity(t, "east2"), roots)
 	require.NoError(t, err)
-	require.Equal(t, http.StatusUnauthorized, status, "a join token of the old CA ends with its place in the bundle")
+	require.Equal(t, http.StatusUnauthorized, status, "a join token of the old CA ends with its naming as the previous CA")
 
 	// A bundle file that is broken is refused and the bundle in force kept.
 	writeFileAtomic(t, s.clientCAFile, []byte("not a bundle"))
@@ -424,7 +427,7 @@ func testSigningCARotation(t *testing.T, s *stack, oldCA, newCA *pki.CA, client 
 	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigCA, "success") >= 1 },
 		5*time.Second, 10*time.Millisecond, "the new CA is taken without a restart")
 	t.Logf("new signing CA in service %s after its files were written", time.Since(start).Round(time.Millisecond))
-	require.True(t, signedBy(renew(), newCA), "renewals are signed by the new CA")
+	require.True(t, signedBy(renew(), newCA), "renewals are signed by the new CA; a certificate of the old CA renews while it is named the previous CA")
 	require.Empty(t, s.logs.FilterMessageSnippet("the signing CA is not in the client-CA bundle").All(), "the new CA is in the bundle")
 
 	// Join tokens of both CAs enroll during the overlap, and the

@@ -66,6 +66,10 @@ type stack struct {
 	// caCertFile and caKeyFile are the signing CA's files the broker
 	// follows; they start out holding ca.
 	caCertFile, caKeyFile string
+	// previousCAFile is the --previous-ca-cert-file the broker follows; it
+	// starts out holding ca (the signing CA itself, which changes nothing),
+	// so that a CA rotation names the old CA there.
+	previousCAFile string
 }
 
 // stackOption changes how startStack builds a stack.
@@ -113,6 +117,8 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
 	require.NoError(t, ca.WriteFiles(caCert, caKey))
 	s.caCertFile, s.caKeyFile = caCert, caKey
+	s.previousCAFile = filepath.Join(dir, "previous-ca.crt")
+	require.NoError(t, os.WriteFile(s.previousCAFile, ca.CertPEM(), 0o644))
 
 	core, logs := observer.New(zap.DebugLevel)
 	started := make(chan server.Started, 1)
@@ -122,28 +128,29 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 		// The composition root "tokenbroker serve" runs, with GC and the
 		// audit log as shipped; only the files are quicker to reload.
 		done <- server.Run(ctx, server.Options{
-			ListenAddress:  "127.0.0.1:0",
-			EnrollAddress:  "127.0.0.1:0",
-			OpsAddress:     "127.0.0.1:0",
-			TLSCertFile:    s.serverCert,
-			TLSKeyFile:     s.serverKey,
-			ClientCAFile:   s.clientCAFile,
-			CACertFile:     caCert,
-			CAKeyFile:      caKey,
-			ClientCertTTL:  pki.DefaultClientLifetime,
-			PolicyFile:     s.policyFile,
-			Namespace:      brokerNamespace,
-			Kube:           c.Config,
-			KubeQPS:        1000,
-			KubeBurst:      2000,
-			GCInterval:     time.Minute,
-			MaxLiveLeases:  sc.maxLiveLeases,
-			ReloadInterval: reloadInterval,
-			MaxBodyBytes:   server.DefaultMaxBodyBytes,
-			Credentials:    []string{apiv1.CredentialToken},
-			AuditLog:       s.auditLog,
-			Logger:         zap.New(core),
-			Started:        func(st server.Started) { started <- st },
+			ListenAddress:      "127.0.0.1:0",
+			EnrollAddress:      "127.0.0.1:0",
+			OpsAddress:         "127.0.0.1:0",
+			TLSCertFile:        s.serverCert,
+			TLSKeyFile:         s.serverKey,
+			ClientCAFile:       s.clientCAFile,
+			CACertFile:         caCert,
+			CAKeyFile:          caKey,
+			PreviousCACertFile: s.previousCAFile,
+			ClientCertTTL:      pki.DefaultClientLifetime,
+			PolicyFile:         s.policyFile,
+			Namespace:          brokerNamespace,
+			Kube:               c.Config,
+			KubeQPS:            1000,
+			KubeBurst:          2000,
+			GCInterval:         time.Minute,
+			MaxLiveLeases:      sc.maxLiveLeases,
+			ReloadInterval:     reloadInterval,
+			MaxBodyBytes:       server.DefaultMaxBodyBytes,
+			Credentials:        []string{apiv1.CredentialToken},
+			AuditLog:           s.auditLog,
+			Logger:             zap.New(core),
+			Started:            func(st server.Started) { started <- st },
 		})
 	}()
 	t.Cleanup(func() {
