@@ -336,3 +336,45 @@ func FuzzVerifyWorkloadToken(f *testing.F) {
 		}
 	})
 }
+
+// FuzzPinnedBundle feeds a served trust bundle, which whoever answers the
+// bootstrap request chooses, to PinnedBundle: whatever it holds, what is
+// kept starts with the pinned CA and is only CAs that chain to it.
+func FuzzPinnedBundle(f *testing.F) {
+	pinned, err := NewCA(CAOptions{Now: fixedNow, PathLen: 1, CommonName: "pinned"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	inter, err := pinned.NewIntermediate(CAOptions{CommonName: "pinned intermediate"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	other, err := NewCA(CAOptions{Now: fixedNow, CommonName: "other"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	pin := Fingerprint(pinned.Certificate())
+	f.Add(pinned.CertPEM())
+	f.Add(append(other.CertPEM(), pinned.CertPEM()...))
+	f.Add(append(append(pinned.CertPEM(), encodeCert(inter.Certificate().Raw)...), other.CertPEM()...))
+	f.Add(append(append(other.CertPEM(), encodeCert(inter.Certificate().Raw)...), pinned.CertPEM()...))
+	f.Add([]byte("not a bundle"))
+	now := fixedNow()
+	f.Fuzz(func(t *testing.T, data []byte) {
+		kept, err := PinnedBundle(data, pin, now)
+		if err != nil {
+			if kept != nil {
+				t.Fatal("certificates kept with an error")
+			}
+			return
+		}
+		if len(kept) == 0 || !kept[0].Equal(pinned.Certificate()) {
+			t.Fatal("the pinned CA is not first")
+		}
+		for _, c := range kept[1:] {
+			if !c.IsCA || c.Equal(other.Certificate()) {
+				t.Fatalf("kept %s, which is no CA under the pin", c.Subject)
+			}
+		}
+	})
+}
