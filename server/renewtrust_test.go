@@ -74,9 +74,10 @@ peers:
 		return rq
 	}
 	enrollment := func(ca *pki.CA) request {
-		// The token names this broker when the CA side can say so, and is
-		// unbound (as a07a6b8 makes them) otherwise.
-		tok := joinTokenFor(t, ca, testIdentity, "east")
+		// The token names this broker and carries the unbound audience
+		// too, so that only its signer decides, whichever audience rule
+		// the broker applies.
+		tok := joinTokenFor(t, ca, testIdentity, "east", pki.JoinTokenAudience)
 		return postCertificate(certBody(t, testIdentity), tok, true)
 	}
 
