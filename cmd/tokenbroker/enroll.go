@@ -24,15 +24,18 @@ CA side with "tokenbroker pki join-token".
 
 The trust bundle is fetched from the broker's enrollment listener and accepted
 only if it holds the CA with the pinned --ca-fingerprint (printed by
-"pki join-token") and the broker's certificate chains to it. A new key pair is
-made here and never leaves this machine; the broker signs a certificate for
-the identity named in the token.
+"pki join-token") and the broker's certificate chains to that CA alone: the
+other certificates of the bundle, which whoever answers chooses, may only be
+intermediates below it. The token is sent only then. A new key pair is made
+here and never leaves this machine; the broker signs a certificate for the
+identity named in the token, and its answer must hold the pinned CA too.
 
-Writes DIR/tls.crt, DIR/tls.key (mode 0600) and DIR/ca.crt. The token is read
+Writes DIR/tls.crt, DIR/tls.key (mode 0600) and DIR/ca.crt: the pinned CA and
+the bundle's CAs below it, never another CA the broker sent. The token is read
 from --token-file ("-" for standard input) or $TOKENBROKER_JOIN_TOKEN, never
 from a flag, so that it does not end up in shell history or ps output.`,
 		Example: `  # on the CA side
-  tokenbroker pki join-token --ca-dir ca --trust-domain oc.example --cluster west > west.token
+  tokenbroker pki join-token --ca-dir ca --trust-domain oc.example --cluster west --audience east > west.token
   # on the new cluster
   tokenbroker enroll --broker https://east.example.com:8444 \
     --ca-fingerprint sha256:3f1c... --token-file west.token --dir west-identity`,

@@ -48,6 +48,14 @@ no client certificate and serves only POST /v1/certificates and
 GET /v1/trust-bundle. Used join tokens and the revocation deny list
 (ConfigMap tokenbroker-revocations) live in --namespace.
 
+Only the signing CA (and, during a rotation, the CA of --previous-ca-cert-file)
+verifies join tokens and renews client certificates; the other CAs of
+--client-ca-file authenticate peers, nothing more. Only peers in the policy
+renew. A join token must name this broker in its aud (pki join-token
+--audience): --broker-name, by default the policy's cluster.name. Tokens that
+name no broker, as releases before audiences made them, are refused unless
+--accept-unbound-join-tokens.
+
 The server certificate and key, the client CA bundle and the policy file are
 reloaded when they change; a bad new file is refused and the old one kept.
 
