@@ -151,6 +151,9 @@ func TestBadCertificateFlagsAreRefused(t *testing.T) {
 		{[]string{"--client-cert-ttl", "1m"}, "--client-cert-ttl"},
 		{[]string{"--client-cert-ttl", "1000h"}, "--client-cert-ttl"},
 		{[]string{"--namespace", "Not_A_Namespace"}, "--namespace"},
+		{[]string{"--previous-ca-cert-file", "old.crt"}, "--previous-ca-cert-file needs --ca-cert-file"},
+		{[]string{"--broker-name", "east west"}, "--broker-name: audience \"east west\": only printable ASCII without spaces or commas"},
+		{[]string{"--broker-name", "tokenbroker-enrollment"}, "--broker-name: audience \"tokenbroker-enrollment\" is the mark of an unbound token"},
 	} {
 		_, err := serveConfigOf(t, append(required, tc.args...)...)
 		require.ErrorContains(t, err, tc.want, tc.args)
