@@ -38,8 +38,9 @@ import (
 //	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
 //	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
 //	                                                       enroll, renew, authenticate) and reason code
-//	                                                       (not_granted, min_ttl, credential_unavailable,
-//	                                                       invalid, not_found, join_token, revoked,
+//	                                                       (not_granted, audience_not_granted, min_ttl,
+//	                                                       credential_unavailable, invalid, not_found,
+//	                                                       join_token, revoked,
 //	                                                       identity_mismatch, disabled; for authenticate
 //	                                                       the Refused* codes)
 //	tokenbroker_leases_active                              unexpired lease Secrets seen by the last
