@@ -61,7 +61,9 @@ Kinds (--kind auto, the default, tells them apart by their top-level keys):
           certificates; one that does not exist here is only noted on
           stderr, since it is read where the broker runs.
   agent   the agent's config file (agent --config, docs/agent.md): unknown
-          fields, wrong types and every rule of the agent's loader.
+          fields, wrong types and every rule of the agent's loader. A
+          target that names audiences is noted on stderr: the broker
+          answers 403 unless the grant lists every one (grants[].audiences).
   serve   the YAML file of serve --config, whose keys are serve's flag
           names: unknown keys, values that do not parse as the flag's type,
           and serve's checks of the values given. Required flags the file
@@ -143,7 +145,7 @@ func configKindsChecked() []schema.Kind {
 		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[broker.Policy]()), Check: broker.CheckPolicyDocument},
 		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[agent.Config]()),
 			Check: func(path string, doc any) ([]apiv1.FieldError, []apiv1.FieldError) {
-				return agent.CheckConfigDocument(path, doc), nil
+				return agent.CheckConfigDocument(path, doc), agent.ConfigNotes(doc)
 			}},
 		{Name: kindServe, Description: "a serve config (serve's flag names)", Keys: serveFileKeys(),
 			Check: func(path string, _ any) ([]apiv1.FieldError, []apiv1.FieldError) {
