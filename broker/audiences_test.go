@@ -133,3 +133,42 @@ peers:
 		require.Equal(t, []string{"vault.example", "https://kubernetes.default.svc"}, gs[1].Audiences)
 	})
 }
+
+// FuzzDecideAudiences asks audiencePolicy for hostile audiences: a request
+// is allowed only if the grant that decided lists every audience it names,
+// byte for byte.
+func FuzzDecideAudiences(f *testing.F) {
+	f.Add("vault", "vault.example", "")
+	f.Add("vault", "vault.example", "https://kubernetes.default.svc")
+	f.Add("argo", "sts.amazonaws.com", "")
+	f.Add("vault", "Vault.example", "vault.example\x00")
+	f.Add("vault", "*", "vault.example ")
+	f.Add("vault", "st\u0455.amazonaws.com", "")
+	p, err := ParsePolicy([]byte(audiencePolicy))
+	require.NoError(f, err)
+	const west = "spiffe://oc.example/cluster/west"
+	peer := p.Peer(west)
+	f.Fuzz(func(t *testing.T, ns, a1, a2 string) {
+		var auds []string
+		for _, a := range []string{a1, a2} {
+			if a != "" {
+				auds = append(auds, a)
+			}
+		}
+		d, err := p.DecideAudiences(nil, west, nil, ns, "runner", "", auds, 0, 0)
+		if err != nil {
+			require.Equal(t, KindForbidden, KindOf(err))
+			return
+		}
+		var grant *GrantSpec
+		for i := range peer.Grants {
+			if peer.grantRef(&peer.Grants[i]) == d.Grant {
+				grant = &peer.Grants[i]
+			}
+		}
+		require.NotNil(t, grant, d.Grant)
+		for _, a := range auds {
+			require.Contains(t, grant.Audiences, a)
+		}
+	})
+}
