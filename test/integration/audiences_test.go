@@ -18,8 +18,11 @@ import (
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
-// audienceGrants give runner no audiences and relay one: vault.example.
-const audienceGrants = `
+// audienceGrants give runner no audiences; relayGrant gives relay one,
+// vault.example. The stack starts without relayGrant, a policy any broker
+// version loads, so that the refusal is shown on its own.
+const (
+	audienceGrants = `
 ttl: {default: 1h, max: 24h}
 peers:
   - name: west
@@ -27,10 +30,12 @@ peers:
     grants:
       - namespaces: [argo]
         serviceAccounts: [runner]
-      - namespaces: [argo]
+`
+	relayGrant = `      - namespaces: [argo]
         serviceAccounts: [relay]
         audiences: [vault.example]
 `
+)
 
 // reviewFor is a TokenReview of token by a relying party that accepts the
 // given audiences.
@@ -82,7 +87,13 @@ tokenbroker_denials_total{action="issue",reason="audience_not_granted"} 3
 	})
 
 	t.Run("a listed audience is minted by the API server, only for that audience, and still bound to the lease", func(t *testing.T) {
-		resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "relay", Audiences: []string{"vault.example"}})
+		s.writePolicy(t, audienceGrants+relayGrant)
+		var resp apiv1.KubeconfigResponse
+		require.Eventually(t, func() bool { // the policy is reloaded
+			status, _ := do(t, west, http.MethodPost, s.url+"/v1/kubeconfigs",
+				apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "relay", Audiences: []string{"vault.example"}}, &resp)
+			return status == http.StatusCreated
+		}, 10*time.Second, 50*time.Millisecond)
 		require.Equal(t, []any{"vault.example"}, jwtClaims(t, resp.Token)["aud"])
 		st := reviewFor(t, s, resp.Token, "vault.example")
 		require.True(t, st.Authenticated, st.Error)
