@@ -57,9 +57,14 @@ var PersistenceAbilities = []Persistence{
 	{Verb: "create", Group: "rbac.authorization.k8s.io", Resource: "rolebindings"},
 	{Verb: "create", Group: "rbac.authorization.k8s.io", Resource: "clusterrolebindings", ClusterScoped: true},
 	// Pods and the workloads that make them run as a ServiceAccount of the
-	// namespace, with its token, for as long as they run.
+	// namespace, with its token, for as long as they run; changing an
+	// existing Deployment's pod template does the same.
 	{Verb: "create", Resource: "pods"},
 	{Verb: "create", Group: "apps", Resource: "deployments"},
+	{Verb: "update", Group: "apps", Resource: "deployments"},
+	{Verb: "create", Group: "apps", Resource: "daemonsets"},
+	{Verb: "create", Group: "apps", Resource: "statefulsets"},
+	{Verb: "create", Group: "batch", Resource: "jobs"},
 	{Verb: "create", Group: "batch", Resource: "cronjobs"},
 	// Granting what one does not have, and acting as someone else.
 	{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "roles"},

@@ -27,7 +27,9 @@ func TestRulesThatLetTheHolderOutliveTheLeaseAreFound(t *testing.T) {
 		{name: "a subresource wildcard covers the token subresource",
 			rules: []rbacv1.PolicyRule{rule([]string{"create"}, core, []string{"serviceaccounts/*"})}, want: []string{"create serviceaccounts/token"}},
 		{name: "a wildcard verb on pods and deployments is persistence",
-			rules: []rbacv1.PolicyRule{rule([]string{"*"}, []string{"", "apps"}, []string{"pods", "deployments"})}, want: []string{"create pods", "create deployments.apps"}},
+			rules: []rbacv1.PolicyRule{rule([]string{"*"}, []string{"", "apps"}, []string{"pods", "deployments"})}, want: []string{"create pods", "create deployments.apps", "update deployments.apps"}},
+		{name: "changing an existing Deployment's pod template is persistence",
+			rules: []rbacv1.PolicyRule{rule([]string{"get", "update"}, []string{"apps"}, []string{"deployments"})}, want: []string{"update deployments.apps"}},
 		{name: "creating a Secret of one name is no create at all",
 			rules: []rbacv1.PolicyRule{rule([]string{"create"}, core, []string{"secrets"}, "only-this")}},
 		{name: "binding one named role is still binding",
@@ -39,7 +41,8 @@ func TestRulesThatLetTheHolderOutliveTheLeaseAreFound(t *testing.T) {
 		{name: "cluster-admin's rule has every ability a namespace can give",
 			rules: []rbacv1.PolicyRule{rule([]string{"*"}, []string{"*"}, []string{"*"})},
 			want: []string{"create secrets", "create serviceaccounts/token", "create rolebindings.rbac.authorization.k8s.io", "create pods", "create deployments.apps",
-				"create cronjobs.batch", "escalate roles.rbac.authorization.k8s.io", "bind roles.rbac.authorization.k8s.io", "impersonate serviceaccounts"}},
+				"update deployments.apps", "create daemonsets.apps", "create statefulsets.apps", "create jobs.batch", "create cronjobs.batch",
+				"escalate roles.rbac.authorization.k8s.io", "bind roles.rbac.authorization.k8s.io", "impersonate serviceaccounts"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
