@@ -2,8 +2,10 @@ package agent
 
 import (
 	"encoding/json"
+	"fmt"
 	"path/filepath"
 	"reflect"
+	"strings"
 
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -29,4 +31,30 @@ func CheckConfigDocument(path string, doc any) []apiv1.FieldError {
 		}
 	}
 	return problems
+}
+
+// ConfigNotes are what "tokenbroker config validate" says of a valid agent
+// config besides its problems: what the broker may refuse that the file
+// cannot tell. (Lenient decoding: the problems are CheckConfigDocument's.)
+func ConfigNotes(doc any) []apiv1.FieldError {
+	js, err := json.Marshal(doc)
+	if err != nil {
+		return nil
+	}
+	var c Config
+	if json.Unmarshal(js, &c) != nil {
+		return nil
+	}
+	var notes []apiv1.FieldError
+	for i, t := range c.Targets {
+		if len(t.Request.Audiences) > 0 {
+			notes = append(notes, apiv1.FieldError{
+				Field: fmt.Sprintf("targets[%d].request.audiences", i),
+				Detail: fmt.Sprintf("the broker answers 403 to a request naming audiences (%s) unless its grant lists every one "+
+					"in grants[].audiences (docs/policy.md, Audiences); leave them out for a token for the API server",
+					strings.Join(t.Request.Audiences, ", ")),
+			})
+		}
+	}
+	return notes
 }

@@ -347,9 +347,13 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	if err != nil {
 		return decided{}, outcomeError, err
 	}
-	d, err := p.DecideFor(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, requested, minTTL)
+	d, err := p.DecideAudiences(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, req.Audiences, requested, minTTL)
 	if err != nil {
-		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", errDetail(err)))
+		if errors.Is(err, ErrAudienceNotGranted) {
+			// The caller is told only "forbidden"; the audit says why.
+			a.denial, a.reason = denyAudience, ErrAudienceNotGranted.Error()
+		}
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", orDefault(a.reason, errDetail(err))))
 		if KindOf(err) == KindForbidden {
 			return decided{}, outcomeDenied, err
 		}

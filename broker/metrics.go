@@ -38,10 +38,11 @@ import (
 //	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
 //	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
 //	                                                       enroll, renew, authenticate) and reason code
-//	                                                       (not_granted, min_ttl, credential_unavailable,
-//	                                                       invalid, not_found, join_token, revoked,
-//	                                                       identity_mismatch, disabled, not_signing_ca,
-//	                                                       not_a_peer; for authenticate
+//	                                                       (not_granted, audience_not_granted, min_ttl,
+//	                                                       credential_unavailable, invalid, not_found,
+//	                                                       join_token, revoked, identity_mismatch,
+//	                                                       disabled, not_signing_ca, not_a_peer; for
+//	                                                       authenticate
 //	                                                       the Refused* codes)
 //	tokenbroker_leases_active                              unexpired lease Secrets seen by the last
 //	                                                       successful GC pass, cluster-wide (every

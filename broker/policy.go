@@ -205,6 +205,10 @@ type GrantSpec struct {
 	// workload token names one of these ServiceAccounts of the peer's
 	// cluster. Absent: any workload of the peer (the certificate alone).
 	Workloads []WorkloadRef `json:"workloads,omitempty"`
+	// Audiences a token request may name (audiences.go). Absent: only
+	// requests that name none, whose token the API server makes for its
+	// own audiences.
+	Audiences []string `json:"audiences,omitempty"`
 }
 
 // roleRef is the grant's role, or the zero RoleRef for a token grant.
@@ -382,6 +386,7 @@ func (p *Policy) Validate() error {
 			if len(g.Workloads) > 0 && peer.WorkloadIdentity == nil {
 				add(gpath+".workloads", "needs %s.workloadIdentity: without it no workload token can be verified", path)
 			}
+			validateGrantAudiences(g, gpath, add)
 			for k, w := range g.Workloads {
 				wpath := fmt.Sprintf("%s.workloads[%d]", gpath, k)
 				if errs := validation.IsDNS1123Label(w.Namespace); len(errs) > 0 {
@@ -553,6 +558,12 @@ func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccou
 // (nil: none). A grant that names workloads matches only a request whose
 // workload is one of them.
 func (p *Policy) DecideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
+	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, nil, requested, minTTL)
+}
+
+// decideFor is DecideFor for a request that names audiences (nil: none):
+// a grant matches only if it lists every one (audiences.go).
+func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, audiences []string, requested, minTTL time.Duration) (Decision, error) {
 	if credential == "" {
 		credential = apiv1.CredentialToken
 	}
@@ -561,17 +572,25 @@ func (p *Policy) DecideFor(nss NamespaceLabels, identity string, workload *Workl
 		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
 	}
 	var grant *GrantSpec
+	audienceOnly := false // a grant matched but for the audiences
 	for i := range peer.Grants {
 		g := &peer.Grants[i]
 		// A certificate grant names no ServiceAccount (the request none).
 		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
 		if g.Credential == credential && g.covers(nss, namespace) && saOK && g.admits(workload) {
+			if !g.allowsAudiences(audiences) {
+				audienceOnly = true
+				continue
+			}
 			// The most generous matching grant wins, so that adding a grant
 			// never takes anything away.
 			if grant == nil || p.grantMax(g) > p.grantMax(grant) {
 				grant = g
 			}
 		}
+	}
+	if grant == nil && audienceOnly {
+		return Decision{}, &Error{Kind: KindForbidden, Detail: "no grant allows this request", Err: ErrAudienceNotGranted}
 	}
 	if grant == nil {
 		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
@@ -659,6 +678,7 @@ func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, d
 			ClusterRole:     g.ClusterRole,
 			MaxTTL:          p.grantMax(g).String(),
 			Credential:      g.Credential,
+			Audiences:       slices.Clone(g.Audiences),
 		})
 		if describe != nil {
 			describe(peer.Name, g, &out[len(out)-1])

@@ -22,6 +22,7 @@ peers:
       - namespaces: [argo]
         serviceAccounts: [admiralty-source]
         maxTTL: 12h
+        audiences: [aud]
       - namespaces: [argo, flux]
         serviceAccounts: [reader]
   - name: north
@@ -266,12 +267,35 @@ func FuzzParsePolicy(f *testing.F) {
 	// The limits section: top level and per peer, in and out of range.
 	f.Add([]byte(limitsPolicy))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\nlimits: {issuancesPerMinute: 0, burst: -1, maxLiveLeases: 1000001, enrollmentsPerMinute: 1}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  limits: {renewalsPerMinute: 1, enrollmentsPerMinute: 2}\n"))
+	// Grant audiences: listed, empty, a wildcard, on a certificate grant.
+	f.Add([]byte(audiencePolicy))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {namespaces: [a], serviceAccounts: [s], audiences: ['*', '', 'sts.amazonaws.com', \"a\\u0085b\"]}\n  - {namespaces: [b], credential: clientCertificate, role: r, audiences: [vault]}\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		p, err := ParsePolicy(data)
 		if err != nil {
 			return
 		}
 		require.NoError(t, p.Validate())
+		// A valid grant's audiences are literals a peer must name
+		// exactly; a grant that lists none allows no named audience; a
+		// certificate grant has none.
+		for _, peer := range p.Peers {
+			for _, g := range peer.Grants {
+				require.True(t, g.allowsAudiences(nil))
+				require.False(t, g.allowsAudiences([]string{"sts.amazonaws.com\x00"}))
+				if len(g.Audiences) == 0 {
+					require.False(t, g.allowsAudiences([]string{"sts.amazonaws.com"}))
+				}
+				if g.Credential == apiv1.CredentialClientCertificate {
+					require.Empty(t, g.Audiences)
+				}
+				require.LessOrEqual(t, len(g.Audiences), apiv1.MaxAudiences)
+				for _, a := range g.Audiences {
+					require.NotEqual(t, "*", a)
+					require.True(t, printableASCII(a), "%q", a)
+				}
+			}
+		}
 		// Every limit in force is a positive, bounded figure: no policy
 		// that validates can switch a limit off or overflow it.
 		for i := range append(p.Peers, PeerSpec{}) {

@@ -53,21 +53,39 @@ type Cache struct {
 // enter; otherwise the error wraps ErrUnsafeCache and says how to fix it.
 // dir must be absolute: client-go runs the plugin in the caller's working
 // directory.
+//
+// pinniped and kubelogin make their cache directories 0700 and their files
+// 0600, as this cache does; it also refuses what would let another user
+// put a directory of their choosing in its place, much as OpenSSH's
+// StrictModes does for ~/.ssh: dir must not be a symbolic link (it is
+// looked at with Lstat), and its parent must belong to the current user or
+// to root and not be writable by everyone, unless it has the sticky bit
+// (as /tmp has), which keeps others from renaming what is in it.
 func OpenCache(dir string) (*Cache, error) {
 	if !filepath.IsAbs(dir) {
 		return nil, fmt.Errorf("the cache directory %q must be an absolute path", dir)
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	dir = filepath.Clean(dir)
+	c := &Cache{dir: dir, uid: os.Geteuid(), lockTimeout: DefaultLockTimeout}
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return nil, fmt.Errorf("create the cache directory: %w", err)
 	}
-	st, err := os.Stat(dir)
+	if err := c.checkParent(); err != nil {
+		return nil, err
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return nil, fmt.Errorf("create the cache directory: %w", err)
+	}
+	st, err := os.Lstat(dir)
 	if err != nil {
 		return nil, fmt.Errorf("the cache directory: %w", err)
+	}
+	if st.Mode()&fs.ModeSymlink != 0 {
+		return nil, fmt.Errorf("%w: the cache directory %s is a symbolic link; use --cache-dir with the directory itself", ErrUnsafeCache, dir)
 	}
 	if !st.IsDir() {
 		return nil, fmt.Errorf("the cache directory %s is not a directory", dir)
 	}
-	c := &Cache{dir: dir, uid: os.Geteuid(), lockTimeout: DefaultLockTimeout}
 	if owner, ok := fileOwner(st); ok && owner != c.uid {
 		return nil, fmt.Errorf("%w: the cache directory %s belongs to uid %d, not to you (uid %d); use --cache-dir with a directory of your own", ErrUnsafeCache, dir, owner, c.uid)
 	}
@@ -75,6 +93,27 @@ func OpenCache(dir string) (*Cache, error) {
 		return nil, fmt.Errorf("%w: the cache directory %s has mode %04o, open to group or others; make it private with chmod 700 %s", ErrUnsafeCache, dir, perm, dir)
 	}
 	return c, nil
+}
+
+// checkParent refuses a parent directory someone else could replace the
+// cache directory in: one that belongs to another user than the current
+// one or root, or that everyone may write without the sticky bit. A parent
+// its group may write is accepted: with a umask of 002 and a group of
+// one's own (user private groups, as Debian and its derivatives make
+// them), ~/.cache is 0775.
+func (c *Cache) checkParent() error {
+	parent := filepath.Dir(c.dir)
+	st, err := os.Stat(parent)
+	if err != nil {
+		return fmt.Errorf("the cache directory's parent: %w", err)
+	}
+	if owner, ok := fileOwner(st); ok && owner != c.uid && owner != 0 {
+		return fmt.Errorf("%w: the cache directory's parent %s belongs to uid %d, who could replace the cache directory; use --cache-dir with a directory in one of your own", ErrUnsafeCache, parent, owner)
+	}
+	if st.Mode().Perm()&0o002 != 0 && st.Mode()&fs.ModeSticky == 0 {
+		return fmt.Errorf("%w: the cache directory's parent %s has mode %04o: anyone could replace the cache directory; make it writable by you alone (chmod o-w %s) or use --cache-dir", ErrUnsafeCache, parent, st.Mode().Perm(), parent)
+	}
+	return nil
 }
 
 // Dir is the cache's directory.

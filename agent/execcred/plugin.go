@@ -7,12 +7,17 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"time"
 
 	"k8s.io/utils/clock"
 
+	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -139,8 +144,10 @@ const (
 	// OutcomeUncached: no cache; a new credential.
 	OutcomeUncached Outcome = "uncached"
 	// OutcomeStale: the cached credential reached its refresh point and
-	// the broker could not issue a new one; the cached one, still valid,
-	// is handed out with an expiration a minute away (StaleRetry).
+	// the broker could not be reached (BrokerAway: a transport error, a
+	// 5xx or a 429); the cached one, still valid, is handed out with an
+	// expiration a minute away (StaleRetry). Never after the broker
+	// refused (BrokerRefused: 401, 403), which drops the entry instead.
 	OutcomeStale Outcome = "stale"
 )
 
@@ -212,7 +219,7 @@ type Plugin struct {
 // locked from the read to the write, so that parallel invocations for one
 // key make one issuance. Errors: an unsafe cache (wrapping ErrUnsafeCache),
 // a lock not obtained in time, and issue's errors, as they are (but see
-// OutcomeStale).
+// OutcomeStale); after a 401 or 403 of the broker the entry is gone.
 func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFunc) (*Credential, Outcome, error) {
 	if p.Cache == nil {
 		c, err := p.issue(ctx, issue)
@@ -261,7 +268,16 @@ func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFun
 	}
 	c, err := p.issue(ctx, issue)
 	if err != nil {
-		if outcome == OutcomeRefresh && now.Before(e.ExpiresAt) && !errors.Is(err, ErrClusterMismatch) &&
+		if BrokerRefused(err) && state != stateMissing {
+			// The broker no longer vouches for this identity or request
+			// (a revoked identity, a narrowed policy): what it issued
+			// before must not outlive that answer here.
+			if rmErr := p.Cache.remove(id); rmErr != nil {
+				p.warn(fmt.Errorf("drop the cached credential the broker no longer grants: %w", rmErr))
+			}
+			return nil, outcome, err
+		}
+		if outcome == OutcomeRefresh && now.Before(e.ExpiresAt) && BrokerAway(err) &&
 			(p.Guard == nil || e.Cluster != nil && p.Guard(e.credential()) == nil) {
 			stale := e.credential()
 			stale.RefreshAt = now.Add(StaleRetry).Truncate(time.Second)
@@ -279,6 +295,34 @@ func (p *Plugin) Get(ctx context.Context, key Key, parent Parent, issue IssueFun
 		p.warn(fmt.Errorf("the credential works but was not cached, so the next command asks the broker again: %w", err))
 	}
 	return c, outcome, nil
+}
+
+// BrokerAway reports whether err says the broker could not answer, so
+// that a cached credential may stand in for a new one (OutcomeStale): a
+// transport error (no connection, a timeout, a connection cut off), a 5xx
+// or a 429. Any other answer of the broker is a decision, never covered
+// up with a cached credential; nor is a broker that fails TLS verification
+// (client.Retryable), or a local failure such as an unreadable identity.
+func BrokerAway(err error) bool {
+	var pe *client.ProblemError
+	if errors.As(err, &pe) {
+		return pe.Status >= 500 || pe.Status == http.StatusTooManyRequests
+	}
+	if errors.Is(err, ErrClusterMismatch) || !client.Retryable(err) {
+		return false
+	}
+	var ue *url.Error
+	var ne net.Error
+	return errors.As(err, &ue) || errors.As(err, &ne) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.ErrUnexpectedEOF)
+}
+
+// BrokerRefused reports whether err is the broker's 401 or 403: it no
+// longer accepts the caller's identity, or its policy no longer grants the
+// request. The cache entry of the request is then dropped.
+func BrokerRefused(err error) bool {
+	var pe *client.ProblemError
+	return errors.As(err, &pe) && (pe.Status == http.StatusUnauthorized || pe.Status == http.StatusForbidden)
 }
 
 // issue calls issue and sets the refresh point.

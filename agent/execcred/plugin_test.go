@@ -2,19 +2,27 @@ package execcred
 
 import (
 	"context"
+	"crypto/x509"
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/tokenbroker/tokenbroker/agent/client"
 )
 
 // t0 is the fake clock's start.
@@ -473,7 +481,7 @@ func TestPastTheRefreshPointABrokerThatIsAwayLeavesTheRestOfTheLife(t *testing.T
 	t.Parallel()
 	f := newPluginFixture(t)
 	first, _ := f.get(t, kubectl1)
-	down := errors.New("broker https://east.example.com:8443: connection refused")
+	down := connectionRefused
 	f.issuer.fail.Store(&down)
 
 	f.clock.SetTime(first.RefreshAt.Add(time.Second))
@@ -520,4 +528,143 @@ func TestWorkloadOfNamesTheTokensIssuerAndServiceAccount(t *testing.T) {
 	require.Error(t, err)
 	_, err = WorkloadOf(enc(`{"alg":"ES256"}`) + "." + enc(`{"iss":"https://west","sub":"alice"}`) + "." + enc("sig"))
 	require.Error(t, err, "a token of a person is not a workload token")
+}
+
+// connectionRefused is what the broker's client returns when nothing
+// listens: a *url.Error around a dial *net.OpError.
+var connectionRefused error = fmt.Errorf("broker https://east.example.com:8443: %w", &url.Error{Op: "Post", URL: "https://east.example.com:8443/v1/kubeconfigs",
+	Err: &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}})
+
+func TestACachedCredentialStandsInOnlyForABrokerThatIsAway(t *testing.T) {
+	t.Parallel()
+	problem := func(status int) error {
+		return fmt.Errorf("broker https://east.example.com:8443: %w", &client.ProblemError{Status: status})
+	}
+	tests := []struct {
+		name string
+		err  error
+		// stale: the cached credential is handed out; dropped: the entry
+		// is gone afterwards.
+		stale, dropped bool
+	}{
+		{name: "a refused connection is a broker that is away", err: connectionRefused, stale: true},
+		{name: "a timeout is a broker that is away", err: fmt.Errorf("broker: %w", context.DeadlineExceeded), stale: true},
+		{name: "a connection cut off in the answer is a broker that is away", err: fmt.Errorf("read the answer: %w", io.ErrUnexpectedEOF), stale: true},
+		{name: "a 503 is a broker that is away", err: problem(http.StatusServiceUnavailable), stale: true},
+		{name: "a 500 is a broker that is away", err: problem(http.StatusInternalServerError), stale: true},
+		{name: "a 429 is a broker that is busy", err: problem(http.StatusTooManyRequests), stale: true},
+		{name: "a 401 drops the entry: the broker no longer accepts this identity", err: problem(http.StatusUnauthorized), dropped: true},
+		{name: "a 403 drops the entry: the policy no longer grants the request", err: problem(http.StatusForbidden), dropped: true},
+		{name: "a 422 is an answer, not an absence", err: problem(http.StatusUnprocessableEntity)},
+		{name: "a 400 is an answer, not an absence", err: problem(http.StatusBadRequest)},
+		{name: "a local failure such as an unreadable identity is no absence of the broker", err: errors.New("read the identity: permission denied")},
+		{name: "a broker that fails TLS verification is not taken for one that is away", err: &url.Error{Op: "Post", URL: "https://b", Err: x509.UnknownAuthorityError{}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := newPluginFixture(t)
+			first, _ := f.get(t, kubectl1)
+			f.issuer.fail.Store(&tc.err)
+			f.clock.SetTime(first.RefreshAt.Add(time.Second))
+			c, outcome, err := f.p.Get(context.Background(), testKey, kubectl2, f.issuer.issue)
+			if tc.stale {
+				require.NoError(t, err)
+				require.Equal(t, OutcomeStale, outcome)
+				require.Equal(t, first.Token, c.Token)
+				return
+			}
+			require.ErrorIs(t, err, tc.err)
+			require.Nil(t, c, "the cached credential is not handed out")
+			_, statErr := os.Stat(f.p.Cache.Path(testKey.ID()))
+			if tc.dropped {
+				require.ErrorIs(t, statErr, os.ErrNotExist, "the entry is dropped")
+				// Even a broker that is away later gets no stale credential.
+				f.issuer.fail.Store(&connectionRefused)
+				_, _, err = f.p.Get(context.Background(), testKey, kubectl2, f.issuer.issue)
+				require.ErrorIs(t, err, connectionRefused)
+			} else {
+				require.NoError(t, statErr, "an answer that is no refusal keeps the entry")
+			}
+		})
+	}
+}
+
+func TestAnyEntryOfTheRequestIsDroppedWhenTheBrokerRefuses(t *testing.T) {
+	t.Parallel()
+	// A corrupt entry and a refused one are gone after a 403 too, so that
+	// nothing the broker issued before its refusal is left behind.
+	f := newPluginFixture(t)
+	path := f.p.Cache.Path(testKey.ID())
+	require.NoError(t, os.WriteFile(path, []byte("{"), 0o600))
+	forbidden := error(&client.ProblemError{Status: http.StatusForbidden})
+	f.issuer.fail.Store(&forbidden)
+	_, outcome, err := f.p.Get(context.Background(), testKey, kubectl1, f.issuer.issue)
+	require.ErrorIs(t, err, forbidden)
+	require.Equal(t, OutcomeCorrupt, outcome)
+	_, err = os.Stat(path)
+	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+func TestACacheDirectoryAnotherUserCouldReplaceIsRefused(t *testing.T) {
+	t.Parallel()
+	t.Run("a cache directory that is a symbolic link is refused", func(t *testing.T) {
+		t.Parallel()
+		base := t.TempDir()
+		real := filepath.Join(base, "real")
+		require.NoError(t, os.Mkdir(real, 0o700))
+		link := filepath.Join(base, "tokenbroker")
+		require.NoError(t, os.Symlink(real, link))
+		_, err := OpenCache(link)
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		require.ErrorContains(t, err, "is a symbolic link")
+	})
+	t.Run("a dangling symbolic link is not followed to create a directory", func(t *testing.T) {
+		t.Parallel()
+		base := t.TempDir()
+		target := filepath.Join(base, "elsewhere")
+		link := filepath.Join(base, "tokenbroker")
+		require.NoError(t, os.Symlink(target, link))
+		_, err := OpenCache(link)
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		_, err = os.Lstat(target)
+		require.ErrorIs(t, err, os.ErrNotExist)
+	})
+	t.Run("a parent everyone may write is refused", func(t *testing.T) {
+		t.Parallel()
+		parent := filepath.Join(t.TempDir(), "shared")
+		require.NoError(t, os.Mkdir(parent, 0o700))
+		require.NoError(t, os.Chmod(parent, 0o777))
+		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		require.ErrorContains(t, err, "anyone could replace the cache directory")
+	})
+	t.Run("a parent everyone may write with the sticky bit, like /tmp, is accepted", func(t *testing.T) {
+		t.Parallel()
+		parent := filepath.Join(t.TempDir(), "tmp")
+		require.NoError(t, os.Mkdir(parent, 0o700))
+		require.NoError(t, os.Chmod(parent, 0o777|os.ModeSticky))
+		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		require.NoError(t, err)
+	})
+	t.Run("a parent its group may write is accepted, for user private groups", func(t *testing.T) {
+		t.Parallel()
+		parent := filepath.Join(t.TempDir(), "cache")
+		require.NoError(t, os.Mkdir(parent, 0o700))
+		require.NoError(t, os.Chmod(parent, 0o775))
+		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		require.NoError(t, err)
+	})
+	t.Run("a parent of another user is refused", func(t *testing.T) {
+		t.Parallel()
+		if os.Geteuid() != 0 {
+			t.Skip("needs root to give a directory to another user")
+		}
+		parent := filepath.Join(t.TempDir(), "theirs")
+		require.NoError(t, os.Mkdir(parent, 0o755))
+		require.NoError(t, os.Chown(parent, 4242, 4242))
+		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		require.ErrorContains(t, err, "belongs to uid 4242")
+	})
 }

@@ -137,6 +137,9 @@ type Grant struct {
 	// Workloads, if set, are the only ServiceAccounts of the peer's
 	// cluster whose workload token makes the grant apply.
 	Workloads []WorkloadRef `json:"workloads,omitempty"`
+	// Audiences, for a token grant, are the audiences a request may name;
+	// absent: only requests that name none (the API server's own).
+	Audiences []string `json:"audiences,omitempty"`
 }
 
 // LabelSelector is a Kubernetes label selector (metav1.LabelSelector),

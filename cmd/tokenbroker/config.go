@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/api/schema"
@@ -41,7 +42,7 @@ func newConfigCommand() *cobra.Command {
 }
 
 func newConfigValidateCommand() *cobra.Command {
-	var kind string
+	var kind, kubeconfig, kubeContext string
 	cmd := &cobra.Command{
 		Use:   "validate FILE... [--kind auto|policy|agent|serve]",
 		Short: "Check configuration files and print every problem with its field path",
@@ -61,7 +62,9 @@ Kinds (--kind auto, the default, tells them apart by their top-level keys):
           certificates; one that does not exist here is only noted on
           stderr, since it is read where the broker runs.
   agent   the agent's config file (agent --config, docs/agent.md): unknown
-          fields, wrong types and every rule of the agent's loader.
+          fields, wrong types and every rule of the agent's loader. A
+          target that names audiences is noted on stderr: the broker
+          answers 403 unless the grant lists every one (grants[].audiences).
   serve   the YAML file of serve --config, whose keys are serve's flag
           names: unknown keys, values that do not parse as the flag's type,
           and serve's checks of the values given. Required flags the file
@@ -69,30 +72,63 @@ Kinds (--kind auto, the default, tells them apart by their top-level keys):
           give them.
 
 Field paths are those of the loaders' own messages:
-peers[0].grants[1].maxTTL, targets[0].outputs[0].secret.format, gc-interval.`,
+peers[0].grants[1].maxTTL, targets[0].outputs[0].secret.format, gc-interval.
+
+With --kubeconfig (the target cluster, as someone allowed to create
+SubjectAccessReviews and read RBAC), a valid policy is also checked for
+persistence: every grant whose holder could make a credential that outlives
+its lease (create Secrets, ServiceAccount tokens, RoleBindings, pods or
+workloads; escalate, bind or impersonate) is warned of on stderr, per
+grant, and so is a grant bound to an aggregated ClusterRole (admin, edit,
+view), which grows. Warnings do not change the exit status; failing to ask
+the API server does (exit status 1). See docs/security.md.`,
 		Example: `  tokenbroker config validate deploy/base/policy.yaml
   tokenbroker config validate deploy/agent/agent.yaml
   tokenbroker config validate --kind serve /etc/tokenbroker/broker.yaml
 
   # in CI, every configuration of an overlay
-  tokenbroker config validate overlays/east/policy.yaml overlays/west/agent.yaml`,
+  tokenbroker config validate overlays/east/policy.yaml overlays/west/agent.yaml
+
+  # and what the grants' holders could keep after revocation, in the target cluster
+  tokenbroker config validate --kubeconfig east-admin.kubeconfig deploy/base/policy.yaml`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, files []string) error {
-			return runConfigValidate(files, kind, cmd.OutOrStdout(), cmd.ErrOrStderr())
+			var persistence persistenceCheck
+			if kubeconfig != "" || kubeContext != "" {
+				rc, err := restConfig(kubeconfig, kubeContext)
+				if err != nil {
+					return err
+				}
+				cs, err := kubernetes.NewForConfig(rc)
+				if err != nil {
+					return fmt.Errorf("Kubernetes client: %w", err)
+				}
+				clients := broker.PersistenceClients{Reviews: cs.AuthorizationV1().SubjectAccessReviews(), RBAC: cs.RbacV1()}
+				persistence = func(p *broker.Policy) ([]apiv1.FieldError, error) {
+					return broker.CheckPersistence(cmd.Context(), p, clients)
+				}
+			}
+			return runConfigValidate(files, kind, persistence, cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 		ValidArgsFunction: func(*cobra.Command, []string, string) ([]string, cobra.ShellCompDirective) {
 			return []string{"yaml", "yml", "json"}, cobra.ShellCompDirectiveFilterFileExt
 		},
 	}
 	cmd.Flags().StringVar(&kind, "kind", kindAuto, "kind of file: auto, policy, agent or serve")
+	cmd.Flags().StringVar(&kubeconfig, "kubeconfig", "", "the target cluster's kubeconfig: also warn of grants whose holders could make credentials that outlive the lease")
+	cmd.Flags().StringVar(&kubeContext, "context", "", "the kubeconfig context (with --kubeconfig; default: its current context)")
 	_ = cmd.RegisterFlagCompletionFunc("kind", cobra.FixedCompletions(configKinds, cobra.ShellCompDirectiveNoFileComp))
 	return cmd
 }
 
+// persistenceCheck warns of a valid policy's grants whose holders could
+// outlive their leases (broker.CheckPersistence); nil checks nothing.
+type persistenceCheck func(*broker.Policy) ([]apiv1.FieldError, error)
+
 // runConfigValidate validates every file, prints its problems to out and
-// its notes to errOut, and fails if any file has a problem or cannot be
-// read.
-func runConfigValidate(files []string, kind string, out, errOut io.Writer) error {
+// its notes and warnings to errOut, and fails if any file has a problem,
+// cannot be read, or (with persistence) could not be checked.
+func runConfigValidate(files []string, kind string, persistence persistenceCheck, out, errOut io.Writer) error {
 	valid := false
 	for _, k := range configKinds {
 		valid = valid || k == kind
@@ -118,8 +154,35 @@ func runConfigValidate(files []string, kind string, out, errOut io.Writer) error
 			continue
 		}
 		fmt.Fprintf(out, "%s: valid %s config\n", file, res.Kind)
+		if persistence != nil && res.Kind == kindPolicy {
+			if err := printPersistence(file, persistence, errOut); err != nil {
+				errs = append(errs, err)
+			}
+		}
 	}
 	return errors.Join(errs...)
+}
+
+// printPersistence prints the persistence warnings of the valid policy
+// file, one per line: "FILE: peers[0].grants[1]: warning: …".
+func printPersistence(file string, check persistenceCheck, errOut io.Writer) error {
+	data, err := pki.ReadFileLimit(file, maxConfigFileBytes)
+	if err != nil {
+		return fmt.Errorf("read config: %w", err)
+	}
+	p, err := broker.ParsePolicy(data)
+	if err != nil {
+		return fmt.Errorf("%s: %w", file, err)
+	}
+	warnings, err := check(p)
+	for _, w := range warnings {
+		w.Detail = "warning: " + w.Detail
+		fmt.Fprintln(errOut, formatProblem(file, w))
+	}
+	if err != nil {
+		return fmt.Errorf("%s: check the grants against the cluster: %w", file, err)
+	}
+	return nil
 }
 
 func formatProblem(file string, p apiv1.FieldError) string {
@@ -143,7 +206,7 @@ func configKindsChecked() []schema.Kind {
 		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[broker.Policy]()), Check: broker.CheckPolicyDocument},
 		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[agent.Config]()),
 			Check: func(path string, doc any) ([]apiv1.FieldError, []apiv1.FieldError) {
-				return agent.CheckConfigDocument(path, doc), nil
+				return agent.CheckConfigDocument(path, doc), agent.ConfigNotes(doc)
 			}},
 		{Name: kindServe, Description: "a serve config (serve's flag names)", Keys: serveFileKeys(),
 			Check: func(path string, _ any) ([]apiv1.FieldError, []apiv1.FieldError) {

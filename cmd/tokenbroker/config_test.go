@@ -339,3 +339,37 @@ func TestConfigValidateExplainsWhichJoinTokensAServeConfigRefuses(t *testing.T) 
 		})
 	}
 }
+
+func TestConfigValidateExplainsTheAudienceRefusal(t *testing.T) {
+	t.Parallel()
+	t.Run("an agent target that names audiences is told what its grant must list", func(t *testing.T) {
+		t.Parallel()
+		agent := writeTemp(t, "agent.yaml", `identity: {dir: /var/run/tokenbroker/identity}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: runner, audiences: [vault.example]}
+    outputs:
+      - file: {path: /tmp/east.kubeconfig}
+`)
+		stdout, stderr, failed := validateArgs(t, agent)
+		require.False(t, failed, stdout+stderr)
+		require.Equal(t, agent+": valid agent config\n", stdout)
+		require.Contains(t, stderr, agent+": targets[0].request.audiences: the broker answers 403 to a request naming audiences (vault.example) unless its grant lists every one in grants[].audiences")
+	})
+	t.Run("a policy's audiences that cannot work are problems that say why", func(t *testing.T) {
+		t.Parallel()
+		policy := writeTemp(t, "policy.yaml", `cluster: {name: east, server: 'https://east.example.com', caData: x}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    grants:
+      - {namespaces: [argo], serviceAccounts: [runner], audiences: ["*"]}
+      - {namespaces: [flux], credential: clientCertificate, clusterRole: view, audiences: [vault.example]}
+`)
+		stdout, _, failed := validateArgs(t, policy)
+		require.True(t, failed)
+		require.Contains(t, stdout, policy+": peers[0].grants[0].audiences[0]: is not a wildcard: audiences are compared exactly, so list each one a peer may ask for")
+		require.Contains(t, stdout, policy+": peers[0].grants[1].audiences: only a token grant lists audiences: a client certificate has none")
+	})
+}

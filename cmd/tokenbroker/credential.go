@@ -47,14 +47,17 @@ The token comes from the broker (POST /v1/kubeconfigs, the request of "get
 kubeconfig", authenticated with the identity directory: tls.crt, tls.key,
 ca.crt) and is cached in --cache-dir, one file per broker, identity, namespace,
 ServiceAccount, audiences, ttl and min-ttl (directory 0700, files 0600; a
-directory or file that group or others could read is refused). A cached token
+directory or file that group or others could read is refused, and so is a
+cache directory that is a symbolic link or whose parent another user owns or
+everyone may write without the sticky bit). A cached token
 is handed out until its refresh point, --refresh-fraction of its granted life
 (2/3 by default), and that point is the expirationTimestamp client-go gets, so
 long-running programs run the plugin again there. Parallel invocations wait
 for one another (a file lock): twenty kubectl commands at once make one lease.
-If the broker cannot be reached at the refresh point, the cached token is
-handed out until it expires, a minute at a time, with a warning on standard
-error.
+If the broker cannot be reached at the refresh point (a transport error, a
+5xx or a 429), the cached token is handed out until it expires, a minute at a
+time, with a warning on standard error. After the broker's 401 or 403 it is
+not, and the cache entry is deleted.
 
 When the API server refuses a cached token (its lease was revoked), client-go
 runs the plugin again in the same process; the plugin sees that the same
