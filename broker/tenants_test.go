@@ -302,7 +302,7 @@ func TestANamespaceThatLeavesASelectorGrantLosesItsLeases(t *testing.T) {
 	require.Equal(t, KindForbidden, KindOf(err), "new requests are refused")
 
 	require.NoError(t, testutil.CollectAndCompare(e.reg, strings.NewReader(`
-# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).
+# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).
 # TYPE tokenbroker_unmatched_revocations_total counter
 tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 `), "tokenbroker_unmatched_revocations_total"))
@@ -321,7 +321,7 @@ tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 	e.nss.remove("oil-prod")
 	e.requireRevoked(t, "oil-prod", prod)
 	require.NoError(t, testutil.CollectAndCompare(e.reg, strings.NewReader(`
-# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).
+# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).
 # TYPE tokenbroker_unmatched_revocations_total counter
 tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 tokenbroker_unmatched_revocations_total{reason="namespace_deleted"} 1
