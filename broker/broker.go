@@ -716,6 +716,7 @@ func (b *Broker) describeTenantGrant(peer string, g *GrantSpec, out *apiv1.Grant
 		return
 	}
 	out.NamespaceSelector = apiSelector(g.NamespaceSelector)
+	out.NamespaceOwner = g.NamespaceOwner.api()
 	keep := g.keptTrue()
 	out.RevokeOnUnmatch = &keep
 	out.RevokeDelay = time.Duration(g.RevokeDelay).String()

@@ -213,7 +213,6 @@ func (e *raceEnv) leftLease(t *testing.T, ns, id string, mark *string) {
 	require.NoError(t, err)
 }
 
-
 func TestAGCPassRevokesLeasesTheirGrantNoLongerCovers(t *testing.T) {
 	t.Parallel()
 	withoutOil := strings.Replace(tenantPolicy, "      - name: oil\n", "      - name: oil-renamed\n", 1)

@@ -121,7 +121,7 @@ func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*te
 				obj = d.Obj
 			}
 			if m, err := meta.Accessor(obj); err == nil {
-				t.update(m.GetName(), nil, false, UnmatchDeleted)
+				t.update(m.GetName(), nil, nil, false, UnmatchDeleted)
 			}
 		},
 	})
@@ -141,6 +141,19 @@ func (t *tenants) NamespaceLabels(name string) (labels.Set, bool) {
 	return labels.Set(m.GetLabels()), true
 }
 
+// NamespaceOwners implements NamespaceOwners from the informer's cache.
+func (t *tenants) NamespaceOwners(name string) []metav1.OwnerReference {
+	obj, ok, err := t.informer.GetStore().GetByKey(name)
+	if err != nil || !ok {
+		return nil
+	}
+	m, err := meta.Accessor(obj)
+	if err != nil || m.GetDeletionTimestamp() != nil {
+		return nil
+	}
+	return m.GetOwnerReferences()
+}
+
 // synced reports whether the namespace cache holds the first list.
 func (t *tenants) synced() bool { return t.informer.HasSynced() }
 
@@ -151,22 +164,23 @@ func (t *tenants) observe(obj any) {
 	}
 	if m.GetDeletionTimestamp() != nil {
 		// A namespace being deleted grants nothing any more.
-		t.update(m.GetName(), nil, false, UnmatchDeleted)
+		t.update(m.GetName(), nil, nil, false, UnmatchDeleted)
 		return
 	}
-	t.update(m.GetName(), labels.Set(m.GetLabels()), true, UnmatchLabelChanged)
+	t.update(m.GetName(), labels.Set(m.GetLabels()), m.GetOwnerReferences(), true, UnmatchLabelChanged)
 }
 
 // update brings the index in line with one namespace (live false: gone or
-// going) and queues the revocations of grants it left.
-func (t *tenants) update(name string, set labels.Set, live bool, reason string) {
+// going) and queues the revocations of grants it left: its labels, or its
+// owners for a grant with a namespaceOwner, changed.
+func (t *tenants) update(name string, set labels.Set, owners []metav1.OwnerReference, live bool, reason string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	changed := false
 	for key, g := range t.grants {
 		m := t.matching[key]
 		_, was := m[name]
-		now := live && g.selector.Matches(set)
+		now := live && g.selects(set, owners)
 		switch {
 		case now && !was:
 			m[name] = struct{}{}
@@ -198,9 +212,9 @@ func (t *tenants) setPolicy(p *Policy) {
 			if err != nil || m.GetDeletionTimestamp() != nil {
 				continue
 			}
-			set := labels.Set(m.GetLabels())
+			set, owners := labels.Set(m.GetLabels()), m.GetOwnerReferences()
 			for k, g := range grants {
-				if g.selector.Matches(set) {
+				if g.selects(set, owners) {
 					matching[k][m.GetName()] = struct{}{}
 				}
 			}
@@ -569,8 +583,8 @@ func (b *Broker) recheckCoverage(ctx context.Context, g *GrantSpec, d Decision, 
 }
 
 // TrimNamespace is a cache.TransformFunc for the namespace informer: it
-// keeps only what selector grants read (name, labels, deletion
-// timestamp), so that the cache stays small with thousands of namespaces
+// keeps only what selector grants read (name, labels, owner references,
+// deletion timestamp), so that the cache stays small with thousands of namespaces
 // (managed fields and annotations such as kubectl's last-applied
 // configuration are often most of an object).
 func TrimNamespace(obj any) (any, error) {
@@ -585,6 +599,7 @@ func TrimNamespace(obj any) (any, error) {
 			UID:               m.GetUID(),
 			ResourceVersion:   m.GetResourceVersion(),
 			Labels:            m.GetLabels(),
+			OwnerReferences:   m.GetOwnerReferences(),
 			DeletionTimestamp: m.GetDeletionTimestamp(),
 		},
 	}, nil
