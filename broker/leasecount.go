@@ -362,7 +362,7 @@ func (lc *LeaseCounter) leaseRefs() []leaseRef {
 			continue
 		}
 		out = append(out, leaseRef{namespace: keyNamespace(key), peer: c.peer, grant: c.grant,
-			mark: c.mark, marked: c.marked, created: c.created})
+			mark: c.mark, marked: c.marked})
 	}
 	return out
 }

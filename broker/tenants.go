@@ -51,11 +51,13 @@ const (
 	UnmatchDuringIssue = "unmatched_during_issue"
 )
 
-// uncoveredGrace: a GC pass leaves alone leases younger than this, so that
-// a replica whose namespace cache is a moment behind another's (which has
-// just seen a namespace join a grant and issued there) revokes nothing it
-// should not. The issuing replica checks its own new leases (recheck).
-const uncoveredGrace = time.Minute
+// uncoveredRecheck is the least delay before a revocation found by a
+// sweep or a GC pass (rather than seen by the namespace informer) is
+// carried out: revokeUnmatched then looks at the namespace cache again, so
+// that a replica whose cache is a moment behind another's (which has just
+// seen a namespace join a grant and issued there) revokes nothing it
+// should not.
+const uncoveredRecheck = 5 * time.Second
 
 // unmatchRetry is how long a revocation that failed waits before the next
 // try.
@@ -441,9 +443,9 @@ func (b *Broker) sweepUnmatched(ctx context.Context) {
 	b.queueUncovered(ctx, UnmatchFoundAtStart, false)
 }
 
-// queueUncovered queues, after its grant's delay, the revocation of every
-// lease that its grant no longer covers (uncovered) and that is older than
-// uncoveredGrace, under reason. It reads the lease counter when
+// queueUncovered queues, after its grant's delay (uncoveredRecheck at
+// least), the revocation of every lease that its grant no longer covers
+// (uncovered), under reason. It reads the lease counter when
 // fromCounter is set and the counter has synced (memory only), else it
 // lists every lease Secret of the cluster a page at a time. Nothing is
 // judged before the namespace cache has synced: an empty cache covers
@@ -454,10 +456,9 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 	if t == nil || p == nil || !t.synced() {
 		return
 	}
-	now := b.cfg.Clock.Now()
 	seen := map[unmatch]bool{}
 	consider := func(l leaseRef) {
-		if l.grant == "" || now.Sub(l.created) < uncoveredGrace {
+		if l.grant == "" {
 			return
 		}
 		delay, revoke := uncovered(p, t, l)
@@ -467,7 +468,7 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		}
 		seen[item] = true
 		t.mu.Lock()
-		t.queueLocked(item, delay)
+		t.queueLocked(item, max(delay, uncoveredRecheck))
 		t.mu.Unlock()
 	}
 	if lc := b.cfg.Leases; fromCounter && lc != nil && lc.Synced() {
@@ -498,15 +499,14 @@ type leaseRef struct {
 	namespace, peer, grant string
 	// mark is the lease's AnnotationRevokeOnUnmatch, marked whether it has
 	// one.
-	mark    string
-	marked  bool
-	created time.Time
+	mark   string
+	marked bool
 }
 
 func leaseRefOf(s *corev1.Secret) leaseRef {
 	mark, marked := s.Annotations[AnnotationRevokeOnUnmatch]
 	return leaseRef{namespace: s.Namespace, peer: s.Labels[LabelPeer], grant: s.Annotations[AnnotationGrant],
-		mark: mark, marked: marked, created: s.CreationTimestamp.Time}
+		mark: mark, marked: marked}
 }
 
 // uncovered reports whether lease l is to be revoked because the grant it

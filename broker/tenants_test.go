@@ -420,6 +420,7 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour)), metav1.CreateOptions{})
 	require.NoError(t, err)
 	e.b.sweepUnmatched(context.Background())
+	e.clock.Step(uncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
 	require.Equal(t, 1.0, testutil.ToFloat64(e.b.cfg.Metrics.unmatched.WithLabelValues(UnmatchFoundAtStart)))
 }
