@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -66,6 +67,8 @@ type stack struct {
 	// caCertFile and caKeyFile are the signing CA's files the broker
 	// follows; they start out holding ca.
 	caCertFile, caKeyFile string
+	// stop stops the broker (once; the test's cleanup calls it too).
+	stop func()
 }
 
 // stackOption changes how startStack builds a stack.
@@ -146,10 +149,11 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 			Started:        func(st server.Started) { started <- st },
 		})
 	}()
-	t.Cleanup(func() {
+	s.stop = sync.OnceFunc(func() {
 		cancel()
 		require.NoError(t, <-done)
 	})
+	t.Cleanup(s.stop)
 	var st server.Started
 	select {
 	case st = <-started:
