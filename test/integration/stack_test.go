@@ -158,6 +158,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	select {
 	case st = <-started:
 	case err := <-done:
+		done <- err // for the cleanup, which would otherwise wait for ever
 		t.Fatalf("the broker did not start: %v", err)
 	}
 	s.broker, s.logs, s.reg = st.Broker, logs, st.Metrics
