@@ -152,10 +152,14 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 		// Secret's claim.
 		verb    string
 		refused bool
+		// reload: a policy reload removes the grant, instead of the
+		// namespace losing its label.
+		reload bool
 	}{
-		{"a revocation that listed the namespace before the lease Secret was created does not leave the lease alive", west, false, "create", true},
-		{"a revocation that listed the namespace while a pooled Secret's claim was in flight does not leave the lease alive", west, true, "patch", true},
-		{"a grant with revokeOnUnmatch false keeps the lease, as one issued a moment earlier", north, false, "create", false},
+		{"a revocation that listed the namespace before the lease Secret was created does not leave the lease alive", west, false, "create", true, false},
+		{"a revocation that listed the namespace while a pooled Secret's claim was in flight does not leave the lease alive", west, true, "patch", true, false},
+		{"a reload that removed the grant before the lease Secret was created does not leave the lease alive", west, false, "create", true, true},
+		{"a grant with revokeOnUnmatch false keeps the lease, as one issued a moment earlier", north, false, "create", false, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -174,9 +178,14 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 				if verb != tt.verb || ns != "oil-dev" || !fired.CompareAndSwap(false, true) {
 					return
 				}
-				// The label goes, and the revocation it queues runs to the
-				// end, all between the decision and the lease.
-				e.nss.set("oil-dev", nil)
+				// The label (or the grant) goes, and the revocation it
+				// queues runs to the end, all between the decision and the
+				// lease.
+				if tt.reload {
+					e.store.Store(mustPolicy(t, strings.Replace(tenantPolicy, "      - name: oil\n", "      - name: oil-renamed\n", 1)))
+				} else {
+					e.nss.set("oil-dev", nil)
+				}
 				e.runQueue(t)
 			})
 			resp, err := e.request(tt.caller, "oil-dev")
