@@ -432,6 +432,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Clock.Now()
 	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
+	grant := decidedGrant(p, d)
+	markRevokeOnUnmatch(lease, grant)
 	if cert != nil {
 		lease.Annotations[AnnotationUser] = cert.user
 		lease.Labels[LabelKeyFingerprint] = cert.fingerprint
@@ -541,6 +543,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 
 	if cred.Kind() != issuer.Kind() {
 		return fail(created, outcomeError, fmt.Errorf("the %s issuer returned a %s credential", issuer.Kind(), cred.Kind()))
+	}
+	// The namespace may have left the grant since the decision.
+	if err := b.recheckCoverage(ctx, grant, d, created, a, log); err != nil {
+		return nil, outcomeDenied, err
 	}
 	subject := req.ServiceAccount
 	if cert != nil {
@@ -731,6 +737,7 @@ func (b *Broker) describeTenantGrant(peer string, g *GrantSpec, out *apiv1.Grant
 		return
 	}
 	out.NamespaceSelector = apiSelector(g.NamespaceSelector)
+	out.NamespaceOwner = g.NamespaceOwner.api()
 	keep := g.keptTrue()
 	out.RevokeOnUnmatch = &keep
 	out.RevokeDelay = time.Duration(g.RevokeDelay).String()

@@ -75,6 +75,11 @@ type counted struct {
 	// created is the Secret's creation time, for a lease without a
 	// readable expiry.
 	created time.Time
+	// grant and mark are the lease's AnnotationGrant and
+	// AnnotationRevokeOnUnmatch (marked: it has one), for the GC's
+	// coverage check.
+	grant, mark string
+	marked      bool
 }
 
 // reservation is one request's place in a quota; done once its Secret is
@@ -226,8 +231,10 @@ func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 	if c, seen := lc.byKey[key]; seen {
 		lc.forget(key, c)
 	}
+	mark, marked := m.Annotations[AnnotationRevokeOnUnmatch]
 	lc.count(&counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], expires: exp,
-		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time})
+		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time,
+		grant: m.Annotations[AnnotationGrant], mark: mark, marked: marked})
 	return key
 }
 
@@ -340,6 +347,22 @@ func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
 		}
 		ns, name, _ := cache.SplitMetaNamespaceKey(key)
 		out = append(out, ExpiredSecret{Namespace: ns, Name: name, UID: c.uid, Expires: c.expires, Pool: c.pool})
+	}
+	return out
+}
+
+// leaseRefs returns the live leases the counter knows that record a grant,
+// for the GC's coverage check.
+func (lc *LeaseCounter) leaseRefs() []leaseRef {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	var out []leaseRef
+	for key, c := range lc.byKey {
+		if c.pool || !c.live || c.grant == "" {
+			continue
+		}
+		out = append(out, leaseRef{namespace: keyNamespace(key), peer: c.peer, grant: c.grant,
+			mark: c.mark, marked: c.marked})
 	}
 	return out
 }

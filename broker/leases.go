@@ -314,7 +314,11 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 }
 
 // CollectGarbage deletes every lease Secret and every used join token
-// record whose expiry has passed, and returns how many it deleted. It looks
+// record whose expiry has passed, and returns how many it deleted. It also
+// queues the revocation of every lease whose selector grant no longer
+// covers its namespace (queueUncovered: from the lease counter, on full
+// passes from a cluster-wide list), which RunTenants carries out after the
+// grant's revokeDelay. It looks
 // in the namespaces the policy grants and the broker's own: a lease left in
 // a namespace that no grant names any more is not collected (its token
 // still expires on time; delete it with kubectl by its labels). A lease
@@ -354,7 +358,12 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 		namespaces = append(namespaces, b.cfg.Namespace)
 	}
 	pass := b.gcPasses.Add(1)
-	if b.cfg.Leases == nil || !b.cfg.Leases.Synced() || pass%gcFullEvery == 1 {
+	full := b.cfg.Leases == nil || !b.cfg.Leases.Synced() || pass%gcFullEvery == 1
+	// Revocation is durable: leases whose grant no longer covers them are
+	// found here, by any replica, whatever happened to the revocation the
+	// namespace informer queued (tenants.go).
+	b.queueUncovered(ctx, UnmatchFoundByGC, !full)
+	if full {
 		// Every kind at once, including lease Secrets made before the kind
 		// label existed, a page at a time.
 		deleted, active := 0, 0

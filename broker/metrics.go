@@ -71,8 +71,9 @@ import (
 //	tokenbroker_unmatched_revocations_total{reason}        leases revoked because their namespace stopped
 //	                                                       being covered by the selector grant they were
 //	                                                       issued under: label_changed, namespace_deleted,
-//	                                                       policy_narrowed, found_at_start (counted by the
-//	                                                       replica whose delete removed the lease)
+//	                                                       policy_narrowed, found_at_start, found_by_gc
+//	                                                       (counted by the replica whose delete removed
+//	                                                       the lease)
 //	tokenbroker_selector_namespaces{peer,grant}            namespaces a grant's namespaceSelector matches now
 //	tokenbroker_lease_pool_issuances_total{path}           token issuances by path: "pool" (a pre-created
 //	                                                       lease Secret claimed, TokenRequest and claim in
@@ -246,7 +247,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"peer", "reason"}),
 		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_unmatched_revocations_total",
-			Help: "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).",
+			Help: "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).",
 		}, []string{"reason"}),
 		selectorNS: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "tokenbroker_selector_namespaces",

@@ -190,6 +190,12 @@ type GrantSpec struct {
 	// is matched against a watched cache of namespaces, never a GET per
 	// request. An empty selector is an error, not "every namespace".
 	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
+	// NamespaceOwner, if set (selector grants only), also requires a
+	// namespace the selector matches to be owned by this object (an
+	// ownerReference with its UID, such as a Capsule Tenant's), so that a
+	// label someone else patches on does not move a namespace in
+	// (tenantpolicy.go).
+	NamespaceOwner *NamespaceOwner `json:"namespaceOwner,omitempty"`
 	// RevokeOnUnmatch (default true, selector grants only) keeps the grant
 	// true: when a namespace stops being covered (its labels change, it
 	// is deleted, or a reload narrows the grant) the leases issued under

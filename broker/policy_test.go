@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -264,6 +265,11 @@ func FuzzParsePolicy(f *testing.F) {
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchExpressions: [{key: tenant, operator: In, values: [oil]}, {key: x, operator: NotIn, values: [y]}, {key: e, operator: Exists}, {key: d, operator: DoesNotExist}]}, serviceAccounts: [sa], revokeDelay: 30s}\n"))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {}, serviceAccounts: [sa]}\n"))
 	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"name":"t","namespaceSelector":{"matchLabels":{"a/b":"c"}},"serviceAccounts":["sa"],"revokeOnUnmatch":false}]}]}`))
+	// A grant's namespaceOwner: valid, without a UID, hostile values.
+	f.Add([]byte(ownedPolicy))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil}}\n"))
+	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: \"/\\u0085\", kind: \"T\\u0000\", name: \"..\", uid: \"6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a1\\u00e9\"}}\n"))
+	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"namespaces":["a"],"serviceAccounts":["sa"],"namespaceOwner":{"apiVersion":"v1","kind":"Namespace","name":"p","uid":"6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10"}}]}]}`))
 	// The limits section: top level and per peer, in and out of range.
 	f.Add([]byte(limitsPolicy))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\nlimits: {issuancesPerMinute: 0, burst: -1, maxLiveLeases: 1000001, enrollmentsPerMinute: 1}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  limits: {renewalsPerMinute: 1, enrollmentsPerMinute: 2}\n"))
@@ -319,6 +325,25 @@ func FuzzParsePolicy(f *testing.F) {
 				require.NotEmpty(t, g.Name)
 				require.NotNil(t, g.selector)
 				require.False(t, g.selector.Empty(), "%+v", g.NamespaceSelector)
+			}
+		}
+		// A valid namespaceOwner belongs to a selector grant, names its
+		// owner completely, and owns a namespace only through its UID.
+		for _, peer := range p.Peers {
+			for _, g := range peer.Grants {
+				o := g.NamespaceOwner
+				if o == nil {
+					continue
+				}
+				require.NotNil(t, g.NamespaceSelector)
+				require.True(t, uidText(string(o.UID)), "%q", o.UID)
+				require.True(t, kindName(o.Kind), "%q", o.Kind)
+				require.NotEmpty(t, o.Name)
+				ref := metav1.OwnerReference{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: o.UID}
+				require.True(t, o.owns([]metav1.OwnerReference{ref}))
+				ref.UID = "00000000-0000-0000-0000-000000000000"
+				require.Equal(t, o.UID == ref.UID, o.owns([]metav1.OwnerReference{ref}))
+				require.False(t, o.owns(nil))
 			}
 		}
 		// What a valid policy puts in a kubeconfig is printable ASCII, so

@@ -9,6 +9,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
@@ -23,6 +25,64 @@ type NamespaceLabels interface {
 	// NamespaceLabels returns the labels of a namespace that exists and is
 	// not being deleted; ok is false otherwise.
 	NamespaceLabels(name string) (set labels.Set, ok bool)
+}
+
+// NamespaceOwners is an optional ability of a NamespaceLabels, found by
+// type assertion: the owner references of a namespace, for grants with a
+// namespaceOwner. Without it such grants match nothing.
+type NamespaceOwners interface {
+	// NamespaceOwners returns the owner references of a namespace that
+	// exists and is not being deleted.
+	NamespaceOwners(name string) []metav1.OwnerReference
+}
+
+// NamespaceOwner is the object a selector grant's namespaces must be
+// owned by: an ownerReference of the namespace with this UID, kind, name
+// and API group. The version in APIVersion is not compared, so that an
+// owner's CRD serving a new version (Capsule's v1beta1 to v1beta2) keeps
+// its namespaces; the UID is what no one can give a new object, so a
+// Tenant deleted and created again under the same name owns nothing until
+// the policy names its new UID.
+type NamespaceOwner struct {
+	APIVersion string    `json:"apiVersion"`
+	Kind       string    `json:"kind"`
+	Name       string    `json:"name"`
+	UID        types.UID `json:"uid"`
+}
+
+// api is o as GET /v1/whoami shows it (nil for nil).
+func (o *NamespaceOwner) api() *apiv1.NamespaceOwner {
+	if o == nil {
+		return nil
+	}
+	return &apiv1.NamespaceOwner{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: string(o.UID)}
+}
+
+// owns reports whether one of refs is o.
+func (o *NamespaceOwner) owns(refs []metav1.OwnerReference) bool {
+	group := apiGroup(o.APIVersion)
+	for _, r := range refs {
+		if r.UID == o.UID && r.Kind == o.Kind && r.Name == o.Name && apiGroup(r.APIVersion) == group {
+			return true
+		}
+	}
+	return false
+}
+
+// apiGroup is the group of an apiVersion ("" for the core group, or one
+// that does not parse).
+func apiGroup(apiVersion string) string {
+	gv, err := schema.ParseGroupVersion(apiVersion)
+	if err != nil {
+		return ""
+	}
+	return gv.Group
+}
+
+// selects reports whether the grant's selector, and its namespaceOwner if
+// it has one, take a namespace with these labels and owner references.
+func (g *GrantSpec) selects(set labels.Set, owners []metav1.OwnerReference) bool {
+	return g.selector != nil && g.selector.Matches(set) && (g.NamespaceOwner == nil || g.NamespaceOwner.owns(owners))
 }
 
 // Decide is DecideIn without namespaces: grants by namespaceSelector match
@@ -47,7 +107,18 @@ func (g *GrantSpec) selectorMatches(nss NamespaceLabels, namespace string) bool 
 		return false
 	}
 	set, ok := nss.NamespaceLabels(namespace)
-	return ok && g.selector.Matches(set)
+	if !ok {
+		return false
+	}
+	var owners []metav1.OwnerReference
+	if g.NamespaceOwner != nil {
+		no, ok := nss.(NamespaceOwners)
+		if !ok {
+			return false
+		}
+		owners = no.NamespaceOwners(namespace)
+	}
+	return g.selects(set, owners)
 }
 
 // keptTrue reports whether leases issued under the grant are revoked when
@@ -116,7 +187,13 @@ func validateTenantGrant(g *GrantSpec, gpath string, maxTTL time.Duration, names
 		if g.RevokeDelay != 0 {
 			add(gpath+".revokeDelay", "only a grant with namespaceSelector revokes on unmatch")
 		}
+		if g.NamespaceOwner != nil {
+			add(gpath+".namespaceOwner", "only a grant with namespaceSelector has one: a namespace listed by name is granted by its name")
+		}
 		return
+	}
+	if o := g.NamespaceOwner; o != nil {
+		validateNamespaceOwner(o, gpath+".namespaceOwner", add)
 	}
 	spath := gpath + ".namespaceSelector"
 	if g.Name == "" {
@@ -146,6 +223,76 @@ func validateTenantGrant(g *GrantSpec, gpath string, maxTTL time.Duration, names
 		return
 	}
 	g.selector = s
+}
+
+// maxKindLen bounds a namespaceOwner's kind (a Kubernetes kind is a
+// DNS-1035 label in CamelCase, at most 63 characters).
+const maxKindLen = 63
+
+// validateNamespaceOwner checks a grant's namespaceOwner: every field is
+// required, the UID is what an ownerReference holds (a UUID), and the
+// kind and name are what Kubernetes allows.
+func validateNamespaceOwner(o *NamespaceOwner, path string, add func(field, format string, args ...any)) {
+	switch gv, err := schema.ParseGroupVersion(o.APIVersion); {
+	case o.APIVersion == "":
+		add(path+".apiVersion", "is required: the owner's group/version, such as capsule.clastix.io/v1beta2")
+	case err != nil || gv.Version == "" || len(o.APIVersion) > 316:
+		add(path+".apiVersion", "must be group/version (or v1 for the core group), such as capsule.clastix.io/v1beta2")
+	case gv.Group != "" && len(validation.IsDNS1123Subdomain(gv.Group)) > 0:
+		add(path+".apiVersion", "the group must be a DNS subdomain, such as capsule.clastix.io")
+	case len(validation.IsDNS1035Label(strings.ToLower(gv.Version))) > 0:
+		add(path+".apiVersion", "the version must be a DNS-1035 label, such as v1beta2")
+	}
+	switch {
+	case o.Kind == "":
+		add(path+".kind", "is required: the owner's kind, such as Tenant")
+	case len(o.Kind) > maxKindLen || !kindName(o.Kind):
+		add(path+".kind", "must be a Kubernetes kind: a letter, then letters and digits, at most %d characters", maxKindLen)
+	}
+	if o.Name == "" {
+		add(path+".name", "is required: the owner's name")
+	} else if errs := validation.IsDNS1123Subdomain(o.Name); len(errs) > 0 {
+		add(path+".name", "%s", strings.Join(errs, "; "))
+	}
+	if o.UID == "" {
+		add(path+".uid", "is required: the owner's metadata.uid (kubectl get <kind> <name> -o jsonpath='{.metadata.uid}'), which no object created later can have")
+	} else if !uidText(string(o.UID)) {
+		add(path+".uid", "must be a UID as Kubernetes writes it (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+	}
+}
+
+// uidText reports whether s is a UUID as Kubernetes writes a UID: 36
+// characters, hexadecimal digits in groups of 8, 4, 4, 4 and 12.
+func uidText(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch i {
+		case 8, 13, 18, 23:
+			if c != '-' {
+				return false
+			}
+		default:
+			if (c < '0' || c > '9') && (c < 'a' || c > 'f') && (c < 'A' || c > 'F') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// kindName reports whether s looks like a Kubernetes kind: an ASCII
+// letter, then ASCII letters and digits.
+func kindName(s string) bool {
+	for i, r := range s {
+		letter := (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z')
+		if !letter && (i == 0 || r < '0' || r > '9') {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // selectorGrant is one grant by namespace selector, by peer and grant name.

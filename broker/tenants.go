@@ -22,6 +22,14 @@ import (
 // leaving a selector grant revokes exactly that grant's leases.
 const AnnotationGrant = "tokenbroker.io/grant"
 
+// AnnotationRevokeOnUnmatch marks a lease issued under a grant that revokes
+// on unmatch (a selector grant without revokeOnUnmatch: false); its value
+// is the grant's revokeDelay then ("0s", "30s"). It makes revocation
+// durable: any replica's GC pass can tell, from the lease alone, that it
+// is to be revoked once its grant no longer covers it, even after a reload
+// removed the grant (or its peer) while no broker ran.
+const AnnotationRevokeOnUnmatch = "tokenbroker.io/revoke-on-unmatch"
+
 // Reasons of a revocation because a namespace stopped being covered
 // (tokenbroker_unmatched_revocations_total, the audit event's reason).
 const (
@@ -32,7 +40,24 @@ const (
 	// synced, in a namespace its grant no longer covers (it stopped while
 	// no broker was watching).
 	UnmatchFoundAtStart = "found_at_start"
+	// UnmatchFoundByGC: a lease found by a GC pass in a namespace its
+	// grant no longer covers, which no in-memory revocation took (a
+	// replica that stopped with the revocation queued, a grant removed
+	// while no broker ran).
+	UnmatchFoundByGC = "found_by_gc"
+	// UnmatchDuringIssue: the namespace stopped being covered while the
+	// lease's credential was being minted; the request is refused and the
+	// lease deleted before anything is answered (audit reason only).
+	UnmatchDuringIssue = "unmatched_during_issue"
 )
+
+// uncoveredRecheck is the least delay before a revocation found by a
+// sweep or a GC pass (rather than seen by the namespace informer) is
+// carried out: revokeUnmatched then looks at the namespace cache again, so
+// that a replica whose cache is a moment behind another's (which has just
+// seen a namespace join a grant and issued there) revokes nothing it
+// should not.
+const uncoveredRecheck = 5 * time.Second
 
 // unmatchRetry is how long a revocation that failed waits before the next
 // try.
@@ -98,7 +123,7 @@ func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*te
 				obj = d.Obj
 			}
 			if m, err := meta.Accessor(obj); err == nil {
-				t.update(m.GetName(), nil, false, UnmatchDeleted)
+				t.update(m.GetName(), nil, nil, false, UnmatchDeleted)
 			}
 		},
 	})
@@ -118,6 +143,19 @@ func (t *tenants) NamespaceLabels(name string) (labels.Set, bool) {
 	return labels.Set(m.GetLabels()), true
 }
 
+// NamespaceOwners implements NamespaceOwners from the informer's cache.
+func (t *tenants) NamespaceOwners(name string) []metav1.OwnerReference {
+	obj, ok, err := t.informer.GetStore().GetByKey(name)
+	if err != nil || !ok {
+		return nil
+	}
+	m, err := meta.Accessor(obj)
+	if err != nil || m.GetDeletionTimestamp() != nil {
+		return nil
+	}
+	return m.GetOwnerReferences()
+}
+
 // synced reports whether the namespace cache holds the first list.
 func (t *tenants) synced() bool { return t.informer.HasSynced() }
 
@@ -128,22 +166,23 @@ func (t *tenants) observe(obj any) {
 	}
 	if m.GetDeletionTimestamp() != nil {
 		// A namespace being deleted grants nothing any more.
-		t.update(m.GetName(), nil, false, UnmatchDeleted)
+		t.update(m.GetName(), nil, nil, false, UnmatchDeleted)
 		return
 	}
-	t.update(m.GetName(), labels.Set(m.GetLabels()), true, UnmatchLabelChanged)
+	t.update(m.GetName(), labels.Set(m.GetLabels()), m.GetOwnerReferences(), true, UnmatchLabelChanged)
 }
 
 // update brings the index in line with one namespace (live false: gone or
-// going) and queues the revocations of grants it left.
-func (t *tenants) update(name string, set labels.Set, live bool, reason string) {
+// going) and queues the revocations of grants it left: its labels, or its
+// owners for a grant with a namespaceOwner, changed.
+func (t *tenants) update(name string, set labels.Set, owners []metav1.OwnerReference, live bool, reason string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	changed := false
 	for key, g := range t.grants {
 		m := t.matching[key]
 		_, was := m[name]
-		now := live && g.selector.Matches(set)
+		now := live && g.selects(set, owners)
 		switch {
 		case now && !was:
 			m[name] = struct{}{}
@@ -175,9 +214,9 @@ func (t *tenants) setPolicy(p *Policy) {
 			if err != nil || m.GetDeletionTimestamp() != nil {
 				continue
 			}
-			set := labels.Set(m.GetLabels())
+			set, owners := labels.Set(m.GetLabels()), m.GetOwnerReferences()
 			for k, g := range grants {
-				if g.selector.Matches(set) {
+				if g.selects(set, owners) {
 					matching[k][m.GetName()] = struct{}{}
 				}
 			}
@@ -219,9 +258,16 @@ func (t *tenants) unmatchedLocked(key selectorGrant, g *GrantSpec, namespace, re
 		t.log.Info("namespace no longer covered by a grant; its leases are kept (revokeOnUnmatch: false)", fields...)
 		return
 	}
-	delay := time.Duration(g.RevokeDelay)
-	t.log.Info("namespace no longer covered by a grant; revoking its leases", append(fields, zap.Duration("delay", delay))...)
-	t.queue.AddAfter(unmatch{peer: key.peer, grant: key.grant, namespace: namespace, reason: reason}, delay)
+	t.queueLocked(unmatch{peer: key.peer, grant: key.grant, namespace: namespace, reason: reason}, time.Duration(g.RevokeDelay))
+}
+
+// queueLocked queues the revocation of item's leases after delay; the
+// queue keeps an item waiting once, at its earliest time.
+func (t *tenants) queueLocked(item unmatch, delay time.Duration) {
+	t.log.Info("namespace no longer covered by a grant; revoking its leases",
+		zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace),
+		zap.String("reason", item.reason), zap.Duration("delay", delay))
+	t.queue.AddAfter(item, delay)
 }
 
 func (t *tenants) reportLocked() {
@@ -323,9 +369,11 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 		return nil
 	case g != nil && !g.keptTrue():
 		return nil
-	case g == nil && !t.wasGone(key):
-		return nil
 	}
+	// A grant that is gone revokes the leases that recorded that it
+	// revoked on unmatch, and, for leases issued before they recorded it,
+	// those of a grant this replica saw removed while it did.
+	gone := g == nil && t.wasGone(key)
 	secrets, err := b.listLeaseSecrets(ctx, []string{item.namespace}, labels.Set{LabelPeer: item.peer})
 	if err != nil {
 		return err
@@ -333,6 +381,9 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 	for i := range secrets {
 		s := &secrets[i]
 		if s.Annotations[AnnotationGrant] != item.grant {
+			continue
+		}
+		if _, marked := s.Annotations[AnnotationRevokeOnUnmatch]; g == nil && !gone && !marked {
 			continue
 		}
 		if err := b.revokeUnmatchedLease(ctx, s, item); err != nil {
@@ -384,46 +435,156 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 
 // sweepUnmatched looks, once, at every lease Secret of the cluster for
 // leases of a selector grant in a namespace it no longer covers: a
-// namespace that left while no broker was watching. It needs list on
-// Secrets in every namespace (the kustomize base's ClusterRoleBinding);
-// without it the sweep is skipped with a warning.
+// namespace that left, or a grant removed, while no broker was watching.
+// It needs list on Secrets in every namespace (the kustomize base's
+// ClusterRoleBinding); without it the sweep is skipped with a warning, and
+// the GC's passes look in the namespaces they may.
 func (b *Broker) sweepUnmatched(ctx context.Context) {
+	b.queueUncovered(ctx, UnmatchFoundAtStart, false)
+}
+
+// queueUncovered queues, after its grant's delay (uncoveredRecheck at
+// least), the revocation of every lease that its grant no longer covers
+// (uncovered), under reason. It reads the lease counter when
+// fromCounter is set and the counter has synced (memory only), else it
+// lists every lease Secret of the cluster a page at a time. Nothing is
+// judged before the namespace cache has synced: an empty cache covers
+// nothing.
+func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter bool) {
+	t := b.tenants
 	p := b.cfg.Policy.Load()
-	if p == nil || len(p.selectorGrants()) == 0 {
+	if t == nil || p == nil || !t.synced() {
+		return
+	}
+	seen := map[unmatch]bool{}
+	consider := func(l leaseRef) {
+		if l.grant == "" {
+			return
+		}
+		delay, revoke := uncovered(p, t, l)
+		item := unmatch{peer: l.peer, grant: l.grant, namespace: l.namespace, reason: reason}
+		if !revoke || seen[item] {
+			return
+		}
+		seen[item] = true
+		t.mu.Lock()
+		t.queueLocked(item, max(delay, uncoveredRecheck))
+		t.mu.Unlock()
+	}
+	if lc := b.cfg.Leases; fromCounter && lc != nil && lc.Synced() {
+		for _, l := range lc.leaseRefs() {
+			consider(l)
+		}
 		return
 	}
 	// Page by page: the whole cluster's leases need not fit in memory.
-	seen := map[unmatch]bool{}
 	err := EachLeaseSecretPage(ctx, b.cfg.Secrets, "", nil, func(secrets []corev1.Secret) error {
 		for i := range secrets {
-			s := &secrets[i]
-			peer := p.peerNamed(s.Labels[LabelPeer])
-			if peer == nil {
-				continue
-			}
-			g := peer.grantNamed(s.Annotations[AnnotationGrant])
-			if g == nil || !g.keptTrue() || g.covers(b.tenants, s.Namespace) {
-				continue
-			}
-			item := unmatch{peer: peer.Name, grant: g.Name, namespace: s.Namespace, reason: UnmatchFoundAtStart}
-			if !seen[item] {
-				seen[item] = true
-				b.tenants.mu.Lock()
-				b.tenants.unmatchedLocked(selectorGrant{peer.Name, g.Name}, g, s.Namespace, UnmatchFoundAtStart)
-				b.tenants.mu.Unlock()
-			}
+			consider(leaseRefOf(&secrets[i]))
 		}
 		return nil
 	})
-	if err != nil && ctx.Err() == nil {
+	switch {
+	case err == nil || ctx.Err() != nil:
+	case len(p.selectorGrants()) == 0:
+		b.cfg.Logger.Debug("cannot list lease Secrets in every namespace; leases of removed selector grants are revoked where the GC looks", zap.Error(err))
+	default:
 		b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
 			zap.Error(err))
 	}
 }
 
+// leaseRef is what a coverage check reads of a lease.
+type leaseRef struct {
+	namespace, peer, grant string
+	// mark is the lease's AnnotationRevokeOnUnmatch, marked whether it has
+	// one.
+	mark   string
+	marked bool
+}
+
+func leaseRefOf(s *corev1.Secret) leaseRef {
+	mark, marked := s.Annotations[AnnotationRevokeOnUnmatch]
+	return leaseRef{namespace: s.Namespace, peer: s.Labels[LabelPeer], grant: s.Annotations[AnnotationGrant],
+		mark: mark, marked: marked}
+}
+
+// uncovered reports whether lease l is to be revoked because the grant it
+// was issued under no longer covers its namespace, and after what delay.
+// A grant of the policy decides by its selector and revokeOnUnmatch, as
+// revokeUnmatched does; a grant (or peer) the policy no longer has revokes
+// the leases that recorded it revoked on unmatch, after the delay they
+// recorded (bounded by ttl.max).
+func uncovered(p *Policy, nss NamespaceLabels, l leaseRef) (time.Duration, bool) {
+	var g *GrantSpec
+	if peer := p.peerNamed(l.peer); peer != nil {
+		g = peer.grantNamed(l.grant)
+	}
+	if g != nil {
+		return time.Duration(g.RevokeDelay), g.keptTrue() && !g.covers(nss, l.namespace)
+	}
+	if !l.marked {
+		return 0, false
+	}
+	d, err := time.ParseDuration(l.mark)
+	if err != nil || d < 0 {
+		d = 0
+	}
+	return min(d, time.Duration(p.TTL.Max)), true
+}
+
+// markRevokeOnUnmatch records on a new lease that its grant g revokes on
+// unmatch, and after what delay (AnnotationRevokeOnUnmatch).
+func markRevokeOnUnmatch(lease *corev1.Secret, g *GrantSpec) {
+	if g != nil && g.keptTrue() {
+		lease.Annotations[AnnotationRevokeOnUnmatch] = time.Duration(g.RevokeDelay).String()
+	}
+}
+
+// decidedGrant returns the grant d was decided under in p, or nil.
+func decidedGrant(p *Policy, d Decision) *GrantSpec {
+	peer := p.peerNamed(d.Peer)
+	if peer == nil {
+		return nil
+	}
+	for i := range peer.Grants {
+		if peer.grantRef(&peer.Grants[i]) == d.Grant {
+			return &peer.Grants[i]
+		}
+	}
+	return nil
+}
+
+// recheckCoverage closes the race between an issuance and a namespace
+// leaving its grant: the revocation may list the namespace's leases after
+// the decision and before the lease Secret exists (or while a pooled
+// Secret's claim is in flight, when it is no lease yet), and so miss it.
+// Called once the credential is minted and before it is answered, it
+// looks again, at the namespace cache and the policy as they are now: the
+// cache is updated before the revocation is queued, so a revocation that
+// missed the lease is one this check sees. If the grant (one that revokes
+// on unmatch) no longer covers the namespace, the lease is deleted, which
+// revokes the credential nobody has seen, and the request is refused as
+// any request there is now.
+func (b *Broker) recheckCoverage(ctx context.Context, g *GrantSpec, d Decision, created *corev1.Secret, a *pendingAudit, log *zap.Logger) error {
+	if g == nil || !g.keptTrue() || b.tenants == nil {
+		return nil
+	}
+	p := b.cfg.Policy.Load()
+	if p != nil {
+		if _, revoke := uncovered(p, b.tenants, leaseRefOf(created)); !revoke {
+			return nil
+		}
+	}
+	b.deleteLease(ctx, created, log)
+	a.reason = "namespace " + created.Namespace + " is no longer covered by grant " + d.Grant + " (" + UnmatchDuringIssue + ")"
+	log.Info("decision", zap.Bool("allowed", false), zap.String("reason", a.reason))
+	return Errorf(KindForbidden, "no grant allows this request")
+}
+
 // TrimNamespace is a cache.TransformFunc for the namespace informer: it
-// keeps only what selector grants read (name, labels, deletion
-// timestamp), so that the cache stays small with thousands of namespaces
+// keeps only what selector grants read (name, labels, owner references,
+// deletion timestamp), so that the cache stays small with thousands of namespaces
 // (managed fields and annotations such as kubectl's last-applied
 // configuration are often most of an object).
 func TrimNamespace(obj any) (any, error) {
@@ -438,6 +599,7 @@ func TrimNamespace(obj any) (any, error) {
 			UID:               m.GetUID(),
 			ResourceVersion:   m.GetResourceVersion(),
 			Labels:            m.GetLabels(),
+			OwnerReferences:   m.GetOwnerReferences(),
 			DeletionTimestamp: m.GetDeletionTimestamp(),
 		},
 	}, nil

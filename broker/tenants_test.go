@@ -302,7 +302,7 @@ func TestANamespaceThatLeavesASelectorGrantLosesItsLeases(t *testing.T) {
 	require.Equal(t, KindForbidden, KindOf(err), "new requests are refused")
 
 	require.NoError(t, testutil.CollectAndCompare(e.reg, strings.NewReader(`
-# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).
+# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).
 # TYPE tokenbroker_unmatched_revocations_total counter
 tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 `), "tokenbroker_unmatched_revocations_total"))
@@ -321,7 +321,7 @@ tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 	e.nss.remove("oil-prod")
 	e.requireRevoked(t, "oil-prod", prod)
 	require.NoError(t, testutil.CollectAndCompare(e.reg, strings.NewReader(`
-# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start).
+# HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).
 # TYPE tokenbroker_unmatched_revocations_total counter
 tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 tokenbroker_unmatched_revocations_total{reason="namespace_deleted"} 1
@@ -420,6 +420,7 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour)), metav1.CreateOptions{})
 	require.NoError(t, err)
 	e.b.sweepUnmatched(context.Background())
+	e.clock.Step(uncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
 	require.Equal(t, 1.0, testutil.ToFloat64(e.b.cfg.Metrics.unmatched.WithLabelValues(UnmatchFoundAtStart)))
 }

@@ -447,7 +447,7 @@ func Run(ctx context.Context, opts Options) error {
 
 // namespaceInformer is the broker's metadata-only informer of namespaces,
 // which grants by namespaceSelector are decided from and kept true by:
-// names, labels and deletion timestamps only (broker.TrimNamespace), so
+// names, labels, owner references and deletion timestamps only (broker.TrimNamespace), so
 // that thousands of namespaces cost a few megabytes. It needs list and
 // watch on namespaces.
 func namespaceInformer(ctx context.Context, mc metadata.Interface, log *zap.Logger) (cache.SharedIndexInformer, error) {

@@ -129,6 +129,10 @@ type Grant struct {
 	// Namespaces; MatchingNamespaces are those it matches now, sorted.
 	NamespaceSelector  *LabelSelector `json:"namespaceSelector,omitempty"`
 	MatchingNamespaces []string       `json:"matchingNamespaces,omitempty"`
+	// NamespaceOwner, for a grant by label that has one: the object the
+	// selected namespaces must also be owned by (an ownerReference with
+	// its UID). MatchingNamespaces are those that are.
+	NamespaceOwner *NamespaceOwner `json:"namespaceOwner,omitempty"`
 	// RevokeOnUnmatch, for a grant by label: whether the leases in a
 	// namespace that stops matching are revoked, and RevokeDelay after
 	// how long (a Go duration).
@@ -147,6 +151,15 @@ type Grant struct {
 type LabelSelector struct {
 	MatchLabels      map[string]string          `json:"matchLabels,omitempty"`
 	MatchExpressions []LabelSelectorRequirement `json:"matchExpressions,omitempty"`
+}
+
+// NamespaceOwner is an object by API version, kind, name and UID, as an
+// ownerReference names it.
+type NamespaceOwner struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Name       string `json:"name"`
+	UID        string `json:"uid"`
 }
 
 // LabelSelectorRequirement is one of a selector's matchExpressions.

@@ -173,6 +173,18 @@ func TestConfigValidateReportsEveryProblemWithItsFieldPath(t *testing.T) {
 			},
 		},
 		{
+			name: "a policy whose namespace owner is incomplete or misspelt", file: "owner.yaml", kind: "policy",
+			content: "cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n" +
+				"  - {name: t, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uuid: x}}\n" +
+				"  - {name: u, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uid: oil}}\n",
+			want: []string{
+				"cluster.caData: no PEM certificate in CA bundle",
+				"peers[0].grants[0].namespaceOwner.uid: is required: the owner's metadata.uid (kubectl get <kind> <name> -o jsonpath='{.metadata.uid}'), which no object created later can have",
+				`peers[0].grants[0].namespaceOwner.uuid: unknown field (did you mean "uid"?)`,
+				"peers[0].grants[1].namespaceOwner.uid: must be a UID as Kubernetes writes it (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)",
+			},
+		},
+		{
 			name: "an empty policy named by --kind", file: "empty.yaml", content: "", args: []string{"--kind", "policy"}, kind: "policy",
 			want: []string{
 				"cluster.caFile: is required (or cluster.caData)",

@@ -253,12 +253,18 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 		return strings.Contains(stderr, "only the tenant controller may set")
 	}, 30*time.Second, 200*time.Millisecond, "the admission policy never took effect: %s", stderr)
 
+	const ownerPatch = `{"metadata":{"ownerReferences":[{"apiVersion":"capsule.clastix.io/v1beta2","kind":"Tenant","name":"oil","uid":"6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10"}]}}`
 	for _, tc := range []struct {
 		name    string
 		as      []string
 		args    []string
 		allowed bool
 	}{
+		{"an administrator cannot make a Tenant the owner of a namespace", admin, []string{"patch", "namespace", "default", "--type=merge", "-p", ownerPatch}, false},
+		{"the tenant controller can", controller, []string{"patch", "namespace", "default", "--type=merge", "-p", ownerPatch}, true},
+		{"an administrator cannot take the Tenant's owner reference away", admin, []string{"patch", "namespace", "default", "--type=merge", "-p", `{"metadata":{"ownerReferences":null}}`}, false},
+		{"the tenant controller can take it away", controller, []string{"patch", "namespace", "default", "--type=merge", "-p", `{"metadata":{"ownerReferences":null}}`}, true},
+		{"creates are left to the tenant controller's webhook: a namespace owned by a Tenant but not labelled is created", admin, []string{"create-owned"}, true},
 		{"an administrator cannot label a namespace into a tenant", admin, []string{"label", "namespace", "default", tenantLabel + "=oil"}, false},
 		{"the tenant controller can", controller, []string{"label", "namespace", "default", tenantLabel + "=oil"}, true},
 		{"an administrator cannot move it to another tenant", admin, []string{"label", "--overwrite", "namespace", "default", tenantLabel + "=gas"}, false},
@@ -271,7 +277,10 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 			args := append(append([]string{}, tc.as...), tc.args...)
 			var err error
 			var out, stderr string
-			if tc.args[0] == "apply" {
+			if tc.args[0] == "create-owned" {
+				f := writeFile(t, filepath.Join(t.TempDir(), "owned.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: owned\n  ownerReferences: [{apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uid: 6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10}]\n")
+				out, stderr, err = runErr(kubectl, append(append([]string{}, tc.as...), "create", "-f", f)...)
+			} else if tc.args[0] == "apply" {
 				f := writeFile(t, filepath.Join(t.TempDir(), "ns.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: sneaky\n  labels: {"+tenantLabel+": oil}\n")
 				out, stderr, err = runErr(kubectl, append(append([]string{}, tc.as...), "apply", "-f", f)...)
 			} else {
@@ -282,6 +291,10 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 				return
 			}
 			require.Error(t, err, out)
+			if tc.args[0] == "patch" {
+				require.Contains(t, stderr, "only the tenant controller may add, change or remove a namespace's owner reference to a Tenant")
+				return
+			}
 			require.Contains(t, stderr, "only the tenant controller may set, change or remove the label")
 		})
 	}

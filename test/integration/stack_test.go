@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -70,6 +71,8 @@ type stack struct {
 	// starts out holding ca (the signing CA itself, which changes nothing),
 	// so that a CA rotation names the old CA there.
 	previousCAFile string
+	// stop stops the broker (once; the test's cleanup calls it too).
+	stop func()
 }
 
 // stackOption changes how startStack builds a stack.
@@ -153,14 +156,16 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 			Started:            func(st server.Started) { started <- st },
 		})
 	}()
-	t.Cleanup(func() {
+	s.stop = sync.OnceFunc(func() {
 		cancel()
 		require.NoError(t, <-done)
 	})
+	t.Cleanup(s.stop)
 	var st server.Started
 	select {
 	case st = <-started:
 	case err := <-done:
+		done <- err // for the cleanup, which would otherwise wait for ever
 		t.Fatalf("the broker did not start: %v", err)
 	}
 	s.broker, s.logs, s.reg = st.Broker, logs, st.Metrics
