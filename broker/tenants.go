@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -72,6 +73,9 @@ type tenants struct {
 	// gone are selector grants that a reload removed while they kept
 	// their grants true: their pending revocations still apply.
 	gone map[selectorGrant]bool
+	// gen changes whenever matching does, so that what is derived from
+	// it (leaseRules) is rebuilt only then.
+	gen atomic.Uint64
 }
 
 func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*tenants, error) {
@@ -157,6 +161,7 @@ func (t *tenants) update(name string, set labels.Set, live bool, reason string) 
 		}
 	}
 	if changed {
+		t.gen.Add(1)
 		t.reportLocked()
 	}
 }
@@ -206,6 +211,7 @@ func (t *tenants) setPolicy(p *Policy) {
 		delete(t.gone, key)
 	}
 	t.grants, t.matching = grants, matching
+	t.gen.Add(1)
 	t.reportLocked()
 }
 
