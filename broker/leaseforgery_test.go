@@ -284,3 +284,23 @@ func TestARevocationDeletesOnlyARoleBindingTheLeaseOwns(t *testing.T) {
 		})
 	}
 }
+
+func TestTheGarbageCollectorLeavesSecretsOfAnotherTypeWithTheLeaseLabels(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	expired := leaseFixture(t, e.client, "cccccccccccccccccccccccccc", "", apiv1.CredentialToken)
+	expired.Annotations[AnnotationExpiresAt] = time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
+	_, err := e.client.CoreV1().Secrets("argo").Update(ctx, expired, metav1.UpdateOptions{})
+	require.NoError(t, err)
+	other := forgedSecret(expired, "argo", corev1.SecretTypeOpaque, time.Now())
+	other.Name = "someone-elses"
+	_, err = e.client.CoreV1().Secrets("argo").Create(ctx, other, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	n, err := e.b.CollectGarbage(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n, "the expired lease")
+	_, err = e.client.CoreV1().Secrets("argo").Get(ctx, "someone-elses", metav1.GetOptions{})
+	require.NoError(t, err, "not the broker's to delete")
+}
