@@ -288,13 +288,15 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id s
 }
 
 // listLeaseSecrets lists lease Secrets (and only those: the kind label
-// keeps used join token records out) matching sel in the given namespaces.
+// keeps used join token records out, the type Secrets of anyone else who
+// copied the labels) matching sel in the given namespaces.
 func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel labels.Set) ([]corev1.Secret, error) {
 	set := labels.Set{LabelKind: LeaseKind}
 	for k, v := range sel {
 		set[k] = v
 	}
-	return b.listManagedSecrets(ctx, namespaces, set, "list_leases")
+	list, err := b.listManagedSecrets(ctx, namespaces, set, "list_leases")
+	return slices.DeleteFunc(list, func(s corev1.Secret) bool { return s.Type != SecretTypeLease }), err
 }
 
 // listManagedSecrets lists the broker's Secrets of every kind matching sel
