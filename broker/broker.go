@@ -163,6 +163,8 @@ type Broker struct {
 	pool *leasePool
 	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
 	gcPasses atomic.Uint64
+	// rulesCache holds the lease rules of the policy in force (leaseRules).
+	rulesCache atomic.Pointer[leaseRulesCache]
 }
 
 // New checks cfg and returns a Broker.
@@ -201,6 +203,9 @@ func New(cfg Config) (*Broker, error) {
 			return nil, fmt.Errorf("broker: watch namespaces: %w", err)
 		}
 		b.tenants = t
+	}
+	if cfg.Leases != nil {
+		cfg.Leases.setRules(b.leaseRules)
 	}
 	return b, nil
 }

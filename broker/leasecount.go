@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -36,19 +37,34 @@ import (
 // informer's next relist. A lease counts until its recorded expiry (checked
 // every leaseSweepInterval), so one GC never collects does not hold a
 // place for ever.
+//
+// Only verifiable leases count (leaseRules): the counter lists and watches
+// Secrets of the broker's own type only (a field selector the API server
+// applies), and a Secret whose namespace, peer label and identity
+// annotation the policy does not bear out, or whose recorded expiry lies
+// past its creation plus the longest TTL, counts for nothing or only that
+// long. So a tenant who forges lease Secrets takes no place in any quota.
 type LeaseCounter struct {
 	client metadata.Interface
 	clock  clock.PassiveClock
 	log    *zap.Logger
+	// rules, if set, are the broker's leaseRules of the moment; applied
+	// is what the counted entries were last verified with.
+	rules   func() *leaseRules
+	applied *leaseRules
 
 	mu      sync.Mutex
 	watches map[string]*nsWatch // by namespace
 	byKey   map[string]*counted // namespace/name → the lease Secret
-	// byName finds a Secret's namespace by its name (lease names are
-	// unique: 128 random bits), for lookups by lease id.
-	byName  map[string]string
-	perPeer map[string]int // unexpired leases by peer
-	live    int            // unexpired leases of all peers
+	// byName finds a Secret's namespace by its name, for lookups by lease
+	// id: the first namespace seen with that name. A lease's name is
+	// unique (128 random bits) but anyone may copy it into a Secret of
+	// their own elsewhere; such copies go to dupNames, never over an
+	// entry of byName, and a lookup sees them all.
+	byName   map[string]string
+	dupNames map[string][]string
+	perPeer  map[string]int // unexpired leases by peer
+	live     int            // unexpired leases of all peers
 	// reserved are the places of requests not yet seen as Secrets, by
 	// peer, oldest first.
 	reserved map[string][]*reservation
@@ -64,11 +80,19 @@ type LeaseCounter struct {
 // lease GC never collects, left in a namespace the policy stopped
 // granting, does not hold a place for ever).
 type counted struct {
-	key     string
-	uid     types.UID
-	peer    string
-	expires time.Time
-	live    bool
+	key      string
+	uid      types.UID
+	peer     string
+	identity string
+	expires  time.Time
+	// verified: leaseRules bear the Secret out, so it may count.
+	// committed: the broker's own issuance counted it (place.commit)
+	// before the informer saw it; it is verified until then.
+	verified, committed bool
+	// until is when it stops counting: its expiry, capped at creation
+	// plus leaseRules.maxAge; due is when the sweep next looks at it.
+	until, due time.Time
+	live       bool
 	// pool marks an unclaimed pooled Secret (PoolKind): never counted,
 	// but collected past its deadline like an expired lease.
 	pool bool
@@ -99,13 +123,69 @@ func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap
 	return &LeaseCounter{
 		client: client, clock: clk, log: log,
 		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
-		expired: map[string]*counted{}, byName: map[string]string{},
+		expired: map[string]*counted{}, byName: map[string]string{}, dupNames: map[string][]string{},
 	}
+}
+
+// setRules makes the counter count only what rules() verifies; the broker
+// sets it. Without it every lease Secret the counter sees counts.
+func (lc *LeaseCounter) setRules(rules func() *leaseRules) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	lc.rules = rules
+}
+
+// currentRules returns the rules of the moment; lc.mu must not be held
+// (building them reads the policy and the namespace index).
+func (lc *LeaseCounter) currentRules() *leaseRules {
+	lc.mu.Lock()
+	f := lc.rules
+	lc.mu.Unlock()
+	if f == nil {
+		return nil
+	}
+	return f()
+}
+
+// applyLocked re-verifies every counted Secret if r differs from the rules
+// they were verified with (a policy reload, a namespace that started or
+// stopped matching a selector grant); lc.mu is held.
+func (lc *LeaseCounter) applyLocked(r *leaseRules) {
+	if r == lc.applied {
+		return
+	}
+	lc.applied = r
+	for key, c := range lc.byKey {
+		verified := c.committed || !c.pool && r.verify(keyNamespace(key), c.peer, c.identity)
+		if c.verified == verified && c.until.Equal(lc.until(c)) {
+			continue
+		}
+		lc.forget(key, c)
+		lc.count(&counted{key: key, uid: c.uid, peer: c.peer, identity: c.identity, expires: c.expires,
+			pool: c.pool, created: c.created, verified: verified, committed: c.committed})
+	}
+}
+
+// until is when c stops counting: its recorded expiry, capped at its
+// creation plus the rules' maxAge (zero: never); lc.mu is held.
+func (lc *LeaseCounter) until(c *counted) time.Time {
+	u := c.expires
+	if lc.applied != nil && lc.applied.maxAge > 0 && !c.created.IsZero() {
+		if cap := c.created.Add(lc.applied.maxAge); u.IsZero() || cap.Before(u) {
+			u = cap
+		}
+	}
+	return u
 }
 
 // leaseSelector selects the broker's lease Secrets and its pooled ones
 // (the GC collects both from the counter).
 var leaseSelector = labels.Set{LabelManagedBy: ManagedByValue}.String() + "," + LabelKind + " in (" + LeaseKind + "," + PoolKind + ")"
+
+// leaseTypeSelector selects Secrets of the lease type only: the API server
+// checks it, so a Secret of another type with the lease labels never
+// reaches the counter, which sees metadata only.
+var leaseTypeSelector = fields.OneTermEqualSelector("type", string(SecretTypeLease)).String()
 
 // Run counts until ctx ends. If the broker may list Secrets in every
 // namespace (deploy/base binds its role cluster-wide), one informer
@@ -114,7 +194,7 @@ var leaseSelector = labels.Set{LabelManagedBy: ManagedByValue}.String() + "," + 
 // informer per namespace of namespaces(), which a policy reload or a
 // namespace label can change, checking every interval.
 func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
-	_, err := lc.client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, Limit: 1})
+	_, err := lc.client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, FieldSelector: leaseTypeSelector, Limit: 1})
 	if err == nil {
 		lc.log.Info("counting leases with one cluster-wide informer")
 		lc.watch([]string{metav1.NamespaceAll})
@@ -155,11 +235,11 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		w := &nsWatch{stop: make(chan struct{})}
 		lw := &cache.ListWatch{
 			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				o.LabelSelector = leaseSelector
+				o.LabelSelector, o.FieldSelector = leaseSelector, leaseTypeSelector
 				return lc.client.Resource(secretsGVR).Namespace(ns).List(ctx, o)
 			},
 			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-				o.LabelSelector = leaseSelector
+				o.LabelSelector, o.FieldSelector = leaseSelector, leaseTypeSelector
 				return lc.client.Resource(secretsGVR).Namespace(ns).Watch(ctx, o)
 			},
 		}
@@ -189,7 +269,9 @@ func (s *counterStore) Resync() error        { return nil }
 func (s *counterStore) Replace(list []any, _ string) error {
 	lc := s.lc
 	keep := make(map[string]bool, len(list))
+	r := lc.currentRules()
 	lc.mu.Lock()
+	lc.applyLocked(r)
 	for _, obj := range list {
 		if m, ok := obj.(*metav1.PartialObjectMetadata); ok {
 			keep[lc.addLocked(m)] = true
@@ -215,51 +297,98 @@ func (lc *LeaseCounter) add(obj any) {
 	if !ok {
 		return
 	}
+	r := lc.currentRules()
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
+	lc.applyLocked(r)
 	lc.addLocked(m)
 }
 
 // addLocked counts m, replacing what the counter knew under its key, and
-// returns the key; lc.mu is held. Only what the counter reads is kept.
+// returns the key; lc.mu is held, and applyLocked has run. Only what the
+// counter reads is kept.
 func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 	key := m.Namespace + "/" + m.Name
 	exp, err := time.Parse(time.RFC3339, m.Annotations[AnnotationExpiresAt])
 	if err != nil {
-		exp = time.Time{} // no readable expiry: counts until deleted
+		exp = time.Time{} // no readable expiry: counts until creation plus maxAge
 	}
 	if c, seen := lc.byKey[key]; seen {
 		lc.forget(key, c)
 	}
 	mark, marked := m.Annotations[AnnotationRevokeOnUnmatch]
-	lc.count(&counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], expires: exp,
+	c := &counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], identity: m.Annotations[AnnotationIdentity], expires: exp,
 		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time,
-		grant: m.Annotations[AnnotationGrant], mark: mark, marked: marked})
+		grant: m.Annotations[AnnotationGrant], mark: mark, marked: marked}
+	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
+	lc.count(c)
 	return key
 }
 
-// count starts counting c, unless it has expired or is a pooled Secret;
-// lc.mu is held.
+// count starts counting c, unless it has expired, is not verified or is a
+// pooled Secret; lc.mu is held.
 func (lc *LeaseCounter) count(c *counted) {
 	lc.byKey[c.key] = c
-	ns, name, _ := cache.SplitMetaNamespaceKey(c.key)
-	lc.byName[name] = ns
-	if !c.expires.IsZero() && !lc.clock.Now().Before(c.expires) {
+	lc.index(c.key)
+	now := lc.clock.Now()
+	if !c.expires.IsZero() && !now.Before(c.expires) {
 		lc.expired[c.key] = c
 		return
 	}
-	if !c.expires.IsZero() {
-		heap.Push(&lc.expiring, c)
-		if len(lc.expiring) > 2*len(lc.byKey)+64 {
-			lc.compact() // many deleted before they expired
+	c.until = lc.until(c)
+	if c.verified && !c.pool && (c.until.IsZero() || now.Before(c.until)) {
+		c.live = true
+		lc.perPeer[c.peer]++
+		lc.live++
+	}
+	c.due = c.expires
+	if c.live {
+		c.due = c.until
+	}
+	if !c.due.IsZero() {
+		lc.schedule(c)
+	}
+}
+
+// schedule has the sweep look at c at c.due; lc.mu is held.
+func (lc *LeaseCounter) schedule(c *counted) {
+	heap.Push(&lc.expiring, c)
+	if len(lc.expiring) > 2*len(lc.byKey)+64 {
+		lc.compact() // many deleted before they expired
+	}
+}
+
+// index records key's namespace under its name; the first namespace seen
+// keeps byName, later ones go to dupNames. lc.mu is held.
+func (lc *LeaseCounter) index(key string) {
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	first, ok := lc.byName[name]
+	switch {
+	case !ok:
+		lc.byName[name] = ns
+	case first != ns && !slices.Contains(lc.dupNames[name], ns):
+		lc.dupNames[name] = append(lc.dupNames[name], ns)
+	}
+}
+
+// unindex removes key from the index; lc.mu is held.
+func (lc *LeaseCounter) unindex(key string) {
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	dups := lc.dupNames[name]
+	if lc.byName[name] == ns {
+		if len(dups) == 0 {
+			delete(lc.byName, name)
+			return
 		}
+		lc.byName[name], dups = dups[0], dups[1:]
+	} else if i := slices.Index(dups, ns); i >= 0 {
+		dups = slices.Delete(slices.Clone(dups), i, i+1)
 	}
-	if c.pool {
-		return
+	if len(dups) == 0 {
+		delete(lc.dupNames, name)
+	} else {
+		lc.dupNames[name] = dups
 	}
-	c.live = true
-	lc.perPeer[c.peer]++
-	lc.live++
 }
 
 func (lc *LeaseCounter) remove(obj any) {
@@ -276,9 +405,7 @@ func (lc *LeaseCounter) remove(obj any) {
 
 func (lc *LeaseCounter) forget(key string, c *counted) {
 	delete(lc.byKey, key)
-	if ns, name, _ := cache.SplitMetaNamespaceKey(key); lc.byName[name] == ns {
-		delete(lc.byName, name)
-	}
+	lc.unindex(key)
 	delete(lc.expired, key)
 	lc.uncount(c)
 }
@@ -298,15 +425,24 @@ func (lc *LeaseCounter) uncount(c *counted) {
 // counted and hands them to the GC; Run calls it every few seconds. It
 // touches only what expired (and, once each, entries replaced since).
 func (lc *LeaseCounter) sweep() {
+	r := lc.currentRules()
 	now := lc.clock.Now()
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	for len(lc.expiring) > 0 && !now.Before(lc.expiring[0].expires) {
+	lc.applyLocked(r)
+	for len(lc.expiring) > 0 && !now.Before(lc.expiring[0].due) {
 		c := heap.Pop(&lc.expiring).(*counted)
 		if lc.byKey[c.key] != c {
 			continue // replaced or forgotten since
 		}
 		lc.uncount(c)
+		if !c.expires.IsZero() && now.Before(c.expires) {
+			// Past creation plus maxAge but not its recorded expiry: it
+			// no longer counts, and the GC waits for the expiry.
+			c.due = c.expires
+			heap.Push(&lc.expiring, c)
+			continue
+		}
 		lc.expired[c.key] = c
 	}
 }
@@ -367,13 +503,17 @@ func (lc *LeaseCounter) leaseRefs() []leaseRef {
 	return out
 }
 
-// NamespaceOf returns the namespace of the lease Secret named name, if the
-// counter has seen one.
-func (lc *LeaseCounter) NamespaceOf(name string) (string, bool) {
+// NamespacesOf returns the namespaces where the counter has seen a lease
+// Secret named name, the first seen first; nil if none. More than one
+// means someone copied a lease's name: the caller tells them apart.
+func (lc *LeaseCounter) NamespacesOf(name string) []string {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	ns, ok := lc.byName[name]
-	return ns, ok
+	if !ok {
+		return nil
+	}
+	return append([]string{ns}, lc.dupNames[name]...)
 }
 
 // Counted is how many unexpired leases the informers see, reserved places
@@ -388,7 +528,7 @@ func (lc *LeaseCounter) Counted() int {
 type expiryHeap []*counted
 
 func (h expiryHeap) Len() int           { return len(h) }
-func (h expiryHeap) Less(i, j int) bool { return h[i].expires.Before(h[j].expires) }
+func (h expiryHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
 func (h expiryHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
 func (h *expiryHeap) Push(x any)        { *h = append(*h, x.(*counted)) }
 func (h *expiryHeap) Pop() any {
@@ -474,7 +614,9 @@ func (p *place) commit(namespace, name string, expires time.Time) {
 		if seen {
 			lc.forget(key, c) // a claimed pooled Secret the informer saw unclaimed
 		}
-		lc.count(&counted{key: key, peer: p.peer, expires: expires})
+		// The broker made it just now: it counts until the informer's
+		// sight of it is verified in its place.
+		lc.count(&counted{key: key, peer: p.peer, expires: expires, created: lc.clock.Now(), verified: true, committed: true})
 	}
 }
 

@@ -70,12 +70,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 		}
 		remaining -= len(list.Items)
 		for j := range list.Items {
-			s := &list.Items[j]
-			// A workload sees only its own leases.
-			if c.Workload != nil && s.Annotations[AnnotationWorkload] != c.Workload.String() {
-				continue
-			}
-			if s.Annotations[AnnotationIdentity] == c.Identity {
+			if s := &list.Items[j]; ownLease(s, c, peer) {
 				out.Items = append(out.Items, leaseFromSecret(s))
 			}
 		}
@@ -99,8 +94,9 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 // returns.
 const apiPageSize = 250
 
-// GetLease returns one of the caller's leases. A lease of another peer is
-// reported as not found, like one that does not exist.
+// GetLease returns one of the caller's leases. A lease of another peer, or
+// of another workload when the caller comes with one, is reported as not
+// found, like one that does not exist.
 func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Lease, error) {
 	s, err := b.findLease(ctx, c, id)
 	if err != nil {
@@ -147,8 +143,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 		// The certificate's only permission goes first, at once. The lease
 		// owns the binding, so the garbage collector would delete it too,
 		// a moment later; should this fail, that still happens.
-		err := b.cfg.RoleBindings.RoleBindings(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
+		if err := b.deleteOwnedRoleBinding(ctx, s); err != nil {
 			b.cfg.Logger.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease",
 				zap.String("lease_id", id), zap.Error(err))
 		}
@@ -165,6 +160,56 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 	return nil
 }
 
+// errNotOwned: a RoleBinding of the lease's name that the lease does not
+// own, which a revocation leaves alone.
+var errNotOwned = errors.New("the RoleBinding of the lease's name is not owned by the lease; left alone")
+
+// deleteOwnedRoleBinding deletes the RoleBinding of the client-certificate
+// lease s only if s owns it (an ownerReference with s's UID), with a UID
+// precondition, so that a revocation never deletes a binding someone else
+// made under the same name, nor one made after the check.
+func (b *Broker) deleteOwnedRoleBinding(ctx context.Context, s *corev1.Secret) error {
+	rbs := b.cfg.RoleBindings.RoleBindings(s.Namespace)
+	t0 := b.cfg.Clock.Now()
+	rb, err := rbs.Get(ctx, s.Name, metav1.GetOptions{})
+	b.timeAPI(ctx, "get_rolebinding", t0, err)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("get RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
+	}
+	if s.UID == "" || !slices.ContainsFunc(rb.OwnerReferences, func(r metav1.OwnerReference) bool {
+		return r.UID == s.UID && r.Kind == "Secret" && r.APIVersion == "v1"
+	}) {
+		return errNotOwned
+	}
+	uid := rb.UID
+	t0 = b.cfg.Clock.Now()
+	err = rbs.Delete(ctx, rb.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	b.timeAPI(ctx, "delete_rolebinding", t0, err)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
+	}
+	return nil
+}
+
+// ownLease reports whether the lease Secret s, listed by the peer's label,
+// is one the broker made for caller c: the lease type (a Secret of another
+// type with the lease labels is anyone's), the peer's label, the caller's
+// identity and, when the caller comes with a workload, that workload.
+func ownLease(s *corev1.Secret, c Caller, peer *PeerSpec) bool {
+	if s.Type != SecretTypeLease || s.Labels[LabelPeer] != peer.Name || s.Annotations[AnnotationIdentity] != c.Identity {
+		return false
+	}
+	// A workload sees only its own leases.
+	return c.Workload == nil || s.Annotations[AnnotationWorkload] == c.Workload.String()
+}
+
+// findLease returns the caller's lease id (ownLease), or KindNotFound. A
+// lease's name is unique, but whoever may create Secrets in one of the
+// peer's namespaces and learns an id can copy it; the copy is made after
+// the lease, so the earliest created of the Secrets that pass wins.
 func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Secret, error) {
 	notFound := Errorf(KindNotFound, "lease %q not found", id)
 	if !apiv1.ValidLeaseID(id) {
@@ -182,16 +227,24 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if err != nil {
 		return nil, err
 	}
-	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{LabelLeaseID: id})
+	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{LabelLeaseID: id, LabelPeer: peer.Name})
 	if err != nil {
 		return nil, err
 	}
+	var found *corev1.Secret
 	for i := range secrets {
-		if secrets[i].Annotations[AnnotationIdentity] == c.Identity {
-			return &secrets[i], nil
+		s := &secrets[i]
+		if s.Name != leaseSecretPrefix+id || !ownLease(s, c, peer) {
+			continue
+		}
+		if found == nil || s.CreationTimestamp.Before(&found.CreationTimestamp) {
+			found = s
 		}
 	}
-	return nil, notFound
+	if found == nil {
+		return nil, notFound
+	}
+	return found, nil
 }
 
 // leaseLookupWait is how long a lookup waits for the lease counter to see
@@ -199,11 +252,12 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 const leaseLookupWait = time.Second
 
 // leaseLookupNamespaces returns the namespaces where the lease id may be:
-// the one the lease counter saw it in, when the counter has synced, so that
-// a lookup is one list however many namespaces the peer's grants match;
-// else (or if the counter has not seen it within leaseLookupWait) every
+// those of the peer the lease counter saw it in (usually one; copies made
+// by others may add some), when the counter has synced, so that a lookup
+// is one list however many namespaces the peer's grants match; else every
 // namespace of the peer, listed one at a time. A lease the counter has not
-// seen and the peer does not hold is then not found without a list.
+// seen within leaseLookupWait, or seen only outside the peer's namespaces,
+// is not found without a list.
 func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string) ([]string, error) {
 	all := b.peerNamespaces(peer)
 	lc := b.cfg.Leases
@@ -213,11 +267,14 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id s
 	name := leaseSecretPrefix + id
 	deadline := b.cfg.Clock.Now().Add(leaseLookupWait)
 	for {
-		if ns, ok := lc.NamespaceOf(name); ok {
-			if _, granted := slices.BinarySearch(all, ns); granted {
-				return []string{ns}, nil
+		if seen := lc.NamespacesOf(name); len(seen) > 0 {
+			var out []string
+			for _, ns := range seen {
+				if _, granted := slices.BinarySearch(all, ns); granted {
+					out = append(out, ns)
+				}
 			}
-			return nil, nil // in a namespace the peer holds no leases in
+			return out, nil // none: only in namespaces the peer holds no leases in
 		}
 		if !b.cfg.Clock.Now().Before(deadline) {
 			return nil, nil
@@ -231,13 +288,15 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id s
 }
 
 // listLeaseSecrets lists lease Secrets (and only those: the kind label
-// keeps used join token records out) matching sel in the given namespaces.
+// keeps used join token records out, the type Secrets of anyone else who
+// copied the labels) matching sel in the given namespaces.
 func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel labels.Set) ([]corev1.Secret, error) {
 	set := labels.Set{LabelKind: LeaseKind}
 	for k, v := range sel {
 		set[k] = v
 	}
-	return b.listManagedSecrets(ctx, namespaces, set, "list_leases")
+	list, err := b.listManagedSecrets(ctx, namespaces, set, "list_leases")
+	return slices.DeleteFunc(list, func(s corev1.Secret) bool { return s.Type != SecretTypeLease }), err
 }
 
 // listManagedSecrets lists the broker's Secrets of every kind matching sel
@@ -405,7 +464,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 			Namespace: e.Namespace, Name: e.Name, UID: e.UID,
 			Labels:      map[string]string{LabelKind: kind},
 			Annotations: map[string]string{AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
-		}})
+		}, Type: SecretTypeLease}) // the counter sees that type only
 	}
 	n, _, err := b.collect(ctx, secrets, now, maxTTL)
 	return n, b.cfg.Leases.Counted(), err
@@ -421,6 +480,9 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 		kind := s.Labels[LabelKind]
 		if kind == PeerKeysKind {
 			continue // a peer's key set does not expire; it is replaced
+		}
+		if kind != UsedJoinTokenKind && s.Type != SecretTypeLease {
+			continue // the lease labels on someone else's Secret: not the broker's to delete
 		}
 		usedToken := kind == UsedJoinTokenKind
 		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])

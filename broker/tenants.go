@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -97,6 +98,9 @@ type tenants struct {
 	// gone are selector grants that a reload removed while they kept
 	// their grants true: their pending revocations still apply.
 	gone map[selectorGrant]bool
+	// gen changes whenever matching does, so that what is derived from
+	// it (leaseRules) is rebuilt only then.
+	gen atomic.Uint64
 }
 
 func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*tenants, error) {
@@ -196,6 +200,7 @@ func (t *tenants) update(name string, set labels.Set, owners []metav1.OwnerRefer
 		}
 	}
 	if changed {
+		t.gen.Add(1)
 		t.reportLocked()
 	}
 }
@@ -245,6 +250,7 @@ func (t *tenants) setPolicy(p *Policy) {
 		delete(t.gone, key)
 	}
 	t.grants, t.matching = grants, matching
+	t.gen.Add(1)
 	t.reportLocked()
 }
 

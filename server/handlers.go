@@ -241,7 +241,11 @@ func (s *Server) execKubeconfig(w http.ResponseWriter, r *http.Request, p peer, 
 // listLeases handles GET /v1/leases[?limit=N][&continue=TOKEN]: one page.
 // An unparsable limit is validated as -1.
 func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
-	q := r.URL.Query()
+	q, err := strictQuery(r.URL.RawQuery)
+	if err != nil {
+		writeError(w, r, err)
+		return
+	}
 	for _, key := range []string{"limit", "continue"} {
 		if len(q[key]) > 1 {
 			writeError(w, r, broker.Invalid(apiv1.FieldError{Field: key, Detail: "must be given once"}))
@@ -266,6 +270,36 @@ func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
 		return
 	}
 	writeLeaseList(w, r, page)
+}
+
+// strictQuery parses a query as url.ParseQuery does, but where a pair is not
+// valid percent-encoding (or holds a ';', which Go no longer takes for a
+// separator) it is 400 naming the field ("query" unless the key is limit
+// or continue), not a pair dropped: url.URL.Query drops it silently, so
+// that a mangled continue token answered the first page again.
+func strictQuery(raw string) (url.Values, error) {
+	q, err := url.ParseQuery(raw)
+	if err == nil {
+		return q, nil
+	}
+	var fields []apiv1.FieldError
+	for pair := range strings.SplitSeq(raw, "&") {
+		key, value, _ := strings.Cut(pair, "=")
+		k, kerr := url.QueryUnescape(key)
+		_, verr := url.QueryUnescape(value)
+		if kerr == nil && verr == nil && !strings.Contains(pair, ";") {
+			continue
+		}
+		field := "query" // the caller's key is not echoed
+		if kerr == nil && (k == "limit" || k == "continue") {
+			field = k
+		}
+		fields = append(fields, apiv1.FieldError{Field: field, Detail: "is not valid percent-encoding"})
+	}
+	if len(fields) == 0 { // not reached: ParseQuery fails on a pair only
+		fields = append(fields, apiv1.FieldError{Field: "query", Detail: "is not valid percent-encoding"})
+	}
+	return nil, broker.Invalid(fields...)
 }
 
 // writeLeaseList answers 200 with page, encoded one lease at a time into a

@@ -327,6 +327,10 @@ func TestLeases(t *testing.T) {
 		{"Two limits are 400.", "limit=1&limit=2", "limit"},
 		{"A continue token that is not the broker's is 400.", "continue=" + url.QueryEscape(`{"rv":1}`), "continue"},
 		{"Two continue tokens are 400.", "continue=a&continue=b", "continue"},
+		{"A continue token that is not valid percent-encoding is 400, not the first page.", "continue=%%%x", "continue"},
+		{"A continue token with a semicolon is 400, not the first page.", "continue=bDEKYXJnbwo;x", "continue"},
+		{"A limit that is not valid percent-encoding is 400.", "limit=1%G", "limit"},
+		{"Any other pair that is not valid percent-encoding is 400 without its key.", "x%zz=1", "query"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -628,4 +632,34 @@ func TestTheBrokerSeesTheRequestIDForItsAuditEvents(t *testing.T) {
 	rec := h.do(rq)
 	require.Equal(t, http.StatusCreated, rec.Code, rec.Body.String())
 	require.Equal(t, "trace-42", seen)
+}
+
+// FuzzStrictQuery feeds arbitrary queries of GET /v1/leases through
+// strictQuery. It must never panic; what it accepts is exactly what
+// url.ParseQuery accepts, with the same values; what it refuses is a 400
+// whose fields are limit, continue or query, never the caller's own key.
+func FuzzStrictQuery(f *testing.F) {
+	for _, seed := range []string{
+		"", "limit=2&continue=bDEKYXJnbwo", "continue=%%%x", "continue=a;b", "limit=1%G", "x%zz=1",
+		"continue=%zz&limit=%zz", "&&=&", "continue", "%", "a=b=c", "continue=%E2%82%AC", "l%69mit=%zz",
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, raw string) {
+		q, err := strictQuery(raw)
+		want, wantErr := url.ParseQuery(raw)
+		if err == nil {
+			require.NoError(t, wantErr)
+			require.Equal(t, want, q)
+			return
+		}
+		require.Error(t, wantErr, "refused only what url.ParseQuery refuses")
+		var be *broker.Error
+		require.ErrorAs(t, err, &be)
+		require.Equal(t, broker.KindInvalid, be.Kind)
+		require.NotEmpty(t, be.Fields)
+		for _, fe := range be.Fields {
+			require.Contains(t, []string{"limit", "continue", "query"}, fe.Field)
+		}
+	})
 }

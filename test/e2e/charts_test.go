@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -377,4 +378,32 @@ policy:
 	cd := decode[appsv1.Deployment](t, findManifest(t, hDocs, "Deployment", "tokenbroker"))
 	require.Contains(t, kd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
 	require.Contains(t, cd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
+}
+
+// TestTheChartsLeaseAdmissionPolicyIsTheComponents holds the broker chart's
+// leaseAdmissionPolicy to deploy/components/lease-admission-policy: the
+// same match rules and validations, for the release's ServiceAccount; off
+// by default. test/integration applies the component to a real API server.
+func TestTheChartsLeaseAdmissionPolicyIsTheComponents(t *testing.T) {
+	h := newHelm(t)
+	require.Empty(t, manifestsOf(h.render(t, "--set", "pki.tlsSecret=tls"), "ValidatingAdmissionPolicy"), "off by default")
+
+	overlay := t.TempDir()
+	rel := func(p string) string {
+		r, err := filepath.Rel(overlay, filepath.Join(repoRoot(t), p))
+		require.NoError(t, err)
+		return r
+	}
+	writeFile(t, filepath.Join(overlay, "kustomization.yaml"), "resources: ["+rel("deploy/base")+"]\ncomponents: ["+rel("deploy/components/lease-admission-policy")+"]\n")
+	kDocs := splitManifests(t, run(t, kubectlBinary(t), "kustomize", overlay))
+	hDocs := h.render(t, "--set", "pki.tlsSecret=tls", "--set", "leaseAdmissionPolicy.enabled=true")
+	var kv, cv admissionregistrationv1.ValidatingAdmissionPolicy
+	require.NoError(t, yaml.Unmarshal(findManifest(t, kDocs, "ValidatingAdmissionPolicy", "tokenbroker-reserves-lease-secrets").raw, &kv))
+	require.NoError(t, yaml.Unmarshal(findManifest(t, hDocs, "ValidatingAdmissionPolicy", "tokenbroker-reserves-lease-secrets").raw, &cv))
+	require.Equal(t, kv.Spec, cv.Spec)
+	require.Equal(t, `request.userInfo.username != "system:serviceaccount:tokenbroker:tokenbroker"`, cv.Spec.MatchConditions[0].Expression)
+	var kb, cb admissionregistrationv1.ValidatingAdmissionPolicyBinding
+	require.NoError(t, yaml.Unmarshal(findManifest(t, kDocs, "ValidatingAdmissionPolicyBinding", "tokenbroker-reserves-lease-secrets").raw, &kb))
+	require.NoError(t, yaml.Unmarshal(findManifest(t, hDocs, "ValidatingAdmissionPolicyBinding", "tokenbroker-reserves-lease-secrets").raw, &cb))
+	require.Equal(t, kb.Spec, cb.Spec)
 }

@@ -23,6 +23,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -81,10 +82,15 @@ type stackOption func(*stackConfig)
 type stackConfig struct {
 	ca            *pki.CA
 	maxLiveLeases int
+	kube          *rest.Config
 }
 
 // withMaxLiveLeases sets serve's --max-live-leases.
 func withMaxLiveLeases(n int) stackOption { return func(c *stackConfig) { c.maxLiveLeases = n } }
+
+// withKube makes the broker reach the API server with kube rather than as
+// the cluster's admin (e.g. impersonating its ServiceAccount).
+func withKube(kube *rest.Config) stackOption { return func(c *stackConfig) { c.kube = kube } }
 
 // withCA makes the stack sign with (and trust) ca, so that two stacks are
 // two replicas of one broker.
@@ -123,6 +129,10 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 	s.previousCAFile = filepath.Join(dir, "previous-ca.crt")
 	require.NoError(t, os.WriteFile(s.previousCAFile, ca.CertPEM(), 0o644))
 
+	kube := c.Config
+	if sc.kube != nil {
+		kube = sc.kube
+	}
 	core, logs := observer.New(zap.DebugLevel)
 	started := make(chan server.Started, 1)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -143,7 +153,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 			ClientCertTTL:      pki.DefaultClientLifetime,
 			PolicyFile:         s.policyFile,
 			Namespace:          brokerNamespace,
-			Kube:               c.Config,
+			Kube:               kube,
 			KubeQPS:            1000,
 			KubeBurst:          2000,
 			GCInterval:         time.Minute,
