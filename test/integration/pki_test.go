@@ -374,6 +374,16 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, status)
 	require.GreaterOrEqual(t, reloads(t, s, broker.ConfigClientCA, "success"), 2.0)
+	// The previous-CA file is looked at when a join token is verified, at
+	// most every reloadInterval: probe with throwaway tokens of the old CA
+	// until one is refused, then the token kept for this check must be too.
+	probes := 0
+	require.Eventually(t, func() bool {
+		probes++
+		name := fmt.Sprintf("probe%d", probes)
+		status, _, err := s.enroll(t, joinToken(t, oldCA, identity(t, name)), identity(t, name), roots)
+		return err == nil && status == http.StatusUnauthorized
+	}, 5*time.Second, 100*time.Millisecond, "the old CA's join tokens are refused once it is no longer the previous CA")
 	status, _, err = s.enroll(t, oldToken, identity(t, "east2"), roots)
 	require.NoError(t, err)
 	require.Equal(t, http.StatusUnauthorized, status, "a join token of the old CA ends with its naming as the previous CA")
