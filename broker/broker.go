@@ -140,6 +140,7 @@ type Config struct {
 type Broker struct {
 	cfg        Config
 	limits     *limiter
+	enrollLim  *enrollLimiter
 	joinTokens JoinTokenVerifier
 	retries    *retryQueue // failed lease deletions, retried until done
 	// tenants is nil without Config.Namespaces.
@@ -176,7 +177,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
 	}

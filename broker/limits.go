@@ -122,10 +122,11 @@ func validateLimits(add func(field, format string, args ...any), path string, l 
 	}
 }
 
-// limiter holds the token buckets, keyed by verified identity (issuance,
-// renewal) or by source address and join token (enrollment). Peers'
-// buckets are bounded by the policy's peers; the enrollment ones by
-// sweeping full buckets, which are the same as new ones.
+// limiter holds the token buckets of issuance and renewal, keyed by
+// verified identity, so bounded by the identities the CA has certified;
+// sweeping full buckets (the same as new ones) past maxSweptBuckets keeps
+// those of peers gone. Enrollment, unauthenticated, has its own
+// (enrollLimiter).
 type limiter struct {
 	clock clock.PassiveClock
 	mu    sync.Mutex
@@ -313,21 +314,24 @@ func (b *Broker) admitRenewal(identity string, a *pendingAudit) error {
 	return nil
 }
 
-// admitEnrollment applies the enrollment buckets of the source address
-// (when the transport gave one) and of the join token, before the token
-// is even verified, so that guessing costs the guesser.
+// admitEnrollment applies the enrollment buckets of the source (when the
+// transport gave one) and then of the join token, before the token is
+// even verified, so that guessing costs the guesser. The source comes
+// first: a source over its limit is refused before a bucket is made for
+// its token, so one address cannot fill the limiter with junk tokens.
 func (b *Broker) admitEnrollment(addr, token string, a *pendingAudit) error {
 	p, err := b.policy()
 	if err != nil {
 		return err
 	}
 	n := p.enrollmentsPerMinute()
-	keys := []string{joinTokenKey(token)}
+	keys := make([]string, 0, 2)
 	if addr != "" {
-		keys = append(keys, "enroll-addr:"+addr)
+		keys = append(keys, enrollSourceKey(addr))
 	}
+	keys = append(keys, joinTokenKey(token))
 	for _, k := range keys {
-		if ok, wait := b.limits.take(k, n, n); !ok {
+		if ok, wait := b.enrollLim.take(k, n, n); !ok {
 			return b.refuseLimited(a, "", limitEnrollRate, limited(wait,
 				"over the limit of %d enrollments a minute from one address or with one join token; retry in %ds", n, retrySeconds(wait)))
 		}
