@@ -35,7 +35,7 @@ import (
 //	tokenbroker_granted_ttl_seconds                        TTLs granted
 //	tokenbroker_ttl_clamps_total{by}                       granted TTLs shorter than asked, by the limit
 //	                                                       that shortened them (grant.maxTTL,
-//	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
+//	                                                       policy.maxTTL, lease.minimum, apiserver, signer)
 //	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
 //	                                                       enroll, renew, authenticate) and reason code
 //	                                                       (not_granted, min_ttl, credential_unavailable,
@@ -190,7 +190,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_ttl_clamps_total",
-			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, tokenrequest.minimum, apiserver).",
+			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, lease.minimum, apiserver, signer).",
 		}, []string{"by"}),
 		denials: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_denials_total",
