@@ -141,6 +141,7 @@ type Broker struct {
 	cfg        Config
 	limits     *limiter
 	enrollLim  *enrollLimiter
+	reads      *inFlight // lease reads waiting on the API server, by identity
 	joinTokens JoinTokenVerifier
 	retries    *retryQueue // failed lease deletions, retried until done
 	// expiries are the leases revoked at their expiry (leaseexpiry.go).
@@ -179,7 +180,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), retries: newRetryQueue(), expiries: newExpiryQueue(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), reads: newInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, trust: cfg.Trust, now: cfg.Clock.Now}
 	}

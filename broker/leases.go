@@ -38,6 +38,11 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	if err != nil {
 		return nil, err
 	}
+	done, err := b.admitLeaseRead(c, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	out := &apiv1.LeaseList{Items: []apiv1.Lease{}}
 	p, err := b.policy()
 	if err != nil {
@@ -102,7 +107,12 @@ const apiPageSize = 250
 // GetLease returns one of the caller's leases. A lease of another peer is
 // reported as not found, like one that does not exist.
 func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Lease, error) {
-	s, err := b.findLease(ctx, c, id)
+	done, err := b.admitLeaseRead(c, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	s, err := b.findLease(ctx, c, id, false)
 	if err != nil {
 		return nil, err
 	}
@@ -120,7 +130,11 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
-	err := b.revokeLease(ctx, c, id, &a.ev)
+	done, err := b.admitLeaseRead(c, a)
+	if err == nil {
+		defer done()
+		err = b.revokeLease(ctx, c, id, &a.ev)
+	}
 	if KindOf(err) == KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
 		b.cfg.Logger.Warn("revocation failed: API server unavailable; retrying in the background",
 			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.Error(err))
@@ -137,7 +151,7 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 }
 
 func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *AuditEvent) error {
-	s, err := b.findLease(ctx, c, id)
+	s, err := b.findLease(ctx, c, id, true)
 	if err != nil {
 		return err
 	}
@@ -165,7 +179,8 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 	return nil
 }
 
-func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Secret, error) {
+// findLease finds the caller's lease id; wait as for leaseLookupNamespaces.
+func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, error) {
 	notFound := Errorf(KindNotFound, "lease %q not found", id)
 	if !apiv1.ValidLeaseID(id) {
 		return nil, notFound
@@ -178,7 +193,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if peer == nil {
 		return nil, notFound
 	}
-	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id)
+	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id, wait)
 	if err != nil {
 		return nil, err
 	}
@@ -204,7 +219,10 @@ const leaseLookupWait = time.Second
 // else (or if the counter has not seen it within leaseLookupWait) every
 // namespace of the peer, listed one at a time. A lease the counter has not
 // seen and the peer does not hold is then not found without a list.
-func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string) ([]string, error) {
+// Without wait, a lease the synced counter has not seen is not found at
+// once: a GET of an unknown id costs neither an API call nor a wait. A
+// DELETE waits, for its 404 tells the caller there is nothing to revoke.
+func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string, wait bool) ([]string, error) {
 	all := b.peerNamespaces(peer)
 	lc := b.cfg.Leases
 	if lc == nil || !lc.Synced() {
@@ -219,7 +237,7 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id s
 			}
 			return nil, nil // in a namespace the peer holds no leases in
 		}
-		if !b.cfg.Clock.Now().Before(deadline) {
+		if !wait || !b.cfg.Clock.Now().Before(deadline) {
 			return nil, nil
 		}
 		select {

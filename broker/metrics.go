@@ -65,7 +65,8 @@ import (
 //	tokenbroker_limited_total{peer,reason}                 requests refused with 429 by a limit, by peer
 //	                                                       ("" for enrollments) and reason
 //	                                                       (issuance_rate, renewal_rate, enrollment_rate,
-//	                                                       max_live_leases, global_max_live_leases)
+//	                                                       max_live_leases, global_max_live_leases,
+//	                                                       lease_read_rate, lease_reads_in_flight)
 //	tokenbroker_unmatched_revocations_total{reason}        leases revoked because their namespace stopped
 //	                                                       being covered by the selector grant they were
 //	                                                       issued under: label_changed, namespace_deleted,
@@ -239,7 +240,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"version", "revision", "goversion"}),
 		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_limited_total",
-			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases).",
+			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases, lease_read_rate, lease_reads_in_flight).",
 		}, []string{"peer", "reason"}),
 		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_unmatched_revocations_total",
