@@ -388,12 +388,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		if ttl < d.TTL {
 			// The issuer's maximum shortens the lease too.
 			d.TTL, d.ClampedBy = ttl, by
-		}
-		if minTTL > 0 && d.TTL < minTTL {
-			log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
-			a.denial = denyMinTTL
-			return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
-				"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
+			if minTTL > 0 && d.TTL < minTTL {
+				log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
+				a.denial = denyMinTTL
+				return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
+					"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
+			}
 		}
 	}
 
