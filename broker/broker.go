@@ -155,8 +155,12 @@ type Config struct {
 type Broker struct {
 	cfg        Config
 	limits     *limiter
+	enrollLim  *enrollLimiter
+	reads      *inFlight // lease reads waiting on the API server, by identity
 	joinTokens JoinTokenVerifier
 	retries    *retryQueue // failed lease deletions, retried until done
+	// expiries are the leases revoked at their expiry (leaseexpiry.go).
+	expiries *expiryQueue
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants
 	// pool is nil when disabled.
@@ -193,7 +197,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), retries: newRetryQueue(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), reads: newInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, audiences: b.joinTokenAudiences, now: cfg.Clock.Now}
 	}
@@ -397,15 +401,25 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if place != nil {
 		defer place.release() // a no-op once committed
 	}
-	// The issuer's own bounds (the API server's minimum lifetime) after
-	// the policy's.
+	// The lease lives what was asked (MinLeaseTTL at least); the
+	// credential asks the issuer for as much, raised to its minimum (the
+	// TokenRequest and CSR APIs' 10m), which the lease then cuts short:
+	// its timer (expireLeaseAt) and the GC revoke it at its expiry.
+	if d.TTL < MinLeaseTTL {
+		d.TTL, d.ClampedBy = MinLeaseTTL, ClampedByLeaseMinimum
+	}
+	credTTL := d.TTL
 	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {
-		d.TTL, d.ClampedBy = ttl, by
-		if minTTL > 0 && d.TTL < minTTL {
-			log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
-			a.denial = denyMinTTL
-			return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
-				"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
+		credTTL = ttl
+		if ttl < d.TTL {
+			// The issuer's maximum shortens the lease too.
+			d.TTL, d.ClampedBy = ttl, by
+			if minTTL > 0 && d.TTL < minTTL {
+				log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
+				a.denial = denyMinTTL
+				return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
+					"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
+			}
 		}
 	}
 
@@ -436,7 +450,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	a.ev.LeaseID = id
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Clock.Now()
-	lease := b.leaseSecret(id, c, d, req, now.Add(d.TTL))
+	// The lease's expiry in whole seconds, as its annotation records it
+	// and the GC and the timer revoke it: never later than asked.
+	expected := now.Add(d.TTL).Truncate(time.Second)
+	lease := b.leaseSecret(id, c, d, req, expected)
 	grant := decidedGrant(p, d)
 	markRevokeOnUnmatch(lease, grant)
 	if cert != nil {
@@ -446,7 +463,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	ireq := issuers.Request{
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
-		TTL:            d.TTL,
+		TTL:            credTTL,
 		Audiences:      req.Audiences,
 	}
 	if cert != nil {
@@ -518,9 +535,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 
 	granted, clampedBy := d.TTL, d.ClampedBy
-	expected := now.Add(d.TTL)
+	expiresAt := expected
+	if cred.ExpiresAt.Before(expected) {
+		expiresAt = cred.ExpiresAt
+	}
 	if cred.ExpiresAt.Before(expected.Add(-5 * time.Second)) {
-		// The API server shortened the lifetime (its
+		// The API server shortened the lifetime below the lease's (its
 		// --service-account-max-token-expiration): report what it granted.
 		// Token expiries are whole seconds, so round up what is left
 		// since the call started: "1h", not "59m59s".
@@ -567,7 +587,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	log.Info("decision", zap.Bool("allowed", true),
 		zap.String("granted_ttl", granted.String()),
 		zap.String("clamped_by", clampedBy),
-		zap.Time("expires_at", cred.ExpiresAt),
+		zap.Time("expires_at", expiresAt),
 		zap.String(ref.logKey, ref.value))
 	a.ev.GrantedTTL, a.ev.ClampedBy = granted.String(), clampedBy
 	if cred.Kind() == issuers.KindToken {
@@ -575,14 +595,19 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	} else {
 		a.ev.CertificateSerial = ref.value
 	}
-	a.ev.ExpiresAt = cred.ExpiresAt.UTC().Format(time.RFC3339)
+	a.ev.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
 	b.cfg.Metrics.observeGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
 	if requested != 0 {
 		reqTTL = requested.String()
 	}
 	if place != nil {
-		place.commit(lease.Namespace, lease.Name, cred.ExpiresAt)
+		place.commit(lease.Namespace, lease.Name, expiresAt)
+	}
+	if cred.ExpiresAt.After(expiresAt.Add(time.Second)) {
+		// The credential outlives the lease: revoke it at the lease's
+		// expiry, not up to a GC interval later.
+		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,
@@ -590,7 +615,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Credential:   cred.Kind(),
 		Token:        cred.Token,
 		User:         cert.userName(),
-		ExpiresAt:    cred.ExpiresAt.UTC(),
+		ExpiresAt:    expiresAt.UTC(),
 		RequestedTTL: reqTTL,
 		GrantedTTL:   granted.String(),
 		ClampedBy:    clampedBy,

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/clock"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -36,6 +37,7 @@ type fakeIssuer struct {
 	clock   *clocktesting.FakeClock
 	cert    *issuers.Credential // issue this client certificate instead of a token
 	got     []issuers.Request
+	clk     clock.PassiveClock // the issuer's time, if set; else the wall clock
 }
 
 const secretToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJqdGktNDIifQ.c2lnbmF0dXJlLXRoYXQtbXVzdC1uZXZlci1iZS1sb2dnZWQ"
@@ -64,7 +66,11 @@ func (f *fakeIssuer) Issue(_ context.Context, req issuers.Request) (issuers.Cred
 		return *f.cert, nil
 	}
 	// Whole seconds, like a JWT exp.
-	return issuers.Credential{Token: secretToken, ExpiresAt: time.Now().Add(req.TTL - f.shorten).Truncate(time.Second)}, nil
+	now := time.Now()
+	if f.clk != nil {
+		now = f.clk.Now()
+	}
+	return issuers.Credential{Token: secretToken, ExpiresAt: now.Add(req.TTL - f.shorten).Truncate(time.Second)}, nil
 }
 
 type env struct {
@@ -130,14 +136,40 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	require.Equal(t, []string{"aud"}, e.iss.got[0].Audiences)
 }
 
-func TestATTLUnderTheIssuersMinimumIsRaisedToIt(t *testing.T) {
+func TestATTLUnderTheIssuersMinimumIsGrantedAsAskedAndTheLeaseRevokedAtItsExpiry(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
-	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1m"})
-	require.NoError(t, err)
-	require.Equal(t, "10m0s", resp.GrantedTTL)
-	require.Equal(t, tokenrequest.ClampedByMinimum, resp.ClampedBy)
-	require.Equal(t, 10*time.Minute, e.iss.got[0].TTL, "the issuer is asked within its limits")
+	for _, tc := range []struct {
+		name, ttl, granted, clampedBy string
+	}{
+		{"A one-minute ttl is granted one minute, though the token lives the TokenRequest minimum of ten.", "1m", "1m0s", ""},
+		{"A five-minute ttl is granted five minutes.", "5m", "5m0s", ""},
+		{"A ttl under the lease minimum is raised to one minute, and clampedBy says so.", "1ns", "1m0s", ClampedByLeaseMinimum},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e, clk := newLimitsEnv(t, testPolicy)
+			e.iss.clk = clk
+			resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: tc.ttl})
+			require.NoError(t, err)
+			require.Equal(t, tc.granted, resp.GrantedTTL)
+			require.Equal(t, tc.clampedBy, resp.ClampedBy)
+			require.Equal(t, 10*time.Minute, e.iss.got[0].TTL, "the issuer is asked within its limits")
+			granted, err := time.ParseDuration(tc.granted)
+			require.NoError(t, err)
+			expiry := clk.Now().Add(granted)
+			require.Equal(t, expiry, resp.ExpiresAt, "the answer says the lease's expiry, not the token's")
+			secret, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
+			require.NoError(t, err)
+			require.Equal(t, expiry.Format(time.RFC3339), secret.Annotations[AnnotationExpiresAt])
+
+			require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond, "the lease's timer is set")
+			clk.Step(granted - time.Second)
+			require.Never(t, func() bool { return e.leaseCount(t) == 0 }, 100*time.Millisecond, 10*time.Millisecond, "alive before its expiry")
+			clk.Step(time.Second)
+			require.Eventually(t, func() bool { return e.leaseCount(t) == 0 }, 5*time.Second, 10*time.Millisecond,
+				"revoked at its expiry by its timer, with no GC pass")
+		})
+	}
 }
 
 func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(t *testing.T) {
@@ -159,7 +191,7 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	require.NoError(t, err)
 	require.Equal(t, apiv1.CredentialClientCertificate, resp.Credential)
 	require.Empty(t, resp.Token)
-	require.Equal(t, leaf[0].NotAfter.UTC(), resp.ExpiresAt)
+	require.True(t, resp.ExpiresAt.Before(leaf[0].NotAfter), "the lease's expiry, before the certificate's")
 	cfg, err := clientcmd.Load([]byte(resp.Kubeconfig))
 	require.NoError(t, err)
 	rc, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()

@@ -38,6 +38,11 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	if err != nil {
 		return nil, err
 	}
+	done, err := b.admitLeaseRead(c, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	out := &apiv1.LeaseList{Items: []apiv1.Lease{}}
 	p, err := b.policy()
 	if err != nil {
@@ -98,7 +103,12 @@ const apiPageSize = 250
 // of another workload when the caller comes with one, is reported as not
 // found, like one that does not exist.
 func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Lease, error) {
-	s, err := b.findLease(ctx, c, id)
+	done, err := b.admitLeaseRead(c, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	s, err := b.findLease(ctx, c, id, false)
 	if err != nil {
 		return nil, err
 	}
@@ -116,7 +126,11 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
-	err := b.revokeLease(ctx, c, id, &a.ev)
+	done, err := b.admitLeaseRead(c, a)
+	if err == nil {
+		defer done()
+		err = b.revokeLease(ctx, c, id, &a.ev)
+	}
 	if KindOf(err) == KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
 		b.cfg.Logger.Warn("revocation failed: API server unavailable; retrying in the background",
 			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.Error(err))
@@ -133,7 +147,7 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 }
 
 func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *AuditEvent) error {
-	s, err := b.findLease(ctx, c, id)
+	s, err := b.findLease(ctx, c, id, true)
 	if err != nil {
 		return err
 	}
@@ -209,8 +223,9 @@ func ownLease(s *corev1.Secret, c Caller, peer *PeerSpec) bool {
 // findLease returns the caller's lease id (ownLease), or KindNotFound. A
 // lease's name is unique, but whoever may create Secrets in one of the
 // peer's namespaces and learns an id can copy it; the copy is made after
-// the lease, so the earliest created of the Secrets that pass wins.
-func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Secret, error) {
+// the lease, so the earliest created of the Secrets that pass wins. wait
+// is as for leaseLookupNamespaces.
+func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, error) {
 	notFound := Errorf(KindNotFound, "lease %q not found", id)
 	if !apiv1.ValidLeaseID(id) {
 		return nil, notFound
@@ -223,7 +238,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string) (*corev1.Se
 	if peer == nil {
 		return nil, notFound
 	}
-	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id)
+	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id, wait)
 	if err != nil {
 		return nil, err
 	}
@@ -257,8 +272,11 @@ const leaseLookupWait = time.Second
 // is one list however many namespaces the peer's grants match; else every
 // namespace of the peer, listed one at a time. A lease the counter has not
 // seen within leaseLookupWait, or seen only outside the peer's namespaces,
-// is not found without a list.
-func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string) ([]string, error) {
+// is not found without a list. Without wait, a lease the synced counter
+// has not seen is not found at once: a GET of an unknown id costs neither
+// an API call nor a wait. A DELETE waits, for its 404 tells the caller
+// there is nothing to revoke.
+func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string, wait bool) ([]string, error) {
 	all := b.peerNamespaces(peer)
 	lc := b.cfg.Leases
 	if lc == nil || !lc.Synced() {
@@ -276,7 +294,7 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id s
 			}
 			return out, nil // none: only in namespaces the peer holds no leases in
 		}
-		if !b.cfg.Clock.Now().Before(deadline) {
+		if !wait || !b.cfg.Clock.Now().Before(deadline) {
 			return nil, nil
 		}
 		select {

@@ -26,6 +26,14 @@ const (
 	DefaultRenewalsPerMinute    = 6
 	DefaultMaxLiveLeases        = 1000
 	DefaultEnrollmentsPerMinute = 10
+	// DefaultLeaseReadsPerMinute bounds GET /v1/leases (a page), GET and
+	// DELETE /v1/leases/{id} of one identity, each an API server list at
+	// most: an agent revokes once per refresh, a person pages a listing;
+	// 120 a minute (burst the same) is far above either.
+	DefaultLeaseReadsPerMinute = 120
+	// DefaultLeaseReadsInFlight is how many of those one identity may have
+	// waiting on the API server at once.
+	DefaultLeaseReadsInFlight = 4
 	// DefaultMaxLiveLeasesTotal bounds the leases of all peers together
 	// (serve --max-live-leases): 20,000 lease Secrets are about 20 MB of
 	// etcd's default 2 GiB quota.
@@ -50,6 +58,12 @@ type LimitsSpec struct {
 	// EnrollmentsPerMinute is the bucket (burst: the same figure) of
 	// enrollments per source address and per join token; top level only.
 	EnrollmentsPerMinute *int `json:"enrollmentsPerMinute,omitempty"`
+	// LeaseReadsPerMinute is the bucket (burst: the same figure) of GET
+	// /v1/leases, GET and DELETE /v1/leases/{id} per identity, and
+	// LeaseReadsInFlight how many of them may wait on the API server at
+	// once.
+	LeaseReadsPerMinute *int `json:"leaseReadsPerMinute,omitempty"`
+	LeaseReadsInFlight  *int `json:"leaseReadsInFlight,omitempty"`
 }
 
 // Limits are the limits in force for one peer, all filled in.
@@ -58,6 +72,9 @@ type Limits struct {
 	Burst              int
 	RenewalsPerMinute  int
 	MaxLiveLeases      int
+	// LeaseReadsPerMinute and LeaseReadsInFlight bound lease reads.
+	LeaseReadsPerMinute int
+	LeaseReadsInFlight  int
 }
 
 func pick(vals ...*int) int {
@@ -82,10 +99,12 @@ func (p *Policy) limitsFor(peer *PeerSpec) Limits {
 		top = *p.Limits
 	}
 	return Limits{
-		IssuancesPerMinute: pick(own.IssuancesPerMinute, top.IssuancesPerMinute, ptr(DefaultIssuancesPerMinute)),
-		Burst:              pick(own.Burst, top.Burst, ptr(DefaultIssuanceBurst)),
-		RenewalsPerMinute:  pick(own.RenewalsPerMinute, top.RenewalsPerMinute, ptr(DefaultRenewalsPerMinute)),
-		MaxLiveLeases:      pick(own.MaxLiveLeases, top.MaxLiveLeases, ptr(DefaultMaxLiveLeases)),
+		IssuancesPerMinute:  pick(own.IssuancesPerMinute, top.IssuancesPerMinute, ptr(DefaultIssuancesPerMinute)),
+		Burst:               pick(own.Burst, top.Burst, ptr(DefaultIssuanceBurst)),
+		RenewalsPerMinute:   pick(own.RenewalsPerMinute, top.RenewalsPerMinute, ptr(DefaultRenewalsPerMinute)),
+		MaxLiveLeases:       pick(own.MaxLiveLeases, top.MaxLiveLeases, ptr(DefaultMaxLiveLeases)),
+		LeaseReadsPerMinute: pick(own.LeaseReadsPerMinute, top.LeaseReadsPerMinute, ptr(DefaultLeaseReadsPerMinute)),
+		LeaseReadsInFlight:  pick(own.LeaseReadsInFlight, top.LeaseReadsInFlight, ptr(DefaultLeaseReadsInFlight)),
 	}
 }
 
@@ -112,6 +131,7 @@ func validateLimits(add func(field, format string, args ...any), path string, l 
 	}{
 		{"issuancesPerMinute", l.IssuancesPerMinute}, {"burst", l.Burst}, {"renewalsPerMinute", l.RenewalsPerMinute},
 		{"maxLiveLeases", l.MaxLiveLeases}, {"enrollmentsPerMinute", l.EnrollmentsPerMinute},
+		{"leaseReadsPerMinute", l.LeaseReadsPerMinute}, {"leaseReadsInFlight", l.LeaseReadsInFlight},
 	} {
 		if f.v != nil && (*f.v < 1 || *f.v > maxLimit) {
 			add(path+"."+f.name, "must be between 1 and %d", maxLimit)
@@ -122,10 +142,11 @@ func validateLimits(add func(field, format string, args ...any), path string, l 
 	}
 }
 
-// limiter holds the token buckets, keyed by verified identity (issuance,
-// renewal) or by source address and join token (enrollment). Peers'
-// buckets are bounded by the policy's peers; the enrollment ones by
-// sweeping full buckets, which are the same as new ones.
+// limiter holds the token buckets of issuance and renewal, keyed by
+// verified identity, so bounded by the identities the CA has certified;
+// sweeping full buckets (the same as new ones) past maxSweptBuckets keeps
+// those of peers gone. Enrollment, unauthenticated, has its own
+// (enrollLimiter).
 type limiter struct {
 	clock clock.PassiveClock
 	mu    sync.Mutex
@@ -215,6 +236,8 @@ const (
 	limitEnrollRate    = "enrollment_rate"
 	limitLiveLeases    = "max_live_leases"
 	limitLiveLeasesAll = "global_max_live_leases"
+	limitLeaseReadRate = "lease_read_rate"
+	limitLeaseReads    = "lease_reads_in_flight"
 )
 
 // quotaRetry is the Retry-After of a full lease quota: a place frees up
@@ -313,21 +336,24 @@ func (b *Broker) admitRenewal(identity string, a *pendingAudit) error {
 	return nil
 }
 
-// admitEnrollment applies the enrollment buckets of the source address
-// (when the transport gave one) and of the join token, before the token
-// is even verified, so that guessing costs the guesser.
+// admitEnrollment applies the enrollment buckets of the source (when the
+// transport gave one) and then of the join token, before the token is
+// even verified, so that guessing costs the guesser. The source comes
+// first: a source over its limit is refused before a bucket is made for
+// its token, so one address cannot fill the limiter with junk tokens.
 func (b *Broker) admitEnrollment(addr, token string, a *pendingAudit) error {
 	p, err := b.policy()
 	if err != nil {
 		return err
 	}
 	n := p.enrollmentsPerMinute()
-	keys := []string{joinTokenKey(token)}
+	keys := make([]string, 0, 2)
 	if addr != "" {
-		keys = append(keys, "enroll-addr:"+addr)
+		keys = append(keys, enrollSourceKey(addr))
 	}
+	keys = append(keys, joinTokenKey(token))
 	for _, k := range keys {
-		if ok, wait := b.limits.take(k, n, n); !ok {
+		if ok, wait := b.enrollLim.take(k, n, n); !ok {
 			return b.refuseLimited(a, "", limitEnrollRate, limited(wait,
 				"over the limit of %d enrollments a minute from one address or with one join token; retry in %ds", n, retrySeconds(wait)))
 		}

@@ -35,7 +35,7 @@ import (
 //	tokenbroker_granted_ttl_seconds                        TTLs granted
 //	tokenbroker_ttl_clamps_total{by}                       granted TTLs shorter than asked, by the limit
 //	                                                       that shortened them (grant.maxTTL,
-//	                                                       policy.maxTTL, tokenrequest.minimum, apiserver)
+//	                                                       policy.maxTTL, lease.minimum, apiserver, signer)
 //	tokenbroker_denials_total{action,reason}               refused requests by action (issue, revoke,
 //	                                                       enroll, renew, authenticate) and reason code
 //	                                                       (not_granted, audience_not_granted, min_ttl,
@@ -67,7 +67,8 @@ import (
 //	tokenbroker_limited_total{peer,reason}                 requests refused with 429 by a limit, by peer
 //	                                                       ("" for enrollments) and reason
 //	                                                       (issuance_rate, renewal_rate, enrollment_rate,
-//	                                                       max_live_leases, global_max_live_leases)
+//	                                                       max_live_leases, global_max_live_leases,
+//	                                                       lease_read_rate, lease_reads_in_flight)
 //	tokenbroker_unmatched_revocations_total{reason}        leases revoked because their namespace stopped
 //	                                                       being covered by the selector grant they were
 //	                                                       issued under: label_changed, namespace_deleted,
@@ -194,7 +195,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_ttl_clamps_total",
-			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, tokenrequest.minimum, apiserver).",
+			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, lease.minimum, apiserver, signer).",
 		}, []string{"by"}),
 		denials: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_denials_total",
@@ -243,7 +244,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"version", "revision", "goversion"}),
 		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_limited_total",
-			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases).",
+			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases, lease_read_rate, lease_reads_in_flight).",
 		}, []string{"peer", "reason"}),
 		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_unmatched_revocations_total",

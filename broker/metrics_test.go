@@ -72,7 +72,7 @@ func TestIssuanceMetricsCountWhoGotWhatAndHowTheTTLWasDecided(t *testing.T) {
 # TYPE tokenbroker_credentials_issued_total counter
 tokenbroker_credentials_issued_total{credential="token",namespace="argo",peer="west",service_account="admiralty-source"} 2
 tokenbroker_credentials_issued_total{credential="token",namespace="flux",peer="west",service_account="reader"} 1
-# HELP tokenbroker_ttl_clamps_total Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, tokenrequest.minimum, apiserver).
+# HELP tokenbroker_ttl_clamps_total Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, lease.minimum, apiserver, signer).
 # TYPE tokenbroker_ttl_clamps_total counter
 tokenbroker_ttl_clamps_total{by="grant.maxTTL"} 1
 # HELP tokenbroker_denials_total Refused requests, by action (issue, revoke, enroll, renew, authenticate) and reason code.

@@ -279,7 +279,7 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	require.NoError(t, err)
 	peer := e.b.cfg.Policy.Load().peer(west.Identity)
 
-	ns, err := e.b.leaseLookupNamespaces(ctx, peer, resp.LeaseID)
+	ns, err := e.b.leaseLookupNamespaces(ctx, peer, resp.LeaseID, true)
 	require.NoError(t, err)
 	require.Equal(t, []string{"flux"}, ns, "the counter knows the lease it committed")
 	e.client.ClearActions()

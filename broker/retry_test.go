@@ -63,7 +63,7 @@ func retryEnv(t *testing.T) (*env, *clocktesting.FakeClock, *Metrics, *auditReco
 	require.NoError(t, err)
 	rec := newAuditRecorder()
 	e.b.cfg.Clock, e.b.cfg.Metrics, e.b.cfg.Auditor = clock, m, rec
-	e.b.limits = newLimiter(clock)
+	e.b.limits, e.b.enrollLim = newLimiter(clock), newEnrollLimiter(clock)
 	return e, clock, m, rec
 }
 

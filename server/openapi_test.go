@@ -23,7 +23,6 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
-	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
 )
 
 // specFile is the wire contract these tests hold the server to.
@@ -332,7 +331,7 @@ func TestOpenAPISchemasMatchTheWireTypes(t *testing.T) {
 		require.ElementsMatch(t, creds, s["Lease"].Properties["credential"].Enum)
 		require.ElementsMatch(t, creds, s["Grant"].Properties["credential"].Enum)
 		require.ElementsMatch(t,
-			[]string{broker.ClampedByGrant, broker.ClampedByPolicy, tokenrequest.ClampedByMinimum, broker.ClampedByAPIServer},
+			[]string{broker.ClampedByGrant, broker.ClampedByPolicy, broker.ClampedByLeaseMinimum, broker.ClampedByAPIServer, broker.ClampedBySigner},
 			s["KubeconfigResponse"].Properties["clampedBy"].Enum)
 	})
 

@@ -77,8 +77,11 @@ type KubeconfigResponse struct {
 	RequestedTTL string    `json:"requestedTTL"`
 	GrantedTTL   string    `json:"grantedTTL"`
 	// ClampedBy says why the granted TTL is shorter (or longer) than the
-	// requested one: "grant.maxTTL", "policy.maxTTL", "tokenrequest.minimum"
-	// or "apiserver". Empty when the request was granted as asked.
+	// requested one: "grant.maxTTL", "policy.maxTTL", "lease.minimum",
+	// "apiserver" or "signer". Empty when the request was granted as asked.
+	// ExpiresAt and GrantedTTL are the lease's: the credential's own
+	// expiry can be later (the TokenRequest and CSR APIs' minimum of 10m),
+	// but the broker revokes the lease at ExpiresAt.
 	ClampedBy string `json:"clampedBy,omitempty"`
 }
 

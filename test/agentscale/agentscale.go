@@ -507,7 +507,7 @@ func startBrokers(ctx context.Context, o Options, names []string, ports []int) (
 	}
 	policy := fmt.Sprintf(`cluster: {name: target, server: %q, caFile: cluster-ca.crt}
 ttl: {default: 10m, max: 1h}
-limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}
+limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}
 peers:
   - name: source
     identity: %s

@@ -13,7 +13,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 	certv1 "k8s.io/api/certificates/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -159,6 +161,37 @@ func TestClientCertificateKubeconfigs(t *testing.T) {
 			return err != nil && strings.Contains(stderr, "Forbidden")
 		}, 10*time.Second, 50*time.Millisecond)
 		t.Logf("refused %s after DELETE", refusedAfter.Round(time.Millisecond))
+	})
+
+	t.Run("a one-minute certificate lease works at 50 s and is forbidden by 75 s, though the certificate lives ten minutes", func(t *testing.T) {
+		start := time.Now()
+		status, body := e.postKubeconfig(t, west, `{"namespace":"argo","credential":"clientCertificate","ttl":"1m"}`)
+		require.Equal(t, 201, status, body)
+		var resp apiv1.KubeconfigResponse
+		require.NoError(t, json.Unmarshal([]byte(body), &resp))
+		require.Equal(t, "1m0s", resp.GrantedTTL)
+		require.Empty(t, resp.ClampedBy)
+		require.WithinDuration(t, start.Add(time.Minute), resp.ExpiresAt, 5*time.Second, "the lease's expiry")
+		short := filepath.Join(e.dir, "short.kubeconfig")
+		writeFile(t, short, resp.Kubeconfig)
+		cfg, err := clientcmd.Load([]byte(resp.Kubeconfig))
+		require.NoError(t, err)
+		for _, ai := range cfg.AuthInfos {
+			leaf, err := pki.ParseCertificatesPEM(ai.ClientCertificateData)
+			require.NoError(t, err)
+			require.WithinDuration(t, start.Add(10*time.Minute), leaf[0].NotAfter, time.Minute, "the CSR API's minimum")
+		}
+
+		time.Sleep(time.Until(start.Add(50 * time.Second)))
+		_, stderr, err := kubectlAs(short, "-n", "argo", "get", "configmap", "hello")
+		require.NoError(t, err, "the certificate works at 50 s: %s", stderr)
+		require.Eventually(t, func() bool {
+			_, stderr, err := kubectlAs(short, "-n", "argo", "get", "configmap", "hello")
+			return err != nil && strings.Contains(stderr, "Forbidden")
+		}, time.Until(start.Add(75*time.Second)), 250*time.Millisecond, "forbidden by 75 s: the lease's RoleBinding is gone")
+		t.Logf("forbidden %s after issuance", time.Since(start).Round(time.Millisecond))
+		_, err = c.Client.RbacV1().RoleBindings("argo").Get(ctx, "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
+		require.True(t, apierrors.IsNotFound(err), "the RoleBinding is deleted: %v", err)
 	})
 
 	t.Run("the recipe of docs/api.md with the broker's key runs as printed", func(t *testing.T) {

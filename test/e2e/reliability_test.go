@@ -55,7 +55,7 @@ func startLoadBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *bro
 	e := newBrokerEnv(t, c, extra...)
 	policy, err := os.ReadFile(e.policy)
 	require.NoError(t, err)
-	writeFile(t, e.policy, string(policy)+"limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}\n")
+	writeFile(t, e.policy, string(policy)+"limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}\n")
 	e.launch(t)
 	return e
 }

@@ -234,3 +234,40 @@ func jwtClaims(t *testing.T, token string) map[string]any {
 	require.NoError(t, json.Unmarshal(raw, &m))
 	return m
 }
+
+// A credential never outlives what was asked: the TokenRequest API's
+// minimum is 10m, so a one-minute lease holds a token whose exp is ten
+// minutes away; the broker revokes the lease at its expiry and the API
+// server then refuses the token within its ~10 s token cache.
+func TestAOneMinuteLeasesTokenWorksAt50sAndIsRefusedBy75s(t *testing.T) {
+	s, west := setUp(t)
+	start := time.Now()
+	resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "1m"})
+	require.Equal(t, "1m0s", resp.GrantedTTL)
+	require.Empty(t, resp.ClampedBy)
+	require.WithinDuration(t, start.Add(time.Minute), resp.ExpiresAt, 2*time.Second, "expiresAt is the lease's expiry")
+	exp := time.Unix(int64(jwtClaims(t, resp.Token)["exp"].(float64)), 0)
+	require.WithinDuration(t, start.Add(10*time.Minute), exp, 10*time.Second, "the token's own exp is the TokenRequest minimum")
+	var lease apiv1.Lease
+	status, _ := do(t, west, http.MethodGet, s.url+"/v1/leases/"+resp.LeaseID, nil, &lease)
+	require.Equal(t, http.StatusOK, status)
+	require.True(t, lease.ExpiresAt.Equal(resp.ExpiresAt), "the lease records the same expiry: %s, %s", lease.ExpiresAt, resp.ExpiresAt)
+
+	cs, err := kubernetes.NewForConfig(s.cluster.TokenConfig(resp.Token))
+	require.NoError(t, err)
+	authenticated := func() bool {
+		_, err := cs.CoreV1().ConfigMaps("argo").List(context.Background(), metav1.ListOptions{})
+		return err == nil || !strings.Contains(err.Error(), "Unauthorized")
+	}
+	time.Sleep(time.Until(start.Add(50 * time.Second)))
+	require.True(t, review(t, s.cluster.Client, resp.Token).Authenticated, "the token works at 50 s")
+	require.True(t, authenticated(), "and authenticates a real request")
+
+	require.Eventually(t, func() bool {
+		return !review(t, s.cluster.Client, resp.Token).Authenticated && !authenticated()
+	}, time.Until(start.Add(75*time.Second)), 250*time.Millisecond, "the token is refused by 75 s")
+	t.Logf("token refused %s after issuance", time.Since(start).Round(time.Millisecond))
+	for _, sec := range leaseSecrets(t, s.cluster.Client) {
+		require.NotEqual(t, resp.LeaseID, sec.Labels[broker.LabelLeaseID], "the lease Secret is gone")
+	}
+}

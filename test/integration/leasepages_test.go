@@ -20,7 +20,7 @@ import (
 
 // pagedPolicy grants west two namespaces and south one, with the per-peer
 // limits lifted: the test issues more leases than a page.
-const pagedPolicy = `limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}
+const pagedPolicy = `limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}
 peers:
   - name: west
     identity: spiffe://it.tokenbroker.test/cluster/west

@@ -187,7 +187,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 // noLimits lifts the per-peer limits, which these tests of other things
 // (load, races of enrollments) would reach; test/e2e/limits_test.go tests
 // the limits.
-const noLimits = "limits: {issuancesPerMinute: 1000000, burst: 1000000, renewalsPerMinute: 1000000, maxLiveLeases: 1000000, enrollmentsPerMinute: 1000000}\n"
+const noLimits = "limits: {issuancesPerMinute: 1000000, burst: 1000000, renewalsPerMinute: 1000000, maxLiveLeases: 1000000, enrollmentsPerMinute: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}\n"
 
 // writePolicy writes the policy file: the cluster section, the limits
 // lifted unless doc sets some, then doc.

@@ -599,7 +599,7 @@ func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, ppr
 	// The limits out of the way: the bench measures issuance, and makes
 	// more leases than the defaults allow a peer.
 	policy := fmt.Sprintf(`cluster: {name: bench, server: %q, caFile: cluster-ca.crt}
-limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000}
+limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}
 peers:
   - name: west
     identity: %s

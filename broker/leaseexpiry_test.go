@@ -1,0 +1,42 @@
+package broker
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
+
+// A client certificate lives the CSR API's minimum of 10m at least; its
+// only permission is the lease's RoleBinding, which goes at the lease's
+// expiry, before the Secret, as on a revocation.
+func TestAnExpiredCertificateLeaseLosesItsRoleBindingAndItsSecretAtItsExpiry(t *testing.T) {
+	t.Parallel()
+	e, clk := newLimitsEnv(t, testPolicy)
+	e.b.cfg.RoleBindings = e.client.RbacV1()
+	ctx := context.Background()
+	name := leaseSecretPrefix + "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	s, err := e.client.CoreV1().Secrets("argo").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "u1"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = e.client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	e.b.expireLeaseAt(s, apiv1.CredentialClientCertificate, clk.Now().Add(time.Minute), zap.NewNop())
+	bindings := func() int {
+		l, err := e.client.RbacV1().RoleBindings("argo").List(ctx, metav1.ListOptions{})
+		require.NoError(t, err)
+		return len(l.Items)
+	}
+	require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond, "the timer is set")
+	clk.Step(59 * time.Second)
+	require.Never(t, func() bool { return bindings() == 0 }, 100*time.Millisecond, 10*time.Millisecond)
+	clk.Step(time.Second)
+	require.Eventually(t, func() bool { return bindings() == 0 && e.leaseCount(t) == 0 }, 5*time.Second, 10*time.Millisecond)
+}

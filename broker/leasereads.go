@@ -1,0 +1,68 @@
+package broker
+
+import (
+	"sync"
+	"time"
+)
+
+// inFlight counts, per identity, the lease reads waiting on the API
+// server; its map holds only identities with one in flight.
+type inFlight struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func newInFlight() *inFlight { return &inFlight{n: map[string]int{}} }
+
+// acquire takes one of max places of key, or reports false.
+func (f *inFlight) acquire(key string, max int) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n[key] >= max {
+		return false
+	}
+	f.n[key]++
+	return true
+}
+
+func (f *inFlight) release(key string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n[key]--; f.n[key] <= 0 {
+		delete(f.n, key)
+	}
+}
+
+// leaseReadsRetry is the Retry-After of a refusal by the in-flight cap: a
+// lease read takes milliseconds, one lookup waits a second at most.
+const leaseReadsRetry = time.Second
+
+// admitLeaseRead applies the caller's lease read limits (LimitsSpec
+// LeaseReadsPerMinute, LeaseReadsInFlight) to a GET /v1/leases page or a
+// GET or DELETE of one lease: first the cap on reads in flight, then the
+// bucket, so that a read the cap refuses takes no token. On success the
+// caller calls done when the read is over. An identity the policy does
+// not know is not limited here: it is answered from memory (an empty
+// list, not found) without an API call. A refusal is counted, and set as
+// a's denial if a is not nil.
+func (b *Broker) admitLeaseRead(c Caller, a *pendingAudit) (done func(), err error) {
+	p, err := b.policy()
+	if err != nil {
+		return nil, err
+	}
+	peer := p.peer(c.Identity)
+	if peer == nil {
+		return func() {}, nil
+	}
+	lim := p.limitsFor(peer)
+	if !b.reads.acquire(c.Identity, lim.LeaseReadsInFlight) {
+		return nil, b.refuseLimited(a, peer.Name, limitLeaseReads, limited(leaseReadsRetry,
+			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, retrySeconds(leaseReadsRetry)))
+	}
+	if ok, wait := b.limits.take("read:"+c.Identity, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
+		b.reads.release(c.Identity)
+		return nil, b.refuseLimited(a, peer.Name, limitLeaseReadRate, limited(wait,
+			"peer %s is over its limit of %d lease reads a minute; retry in %ds", peer.Name, lim.LeaseReadsPerMinute, retrySeconds(wait)))
+	}
+	return func() { b.reads.release(c.Identity) }, nil
+}
