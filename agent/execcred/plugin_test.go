@@ -559,6 +559,7 @@ func TestACachedCredentialStandsInOnlyForABrokerThatIsAway(t *testing.T) {
 		{name: "a 400 is an answer, not an absence", err: problem(http.StatusBadRequest)},
 		{name: "a local failure such as an unreadable identity is no absence of the broker", err: errors.New("read the identity: permission denied")},
 		{name: "a broker that fails TLS verification is not taken for one that is away", err: &url.Error{Op: "Post", URL: "https://b", Err: x509.UnknownAuthorityError{}}},
+		{name: "a client certificate the broker refuses in the TLS handshake drops the entry", err: refusedInHandshake(t), dropped: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
