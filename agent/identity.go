@@ -77,16 +77,6 @@ func parseIdentity(certPEM, keyPEM, bundlePEM []byte) (*identity, error) {
 	}, nil
 }
 
-// identityFromResponse builds an identity from a broker's certificate
-// answer and the key made for its CSR.
-func identityFromResponse(resp *apiv1.CertificateResponse, keyPEM []byte) (*identity, error) {
-	id, err := parseIdentity([]byte(resp.Certificate), keyPEM, []byte(resp.CABundle))
-	if err != nil {
-		return nil, fmt.Errorf("issued certificate: %w", err)
-	}
-	return id, nil
-}
-
 // identityHolder is the identity in service. Readers never block; a
 // renewal swaps the whole identity at once.
 type identityHolder struct {
@@ -211,7 +201,7 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 	if err != nil {
 		return nil, fmt.Errorf("read current identity: %w", err)
 	}
-	next, resp, err := renewIdentity(ctx, c, cur, time.Now())
+	next, resp, err := renewIdentity(ctx, c, cur, cur.bundlePEM, time.Now())
 	if err != nil {
 		return nil, err
 	}
@@ -225,8 +215,11 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 
 // renewIdentity obtains a successor of cur: a new key, a CSR for the same
 // identity, and a certificate that must name that identity and be valid at
-// now. It stores nothing.
-func renewIdentity(ctx context.Context, api renewAPI, cur *identity, now time.Time) (*identity, *apiv1.CertificateResponse, error) {
+// now. Its trust bundle is the part of the answer's caBundle that the CAs
+// of trusted (PEM; cur's bundle, and the stored one if an operator wrote a
+// new ca.crt since it was loaded) vouch for (pki.TrustedBundle); an answer
+// with none of it is refused. It stores nothing.
+func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []byte, now time.Time) (*identity, *apiv1.CertificateResponse, error) {
 	csrPEM, keyPEM, err := pki.NewCSR(cur.spiffeID, rand.Reader)
 	if err != nil {
 		return nil, nil, fmt.Errorf("make CSR: %w", err)
@@ -235,9 +228,23 @@ func renewIdentity(ctx context.Context, api renewAPI, cur *identity, now time.Ti
 	if err != nil {
 		return nil, nil, fmt.Errorf("renew: %w", err)
 	}
-	next, err := identityFromResponse(resp, keyPEM)
+	// Keep of the answer's caBundle only the CAs that the bundle in
+	// service vouches for: the broker hands out its whole client-CA
+	// bundle, partner CAs included, and any of them taken as an anchor
+	// could issue a server certificate for the broker's name. A new,
+	// unrelated root reaches the agent out of band (docs/pki.md,
+	// "Rotating the CA").
+	anchors, err := pki.ParseCertificatesPEM(trusted)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, fmt.Errorf("renew: current trust bundle: %w", err)
+	}
+	bundlePEM, err := pki.TrustedBundle([]byte(resp.CABundle), anchors, now)
+	if err != nil {
+		return nil, nil, fmt.Errorf("renew: the broker's caBundle: %w", err)
+	}
+	next, err := parseIdentity([]byte(resp.Certificate), keyPEM, bundlePEM)
+	if err != nil {
+		return nil, nil, fmt.Errorf("issued certificate: %w", err)
 	}
 	if next.spiffeID != cur.spiffeID {
 		return nil, nil, fmt.Errorf("renew: the broker issued a certificate for %s, not %s", next.spiffeID, cur.spiffeID)

@@ -295,7 +295,7 @@ func TestACertificateForAnotherIdentityIsRefused(t *testing.T) {
 		require.NoError(t, err)
 		return &apiv1.CertificateResponse{Certificate: string(kp.CertPEM), CABundle: string(f.pki.ca.BundlePEM())}, nil
 	})
-	_, _, err := renewIdentity(context.Background(), evil, cur, f.clock.Now())
+	_, _, err := renewIdentity(context.Background(), evil, cur, cur.bundlePEM, f.clock.Now())
 	require.ErrorContains(t, err, "not "+westID)
 }
 

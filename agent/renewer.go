@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -61,7 +62,7 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	if now.Before(r.nextAttempt()) {
 		return r.nextAttempt()
 	}
-	next, resp, err := renewIdentity(ctx, r.api, cur, now)
+	next, resp, err := renewIdentity(ctx, r.api, cur, r.trusted(ctx, cur), now)
 	if err == nil {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), saveTimeout)
 		err = r.store.save(sctx, next)
@@ -98,6 +99,19 @@ func (r *renewer) step(ctx context.Context) time.Time {
 		zap.Time("not_after", next.leaf().NotAfter), zap.Time("next_renewal", r.renewAt),
 		zap.String("store", r.store.String()))
 	return r.renewAt
+}
+
+// trusted is the trust bundle a renewal answer is checked against: the one
+// in service, and the stored one when an operator replaced ca.crt (or the
+// Secret's ca.crt) since it was loaded, which is how a new CA reaches a
+// running agent during a rotation (docs/pki.md). A store that cannot be
+// read leaves the bundle in service alone.
+func (r *renewer) trusted(ctx context.Context, cur *identity) []byte {
+	stored, err := r.store.load(ctx)
+	if err != nil || bytes.Equal(stored.bundlePEM, cur.bundlePEM) {
+		return cur.bundlePEM
+	}
+	return append(append([]byte(nil), cur.bundlePEM...), stored.bundlePEM...)
 }
 
 func (r *renewer) setNext(failures int, at time.Time) {

@@ -90,7 +90,9 @@ func (v caJoinTokens) Verify(token string) (pki.JoinTokenClaims, error) {
 func (b *Broker) joinTokenAudiences() []string {
 	names := slices.Clone(b.cfg.BrokerNames)
 	if len(names) == 0 {
-		if p := b.cfg.Policy.Load(); p != nil && p.Cluster.Name != "" {
+		// Policy.Validate refuses a cluster.name that is no broker name
+		// (the unbound audience); this keeps it out even so.
+		if p := b.cfg.Policy.Load(); p != nil && pki.ValidJoinTokenAudience(p.Cluster.Name) == nil {
 			names = append(names, p.Cluster.Name)
 		}
 	}

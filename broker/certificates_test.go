@@ -481,6 +481,7 @@ func TestAJoinTokenMustNameThisBroker(t *testing.T) {
 		names   []string // Config.BrokerNames
 		unbound bool     // Config.AcceptUnboundJoinTokens
 		aud     []string // nil: an unbound token
+		cluster string   // the policy's cluster.name, if not east; stored as a policy that skipped validation
 		wantErr bool
 	}{
 		{name: "by default the policy's cluster.name is this broker's name", aud: []string{"east"}},
@@ -491,12 +492,18 @@ func TestAJoinTokenMustNameThisBroker(t *testing.T) {
 		{name: "a bound token for another broker stays refused where unbound tokens are accepted", unbound: true, aud: []string{"south"}, wantErr: true},
 		{name: "configured names replace the cluster.name", names: []string{"east-broker.example.com"}, aud: []string{"east"}, wantErr: true},
 		{name: "a token naming a configured name enrolls", names: []string{"east-a", "east-b"}, aud: []string{"east-b"}},
+		{name: "a cluster.name that is the unbound audience does not make this broker take unbound tokens", cluster: pki.JoinTokenAudience, wantErr: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			e := newCertEnv(t, testPolicy)
 			e.b.cfg.BrokerNames, e.b.cfg.AcceptUnboundJoinTokens = tc.names, tc.unbound
+			if tc.cluster != "" {
+				p := *e.b.cfg.Policy.Load()
+				p.Cluster.Name = tc.cluster
+				e.b.cfg.Policy.Store(&p)
+			}
 			tok, claims := e.joinToken(t, westID, func(o *pki.JoinTokenOptions) { o.Audiences = tc.aud })
 			if tc.aud == nil {
 				require.Equal(t, []string{pki.JoinTokenAudience}, claims.Audiences)

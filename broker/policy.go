@@ -278,6 +278,10 @@ func (p *Policy) Validate() error {
 		add("cluster.name", "is required")
 	} else if errs := validation.IsDNS1123Label(p.Cluster.Name); len(errs) > 0 {
 		add("cluster.name", "%s", strings.Join(errs, "; "))
+	} else if p.Cluster.Name == pki.JoinTokenAudience {
+		// Without --broker-name the broker answers to cluster.name in a
+		// join token's aud; this one is the aud of every unbound token.
+		add("cluster.name", "%q is the audience of unbound join tokens: as the broker's name it would accept them without --accept-unbound-join-tokens; choose another name", p.Cluster.Name)
 	}
 	if p.Cluster.Server == "" {
 		add("cluster.server", "is required")

@@ -11,6 +11,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/issuers"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 const testPolicy = `
@@ -226,6 +227,15 @@ func TestParsePolicyRejects(t *testing.T) {
 			require.Error(t, err)
 		})
 	}
+}
+
+func TestAClusterNameThatIsTheUnboundJoinTokenAudienceIsRejected(t *testing.T) {
+	t.Parallel()
+	// Without --broker-name the broker answers to cluster.name in a join
+	// token's aud: this name would let it take every unbound token.
+	_, err := ParsePolicy([]byte("cluster: {name: " + pki.JoinTokenAudience + ", server: 'https://a', caData: x}\n"))
+	require.ErrorContains(t, err, "cluster.name")
+	require.ErrorContains(t, err, "is the audience of unbound join tokens")
 }
 
 func TestEmptyPolicyDeniesEverything(t *testing.T) {

@@ -53,6 +53,11 @@ func pinnedCA(bundlePEM []byte, fingerprint string) (*x509.Certificate, []*x509.
 	return pinned, certs, nil
 }
 
+// ErrNoTrustedCA is returned (wrapped) by TrustedBundle when no CA of the
+// bundle is, or chains to, a CA already trusted. Not retryable against the
+// same server.
+var ErrNoTrustedCA = errors.New("no CA in the trust bundle is trusted already")
+
 // PinnedBundle returns the part of bundlePEM that the pinned CA vouches
 // for: the CA with the pinned fingerprint first, then every other CA
 // certificate of the bundle that chains to it at now (other bundle
@@ -66,15 +71,63 @@ func PinnedBundle(bundlePEM []byte, fingerprint string, now time.Time) ([]*x509.
 	if err != nil {
 		return nil, err
 	}
+	out := []*x509.Certificate{pinned}
+	for _, c := range trustedCAs(certs, []*x509.Certificate{pinned}, now) {
+		if !c.Equal(pinned) {
+			out = append(out, c)
+		}
+	}
+	return out, nil
+}
+
+// TrustedBundle is PinnedBundle with the trust already held in place of
+// a pin: it returns, as PEM in bundle order, the CA certificates of
+// bundlePEM that are one of anchors or chain at now to one of them (other
+// bundle certificates may serve as intermediates on the way, never as an
+// anchor). A root that no anchor signed — a partner CA the broker trusts
+// for its clients, say — is dropped, so that a renewal answer can carry
+// trust forward (a sub-CA, a CA cross-signed by a trusted one) and drop
+// it, but never add an anchor of its own. Anchors that are not CA
+// certificates are ignored. The error wraps ErrNoTrustedCA when nothing is
+// kept.
+func TrustedBundle(bundlePEM []byte, anchors []*x509.Certificate, now time.Time) ([]byte, error) {
+	certs, err := ParseCertificatesPEM(bundlePEM)
+	if err != nil {
+		return nil, fmt.Errorf("trust bundle: %w", err)
+	}
+	var cas []*x509.Certificate
+	for _, a := range anchors {
+		if a.BasicConstraintsValid && a.IsCA {
+			cas = append(cas, a)
+		}
+	}
+	kept := trustedCAs(certs, cas, now)
+	if len(kept) == 0 {
+		return nil, fmt.Errorf("trust bundle: %w", ErrNoTrustedCA)
+	}
+	return encodeCerts(kept), nil
+}
+
+// trustedCAs returns, in the order of certs and without duplicates, the CA
+// certificates of certs that are one of anchors or chain to one of them at
+// now, with certs as the only intermediates. It is the one filter of
+// PinnedBundle and TrustedBundle.
+func trustedCAs(certs, anchors []*x509.Certificate, now time.Time) []*x509.Certificate {
 	roots := x509.NewCertPool()
-	roots.AddCert(pinned)
+	for _, a := range anchors {
+		roots.AddCert(a)
+	}
 	inter := x509.NewCertPool()
 	for _, c := range certs {
 		inter.AddCert(c)
 	}
-	out := []*x509.Certificate{pinned}
+	var out []*x509.Certificate
 	for _, c := range certs {
-		if c.Equal(pinned) || !c.BasicConstraintsValid || !c.IsCA || containsCert(out, c) {
+		if !c.BasicConstraintsValid || !c.IsCA || containsCert(out, c) {
+			continue
+		}
+		if containsCert(anchors, c) {
+			out = append(out, c)
 			continue
 		}
 		if _, err := c.Verify(x509.VerifyOptions{
@@ -86,7 +139,7 @@ func PinnedBundle(bundlePEM []byte, fingerprint string, now time.Time) ([]*x509.
 			out = append(out, c)
 		}
 	}
-	return out, nil
+	return out
 }
 
 func containsCert(certs []*x509.Certificate, c *x509.Certificate) bool {

@@ -378,3 +378,47 @@ func FuzzPinnedBundle(f *testing.F) {
 		}
 	})
 }
+
+// FuzzTrustedBundle feeds a renewal answer's caBundle, which the broker
+// chooses (and fills with its whole client-CA bundle), to TrustedBundle
+// with the operators' root as the trust in service: whatever it holds,
+// what is kept is only that root and CAs that chain to it.
+func FuzzTrustedBundle(f *testing.F) {
+	root, err := NewCA(CAOptions{Now: fixedNow, PathLen: 1, CommonName: "root"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	inter, err := root.NewIntermediate(CAOptions{CommonName: "root's intermediate"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	partner, err := NewCA(CAOptions{Now: fixedNow, CommonName: "partner"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(root.CertPEM())
+	f.Add(append(root.CertPEM(), partner.CertPEM()...))
+	f.Add(append(append(partner.CertPEM(), encodeCert(inter.Certificate().Raw)...), root.CertPEM()...))
+	f.Add(partner.CertPEM())
+	f.Add([]byte("not a bundle"))
+	now := fixedNow()
+	anchors := []*x509.Certificate{root.Certificate()}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		kept, err := TrustedBundle(data, anchors, now)
+		if err != nil {
+			if kept != nil {
+				t.Fatal("certificates kept with an error")
+			}
+			return
+		}
+		certs, err := ParseCertificatesPEM(kept)
+		if err != nil || len(certs) == 0 {
+			t.Fatalf("kept no certificates without an error: %v", err)
+		}
+		for _, c := range certs {
+			if !c.IsCA || c.Equal(partner.Certificate()) {
+				t.Fatalf("kept %s, which is no CA under the trusted root", c.Subject)
+			}
+		}
+	})
+}

@@ -14,8 +14,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -160,7 +162,8 @@ func (e *ProblemError) Error() string {
 }
 
 // Retryable reports whether err may go away by itself: a transport error,
-// a 5xx or a 429. A 4xx other than 429 will not.
+// a 5xx or a 429. A 4xx other than 429 will not, nor a client certificate
+// the broker refused in the handshake (ErrCertificateRefused).
 func Retryable(err error) bool {
 	if err == nil {
 		return false
@@ -174,7 +177,7 @@ func Retryable(err error) bool {
 	var verr *tls.CertificateVerificationError
 	var uerr x509.UnknownAuthorityError
 	var herr x509.HostnameError
-	if errors.Is(err, pki.ErrFingerprintMismatch) || errors.As(err, &verr) || errors.As(err, &uerr) || errors.As(err, &herr) {
+	if errors.Is(err, pki.ErrFingerprintMismatch) || errors.Is(err, ErrCertificateRefused) || errors.As(err, &verr) || errors.As(err, &uerr) || errors.As(err, &herr) {
 		return false
 	}
 	return !errors.Is(err, context.Canceled)
@@ -338,8 +341,24 @@ func roundTrip(ctx context.Context, hc *http.Client, method, u, bearer string, i
 	if bearer != "" {
 		req.Header.Set("Authorization", "Bearer "+bearer)
 	}
+	var serverVerified atomic.Bool
+	req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		TLSHandshakeDone: func(st tls.ConnectionState, err error) {
+			if err == nil && len(st.VerifiedChains) > 0 {
+				serverVerified.Store(true)
+			}
+		},
+		GotConn: func(info httptrace.GotConnInfo) {
+			if tc, ok := info.Conn.(*tls.Conn); ok && len(tc.ConnectionState().VerifiedChains) > 0 {
+				serverVerified.Store(true)
+			}
+		},
+	}))
 	resp, err := hc.Do(req)
 	if err != nil {
+		if serverVerified.Load() && remoteRefusalAlert(err) {
+			return fmt.Errorf("%s %s: %w: %w", method, req.URL.Path, ErrCertificateRefused, err)
+		}
 		return fmt.Errorf("%s %s: %w", method, req.URL.Path, err)
 	}
 	defer resp.Body.Close()

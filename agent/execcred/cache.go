@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -44,6 +46,9 @@ const (
 type Cache struct {
 	dir string
 	uid int
+	// privateGroup reports whether gid is the current user's private
+	// group (see checkParent).
+	privateGroup func(gid int) bool
 	// lockTimeout bounds the wait for another invocation's lock.
 	lockTimeout time.Duration
 }
@@ -60,13 +65,21 @@ type Cache struct {
 // StrictModes does for ~/.ssh: dir must not be a symbolic link (it is
 // looked at with Lstat), and its parent must belong to the current user or
 // to root and not be writable by everyone, unless it has the sticky bit
-// (as /tmp has), which keeps others from renaming what is in it.
+// (as /tmp has), which keeps others from renaming what is in it; a parent
+// its group may write must be the user's own, with the user's private
+// group (see checkParent).
 func OpenCache(dir string) (*Cache, error) {
+	return openCache(dir, os.Geteuid(), userPrivateGroup(os.Geteuid(), os.Getegid()))
+}
+
+// openCache is OpenCache for the user uid whose private group
+// privateGroup recognizes.
+func openCache(dir string, uid int, privateGroup func(gid int) bool) (*Cache, error) {
 	if !filepath.IsAbs(dir) {
 		return nil, fmt.Errorf("the cache directory %q must be an absolute path", dir)
 	}
 	dir = filepath.Clean(dir)
-	c := &Cache{dir: dir, uid: os.Geteuid(), lockTimeout: DefaultLockTimeout}
+	c := &Cache{dir: dir, uid: uid, privateGroup: privateGroup, lockTimeout: DefaultLockTimeout}
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return nil, fmt.Errorf("create the cache directory: %w", err)
 	}
@@ -97,23 +110,52 @@ func OpenCache(dir string) (*Cache, error) {
 
 // checkParent refuses a parent directory someone else could replace the
 // cache directory in: one that belongs to another user than the current
-// one or root, or that everyone may write without the sticky bit. A parent
-// its group may write is accepted: with a umask of 002 and a group of
-// one's own (user private groups, as Debian and its derivatives make
-// them), ~/.cache is 0775.
+// one or root, or that everyone may write without the sticky bit, or that
+// its group may write without the sticky bit unless it is the user's own
+// and its group the user's private group. That exception is for user
+// private groups (as Debian and its derivatives make them): with a umask
+// of 002, ~/.cache is 0775 and its group holds the user alone. A shared
+// group — a root-owned directory of group staff, a home of group users —
+// could let its other members replace the cache directory.
 func (c *Cache) checkParent() error {
 	parent := filepath.Dir(c.dir)
 	st, err := os.Stat(parent)
 	if err != nil {
 		return fmt.Errorf("the cache directory's parent: %w", err)
 	}
-	if owner, ok := fileOwner(st); ok && owner != c.uid && owner != 0 {
+	owner, ok := fileOwner(st)
+	if ok && owner != c.uid && owner != 0 {
 		return fmt.Errorf("%w: the cache directory's parent %s belongs to uid %d, who could replace the cache directory; use --cache-dir with a directory in one of your own", ErrUnsafeCache, parent, owner)
 	}
-	if st.Mode().Perm()&0o002 != 0 && st.Mode()&fs.ModeSticky == 0 {
+	sticky := st.Mode()&fs.ModeSticky != 0
+	if st.Mode().Perm()&0o002 != 0 && !sticky {
 		return fmt.Errorf("%w: the cache directory's parent %s has mode %04o: anyone could replace the cache directory; make it writable by you alone (chmod o-w %s) or use --cache-dir", ErrUnsafeCache, parent, st.Mode().Perm(), parent)
 	}
+	if st.Mode().Perm()&0o020 != 0 && !sticky && ok {
+		group, _ := fileGroup(st)
+		if owner != c.uid || c.privateGroup == nil || !c.privateGroup(group) {
+			return fmt.Errorf("%w: the cache directory's parent %s has mode %04o and group %d, not your own private group: its other members could replace the cache directory; make it writable by you alone (chmod g-w %s) or use --cache-dir", ErrUnsafeCache, parent, st.Mode().Perm(), group, parent)
+		}
+	}
 	return nil
+}
+
+// userPrivateGroup recognizes the private group of the user uid whose
+// effective gid is egid: that gid, the user's primary group in the user
+// database, named like the user. A user or group the database does not
+// know has none.
+func userPrivateGroup(uid, egid int) func(gid int) bool {
+	return func(gid int) bool {
+		if gid != egid {
+			return false
+		}
+		u, err := user.LookupId(strconv.Itoa(uid))
+		if err != nil || u.Gid != strconv.Itoa(gid) {
+			return false
+		}
+		g, err := user.LookupGroupId(strconv.Itoa(gid))
+		return err == nil && g.Name == u.Username
+	}
 }
 
 // Dir is the cache's directory.

@@ -75,3 +75,12 @@ func fileOwner(st fs.FileInfo) (int, bool) {
 	}
 	return int(s.Uid), true
 }
+
+// fileGroup returns the gid of a file's group.
+func fileGroup(st fs.FileInfo) (int, bool) {
+	s, ok := st.Sys().(*syscall.Stat_t)
+	if !ok {
+		return 0, false
+	}
+	return int(s.Gid), true
+}

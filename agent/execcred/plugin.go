@@ -317,10 +317,16 @@ func BrokerAway(err error) bool {
 		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
-// BrokerRefused reports whether err is the broker's 401 or 403: it no
-// longer accepts the caller's identity, or its policy no longer grants the
-// request. The cache entry of the request is then dropped.
+// BrokerRefused reports whether err is the broker's 401 or 403, or its
+// refusal of the client certificate in the TLS handshake
+// (client.ErrCertificateRefused: a revoked, expired or unknown
+// certificate): it no longer accepts the caller's identity, or its policy
+// no longer grants the request. The cache entry of the request is then
+// dropped.
 func BrokerRefused(err error) bool {
+	if errors.Is(err, client.ErrCertificateRefused) {
+		return true
+	}
 	var pe *client.ProblemError
 	return errors.As(err, &pe) && (pe.Status == http.StatusUnauthorized || pe.Status == http.StatusForbidden)
 }

@@ -559,6 +559,7 @@ func TestACachedCredentialStandsInOnlyForABrokerThatIsAway(t *testing.T) {
 		{name: "a 400 is an answer, not an absence", err: problem(http.StatusBadRequest)},
 		{name: "a local failure such as an unreadable identity is no absence of the broker", err: errors.New("read the identity: permission denied")},
 		{name: "a broker that fails TLS verification is not taken for one that is away", err: &url.Error{Op: "Post", URL: "https://b", Err: x509.UnknownAuthorityError{}}},
+		{name: "a client certificate the broker refuses in the TLS handshake drops the entry", err: refusedInHandshake(t), dropped: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -647,13 +648,58 @@ func TestACacheDirectoryAnotherUserCouldReplaceIsRefused(t *testing.T) {
 		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
 		require.NoError(t, err)
 	})
-	t.Run("a parent its group may write is accepted, for user private groups", func(t *testing.T) {
-		t.Parallel()
+	groupWritable := func(t *testing.T) (string, int) {
+		t.Helper()
 		parent := filepath.Join(t.TempDir(), "cache")
 		require.NoError(t, os.Mkdir(parent, 0o700))
 		require.NoError(t, os.Chmod(parent, 0o775))
-		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		st, err := os.Stat(parent)
 		require.NoError(t, err)
+		gid, ok := fileGroup(st)
+		require.True(t, ok)
+		return parent, gid
+	}
+	t.Run("a parent of yours its group may write is accepted when the group is your private group", func(t *testing.T) {
+		t.Parallel()
+		parent, gid := groupWritable(t)
+		_, err := openCache(filepath.Join(parent, "tokenbroker"), os.Geteuid(), func(g int) bool { return g == gid })
+		require.NoError(t, err)
+	})
+	t.Run("a parent of yours its group may write is refused when the group is shared", func(t *testing.T) {
+		t.Parallel()
+		parent, _ := groupWritable(t)
+		_, err := openCache(filepath.Join(parent, "tokenbroker"), os.Geteuid(), func(int) bool { return false })
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		require.ErrorContains(t, err, "not your own private group")
+	})
+	t.Run("a root-owned parent its group may write is refused even with your private group", func(t *testing.T) {
+		t.Parallel()
+		if os.Geteuid() != 0 {
+			t.Skip("needs root to make a root-owned directory")
+		}
+		parent, gid := groupWritable(t)
+		// The cache of user 4242, whose private group would be the
+		// directory's: the directory is still root's to share.
+		_, err := openCache(filepath.Join(parent, "tokenbroker"), 4242, func(g int) bool { return g == gid })
+		require.ErrorIs(t, err, ErrUnsafeCache)
+		require.ErrorContains(t, err, "not your own private group")
+	})
+	t.Run("a group-writable parent with the sticky bit is accepted whatever its group", func(t *testing.T) {
+		t.Parallel()
+		parent, _ := groupWritable(t)
+		require.NoError(t, os.Chmod(parent, 0o775|os.ModeSticky))
+		_, err := openCache(filepath.Join(parent, "tokenbroker"), os.Geteuid(), func(int) bool { return false })
+		require.NoError(t, err)
+	})
+	t.Run("a parent of yours whose group is another, shared one is refused", func(t *testing.T) {
+		t.Parallel()
+		if os.Geteuid() != 0 {
+			t.Skip("needs root to give a directory to another group")
+		}
+		parent, _ := groupWritable(t)
+		require.NoError(t, os.Chown(parent, os.Geteuid(), 4243))
+		_, err := OpenCache(filepath.Join(parent, "tokenbroker"))
+		require.ErrorIs(t, err, ErrUnsafeCache)
 	})
 	t.Run("a parent of another user is refused", func(t *testing.T) {
 		t.Parallel()
