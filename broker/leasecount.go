@@ -203,7 +203,7 @@ func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, int
 		go wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
 	}
 	wait.UntilWithContext(ctx, func(context.Context) { lc.sweep() }, leaseSweepInterval)
-	lc.watch(nil)
+	lc.stopWatches()
 }
 
 // leaseSweepInterval is how often expired leases stop counting.
@@ -213,11 +213,28 @@ var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 
 // watch starts informers for new namespaces and stops those of dropped
 // ones, whose Secrets stop counting: the broker no longer looks there.
-func (lc *LeaseCounter) watch(namespaces []string) {
+// A dropped namespace that still holds a lease marked to be revoked on
+// unmatch (a namespace that left its selector grant, or whose grant was
+// removed) is watched until the last such lease is gone: the GC finds
+// what to revoke from the counter, and with per-namespace RBAC nothing
+// else would look there again.
+func (lc *LeaseCounter) watch(namespaces []string) { lc.setWatches(namespaces, true) }
+
+// stopWatches stops every informer.
+func (lc *LeaseCounter) stopWatches() { lc.setWatches(nil, false) }
+
+func (lc *LeaseCounter) setWatches(namespaces []string, keepMarked bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
+	var marked map[string]bool
 	for ns, w := range lc.watches {
 		if slices.Contains(namespaces, ns) {
+			continue
+		}
+		if keepMarked && marked == nil {
+			marked = lc.markedNamespacesLocked()
+		}
+		if marked[ns] {
 			continue
 		}
 		close(w.stop)
@@ -248,6 +265,18 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		lc.watches[ns] = w
 		go r.Run(w.stop)
 	}
+}
+
+// markedNamespacesLocked are the namespaces where the counter knows a
+// live lease marked AnnotationRevokeOnUnmatch; lc.mu is held.
+func (lc *LeaseCounter) markedNamespacesLocked() map[string]bool {
+	out := map[string]bool{}
+	for key, c := range lc.byKey {
+		if c.marked && c.live && !c.pool {
+			out[keyNamespace(key)] = true
+		}
+	}
+	return out
 }
 
 // counterStore is a reflector's store that counts: what the reflector

@@ -564,12 +564,19 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		}
 		return nil
 	})
+	if lc := b.cfg.Leases; err != nil && ctx.Err() == nil && lc != nil && lc.Synced() {
+		// Per-namespace RBAC: the counter still watches the namespaces
+		// where it saw marked leases, also those that left their grant.
+		for _, l := range lc.leaseRefs() {
+			consider(l)
+		}
+	}
 	switch {
 	case err == nil || ctx.Err() != nil:
 	case len(p.selectorGrants()) == 0:
 		b.cfg.Logger.Debug("cannot list lease Secrets in every namespace; leases of removed selector grants are revoked where the GC looks", zap.Error(err))
 	default:
-		b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
+		b.cfg.Logger.Warn("cannot list lease Secrets in every namespace: leases in namespaces that left their grant while no broker of this process watched them (before it started) are not found; revoke them by hand if any (docs/operations.md)",
 			zap.Error(err))
 	}
 }
