@@ -433,7 +433,7 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 			// the lease judges it.
 			b.cfg.Logger.Debug("lease of a grant this replica's policy does not know is newer than that policy; kept",
 				zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace),
-				zap.String("lease_id", s.Labels[LabelLeaseID]))
+				zap.String("lease_id", s.Labels[LabelLeaseID]), zap.Time("created", s.CreationTimestamp.Time), zap.Time("policy_taken", policyAt))
 			continue
 		}
 		if err := b.revokeUnmatchedLease(ctx, s, item); err != nil {
@@ -443,10 +443,12 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 	return nil
 }
 
-// issuedAfter reports whether lease s was created at or after t, to the
-// second the API server records creation times in.
+// issuedAfter reports whether lease s was created after t. The API server
+// records creation to the second, rounded down: a lease of the same second
+// as t counts as before it, so that a replica that restarts within a
+// second of an issuance still judges that lease.
 func issuedAfter(s *corev1.Secret, t time.Time) bool {
-	return !s.CreationTimestamp.IsZero() && !s.CreationTimestamp.Time.Before(t.Truncate(time.Second))
+	return s.CreationTimestamp.Time.After(t)
 }
 
 // coveredLive reports whether grant g covers namespace as the API server
