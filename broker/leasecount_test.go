@@ -4,6 +4,7 @@ import (
 	"context"
 	"maps"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -40,6 +41,16 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 		secret("oil-dev", "tokenbroker-lease-a", true), secret("oil-old", "tokenbroker-lease-b", false), secret("argo", "tokenbroker-lease-c", false))
 	lc := NewLeaseCounter(client, clocktesting.NewFakePassiveClock(exp.Add(-time.Hour)), zap.NewNop())
 	t.Cleanup(lc.stopWatches)
+	rules := func(namespaces ...string) *leaseRules {
+		r := &leaseRules{peers: map[string]leasePeerRule{"west": {namespaces: map[string]struct{}{}}}}
+		for _, ns := range namespaces {
+			r.peers["west"].namespaces[ns] = struct{}{}
+		}
+		return r
+	}
+	var mu sync.Mutex
+	current := rules("argo", "oil-dev", "oil-old")
+	lc.setRules(func() *leaseRules { mu.Lock(); defer mu.Unlock(); return current })
 	watching := func() []string {
 		lc.mu.Lock()
 		defer lc.mu.Unlock()
@@ -48,12 +59,22 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 	lc.watch([]string{"argo", "oil-dev", "oil-old"})
 	require.Eventually(t, func() bool { own, _ := lc.Live("west"); return lc.Synced() && own == 3 }, 5*time.Second, time.Millisecond)
 
-	lc.watch([]string{"argo"}) // oil-dev and oil-old left the grant
+	// oil-dev and oil-old left the grant: the policy no longer grants
+	// them, so their leases stop counting; the GC is still to revoke them.
+	mu.Lock()
+	current = rules("argo")
+	mu.Unlock()
+	lc.sweep()
+	own, _ := lc.Live("west")
+	require.Equal(t, 1, own, "leases in namespaces the policy no longer grants do not count")
+	lc.watch([]string{"argo"})
 	require.Equal(t, []string{"argo", "oil-dev"}, watching(), "the namespace with a marked lease is still watched")
 	require.Contains(t, lc.leaseRefs(), leaseRef{namespace: "oil-dev", peer: "west", grant: "oil", mark: "0s", marked: true})
 
 	require.NoError(t, client.Resource(secretsGVR).Namespace("oil-dev").Delete(context.Background(), "tokenbroker-lease-a", metav1.DeleteOptions{}))
-	require.Eventually(t, func() bool { own, _ := lc.Live("west"); return own == 1 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool {
+		return !slices.ContainsFunc(lc.leaseRefs(), func(l leaseRef) bool { return l.namespace == "oil-dev" })
+	}, 5*time.Second, time.Millisecond)
 	lc.watch([]string{"argo"})
 	require.Equal(t, []string{"argo"}, watching(), "once revoked, the namespace is dropped")
 }
