@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
 	"sync"
@@ -11,6 +12,12 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metadatafake "k8s.io/client-go/metadata/fake"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -77,4 +84,47 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 	}, 5*time.Second, time.Millisecond)
 	lc.watch([]string{"argo"})
 	require.Equal(t, []string{"argo"}, watching(), "once revoked, the namespace is dropped")
+}
+
+// TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw: with
+// per-namespace RBAC a full GC pass's cluster-wide list is forbidden; the
+// leases the counter saw in a namespace that left its grant are revoked
+// all the same.
+func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
+	t.Parallel()
+	client := fake.NewClientset()
+	client.PrependReactor("list", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.GetNamespace() == "" {
+			return true, nil, apierrors.NewForbidden(corev1.Resource("secrets"), "", errors.New("no cluster-wide list"))
+		}
+		return false, nil, nil
+	})
+	nss := newFakeNamespaces()
+	nss.set("oil-dev", nil) // left the grant
+	nss.synced = true
+	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
+	lc := NewLeaseCounter(nil, clk, zap.NewNop())
+	b, err := New(Config{Secrets: client.CoreV1(), Policy: NewPolicyStore(mustPolicy(t, tenantPolicy)), Logger: zap.NewNop(),
+		Clock: clk, Namespaces: nss, Leases: lc, Pool: PoolConfig{PerNamespace: -1}})
+	require.NoError(t, err)
+	t.Cleanup(b.tenants.queue.ShutDown)
+	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, clk.Now().Add(time.Hour))
+	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	_, err = client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
+	require.NoError(t, err)
+	lc.add(&metav1.PartialObjectMetadata{ObjectMeta: s.ObjectMeta})
+
+	_, err = b.CollectGarbage(context.Background()) // the first pass is a full one
+	require.NoError(t, err)
+	clk.Step(uncoveredRecheck)
+	require.Eventually(t, func() bool { return b.tenants.queue.Len() > 0 }, 5*time.Second, time.Millisecond)
+	for b.tenants.queue.Len() > 0 {
+		item, _ := b.tenants.queue.Get()
+		require.NoError(t, b.revokeUnmatched(context.Background(), item))
+		b.tenants.queue.Done(item)
+	}
+	l, err := client.CoreV1().Secrets("oil-dev").List(context.Background(), metav1.ListOptions{})
+	require.NoError(t, err)
+	require.Empty(t, l.Items)
 }
