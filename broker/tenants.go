@@ -452,7 +452,7 @@ func issuedAfter(s *corev1.Secret, t time.Time) bool {
 }
 
 // coveredLive reports whether grant g covers namespace as the API server
-// has it now (a quorum list of that one namespace, which the broker's
+// has it now (a consistent list of that one namespace, which the broker's
 // list permission on namespaces allows), not as the cache has it. Without
 // a live client it reports false: the cache decided. An error is
 // retryable.
