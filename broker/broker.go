@@ -141,6 +141,10 @@ type Config struct {
 	// decided from it and kept true (RunTenants). Without it such grants
 	// match nothing. While it is not synced the broker is not ready.
 	Namespaces NamespaceInformer
+	// LiveNamespaces, if set, reads a namespace from the API server to
+	// confirm that it left a selector grant before its leases are revoked
+	// (the cache may lag); nil trusts the cache.
+	LiveNamespaces corev1client.NamespacesGetter
 	// Pool sizes the pool of pre-created lease Secrets that takes the
 	// Secret's create off a token issuance's critical path (pool.go); it
 	// is kept only while RunPool runs.

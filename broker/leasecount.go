@@ -162,7 +162,8 @@ func (lc *LeaseCounter) applyLocked(r *leaseRules) {
 		}
 		lc.forget(key, c)
 		lc.count(&counted{key: key, uid: c.uid, peer: c.peer, identity: c.identity, expires: c.expires,
-			pool: c.pool, created: c.created, verified: verified, committed: c.committed})
+			pool: c.pool, created: c.created, verified: verified, committed: c.committed,
+			grant: c.grant, mark: c.mark, marked: c.marked})
 	}
 }
 
@@ -203,7 +204,7 @@ func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, int
 		go wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
 	}
 	wait.UntilWithContext(ctx, func(context.Context) { lc.sweep() }, leaseSweepInterval)
-	lc.watch(nil)
+	lc.stopWatches()
 }
 
 // leaseSweepInterval is how often expired leases stop counting.
@@ -213,11 +214,28 @@ var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 
 // watch starts informers for new namespaces and stops those of dropped
 // ones, whose Secrets stop counting: the broker no longer looks there.
-func (lc *LeaseCounter) watch(namespaces []string) {
+// A dropped namespace that still holds a lease marked to be revoked on
+// unmatch (a namespace that left its selector grant, or whose grant was
+// removed) is watched until the last such lease is gone: the GC finds
+// what to revoke from the counter, and with per-namespace RBAC nothing
+// else would look there again.
+func (lc *LeaseCounter) watch(namespaces []string) { lc.setWatches(namespaces, true) }
+
+// stopWatches stops every informer.
+func (lc *LeaseCounter) stopWatches() { lc.setWatches(nil, false) }
+
+func (lc *LeaseCounter) setWatches(namespaces []string, keepMarked bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
+	var marked map[string]bool
 	for ns, w := range lc.watches {
 		if slices.Contains(namespaces, ns) {
+			continue
+		}
+		if keepMarked && marked == nil {
+			marked = lc.markedNamespacesLocked()
+		}
+		if marked[ns] {
 			continue
 		}
 		close(w.stop)
@@ -248,6 +266,29 @@ func (lc *LeaseCounter) watch(namespaces []string) {
 		lc.watches[ns] = w
 		go r.Run(w.stop)
 	}
+}
+
+// markedNamespacesLocked are the namespaces where the counter knows an
+// unexpired lease marked AnnotationRevokeOnUnmatch; lc.mu is held.
+func (lc *LeaseCounter) markedNamespacesLocked() map[string]bool {
+	out := map[string]bool{}
+	for key, c := range lc.byKey {
+		if lc.markedUnexpiredLocked(c) {
+			out[keyNamespace(key)] = true
+		}
+	}
+	return out
+}
+
+// markedUnexpiredLocked reports whether c is a lease (not a pooled Secret)
+// marked AnnotationRevokeOnUnmatch whose recorded expiry has not passed,
+// counted or not; lc.mu is held.
+func (lc *LeaseCounter) markedUnexpiredLocked(c *counted) bool {
+	if !c.marked || c.pool {
+		return false
+	}
+	_, expired := lc.expired[c.key]
+	return !expired && (c.expires.IsZero() || lc.clock.Now().Before(c.expires))
 }
 
 // counterStore is a reflector's store that counts: what the reflector
@@ -487,14 +528,19 @@ func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
 	return out
 }
 
-// leaseRefs returns the live leases the counter knows that record a grant,
-// for the GC's coverage check.
+// leaseRefs returns the leases the counter knows that record a grant, for
+// the GC's coverage check: those that count, and the unexpired ones marked
+// to be revoked on unmatch that no longer count because the policy no
+// longer grants their peer their namespace (it left its selector grant, or
+// the grant or peer was removed) — exactly those the check is for. A
+// forged one costs nothing: the revocation deletes only Secrets of the
+// lease type in that namespace, which the forger could delete anyway.
 func (lc *LeaseCounter) leaseRefs() []leaseRef {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	var out []leaseRef
 	for key, c := range lc.byKey {
-		if c.pool || !c.live || c.grant == "" {
+		if c.pool || c.grant == "" || !c.live && !lc.markedUnexpiredLocked(c) {
 			continue
 		}
 		out = append(out, leaseRef{namespace: keyNamespace(key), peer: c.peer, grant: c.grant,

@@ -49,23 +49,53 @@ func (p Persistence) String() string {
 // PersistenceAbilities are the abilities CheckPersistence looks for.
 var PersistenceAbilities = []Persistence{
 	// A Secret of type kubernetes.io/service-account-token gets a token
-	// that never expires, from the token controller.
+	// that never expires, from the token controller; reading one that
+	// exists already (a legacy token Secret) gives the same.
 	{Verb: "create", Resource: "secrets"},
+	{Verb: "get", Resource: "secrets"},
+	{Verb: "list", Resource: "secrets"},
 	// A TokenRequest of its own, bound to nothing the broker controls.
 	{Verb: "create", Resource: "serviceaccounts", Subresource: "token"},
 	// A binding for an identity the holder controls.
 	{Verb: "create", Group: "rbac.authorization.k8s.io", Resource: "rolebindings"},
 	{Verb: "create", Group: "rbac.authorization.k8s.io", Resource: "clusterrolebindings", ClusterScoped: true},
+	// A client certificate of its own: a CertificateSigningRequest, and
+	// approving it for a signer the cluster signs for.
+	{Verb: "create", Group: "certificates.k8s.io", Resource: "certificatesigningrequests", ClusterScoped: true},
+	{Verb: "approve", Group: "certificates.k8s.io", Resource: "signers", ClusterScoped: true},
 	// Pods and the workloads that make them run as a ServiceAccount of the
 	// namespace, with its token, for as long as they run; changing an
-	// existing Deployment's pod template does the same.
+	// existing pod's image or a workload's pod template (update or patch)
+	// does the same, and so do exec into a running pod (create, or get for
+	// a WebSocket exec) and an ephemeral container added to one.
 	{Verb: "create", Resource: "pods"},
+	{Verb: "update", Resource: "pods"},
+	{Verb: "patch", Resource: "pods"},
+	{Verb: "create", Resource: "pods", Subresource: "exec"},
+	{Verb: "get", Resource: "pods", Subresource: "exec"},
+	{Verb: "update", Resource: "pods", Subresource: "ephemeralcontainers"},
+	{Verb: "patch", Resource: "pods", Subresource: "ephemeralcontainers"},
+	{Verb: "create", Resource: "replicationcontrollers"},
+	{Verb: "update", Resource: "replicationcontrollers"},
+	{Verb: "patch", Resource: "replicationcontrollers"},
 	{Verb: "create", Group: "apps", Resource: "deployments"},
 	{Verb: "update", Group: "apps", Resource: "deployments"},
+	{Verb: "patch", Group: "apps", Resource: "deployments"},
+	{Verb: "create", Group: "apps", Resource: "replicasets"},
+	{Verb: "update", Group: "apps", Resource: "replicasets"},
+	{Verb: "patch", Group: "apps", Resource: "replicasets"},
 	{Verb: "create", Group: "apps", Resource: "daemonsets"},
+	{Verb: "update", Group: "apps", Resource: "daemonsets"},
+	{Verb: "patch", Group: "apps", Resource: "daemonsets"},
 	{Verb: "create", Group: "apps", Resource: "statefulsets"},
+	{Verb: "update", Group: "apps", Resource: "statefulsets"},
+	{Verb: "patch", Group: "apps", Resource: "statefulsets"},
 	{Verb: "create", Group: "batch", Resource: "jobs"},
+	{Verb: "update", Group: "batch", Resource: "jobs"},
+	{Verb: "patch", Group: "batch", Resource: "jobs"},
 	{Verb: "create", Group: "batch", Resource: "cronjobs"},
+	{Verb: "update", Group: "batch", Resource: "cronjobs"},
+	{Verb: "patch", Group: "batch", Resource: "cronjobs"},
 	// Granting what one does not have, and acting as someone else.
 	{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "roles"},
 	{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "roles"},

@@ -316,3 +316,87 @@ func TestAGCPassJudgesNothingBeforeTheNamespaceCacheHasSynced(t *testing.T) {
 }
 
 func strPtr(s string) *string { return &s }
+
+// TestAStaleReplicaRevokesOnlyWhatItCanJudge: a replica whose policy is
+// older than a lease, or whose namespace cache lags the API server, must
+// not revoke a lease another replica issued rightly.
+func TestAStaleReplicaRevokesOnlyWhatItCanJudge(t *testing.T) {
+	t.Parallel()
+	withoutOil := strings.Replace(tenantPolicy, "      - name: oil\n", "      - name: oil-renamed\n", 1)
+	withoutWest := strings.Replace(tenantPolicy, "  - name: west\n", "  - name: west-renamed\n", 1)
+	tests := []struct {
+		name, policy string
+		// created is the lease's creation time relative to when the
+		// replica took its policy.
+		created time.Duration
+		// cached are the namespace's labels in this replica's cache; live,
+		// if exists, on the API server.
+		cached, live map[string]string
+		exists       bool
+		revoked      bool
+	}{
+		{name: "a lease of a grant the replica's policy lacks, issued after that policy was taken, is kept",
+			policy: withoutOil, created: time.Minute, cached: oil, live: oil, exists: true},
+		{name: "a lease of a grant the replica's policy lacks, issued before that policy was taken, is revoked",
+			policy: withoutOil, created: -time.Hour, cached: oil, live: oil, exists: true, revoked: true},
+		{name: "a lease of a peer the replica's policy lacks, issued after that policy was taken, is kept",
+			policy: withoutWest, created: time.Minute, cached: oil, live: oil, exists: true},
+		{name: "a lease of a peer the replica's policy lacks, issued before that policy was taken, is revoked",
+			policy: withoutWest, created: -time.Hour, cached: oil, live: oil, exists: true, revoked: true},
+		{name: "a namespace the lagging cache has out of the grant but the API server has in it keeps its lease",
+			policy: tenantPolicy, created: -time.Hour, cached: nil, live: oil, exists: true},
+		{name: "a namespace out of the grant on the API server too loses its lease",
+			policy: tenantPolicy, created: -time.Hour, cached: nil, live: map[string]string{"capsule.clastix.io/tenant": "gas"}, exists: true, revoked: true},
+		{name: "a namespace the API server no longer has loses its lease",
+			policy: tenantPolicy, created: -time.Hour, cached: nil, revoked: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			e := newRaceEnv(t, tt.policy, map[string]map[string]string{"oil-dev": tt.cached}, false)
+			e.b.tenants.live = e.client.CoreV1()
+			if tt.exists {
+				_, err := e.client.CoreV1().Namespaces().Create(context.Background(),
+					&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "oil-dev", Labels: tt.live}}, metav1.CreateOptions{})
+				require.NoError(t, err)
+			}
+			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+				apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
+			s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+			s.CreationTimestamp = metav1.NewTime(e.clock.Now().Add(tt.created))
+			_, err := e.client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
+			require.NoError(t, err)
+
+			_, err = e.b.CollectGarbage(context.Background())
+			require.NoError(t, err)
+			e.runQueue(t)
+			require.Len(t, e.leases(t, "oil-dev"), 1, "not before the recheck")
+			e.stepToRecheck(t, true)
+			if tt.revoked {
+				require.Empty(t, e.leases(t, "oil-dev"))
+				return
+			}
+			require.Len(t, e.leases(t, "oil-dev"), 1)
+		})
+	}
+}
+
+func TestALeaseIssuedBeforeTheReloadThatRemovedItsGrantIsRevoked(t *testing.T) {
+	t.Parallel()
+	withoutOil := strings.Replace(tenantPolicy, "      - name: oil\n", "      - name: oil-renamed\n", 1)
+	e := newRaceEnv(t, tenantPolicy, map[string]map[string]string{"oil-dev": oil}, false)
+	e.clock.Step(time.Minute)
+	s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
+	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	s.CreationTimestamp = metav1.NewTime(e.clock.Now())
+	_, err := e.client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	e.clock.Step(time.Minute)
+	e.store.Store(mustPolicy(t, withoutOil))
+	_, err = e.b.CollectGarbage(context.Background())
+	require.NoError(t, err)
+	e.stepToRecheck(t, true)
+	require.Empty(t, e.leases(t, "oil-dev"), "the reload is newer than the lease: this replica judges it")
+}

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -13,9 +14,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
+	"k8s.io/utils/clock"
 )
 
 // AnnotationGrant records on a lease the grant it was issued under (the
@@ -89,8 +93,17 @@ type tenants struct {
 	queue    workqueue.TypedDelayingInterface[unmatch]
 	log      *zap.Logger
 	metrics  *Metrics
+	clock    clock.PassiveClock
+	// live reads a namespace from the API server, not the cache, to
+	// confirm that it left a grant before its leases are revoked; nil
+	// trusts the cache.
+	live corev1client.NamespacesGetter
 
 	mu sync.Mutex
+	// policyAt is when this replica took the policy in force. A lease
+	// created after it may be of a grant or peer this replica's policy
+	// does not know yet (another replica took a newer policy first).
+	policyAt time.Time
 	// grants are the selector grants of the policy the index was built
 	// for, and matching the namespaces each matches now.
 	grants   map[selectorGrant]*GrantSpec
@@ -111,6 +124,9 @@ func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*te
 		}),
 		log:      cfg.Logger.Named("tenants"),
 		metrics:  cfg.Metrics,
+		clock:    cfg.Clock,
+		live:     cfg.LiveNamespaces,
+		policyAt: cfg.Clock.Now(),
 		gone:     map[selectorGrant]bool{},
 		matching: map[selectorGrant]map[string]struct{}{},
 	}
@@ -229,6 +245,7 @@ func (t *tenants) setPolicy(p *Policy) {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.policyAt = t.clock.Now()
 	for key, old := range t.grants {
 		covered := slices.Collect(maps.Keys(t.matching[key]))
 		covered = append(covered, old.Namespaces...)
@@ -376,10 +393,27 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 	case g != nil && !g.keptTrue():
 		return nil
 	}
+	if g != nil {
+		// The cache may lag the API server (a watch seconds or minutes
+		// behind): a namespace relabelled back into the grant, or never
+		// out of it, keeps its leases.
+		covered, err := t.coveredLive(ctx, g, item.namespace)
+		if err != nil {
+			return err
+		}
+		if covered {
+			b.cfg.Logger.Info("namespace covered by its grant on the API server though not in the namespace cache; its leases are kept",
+				zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace))
+			return nil
+		}
+	}
 	// A grant that is gone revokes the leases that recorded that it
 	// revoked on unmatch, and, for leases issued before they recorded it,
 	// those of a grant this replica saw removed while it did.
 	gone := g == nil && t.wasGone(key)
+	t.mu.Lock()
+	policyAt := t.policyAt
+	t.mu.Unlock()
 	secrets, err := b.listLeaseSecrets(ctx, []string{item.namespace}, labels.Set{LabelPeer: item.peer})
 	if err != nil {
 		return err
@@ -392,11 +426,53 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 		if _, marked := s.Annotations[AnnotationRevokeOnUnmatch]; g == nil && !gone && !marked {
 			continue
 		}
+		if g == nil && issuedAfter(s, policyAt) {
+			// Issued under a policy newer than this replica's (the
+			// ConfigMap reaches replicas minutes apart): the grant may
+			// be new, not removed. A replica whose policy is newer than
+			// the lease judges it.
+			b.cfg.Logger.Debug("lease of a grant this replica's policy does not know is newer than that policy; kept",
+				zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace),
+				zap.String("lease_id", s.Labels[LabelLeaseID]), zap.Time("created", s.CreationTimestamp.Time), zap.Time("policy_taken", policyAt))
+			continue
+		}
 		if err := b.revokeUnmatchedLease(ctx, s, item); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// issuedAfter reports whether lease s was created after t. The API server
+// records creation to the second, rounded down: a lease of the same second
+// as t counts as before it, so that a replica that restarts within a
+// second of an issuance still judges that lease.
+func issuedAfter(s *corev1.Secret, t time.Time) bool {
+	return s.CreationTimestamp.Time.After(t)
+}
+
+// coveredLive reports whether grant g covers namespace as the API server
+// has it now (a consistent list of that one namespace, which the broker's
+// list permission on namespaces allows), not as the cache has it. Without
+// a live client it reports false: the cache decided. An error is
+// retryable.
+func (t *tenants) coveredLive(ctx context.Context, g *GrantSpec, namespace string) (bool, error) {
+	if t.live == nil || g.selector == nil {
+		return false, nil
+	}
+	list, err := t.live.Namespaces().List(ctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("metadata.name", namespace).String(),
+	})
+	if err != nil {
+		return false, fmt.Errorf("read namespace %s from the API server: %w", namespace, err)
+	}
+	for i := range list.Items {
+		ns := &list.Items[i]
+		if ns.Name == namespace && ns.DeletionTimestamp == nil {
+			return g.selects(labels.Set(ns.Labels), ns.OwnerReferences), nil
+		}
+	}
+	return false, nil
 }
 
 // revokeUnmatchedLease deletes one lease whose namespace left its grant,
@@ -490,12 +566,19 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		}
 		return nil
 	})
+	if lc := b.cfg.Leases; err != nil && ctx.Err() == nil && lc != nil && lc.Synced() {
+		// Per-namespace RBAC: the counter still watches the namespaces
+		// where it saw marked leases, also those that left their grant.
+		for _, l := range lc.leaseRefs() {
+			consider(l)
+		}
+	}
 	switch {
 	case err == nil || ctx.Err() != nil:
 	case len(p.selectorGrants()) == 0:
 		b.cfg.Logger.Debug("cannot list lease Secrets in every namespace; leases of removed selector grants are revoked where the GC looks", zap.Error(err))
 	default:
-		b.cfg.Logger.Warn("cannot look for leases left in namespaces that left their grant while no broker watched; revoke them by hand if any",
+		b.cfg.Logger.Warn("cannot list lease Secrets in every namespace: leases in namespaces that left their grant while no broker of this process watched them (before it started) are not found; revoke them by hand if any (docs/operations.md)",
 			zap.Error(err))
 	}
 }

@@ -362,6 +362,7 @@ func Run(ctx context.Context, opts Options) error {
 		MaxLiveLeases:           opts.MaxLiveLeases,
 		Pool:                    broker.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
 		Namespaces:              namespaces,
+		LiveNamespaces:          client.CoreV1(),
 		PeerKeys:                peerKeys,
 	})
 	if err != nil {

@@ -245,6 +245,13 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 	run(t, kubectl, append(admin, "create", "clusterrole", "namespaces-admin", "--verb=get,list,create,update,patch", "--resource=namespaces")...)
 	run(t, kubectl, append(admin, "create", "clusterrolebinding", "capsule-namespaces", "--clusterrole=namespaces-admin", "--serviceaccount=capsule-system:capsule")...)
 	controller := []string{"--kubeconfig", serviceAccountKubeconfig(t, c, "capsule-system", "capsule")}
+	// A user who may create namespaces (not the controller, no tenant
+	// owner), and a tenant owner (in Capsule's user group), both by
+	// impersonation.
+	run(t, kubectl, append(admin, "create", "clusterrolebinding", "mallory-namespaces", "--clusterrole=namespaces-admin", "--user=mallory")...)
+	run(t, kubectl, append(admin, "create", "clusterrolebinding", "tenant-owners-namespaces", "--clusterrole=namespaces-admin", "--group=projectcapsule.dev")...)
+	mallory := append(append([]string{}, admin...), "--as=mallory")
+	alice := append(append([]string{}, admin...), "--as=alice", "--as-group=projectcapsule.dev")
 
 	// The policy takes effect asynchronously: wait until an admin is refused.
 	var stderr string
@@ -264,7 +271,11 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 		{"the tenant controller can", controller, []string{"patch", "namespace", "default", "--type=merge", "-p", ownerPatch}, true},
 		{"an administrator cannot take the Tenant's owner reference away", admin, []string{"patch", "namespace", "default", "--type=merge", "-p", `{"metadata":{"ownerReferences":null}}`}, false},
 		{"the tenant controller can take it away", controller, []string{"patch", "namespace", "default", "--type=merge", "-p", `{"metadata":{"ownerReferences":null}}`}, true},
-		{"creates are left to the tenant controller's webhook: a namespace owned by a Tenant but not labelled is created", admin, []string{"create-owned"}, true},
+		{"a user who may create namespaces cannot create one owned by a Tenant", mallory, []string{"create-owned", "owned-by-mallory"}, false},
+		{"nor can an administrator", admin, []string{"create-owned", "owned-by-admin"}, false},
+		{"a tenant owner can: Capsule's webhook sets the owner reference in the owner's request", alice, []string{"create-owned", "owned-by-alice"}, true},
+		{"the tenant controller can", controller, []string{"create-owned", "owned-by-controller"}, true},
+		{"a user who may create namespaces still creates one owned by nothing", mallory, []string{"create-owned", "plain-by-mallory"}, true},
 		{"an administrator cannot label a namespace into a tenant", admin, []string{"label", "namespace", "default", tenantLabel + "=oil"}, false},
 		{"the tenant controller can", controller, []string{"label", "namespace", "default", tenantLabel + "=oil"}, true},
 		{"an administrator cannot move it to another tenant", admin, []string{"label", "--overwrite", "namespace", "default", tenantLabel + "=gas"}, false},
@@ -278,7 +289,11 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 			var err error
 			var out, stderr string
 			if tc.args[0] == "create-owned" {
-				f := writeFile(t, filepath.Join(t.TempDir(), "owned.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: owned\n  ownerReferences: [{apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uid: 6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10}]\n")
+				ns := "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: " + tc.args[1] + "\n"
+				if !strings.HasPrefix(tc.args[1], "plain-") {
+					ns += "  ownerReferences: [{apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uid: 6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10}]\n"
+				}
+				f := writeFile(t, filepath.Join(t.TempDir(), "owned.yaml"), ns)
 				out, stderr, err = runErr(kubectl, append(append([]string{}, tc.as...), "create", "-f", f)...)
 			} else if tc.args[0] == "apply" {
 				f := writeFile(t, filepath.Join(t.TempDir(), "ns.yaml"), "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: sneaky\n  labels: {"+tenantLabel+": oil}\n")
@@ -293,6 +308,12 @@ func TestTenantLabelAdmissionPolicy(t *testing.T) {
 			require.Error(t, err, out)
 			if tc.args[0] == "patch" {
 				require.Contains(t, stderr, "only the tenant controller may add, change or remove a namespace's owner reference to a Tenant")
+				return
+			}
+			if tc.args[0] == "create-owned" {
+				require.Contains(t, stderr, "only the tenant controller or a tenant owner may create a namespace owned by a Tenant")
+				_, err := c.Client.CoreV1().Namespaces().Get(ctx, tc.args[1], metav1.GetOptions{})
+				require.True(t, apierrors.IsNotFound(err), "refused, so not created")
 				return
 			}
 			require.Contains(t, stderr, "only the tenant controller may set, change or remove the label")

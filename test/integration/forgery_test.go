@@ -16,6 +16,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
@@ -198,7 +199,7 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 	// cluster-admin here: its RBAC is not what is under test.
 	_, err = c.Client.RbacV1().Roles("tenant").Create(ctx, &rbacv1.Role{
 		ObjectMeta: metav1.ObjectMeta{Name: "secrets"},
-		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "create", "update", "delete"}}},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "create", "update", "patch", "delete"}}},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	_, err = c.Client.RbacV1().RoleBindings("tenant").Create(ctx, &rbacv1.RoleBinding{
@@ -253,6 +254,38 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		_, err = alice.CoreV1().Secrets("tenant").Update(ctx, s, metav1.UpdateOptions{})
 		require.Error(t, err)
 		require.Contains(t, err.Error(), "only tokenbroker's ServiceAccount may label a Secret tokenbroker.io/kind=lease")
+	})
+
+	t.Run("A tenant may not strip the grant, the revoke-on-unmatch mark or the peer label from the broker's lease.", func(t *testing.T) {
+		// Revocation on unmatch trusts these: a lease without them is
+		// skipped when its namespace leaves its selector grant.
+		_, brokerClient := as(t, c, brokerUser, "system:serviceaccounts", "system:serviceaccounts:tokenbroker")
+		l := forgedLease("tenant", "bybroker00000000000000000aa", "west", westID, broker.SecretTypeLease, soon)
+		l.Annotations[broker.AnnotationGrant] = "oil"
+		l.Annotations[broker.AnnotationRevokeOnUnmatch] = "0s"
+		_, err := brokerClient.CoreV1().Secrets("tenant").Create(ctx, l, metav1.CreateOptions{})
+		require.NoError(t, err, "the broker's ServiceAccount writes its lease")
+		for _, patch := range []string{
+			`{"metadata":{"annotations":{"tokenbroker.io/grant":null}}}`,
+			`{"metadata":{"annotations":{"tokenbroker.io/revoke-on-unmatch":null}}}`,
+			`{"metadata":{"labels":{"` + broker.LabelPeer + `":null}}}`,
+			`{"metadata":{"labels":{"` + broker.LabelKind + `":"stripped"}}}`,
+		} {
+			_, err := alice.CoreV1().Secrets("tenant").Patch(ctx, l.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+			require.Error(t, err, patch)
+			require.Contains(t, err.Error(), "only tokenbroker's ServiceAccount may create or change Secrets of type tokenbroker.io/lease", patch)
+		}
+		got, err := alice.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
+		require.NoError(t, err)
+		delete(got.Annotations, broker.AnnotationGrant)
+		_, err = alice.CoreV1().Secrets("tenant").Update(ctx, got, metav1.UpdateOptions{})
+		require.Error(t, err, "an update is refused as a patch is")
+		got, err = c.Client.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
+		require.NoError(t, err)
+		require.Equal(t, "oil", got.Annotations[broker.AnnotationGrant])
+		require.Equal(t, "0s", got.Annotations[broker.AnnotationRevokeOnUnmatch])
+		require.Equal(t, "west", got.Labels[broker.LabelPeer])
+		require.NoError(t, alice.CoreV1().Secrets("tenant").Delete(ctx, l.Name, metav1.DeleteOptions{}), "deleting stays the tenant's right")
 	})
 
 	t.Run("The broker, as its ServiceAccount, still issues and revokes leases.", func(t *testing.T) {

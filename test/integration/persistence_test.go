@@ -31,6 +31,8 @@ peers:
         serviceAccounts: [secret-maker]
       - namespaces: [argo]
         serviceAccounts: [token-maker]
+      - namespaces: [argo]
+        serviceAccounts: [secret-reader]
   - name: north
     identity: spiffe://it.tokenbroker.test/cluster/north
     grants:
@@ -54,7 +56,7 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 	ctx := context.Background()
 	ensureNamespace(t, c, "argo")
 	rbac := c.Client.RbacV1()
-	for _, sa := range []string{"reader", "editor", "secret-maker", "token-maker"} {
+	for _, sa := range []string{"reader", "editor", "secret-maker", "token-maker", "secret-reader"} {
 		_, err := c.Client.CoreV1().ServiceAccounts("argo").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa}}, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
@@ -70,13 +72,15 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 		}, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
-	role("reader", rbacv1.PolicyRule{Verbs: []string{"get", "list", "watch"}, APIGroups: []string{"", "apps"}, Resources: []string{"secrets", "pods", "deployments", "serviceaccounts"}})
-	role("secret-maker", rbacv1.PolicyRule{Verbs: []string{"get", "create"}, APIGroups: []string{""}, Resources: []string{"secrets"}})
+	role("reader", rbacv1.PolicyRule{Verbs: []string{"get", "list", "watch"}, APIGroups: []string{"", "apps"}, Resources: []string{"configmaps", "pods", "deployments", "serviceaccounts"}})
+	role("secret-maker", rbacv1.PolicyRule{Verbs: []string{"create"}, APIGroups: []string{""}, Resources: []string{"secrets"}})
+	role("secret-reader", rbacv1.PolicyRule{Verbs: []string{"get", "list"}, APIGroups: []string{""}, Resources: []string{"secrets"}})
 	role("token-maker", rbacv1.PolicyRule{Verbs: []string{"create"}, APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}})
 	bind("reader", "Role", "reader")
 	bind("editor", "ClusterRole", "edit")
 	bind("secret-maker", "Role", "secret-maker")
 	bind("token-maker", "Role", "token-maker")
+	bind("secret-reader", "Role", "secret-reader")
 	// edit is empty until the controller manager has aggregated it.
 	require.Eventually(t, func() bool {
 		cr, err := rbac.ClusterRoles().Get(ctx, "edit", metav1.GetOptions{})
@@ -98,7 +102,7 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 	})
 	t.Run("a ServiceAccount bound to edit is warned of, and edit is named as growing", func(t *testing.T) {
 		w := all("peers[0].grants[1]")
-		require.Contains(t, w, "argo/editor can create secrets, create serviceaccounts/token")
+		require.Contains(t, w, "argo/editor can create secrets, get secrets, list secrets, create serviceaccounts/token")
 		require.Contains(t, w, "create pods")
 		require.Contains(t, w, "outlives the lease")
 		require.Contains(t, w, "argo/editor: bound to the aggregated ClusterRole edit, which grows")
@@ -111,6 +115,16 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 		require.Len(t, byGrant["peers[0].grants[3]"], 1)
 		require.True(t, strings.HasPrefix(all("peers[0].grants[3]"), "argo/token-maker can create serviceaccounts/token: a credential made with it outlives the lease"), all("peers[0].grants[3]"))
 	})
+	t.Run("a ServiceAccount that may read Secrets is warned of (a legacy token Secret never expires)", func(t *testing.T) {
+		require.Len(t, byGrant["peers[0].grants[4]"], 1)
+		require.True(t, strings.HasPrefix(all("peers[0].grants[4]"), "argo/secret-reader can get secrets, list secrets: a credential made with it outlives the lease"), all("peers[0].grants[4]"))
+	})
+	t.Run("a ServiceAccount bound to edit is warned of exec, pod changes and workload patches", func(t *testing.T) {
+		w := all("peers[0].grants[1]")
+		for _, can := range []string{"create pods/exec", "get pods/exec", "patch pods", "patch deployments.apps", "update statefulsets.apps", "create replicasets.apps", "patch replicationcontrollers"} {
+			require.Contains(t, w, can)
+		}
+	})
 	t.Run("a certificate grant with a read-only role is not warned of", func(t *testing.T) {
 		require.Empty(t, byGrant["peers[1].grants[0]"])
 	})
@@ -121,7 +135,7 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 	})
 	t.Run("nothing else is warned of", func(t *testing.T) {
 		for field := range byGrant {
-			require.Contains(t, []string{"peers[0].grants[1]", "peers[0].grants[2]", "peers[0].grants[3]", "peers[2].grants[0]"}, field)
+			require.Contains(t, []string{"peers[0].grants[1]", "peers[0].grants[2]", "peers[0].grants[3]", "peers[0].grants[4]", "peers[2].grants[0]"}, field)
 		}
 	})
 	t.Run("a caller that may not review access gets an error, not a clean bill", func(t *testing.T) {
