@@ -74,15 +74,7 @@ func (l *enrollLimiter) take(key string, perMinute, burst int) (ok bool, retryAf
 		b = &enrollBucket{key: key, perMinute: perMinute, burst: burst, lim: rate.NewLimiter(rate.Limit(float64(perMinute)/60), burst)}
 		l.byKey[key] = l.order.PushBack(b)
 	}
-	r := b.lim.ReserveN(now, 1)
-	if !r.OK() {
-		return false, time.Minute
-	}
-	if d := r.DelayFrom(now); d > 0 {
-		r.CancelAt(now)
-		return false, d
-	}
-	return true, 0
+	return takeAt(b.lim, now)
 }
 
 // makeRoom keeps the limiter below its bound for one more bucket; l.mu is

@@ -181,7 +181,13 @@ func (l *limiter) take(key string, perMinute, burst int) (ok bool, retryAfter ti
 		b = &bucket{perMinute: perMinute, burst: burst, lim: rate.NewLimiter(rate.Limit(float64(perMinute)/60), burst)}
 		l.buckets[key] = b
 	}
-	r := b.lim.ReserveN(now, 1)
+	return takeAt(b.lim, now)
+}
+
+// takeAt takes one token from lim at now, or reports how long until one is
+// there (a minute if it never will be); a refusal takes nothing.
+func takeAt(lim *rate.Limiter, now time.Time) (ok bool, retryAfter time.Duration) {
+	r := lim.ReserveN(now, 1)
 	if !r.OK() {
 		return false, time.Minute
 	}
