@@ -17,18 +17,22 @@ import (
 
 // TestCLIConfigValidateWarnsOfGrantsWhoseHoldersOutliveTheLease runs the
 // real binary's "config validate --kubeconfig" against a real API server:
-// the grant whose ServiceAccount may create Secrets is warned of, the one
-// whose ServiceAccount may only read is not, and the exit status stays 0.
+// the grant whose ServiceAccount may create and read Secrets is warned of,
+// the one whose ServiceAccount may only read ConfigMaps is not, and the
+// exit status stays 0.
 func TestCLIConfigValidateWarnsOfGrantsWhoseHoldersOutliveTheLease(t *testing.T) {
 	c := testcluster.Start(t)
 	ctx := context.Background()
 	_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "argo"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	for name, verbs := range map[string][]string{"reader": {"get", "list"}, "maker": {"get", "create"}} {
+	for name, rule := range map[string]rbacv1.PolicyRule{
+		"reader": {Verbs: []string{"get", "list"}, APIGroups: []string{""}, Resources: []string{"configmaps"}},
+		"maker":  {Verbs: []string{"get", "create"}, APIGroups: []string{""}, Resources: []string{"secrets", "configmaps"}},
+	} {
 		_, err := c.Client.CoreV1().ServiceAccounts("argo").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
 		require.NoError(t, err)
 		_, err = c.Client.RbacV1().Roles("argo").Create(ctx, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: name},
-			Rules: []rbacv1.PolicyRule{{Verbs: verbs, APIGroups: []string{""}, Resources: []string{"secrets", "configmaps"}}}}, metav1.CreateOptions{})
+			Rules: []rbacv1.PolicyRule{rule}}, metav1.CreateOptions{})
 		require.NoError(t, err)
 		_, err = c.Client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: name},
 			Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: "argo"}},
@@ -48,7 +52,7 @@ peers:
 	out, stderr, err := runErr(tokenbrokerBinary(t), "config", "validate", "--kubeconfig", c.KubeconfigPath, file)
 	require.NoError(t, err, "warnings do not fail the check\n%s%s", out, stderr)
 	require.Equal(t, file+": valid policy config\n", out)
-	require.Contains(t, stderr, file+": peers[0].grants[1]: warning: argo/maker can create secrets: a credential made with it outlives the lease")
+	require.Contains(t, stderr, file+": peers[0].grants[1]: warning: argo/maker can create secrets, get secrets: a credential made with it outlives the lease")
 	require.NotContains(t, stderr, "peers[0].grants[0]")
 
 	// A cluster the check cannot ask is a failure, not a clean bill.
