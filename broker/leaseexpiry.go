@@ -3,6 +3,7 @@ package broker
 import (
 	"container/heap"
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -137,8 +138,9 @@ func (b *Broker) expireLease(s *corev1.Secret, kind string, log *zap.Logger) {
 		// The lease owns the binding, so the garbage collector deletes it
 		// with the lease anyway; deleting it first makes the certificate
 		// useless at the expiry, not a moment after.
-		err := b.cfg.RoleBindings.RoleBindings(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
+		// Only a binding the lease owns, as a revocation: one of the same
+		// name made by someone else is left alone.
+		if err := b.deleteOwnedRoleBinding(ctx, s); err != nil && !errors.Is(err, errNotOwned) {
 			log.Warn("deleting an expired lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))
 		}
 	}

@@ -25,7 +25,10 @@ func TestAnExpiredCertificateLeaseLosesItsRoleBindingAndItsSecretAtItsExpiry(t *
 	name := leaseSecretPrefix + "aaaaaaaaaaaaaaaaaaaaaaaaaa"
 	s, err := e.client.CoreV1().Secrets("argo").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "u1"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	_, err = e.client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name}}, metav1.CreateOptions{})
+	// The lease owns its binding, as the clientcert issuer makes it.
+	owner := metav1.OwnerReference{APIVersion: "v1", Kind: "Secret", Name: name, UID: s.UID}
+	_, err = e.client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "rb1",
+		OwnerReferences: []metav1.OwnerReference{owner}}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 
 	e.b.expireLeaseAt(s, apiv1.CredentialClientCertificate, clk.Now().Add(time.Minute), zap.NewNop())
@@ -39,4 +42,25 @@ func TestAnExpiredCertificateLeaseLosesItsRoleBindingAndItsSecretAtItsExpiry(t *
 	require.Never(t, func() bool { return bindings() == 0 }, 100*time.Millisecond, 10*time.Millisecond)
 	clk.Step(time.Second)
 	require.Eventually(t, func() bool { return bindings() == 0 && e.leaseCount(t) == 0 }, 5*time.Second, 10*time.Millisecond)
+}
+
+// A binding of the lease's name that the lease does not own (made by
+// someone else after a revocation, say) is left alone at the expiry.
+func TestAnExpiredLeaseLeavesARoleBindingItDoesNotOwn(t *testing.T) {
+	t.Parallel()
+	e, clk := newLimitsEnv(t, testPolicy)
+	e.b.cfg.RoleBindings = e.client.RbacV1()
+	ctx := context.Background()
+	name := leaseSecretPrefix + "bbbbbbbbbbbbbbbbbbbbbbbbbb"
+	s, err := e.client.CoreV1().Secrets("argo").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "u2"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = e.client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "rb2"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	e.b.expireLeaseAt(s, apiv1.CredentialClientCertificate, clk.Now().Add(time.Minute), zap.NewNop())
+	require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond, "the timer is set")
+	clk.Step(time.Minute)
+	require.Eventually(t, func() bool { return e.leaseCount(t) == 0 }, 5*time.Second, 10*time.Millisecond, "the lease goes")
+	_, err = e.client.RbacV1().RoleBindings("argo").Get(ctx, name, metav1.GetOptions{})
+	require.NoError(t, err, "the binding it does not own stays")
 }
