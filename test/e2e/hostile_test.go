@@ -330,6 +330,34 @@ func mustPool(t *testing.T, file string) *x509.CertPool {
 
 // countLeases counts the broker's Secrets but the unclaimed pooled ones,
 // which are no lease (broker/pool.go).
+// leaseSecretIDs returns the lease ids of the lease Secrets in c.
+func leaseSecretIDs(t *testing.T, c *testcluster.Cluster) map[string]bool {
+	t.Helper()
+	l, err := c.Client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
+		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "=" + broker.LeaseKind,
+	})
+	require.NoError(t, err)
+	ids := map[string]bool{}
+	for _, s := range l.Items {
+		ids[s.Labels[broker.LabelLeaseID]] = true
+	}
+	return ids
+}
+
+// newLeases counts the leases of c whose ids are not in before: unlike a
+// difference of counts, a lease revoked meanwhile (an agent's health
+// check) does not hide a new one.
+func newLeases(t *testing.T, c *testcluster.Cluster, before map[string]bool) int {
+	t.Helper()
+	n := 0
+	for id := range leaseSecretIDs(t, c) {
+		if !before[id] {
+			n++
+		}
+	}
+	return n
+}
+
 func countLeases(t *testing.T, c *testcluster.Cluster) int {
 	t.Helper()
 	l, err := c.Client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
