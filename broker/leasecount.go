@@ -288,7 +288,10 @@ func (lc *LeaseCounter) markedUnexpiredLocked(c *counted) bool {
 		return false
 	}
 	_, expired := lc.expired[c.key]
-	return !expired && (c.expires.IsZero() || lc.clock.Now().Before(c.expires))
+	// The capped expiry (until): a forged far-future or missing one would
+	// keep its namespace watched for ever.
+	u := lc.until(c)
+	return !expired && (u.IsZero() || lc.clock.Now().Before(u))
 }
 
 // counterStore is a reflector's store that counts: what the reflector
@@ -358,12 +361,34 @@ func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 		lc.forget(key, c)
 	}
 	mark, marked := m.Annotations[AnnotationRevokeOnUnmatch]
-	c := &counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], identity: m.Annotations[AnnotationIdentity], expires: exp,
+	// Anyone who may create Secrets can make one of the lease type (unless
+	// the lease admission policy is on): what is kept of it is bounded, so
+	// that large annotations cost the broker no memory. A value longer
+	// than the broker ever writes is kept as "", which verifies as nothing.
+	c := &counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], identity: bounded(m.Annotations[AnnotationIdentity], maxKeptIdentity), expires: exp,
 		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time,
-		grant: m.Annotations[AnnotationGrant], mark: mark, marked: marked}
+		grant: bounded(m.Annotations[AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
 	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
 	lc.count(c)
 	return key
+}
+
+// The longest identity, grant and revoke-on-unmatch mark the counter
+// keeps of a lease Secret: a peer's identity is a URI the policy names
+// (pki bounds it well below), a grant a policy path or name, a mark a
+// duration.
+const (
+	maxKeptIdentity = 2048
+	maxKeptGrant    = 256
+	maxKeptMark     = 64
+)
+
+// bounded is s, or "" if s is longer than max bytes.
+func bounded(s string, max int) string {
+	if len(s) > max {
+		return ""
+	}
+	return s
 }
 
 // count starts counting c, unless it has expired, is not verified or is a

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -303,4 +304,47 @@ func TestTheGarbageCollectorLeavesSecretsOfAnotherTypeWithTheLeaseLabels(t *test
 	require.Equal(t, 1, n, "the expired lease")
 	_, err = e.client.CoreV1().Secrets("argo").Get(ctx, "someone-elses", metav1.GetOptions{})
 	require.NoError(t, err, "not the broker's to delete")
+}
+
+// A forged Secret of the lease type with large annotations costs the
+// counter no more than a small one: values longer than the broker ever
+// writes are not kept, and such a Secret verifies as nothing.
+func TestTheCounterKeepsNothingOfOversizedLeaseAnnotations(t *testing.T) {
+	t.Parallel()
+	e := newForgeryEnv(t)
+	now := e.clock.Now()
+	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west/"+strings.Repeat("x", 200_000), now, now.Add(time.Hour))
+	m.Annotations[AnnotationGrant] = strings.Repeat("g", 50_000)
+	m.Annotations[AnnotationRevokeOnUnmatch] = strings.Repeat("1", 50_000)
+	e.lc.add(m)
+	e.lc.mu.Lock()
+	c := e.lc.byKey["argo/tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa"]
+	e.lc.mu.Unlock()
+	require.NotNil(t, c)
+	require.Empty(t, c.identity)
+	require.Empty(t, c.grant)
+	require.Empty(t, c.mark)
+	own, total := e.lc.Live("west")
+	require.Zero(t, own, "an identity the broker never writes verifies as nothing")
+	require.Zero(t, total)
+}
+
+// A forged lease marked for revocation on unmatch, with an expiry years
+// away, keeps its namespace watched only until creation plus the longest
+// TTL and its slack, as it counts.
+func TestAForgedMarkAgesOutWithTheCappedExpiry(t *testing.T) {
+	t.Parallel()
+	e := newForgeryEnv(t)
+	now := e.clock.Now()
+	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.AddDate(10, 0, 0))
+	m.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	e.lc.add(m)
+	marked := func() bool {
+		e.lc.mu.Lock()
+		defer e.lc.mu.Unlock()
+		return e.lc.markedNamespacesLocked()["argo"]
+	}
+	require.True(t, marked())
+	e.clock.Step(24*time.Hour + 10*time.Minute)
+	require.False(t, marked(), "past creation + ttl.max + slack")
 }
