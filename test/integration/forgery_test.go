@@ -288,6 +288,27 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		require.NoError(t, alice.CoreV1().Secrets("tenant").Delete(ctx, l.Name, metav1.DeleteOptions{}), "deleting stays the tenant's right")
 	})
 
+	t.Run("A lease being deleted may lose its finalizers, as the garbage collector's orphan and foreground deletions need.", func(t *testing.T) {
+		// Refusing that update would keep the lease, and the token bound
+		// to it, Terminating for good.
+		_, brokerClient := as(t, c, brokerUser, "system:serviceaccounts", "system:serviceaccounts:tokenbroker")
+		l := forgedLease("tenant", "byfinal000000000000000000aa", "west", westID, broker.SecretTypeLease, soon)
+		l.Finalizers = []string{"orphan"}
+		_, err := brokerClient.CoreV1().Secrets("tenant").Create(ctx, l, metav1.CreateOptions{})
+		require.NoError(t, err)
+		require.NoError(t, alice.CoreV1().Secrets("tenant").Delete(ctx, l.Name, metav1.DeleteOptions{}))
+		got, err := c.Client.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
+		require.NoError(t, err)
+		require.NotNil(t, got.DeletionTimestamp, "held by its finalizer")
+		got.Finalizers = nil
+		_, err = c.Client.CoreV1().Secrets("tenant").Update(ctx, got, metav1.UpdateOptions{})
+		require.NoError(t, err, "someone other than the broker removes the finalizer")
+		require.Eventually(t, func() bool {
+			_, err := c.Client.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
+			return apierrors.IsNotFound(err)
+		}, 10*time.Second, 50*time.Millisecond, "the lease is gone")
+	})
+
 	t.Run("The broker, as its ServiceAccount, still issues and revokes leases.", func(t *testing.T) {
 		kube, _ := as(t, c, brokerUser, "system:serviceaccounts", "system:serviceaccounts:tokenbroker")
 		s := startStack(t, c, `peers:
