@@ -3,7 +3,6 @@ package broker
 import (
 	"container/heap"
 	"context"
-	"errors"
 	"sync"
 	"time"
 
@@ -11,8 +10,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
-	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // MinLeaseTTL is the shortest lease the broker grants: a shorter ttl is
@@ -134,16 +131,9 @@ func (h *expiryTimers) Pop() any {
 func (b *Broker) expireLease(s *corev1.Secret, kind string, log *zap.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
 	defer cancel()
-	if kind == apiv1.CredentialClientCertificate && b.cfg.RoleBindings != nil {
-		// The lease owns the binding, so the garbage collector deletes it
-		// with the lease anyway; deleting it first makes the certificate
-		// useless at the expiry, not a moment after.
-		// Only a binding the lease owns, as a revocation: one of the same
-		// name made by someone else is left alone.
-		if err := b.deleteOwnedRoleBinding(ctx, s); err != nil && !errors.Is(err, errNotOwned) {
-			log.Warn("deleting an expired lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))
-		}
-	}
+	// The binding first: the certificate is useless at the expiry, not a
+	// moment after.
+	b.deleteLeaseBinding(ctx, s, kind, log)
 	if err := b.deleteSecret(ctx, s); err != nil {
 		if apierrors.IsConflict(err) {
 			return // another Secret under its name: not this lease

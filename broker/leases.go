@@ -153,15 +153,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 	}
 	ev.Peer, ev.Namespace = s.Labels[LabelPeer], s.Namespace
 	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred], s.Annotations[AnnotationUser]
-	if s.Annotations[AnnotationCred] == apiv1.CredentialClientCertificate && b.cfg.RoleBindings != nil {
-		// The certificate's only permission goes first, at once. The lease
-		// owns the binding, so the garbage collector would delete it too,
-		// a moment later; should this fail, that still happens.
-		if err := b.deleteOwnedRoleBinding(ctx, s); err != nil {
-			b.cfg.Logger.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease",
-				zap.String("lease_id", id), zap.Error(err))
-		}
-	}
+	b.deleteLeaseBinding(ctx, s, s.Annotations[AnnotationCred], b.cfg.Logger.With(zap.String("lease_id", id)))
 	if err := b.deleteSecret(ctx, s); err != nil {
 		return classify(err, "revoke lease", "lease not found")
 	}
@@ -206,6 +198,23 @@ func (b *Broker) deleteOwnedRoleBinding(ctx context.Context, s *corev1.Secret) e
 		return fmt.Errorf("delete RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
 	}
 	return nil
+}
+
+// deleteLeaseBinding deletes, before the lease Secret s of credential kind
+// kind, a client certificate's RoleBinding, the certificate's only
+// permission, at once; only one the lease owns (deleteOwnedRoleBinding).
+// The garbage collector would delete an owned binding with the lease a
+// moment later, so a failure is only logged.
+func (b *Broker) deleteLeaseBinding(ctx context.Context, s *corev1.Secret, kind string, log *zap.Logger) {
+	if kind != apiv1.CredentialClientCertificate || b.cfg.RoleBindings == nil {
+		return
+	}
+	switch err := b.deleteOwnedRoleBinding(ctx, s); {
+	case errors.Is(err, errNotOwned):
+		log.Info("the RoleBinding of the lease's name is not the lease's; left alone")
+	case err != nil:
+		log.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))
+	}
 }
 
 // ownLease reports whether the lease Secret s, listed by the peer's label,
