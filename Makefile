@@ -31,6 +31,18 @@ SCALE_GC_INTERVAL ?= 30s
 # processes that serve them.
 AGENT_TARGETS ?= 100
 AGENT_BROKERS ?= 4
+# The Kubernetes release the harness builds and runs: one of test/kube/<version>
+# (test/testcluster.DefaultKubeVersion when unset). `make test-compat` runs the
+# integration tier on the oldest supported release, COMPAT_KUBE_VERSION.
+KUBE_VERSION ?=
+ifneq ($(KUBE_VERSION),)
+export KUBE_VERSION
+endif
+COMPAT_KUBE_VERSION ?= v1.35.4
+# What `make test-compat` runs besides test/integration: the e2e tests of the
+# agent, client certificates (CSR signing, RBAC revocation), tenant selectors,
+# per-peer limits, revocation and the audit join.
+COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
@@ -43,7 +55,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube test-compat helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -53,7 +65,7 @@ help: ## list the targets
 build: ## build bin/tokenbroker
 	$(GO) build -buildvcs=auto -ldflags '$(LDFLAGS)' -o $(BIN)/tokenbroker ./cmd/tokenbroker
 
-kube: ## build kube-apiserver, kube-controller-manager and kubectl from the pinned k8s.io/kubernetes (minutes the first time, then cached)
+kube: ## build kube-apiserver, kube-controller-manager and kubectl of KUBE_VERSION (default the newest supported) into bin/kube/<version> (minutes the first time, then cached)
 	cd test && $(GO) run ./cmd/kubebins
 
 helm: ## build bin/helm (the pinned HELM_VERSION) from the Go module proxy unless it is there
@@ -106,6 +118,11 @@ unit: ## unit tests with the race detector, and each fuzz target briefly
 
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
 	cd test && $(GO) test -count=1 -timeout 20m ./...
+
+test-compat: build helm localcluster ## the integration tier on the oldest supported Kubernetes (COMPAT_KUBE_VERSION, built into bin/kube/<version>)
+	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) run ./cmd/kubebins
+	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m ./integration/...
+	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m -run '^($(COMPAT_E2E))$$' ./e2e/
 
 conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-inventory-api, Kueue's controllers, and the Admiralty and Kargo mirrors) into bin/
 	@set -e; for m in $(CONSUMERS); do \

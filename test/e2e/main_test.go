@@ -7,13 +7,11 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -40,47 +38,15 @@ func tokenbrokerBinary(t *testing.T) string {
 	return p
 }
 
-// kubectlBinary returns a kubectl of at least 1.28: bin/kubectl, else the one
-// on PATH, else one built from the pinned k8s.io/kubernetes module.
+// kubectlBinary returns the kubectl of the harness's Kubernetes release
+// ($KUBE_VERSION), built from its pinned k8s.io/kubernetes module if missing.
 func kubectlBinary(t *testing.T) string {
 	t.Helper()
-	dir := os.Getenv(testcluster.BinDirEnv)
-	if dir == "" {
-		dir = filepath.Join(repoRoot(t), "bin")
-	}
-	for _, p := range []string{filepath.Join(dir, "kubectl"), lookPath("kubectl")} {
-		if p != "" && kubectlMinor(p) >= 28 {
-			return p
-		}
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	p, err := testcluster.Binary(ctx, dir, testcluster.Kubectl)
+	p, err := testcluster.Binary(ctx, "", testcluster.Kubectl)
 	require.NoError(t, err)
 	return p
-}
-
-func lookPath(name string) string {
-	p, _ := exec.LookPath(name)
-	return p
-}
-
-func kubectlMinor(path string) int {
-	if _, err := os.Stat(path); err != nil {
-		return 0
-	}
-	out, err := exec.Command(path, "version", "--client", "-o", "json").Output()
-	if err != nil {
-		return 0
-	}
-	var v struct {
-		ClientVersion struct{ Minor string } `json:"clientVersion"`
-	}
-	if json.Unmarshal(out, &v) != nil {
-		return 0
-	}
-	n, _ := strconv.Atoi(strings.TrimRight(v.ClientVersion.Minor, "+"))
-	return n
 }
 
 func repoRoot(t *testing.T) string {

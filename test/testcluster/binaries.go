@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -19,8 +20,19 @@ import (
 // directory holding (or to receive) the kube binaries.
 const BinDirEnv = "TOKENBROKER_BIN_DIR"
 
+// KubeVersionEnv names the environment variable that picks the Kubernetes
+// release the harness builds and runs (KUBE_VERSION=v1.35.4); unset, it is
+// DefaultKubeVersion. Each release the harness can build is a small module
+// of its own, test/kube/<version>, that pins k8s.io/kubernetes at that
+// version; the binaries of each are kept apart in <bin>/kube/<version>.
+const KubeVersionEnv = "KUBE_VERSION"
+
+// DefaultKubeVersion is the release `make test` runs against: the newest
+// Kubernetes the project supports.
+const DefaultKubeVersion = "v1.37.2"
+
 // Names of the binaries the harness can build. They are pinned in
-// test/hack/tools.go.
+// test/kube/<version>/tools.go.
 const (
 	KubeAPIServer         = "kube-apiserver"
 	KubeControllerManager = "kube-controller-manager"
@@ -39,14 +51,59 @@ const (
 	buildOutputLimit  = 8192
 	kubernetesModule  = "k8s.io/kubernetes"
 	kubernetesCmdPath = kubernetesModule + "/cmd/"
+	kubeModulesDir    = "kube" // under test/: one module per release
+	kubeBinSubdir     = "kube" // under the binary directory: one directory per release
 )
 
+// KubeVersion returns the Kubernetes release the harness uses: $KUBE_VERSION
+// if set, else DefaultKubeVersion. It fails, naming the releases there are,
+// when test/kube holds no module for it.
+func KubeVersion() (string, error) {
+	v := strings.TrimSpace(os.Getenv(KubeVersionEnv))
+	if v == "" {
+		v = DefaultKubeVersion
+	}
+	if !strings.HasPrefix(v, "v") {
+		v = "v" + v
+	}
+	root, err := repoRoot()
+	if err != nil {
+		return "", fmt.Errorf("locate test/%s: %w", kubeModulesDir, err)
+	}
+	if strings.ContainsAny(v, `/\`) || !isFile(filepath.Join(root, "test", kubeModulesDir, v, "go.mod")) {
+		have, _ := KubeVersions()
+		return "", fmt.Errorf("%s=%s: the harness has no module test/%s/%s; it can build %s", KubeVersionEnv, v, kubeModulesDir, v, strings.Join(have, ", "))
+	}
+	return v, nil
+}
+
+// KubeVersions lists the releases the harness can build: the modules under
+// test/kube.
+func KubeVersions() ([]string, error) {
+	root, err := repoRoot()
+	if err != nil {
+		return nil, err
+	}
+	entries, err := os.ReadDir(filepath.Join(root, "test", kubeModulesDir))
+	if err != nil {
+		return nil, err
+	}
+	var vs []string
+	for _, e := range entries {
+		if e.IsDir() && isFile(filepath.Join(root, "test", kubeModulesDir, e.Name(), "go.mod")) {
+			vs = append(vs, e.Name())
+		}
+	}
+	return vs, nil
+}
+
 // Binary returns the path of one of the pinned kube binaries (KubeAPIServer,
-// KubeControllerManager or Kubectl), building it with `go build` from the
-// test module only if it is missing: a present binary is trusted, so that a
-// test never pays for a rebuild (EnsureBinaries, run by the Makefile, is what
-// replaces stale ones). binDir may be empty: then $TOKENBROKER_BIN_DIR is
-// used if set, else bin/ at the repository root. Parallel callers, also in
+// KubeControllerManager or Kubectl) of KubeVersion, building it with `go
+// build` from test/kube/<version> only if it is missing: a present binary is
+// trusted, so that a test never pays for a rebuild (EnsureBinaries, run by
+// the Makefile, is what replaces stale ones). binDir may be empty: then
+// $TOKENBROKER_BIN_DIR is used if set, else bin/ at the repository root; the
+// binaries live in its kube/<version> subdirectory. Parallel callers, also in
 // other processes, build a binary only once: builds hold a flock on a lock
 // file in the binary directory. The first build of kube-apiserver takes
 // minutes; ctx bounds the wait for the lock and the build.
@@ -54,7 +111,7 @@ func Binary(ctx context.Context, binDir, name string) (string, error) {
 	if err := checkNames(name); err != nil {
 		return "", err
 	}
-	dir, err := resolveBinDir(binDir)
+	dir, version, err := kubeBinDir(binDir)
 	if err != nil {
 		return "", err
 	}
@@ -67,7 +124,7 @@ func Binary(ctx context.Context, binDir, name string) (string, error) {
 		if isExecutable(path) {
 			return nil
 		}
-		return build(ctx, dir, []string{name})
+		return build(ctx, dir, version, []string{name})
 	})
 	if err != nil {
 		return "", err
@@ -76,8 +133,11 @@ func Binary(ctx context.Context, binDir, name string) (string, error) {
 }
 
 // EnsureBinaries builds the named binaries (all of them when names is empty)
-// into binDir (resolved as for Binary) unless each is present and was built
-// from the current test/go.mod, test/go.sum and Go toolchain. Make targets
+// of KubeVersion into binDir/kube/<version> (binDir resolved as for Binary)
+// unless each is present and was built from the current
+// test/kube/<version>/go.mod, go.sum and Go toolchain. For the default
+// version it also links <binDir>/kubectl to its kubectl, the one README's
+// commands run. Make targets
 // call it (through test/cmd/kubebins) once per run, so that tests find fresh
 // binaries; when nothing changed it costs a second, not a relink.
 func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
@@ -87,12 +147,12 @@ func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
 	if err := checkNames(names...); err != nil {
 		return err
 	}
-	dir, err := resolveBinDir(binDir)
+	dir, version, err := kubeBinDir(binDir)
 	if err != nil {
 		return err
 	}
-	return withBuildLock(ctx, dir, func() error {
-		inputs, err := buildInputs(ctx)
+	if err := withBuildLock(ctx, dir, func() error {
+		inputs, err := buildInputs(ctx, version)
 		if err != nil {
 			return err
 		}
@@ -107,7 +167,35 @@ func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
 			return nil
 		}
 		return buildWith(ctx, dir, stale, inputs)
-	})
+	}); err != nil {
+		return err
+	}
+	if version != DefaultKubeVersion || !slices.Contains(names, Kubectl) {
+		return nil
+	}
+	link := filepath.Join(filepath.Dir(filepath.Dir(dir)), Kubectl)
+	target := filepath.Join(kubeBinSubdir, version, Kubectl)
+	if cur, err := os.Readlink(link); err == nil && cur == target {
+		return nil
+	}
+	_ = os.Remove(link)
+	if err := os.Symlink(target, link); err != nil {
+		return fmt.Errorf("link %s: %w", link, err)
+	}
+	return nil
+}
+
+// kubeBinDir returns the directory the binaries of KubeVersion live in.
+func kubeBinDir(binDir string) (dir, version string, err error) {
+	version, err = KubeVersion()
+	if err != nil {
+		return "", "", err
+	}
+	root, err := resolveBinDir(binDir)
+	if err != nil {
+		return "", "", err
+	}
+	return filepath.Join(root, kubeBinSubdir, version), version, nil
 }
 
 func checkNames(names ...string) error {
@@ -165,20 +253,23 @@ func repoRoot() (string, error) {
 // changes whenever the result would.
 type inputs struct {
 	moduleDir   string
-	kubeVersion string // e.g. v1.34.4
+	kubeVersion string // e.g. v1.37.2
 	ldflags     string
 	stamp       string
 }
 
-func buildInputs(ctx context.Context) (*inputs, error) {
+func buildInputs(ctx context.Context, kubeVersion string) (*inputs, error) {
 	root, err := repoRoot()
 	if err != nil {
-		return nil, fmt.Errorf("locate the test module to build from: %w", err)
+		return nil, fmt.Errorf("locate the module to build from: %w", err)
 	}
-	moduleDir := filepath.Join(root, "test")
+	moduleDir := filepath.Join(root, "test", kubeModulesDir, kubeVersion)
 	version, err := goOutput(ctx, moduleDir, "list", "-m", "-f", "{{.Version}}", kubernetesModule)
 	if err != nil {
 		return nil, err
+	}
+	if version != kubeVersion {
+		return nil, fmt.Errorf("test/%s/%s pins %s %s, not %s", kubeModulesDir, kubeVersion, kubernetesModule, version, kubeVersion)
 	}
 	goVersion, err := goOutput(ctx, moduleDir, "env", "GOVERSION")
 	if err != nil {
@@ -192,7 +283,7 @@ func buildInputs(ctx context.Context) (*inputs, error) {
 	for _, f := range []string{"go.mod", "go.sum"} {
 		data, err := os.ReadFile(filepath.Join(moduleDir, f))
 		if err != nil {
-			return nil, fmt.Errorf("read test/%s: %w", f, err)
+			return nil, fmt.Errorf("read test/%s/%s/%s: %w", kubeModulesDir, kubeVersion, f, err)
 		}
 		h.Write(data)
 	}
@@ -230,8 +321,8 @@ func versionLDFlags(version string) (string, error) {
 }
 
 // build compiles names into dir; the caller holds the build lock.
-func build(ctx context.Context, dir string, names []string) error {
-	in, err := buildInputs(ctx)
+func build(ctx context.Context, dir, version string, names []string) error {
+	in, err := buildInputs(ctx, version)
 	if err != nil {
 		return err
 	}

@@ -11,11 +11,13 @@
 // directory and removes it on Stop, so several clusters can run at once in
 // one test binary and in parallel test packages.
 //
-// The binaries come from the k8s.io/kubernetes version pinned in test/go.mod.
-// They are looked up in $TOKENBROKER_BIN_DIR, else in bin/ at the repository
-// root, and built there with `go build` (under a file lock) when missing.
-// The Makefile runs `go run ./cmd/kubebins` in test/ before the tests
-// (EnsureBinaries), which also replaces binaries built from an older go.mod.
+// The binaries come from the Kubernetes release $KUBE_VERSION names (default
+// DefaultKubeVersion), each pinned by a module of its own in
+// test/kube/<version>. They are looked up in kube/<version> under
+// $TOKENBROKER_BIN_DIR, else under bin/ at the repository root, and built
+// there with `go build` (under a file lock) when missing. The Makefile runs
+// `go run ./cmd/kubebins` in test/ before the tests (EnsureBinaries), which
+// also replaces binaries built from an older go.mod.
 //
 // Use Start from tests and Run from programs:
 //

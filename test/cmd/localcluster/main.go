@@ -39,7 +39,8 @@ type config struct {
 const usage = `Usage: localcluster [flags] [-- command [args...]]
 
 Starts a local Kubernetes control plane for development: a real kube-apiserver
-(built from the k8s.io/kubernetes version pinned in test/go.mod) with etcd
+(built from the k8s.io/kubernetes release $KUBE_VERSION names, default
+` + testcluster.DefaultKubeVersion + `) with etcd
 embedded in this process, listening on 127.0.0.1 on a free port. All state
 lives in a temporary directory that is removed on exit.
 

@@ -1,0 +1,22 @@
+package broker
+
+import (
+	"os"
+	"testing"
+)
+
+// TestMain turns off client-go's streaming lists (the WatchListClient
+// feature, on by default since client-go 0.35) for this package's tests:
+// client-go's fake clientsets cannot serve them, and a reflector that asks
+// a fake for one waits forever for its closing bookmark. The reflectors
+// here are given typed getters (corev1client.SecretsGetter, …), through
+// which the fakes' own opt-out (Clientset.IsWatchListSemanticsUnSupported)
+// cannot be seen. Against a real API server the broker keeps client-go's
+// default; test/integration and test/e2e run it that way on every
+// supported Kubernetes release.
+func TestMain(m *testing.M) {
+	if err := os.Setenv("KUBE_FEATURE_WatchListClient", "false"); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
+}
