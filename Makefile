@@ -40,9 +40,9 @@ export KUBE_VERSION
 endif
 COMPAT_KUBE_VERSION ?= v1.35.4
 # What `make test-compat` runs besides test/integration: the e2e tests of the
-# agent, client certificates (CSR signing, RBAC revocation), tenant selectors,
-# per-peer limits, revocation and the audit join.
-COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt
+# agent, client certificates (CSR signing, RBAC revocation), tenant selectors
+# and their admission policy, per-peer limits, revocation and the audit join.
+COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestTenantLabelAdmissionPolicy|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
