@@ -725,12 +725,14 @@ func applyYAML(t *testing.T, kubectl string, c *testcluster.Cluster, doc string)
 }
 
 // runShell runs a guide's shell lines with bash in dir, where `kubectl` is
-// the test's kubectl and talks to the cluster of kubeconfig by default.
+// the test's kubectl and talks to the cluster of kubeconfig by default, and
+// `tokenbroker` the binary under test.
 func runShell(t *testing.T, dir, kubectl, kubeconfig, script string) string {
 	t.Helper()
 	cmd := exec.Command("bash", "-c", "set -euo pipefail\n"+script)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(kubectl)+":"+os.Getenv("PATH"), "KUBECONFIG="+kubeconfig)
+	path := filepath.Dir(kubectl) + ":" + filepath.Dir(tokenbrokerBinary(t)) + ":" + os.Getenv("PATH")
+	cmd.Env = append(os.Environ(), "PATH="+path, "KUBECONFIG="+kubeconfig)
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s\n%s", script, out)
 	return string(out)
