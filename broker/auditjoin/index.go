@@ -76,17 +76,24 @@ func (x *Index) lease(id string) *Lease {
 	return l
 }
 
-// AddLease adds a lease read from its Secret. A lease without a
-// credential id is kept (a later event may name it) but joins nothing.
+// AddLease adds a lease read from its Secret. What the broker's issue
+// event already said of it is kept (it also names the issuing request);
+// the Secret adds its credential id if the event had none. A lease
+// without a credential id is kept (a later event may name it) but joins
+// nothing.
 func (x *Index) AddLease(in Lease) {
 	if in.ID == "" {
 		return
 	}
 	l := x.lease(in.ID)
-	revokedAt, reason := l.RevokedAt, l.RevokeReason
-	*l = in
-	if l.RevokedAt.IsZero() {
-		l.RevokedAt, l.RevokeReason = revokedAt, reason
+	if l.IssuedAt.IsZero() {
+		revokedAt, reason := l.RevokedAt, l.RevokeReason
+		*l = in
+		if l.RevokedAt.IsZero() {
+			l.RevokedAt, l.RevokeReason = revokedAt, reason
+		}
+	} else if l.CredentialID == "" {
+		l.CredentialID = in.CredentialID
 	}
 	if l.CredentialID != "" {
 		x.byCred[l.CredentialID] = l

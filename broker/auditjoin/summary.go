@@ -87,11 +87,13 @@ type LeaseUsage struct {
 // used for together: the unit of right-sizing, since RBAC grants the
 // subject, not the lease.
 type SubjectUsage struct {
-	Grant    string   `json:"grant"`
-	Subject  Subject  `json:"subject"`
-	Leases   []string `json:"leases"`
-	Requests int      `json:"requests"`
-	Uses     []Use    `json:"uses"`
+	Grant   string  `json:"grant"`
+	Subject Subject `json:"subject"`
+	// Namespace is the leases' namespace, where RoleBindings count.
+	Namespace string   `json:"namespace"`
+	Leases    []string `json:"leases"`
+	Requests  int      `json:"requests"`
+	Uses      []Use    `json:"uses"`
 }
 
 type usage struct {
@@ -104,8 +106,8 @@ type usage struct {
 }
 
 type subjectKey struct {
-	grant   string
-	subject Subject
+	grant, namespace string
+	subject          Subject
 }
 
 // Summary aggregates joined requests per lease and per grant and subject.
@@ -130,7 +132,7 @@ func (s *Summary) Add(r Row) {
 		lu = &usage{lease: *l, uses: map[Permission]*Use{}}
 		s.leases[l.ID] = lu
 	}
-	key := subjectKey{grant: l.Grant, subject: l.Subject()}
+	key := subjectKey{grant: l.Grant, namespace: l.Namespace, subject: l.Subject()}
 	su := s.subjects[key]
 	if su == nil {
 		su = &usage{uses: map[Permission]*Use{}}
@@ -197,10 +199,10 @@ func (s *Summary) Subjects() []SubjectUsage {
 			ids = append(ids, id)
 		}
 		slices.Sort(ids)
-		out = append(out, SubjectUsage{Grant: k.grant, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses)})
+		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses)})
 	}
 	slices.SortFunc(out, func(a, b SubjectUsage) int {
-		return cmp.Or(cmp.Compare(a.Grant, b.Grant), cmp.Compare(a.Subject.String(), b.Subject.String()))
+		return cmp.Or(cmp.Compare(a.Grant, b.Grant), cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Subject.String(), b.Subject.String()))
 	})
 	return out
 }
