@@ -202,6 +202,7 @@ peers:
 		// The filters and the table.
 		out, stderr, err = runErr(bin, "audit", "--api-audit-log", c.AuditLogPath(), "--broker-audit-log", brokerLog, "--lease", cert.LeaseID)
 		require.NoError(t, err, stderr)
+		t.Logf("tokenbroker audit --lease %s:\n%s%s", cert.LeaseID, out, stderr)
 		lines := strings.Split(strings.TrimSpace(out), "\n")
 		require.Equal(t, "TIME", strings.Fields(lines[0])[0])
 		for _, l := range lines[1:] {
@@ -278,6 +279,7 @@ peers:
 		out, stderr, err = runErr(bin, "audit", "--api-audit-log", c.AuditLogPath(), "--broker-audit-log", brokerLog,
 			"--kubeconfig", c.KubeconfigPath, "--summary", "--lease", tok.LeaseID)
 		require.NoError(t, err, stderr)
+		t.Logf("tokenbroker audit --summary --lease %s:\n%s", tok.LeaseID, out)
 		require.Contains(t, out, "LEASE "+tok.LeaseID)
 		require.Regexp(t, `never used: .*get configmaps`, out)
 	})
