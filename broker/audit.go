@@ -42,11 +42,12 @@ const (
 // AuditEvent is one decision of the broker: a kubeconfig issued or refused,
 // a lease revoked, a certificate enrolled or renewed. It names who asked
 // (identity, certificate fingerprint, request id) and what they got (lease
-// id, the token's jti, the certificate's serial), never a credential: the
-// token's jti is what the API server's own audit log records for every
-// request made with the token (user.extra
-// "authentication.kubernetes.io/credential-id" = "JTI=<jti>"), so the two
-// logs join on it.
+// id, the token's jti, the certificate's serial), never a credential. Its
+// credential_id is what the API server's own audit log records for every
+// request made with the credential (user.extra
+// "authentication.kubernetes.io/credential-id": "JTI=<jti>" or
+// "X509SHA256=<fingerprint>"), so the two logs join on it
+// ("tokenbroker audit", broker/auditjoin).
 type AuditEvent struct {
 	Time     time.Time `json:"time"`
 	Audit    string    `json:"audit"`
@@ -68,10 +69,16 @@ type AuditEvent struct {
 	// CertificateSerial names an issued client-certificate credential
 	// (hexadecimal), as TokenJTI names a token.
 	CertificateSerial string `json:"certificate_serial,omitempty"`
-	RequestedTTL      string `json:"requested_ttl,omitempty"`
-	GrantedTTL        string `json:"granted_ttl,omitempty"`
-	ClampedBy         string `json:"clamped_by,omitempty"`
-	ExpiresAt         string `json:"expires_at,omitempty"`
+	// CredentialID is the issued credential as the target's API server
+	// names it in its audit log, user.extra
+	// "authentication.kubernetes.io/credential-id": "JTI=<jti>" for a
+	// token, "X509SHA256=<hex sha256 of the certificate's DER>" for a
+	// client certificate. "tokenbroker audit" joins on it.
+	CredentialID string `json:"credential_id,omitempty"`
+	RequestedTTL string `json:"requested_ttl,omitempty"`
+	GrantedTTL   string `json:"granted_ttl,omitempty"`
+	ClampedBy    string `json:"clamped_by,omitempty"`
+	ExpiresAt    string `json:"expires_at,omitempty"`
 	// JoinTokenID is the jti of the join token an enrollment used (not
 	// the token), so that a replayed token can be traced to its first use.
 	JoinTokenID string `json:"join_token_jti,omitempty"`

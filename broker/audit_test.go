@@ -88,6 +88,7 @@ func TestEveryKubeconfigDecisionIsAuditedOnceWithWhoAndWhat(t *testing.T) {
 	require.Equal(t, apiv1.CredentialToken, allow.Credential)
 	require.Equal(t, resp.LeaseID, allow.LeaseID)
 	require.Equal(t, "jti-42", allow.TokenJTI, "the token's jti joins the API server's audit log")
+	require.Equal(t, "JTI=jti-42", allow.CredentialID, "the id the API server logs for the token")
 	require.Equal(t, "48h", allow.RequestedTTL)
 	require.Equal(t, "12h0m0s", allow.GrantedTTL)
 	require.Equal(t, ClampedByGrant, allow.ClampedBy)

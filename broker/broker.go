@@ -3,7 +3,10 @@ package broker
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base32"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -60,8 +63,15 @@ const (
 	// a key may back one live lease only.
 	AnnotationUser      = "tokenbroker.io/user"
 	LabelKeyFingerprint = "tokenbroker.io/key-fingerprint"
-	SecretTypeLease     = corev1.SecretType("tokenbroker.io/lease")
-	leaseSecretPrefix   = "tokenbroker-lease-"
+	// AnnotationCredentialID is the lease's credential as the target's API
+	// server names it in its audit log (user.extra
+	// "authentication.kubernetes.io/credential-id"): "JTI=<jti>" for a
+	// token, "X509SHA256=<hex sha256 of the certificate's DER>" for a
+	// client certificate. Written once the credential exists, so that
+	// "tokenbroker audit --kubeconfig" joins live leases.
+	AnnotationCredentialID = "tokenbroker.io/credential-id"
+	SecretTypeLease        = corev1.SecretType("tokenbroker.io/lease")
+	leaseSecretPrefix      = "tokenbroker-lease-"
 )
 
 // leaseIDEncoding makes 26-character lowercase ids from 16 random bytes;
@@ -563,11 +573,18 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return fail(created, outcomeUnprocessable, Errorf(KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
+	// The audit names the credential without holding it: a token's jti,
+	// a certificate's serial, and the id the API server logs for it.
+	ref := credentialID(cred)
+	// One write records the credential's id on the lease and, if the API
+	// server or the signer shortened it, its true expiry (for listings
+	// and the GC).
+	var newExpiry *time.Time
 	if clampedBy == ClampedByAPIServer || clampedBy == ClampedBySigner {
-		// Keep the lease's recorded expiry true for listings and the GC.
-		if err := b.setExpiry(ctx, created, cred.ExpiresAt); err != nil {
-			return fail(created, outcomeFor(err), err)
-		}
+		newExpiry = &cred.ExpiresAt
+	}
+	if err := b.recordCredential(ctx, created, ref.apiID, newExpiry); err != nil {
+		return fail(created, outcomeFor(err), err)
 	}
 
 	if cred.Kind() != issuer.Kind() {
@@ -585,9 +602,6 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if err != nil {
 		return fail(created, outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
-	// The audit names the credential without holding it: a token's jti,
-	// a certificate's serial.
-	ref := credentialID(cred)
 	log.Info("decision", zap.Bool("allowed", true),
 		zap.String("granted_ttl", granted.String()),
 		zap.String("clamped_by", clampedBy),
@@ -599,6 +613,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	} else {
 		a.ev.CertificateSerial = ref.value
 	}
+	a.ev.CredentialID = ref.apiID
 	a.ev.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
 	b.cfg.Metrics.observeGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
@@ -682,14 +697,29 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 	return s
 }
 
-// setExpiry records a new expiry on a lease Secret.
-func (b *Broker) setExpiry(ctx context.Context, s *corev1.Secret, at time.Time) error {
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}}}`, AnnotationExpiresAt, at.UTC().Format(time.RFC3339))
+// recordCredential writes the credential's API server id (apiID, unless
+// empty) and, unless nil, a new expiry on a lease Secret, in one merge
+// patch.
+func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID string, expiresAt *time.Time) error {
+	ann := map[string]string{}
+	if apiID != "" {
+		ann[AnnotationCredentialID] = apiID
+	}
+	if expiresAt != nil {
+		ann[AnnotationExpiresAt] = expiresAt.UTC().Format(time.RFC3339)
+	}
+	if len(ann) == 0 {
+		return nil
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": ann}})
+	if err != nil {
+		return err
+	}
 	t0 := b.cfg.Clock.Now()
-	_, err := b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	_, err = b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	b.timeAPI(ctx, "patch_lease", t0, err)
 	if err != nil {
-		return classify(err, "record lease expiry", "lease Secret vanished")
+		return classify(err, "record lease credential", "lease Secret vanished")
 	}
 	return nil
 }
@@ -824,24 +854,31 @@ func errDetail(err error) string {
 }
 
 // credentialRef names a credential in the log and the audit trail
-// without holding it.
-type credentialRef struct{ logKey, value string }
+// without holding it: logKey/value is a token's jti or a certificate's
+// serial; apiID is the id the API server logs for every request made with
+// it (AnnotationCredentialID), "" if the credential cannot be parsed.
+type credentialRef struct{ logKey, value, apiID string }
 
 // credentialID is a token's jti (read without verifying it) or a
-// certificate's serial in hexadecimal.
+// certificate's serial in hexadecimal, with the API server's id of it:
+// "JTI=<jti>" or "X509SHA256=<lowercase hex sha256 of the leaf's DER>",
+// as k8s.io/apiserver's token and x509 authenticators write
+// "authentication.kubernetes.io/credential-id".
 func credentialID(c issuers.Credential) credentialRef {
 	if c.Kind() == issuers.KindClientCertificate {
-		serial := ""
+		ref := credentialRef{logKey: "certificate_serial"}
 		if leaf, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(leaf) > 0 {
-			serial = leaf[0].SerialNumber.Text(16)
+			ref.value = leaf[0].SerialNumber.Text(16)
+			sum := sha256.Sum256(leaf[0].Raw)
+			ref.apiID = "X509SHA256=" + hex.EncodeToString(sum[:])
 		}
-		return credentialRef{"certificate_serial", serial}
+		return ref
 	}
-	jti := ""
-	if claims, err := pki.UnverifiedClaims(c.Token); err == nil {
-		jti = claims.ID
+	ref := credentialRef{logKey: "token_jti"}
+	if claims, err := pki.UnverifiedClaims(c.Token); err == nil && claims.ID != "" {
+		ref.value, ref.apiID = claims.ID, "JTI="+claims.ID
 	}
-	return credentialRef{"token_jti", jti}
+	return ref
 }
 
 // APIServerReadyz returns a readiness check that asks the API server's

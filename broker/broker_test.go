@@ -3,6 +3,8 @@ package broker
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"strings"
 	"sync"
@@ -128,6 +130,7 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, "west", s.Labels[LabelPeer])
+	require.Equal(t, "JTI=jti-42", s.Annotations[AnnotationCredentialID], "the token's id as the API server logs it")
 	require.Equal(t, resp.LeaseID, s.Labels[LabelLeaseID])
 	require.NotEmpty(t, s.Annotations[AnnotationExpiresAt])
 	require.Len(t, e.iss.got, 1)
@@ -201,6 +204,14 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	require.Empty(t, rc.BearerToken)
 	require.Contains(t, audit.String(), `"certificate_serial":"`+leaf[0].SerialNumber.Text(16)+`"`)
 	require.NotContains(t, audit.String(), "token_jti")
+	// The API server's x509 authenticator logs sha256 of the leaf's DER
+	// as the credential id; the audit event and the lease carry the same.
+	sum := sha256.Sum256(leaf[0].Raw)
+	want := "X509SHA256=" + hex.EncodeToString(sum[:])
+	require.Contains(t, audit.String(), `"credential_id":"`+want+`"`)
+	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, want, s.Annotations[AnnotationCredentialID])
 }
 
 func TestFailedIssuanceLeavesNoLease(t *testing.T) {

@@ -583,6 +583,9 @@ type LeaseRecord struct {
 	Secret         string     `json:"secret"`
 	// Grant is the grant the lease was issued under (AnnotationGrant).
 	Grant string `json:"grant,omitempty"`
+	// CredentialID is the credential as the API server's audit log names
+	// it (AnnotationCredentialID), once it is issued.
+	CredentialID string `json:"credentialId,omitempty"`
 	// UID is the Secret's, for a delete with a precondition.
 	UID types.UID `json:"-"`
 }
@@ -641,6 +644,7 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User, Workload: l.Workload,
 			Credential: l.Credential, CreatedAt: l.CreatedAt,
 			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
+			CredentialID: s.Annotations[AnnotationCredentialID],
 		}
 		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
 			continue

@@ -29,7 +29,7 @@ PKI (see "tokenbroker pki").`,
 		SilenceErrors: true,
 	}
 	root.AddCommand(newServeCommand(), newAgentCommand(), newGetCommand(), newDevCommand(), newPKICommand(), newEnrollCommand(), newRenewCommand(),
-		newLeasesCommand(), newConfigCommand(), newVersionCommand(), newCredentialCommand(), newInstallCommand())
+		newLeasesCommand(), newAuditCommand(), newConfigCommand(), newVersionCommand(), newCredentialCommand(), newInstallCommand())
 	return root
 }
 

@@ -28,6 +28,8 @@ const (
 	ServiceCIDR = "10.0.0.0/24"
 
 	apiServerLogFile = "kube-apiserver.log"
+	auditPolicyFile  = "audit-policy.yaml"
+	auditLogFile     = "audit.log"
 	kubeconfigName   = "testcluster"
 
 	// clientQPS and clientBurst keep client-go's rate limiter out of the
@@ -150,6 +152,11 @@ func (c *Cluster) start(ctx context.Context) error {
 		return fmt.Errorf("create cluster PKI: %w", err)
 	}
 	c.CAData = pki.caCert
+	if c.opts.auditPolicy != "" {
+		if err := os.WriteFile(filepath.Join(dir, auditPolicyFile), []byte(c.opts.auditPolicy), 0o600); err != nil {
+			return fmt.Errorf("write audit policy: %w", err)
+		}
+	}
 
 	if c.etcd, err = startEtcd(ctx, dir, c.opts.etcdFsync); err != nil {
 		return err
@@ -247,6 +254,16 @@ func (c *Cluster) ClientCertConfig(certPEM, keyPEM []byte) *rest.Config {
 // Stop).
 func (c *Cluster) APIServerLogPath() string {
 	return filepath.Join(c.Dir, apiServerLogFile)
+}
+
+// AuditLogPath is the API server's audit log (JSON lines of
+// audit.k8s.io/v1 events) when the cluster runs WithAuditPolicy, "" if
+// not. It is in Dir, so gone after Stop.
+func (c *Cluster) AuditLogPath() string {
+	if c.opts.auditPolicy == "" {
+		return ""
+	}
+	return filepath.Join(c.Dir, auditLogFile)
 }
 
 // StopAPIServer stops the kube-apiserver process alone (SIGTERM, then SIGKILL
@@ -358,6 +375,10 @@ func (c *Cluster) apiServerArgs() []string {
 	}
 	if c.opts.maxTokenExpiration > 0 {
 		args = append(args, "--service-account-max-token-expiration="+c.opts.maxTokenExpiration.String())
+	}
+	if c.opts.auditPolicy != "" {
+		args = append(args, "--audit-policy-file="+file(auditPolicyFile), "--audit-log-path="+c.AuditLogPath(),
+			"--audit-log-format=json", "--audit-log-mode=blocking", "--audit-log-maxsize=0")
 	}
 	if c.opts.minRequestTimeout > 0 {
 		args = append(args, "--min-request-timeout="+strconv.Itoa(int(c.opts.minRequestTimeout/time.Second)))

@@ -36,6 +36,7 @@ type options struct {
 	controllers        []string
 	etcdFsync          bool
 	apiServerArgs      []string
+	auditPolicy        string
 	minRequestTimeout  time.Duration
 	startTimeout       time.Duration
 	stopTimeout        time.Duration
@@ -132,6 +133,15 @@ func WithMinRequestTimeout(d time.Duration) Option {
 // come after the harness's own flags, so for single-valued flags they win.
 func WithAPIServerArgs(args ...string) Option {
 	return func(o *options) { o.apiServerArgs = append(o.apiServerArgs, args...) }
+}
+
+// WithAuditPolicy turns on the API server's audit log: policy (an
+// audit.k8s.io/v1 Policy document) is written to the cluster's directory as
+// --audit-policy-file, and the events go as JSON lines to AuditLogPath, in
+// the blocking mode (the default, named here): an event is on disk before
+// its response is sent, so a test reads every request it has made.
+func WithAuditPolicy(policy string) Option {
+	return func(o *options) { o.auditPolicy = policy }
 }
 
 // WithStartTimeout bounds how long Run waits for the cluster to become ready

@@ -1,0 +1,353 @@
+package auditjoin_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	rbacv1 "k8s.io/api/rbac/v1"
+
+	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
+)
+
+const (
+	tokenLease = "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	certLease  = "bbbbbbbbbbbbbbbbbbbbbbbbbb"
+	tokenCred  = "JTI=0f0e0d0c-1111-2222-3333-444455556666"
+	certCred   = "X509SHA256=9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+)
+
+// brokerLog is a broker's output: audit events among operational lines.
+var brokerLog = strings.Join([]string{
+	`{"level":"info","ts":"2030-01-01T10:00:00Z","msg":"decision","allowed":true}`,
+	`{"time":"2030-01-01T10:00:00Z","audit":"tokenbroker.io/v1","action":"issue","decision":"allow","request_id":"REQ1","identity":"spiffe://oc.example/cluster/west","peer":"west","namespace":"argo","service_account":"runner","credential":"token","lease_id":"` + tokenLease + `","token_jti":"0f0e0d0c-1111-2222-3333-444455556666","credential_id":"` + tokenCred + `","expires_at":"2030-01-01T12:00:00Z","workload":"wf/submitter","grant":"runners"}`,
+	`{"time":"2030-01-01T10:00:01Z","audit":"tokenbroker.io/v1","action":"issue","decision":"allow","request_id":"REQ2","identity":"spiffe://oc.example/cluster/west","peer":"west","namespace":"argo","user":"tokenbroker:west:abc","credential":"clientCertificate","lease_id":"` + certLease + `","certificate_serial":"1f","credential_id":"` + certCred + `","expires_at":"2030-01-01T12:00:00Z","grant":"certs"}`,
+	`{"time":"2030-01-01T10:00:02Z","audit":"tokenbroker.io/v1","action":"issue","decision":"deny","reason":"no grant allows this request","peer":"west"}`,
+	`not json at all`,
+	`{"time":"2030-01-01T10:30:00Z","audit":"tokenbroker.io/v1","action":"revoke","decision":"allow","request_id":"REQ3","peer":"west","lease_id":"` + certLease + `"}`,
+}, "\n") + "\n"
+
+func apiEvent(t time.Time, stage, verb, user, cred, resource, ns string, code int) string {
+	ev := map[string]any{
+		"kind": "Event", "apiVersion": "audit.k8s.io/v1", "level": "Metadata", "auditID": fmt.Sprintf("id-%d", t.UnixNano()),
+		"stage": stage, "verb": verb, "requestURI": "/api/v1/namespaces/" + ns + "/" + resource,
+		"responseStatus":           map[string]any{"metadata": map[string]any{}, "code": code},
+		"requestReceivedTimestamp": t.Format(time.RFC3339Nano), "stageTimestamp": t.Format(time.RFC3339Nano),
+	}
+	if user != "" {
+		u := map[string]any{"username": user, "groups": []string{"system:authenticated"}}
+		if cred != "" {
+			u["extra"] = map[string][]string{auditjoin.CredentialIDKey: {cred}}
+		}
+		ev["user"] = u
+	}
+	if resource != "" {
+		ev["objectRef"] = map[string]any{"resource": resource, "namespace": ns, "apiVersion": "v1"}
+	}
+	b, _ := json.Marshal(ev)
+	return string(b)
+}
+
+func at(min int) time.Time { return time.Date(2030, 1, 1, 10, min, 0, 0, time.UTC) }
+
+const saUser = "system:serviceaccount:argo:runner"
+const certUser = "tokenbroker:west:abc"
+
+var apiLog = strings.Join([]string{
+	apiEvent(at(1), "RequestReceived", "list", saUser, tokenCred, "configmaps", "argo", 0),
+	apiEvent(at(1), "ResponseComplete", "list", saUser, tokenCred, "configmaps", "argo", 200),
+	apiEvent(at(2), "ResponseComplete", "delete", saUser, tokenCred, "configmaps", "argo", 403),
+	apiEvent(at(3), "ResponseComplete", "get", certUser, certCred, "configmaps", "argo", 200),
+	apiEvent(at(4), "ResponseComplete", "list", "system:admin", "X509SHA256=other", "secrets", "argo", 200),
+	apiEvent(at(31), "ResponseComplete", "get", certUser, certCred, "configmaps", "argo", 403),
+	apiEvent(at(32), "ResponseStarted", "list", "", "", "configmaps", "argo", 401),
+	`{"kind":"Event","apiVersion":"audit.k8s.io/v1","stage":"ResponseComplete","verb":"get","requestURI":"/version","user":{"username":"` + saUser + `","extra":{"` + auditjoin.CredentialIDKey + `":["` + tokenCred + `"]}},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:05:00Z"}`,
+	`{"kind":"Policy","apiVersion":"audit.k8s.io/v1"}`,
+}, "\n") + "\n"
+
+func index(t *testing.T) *auditjoin.Index {
+	t.Helper()
+	idx := auditjoin.NewIndex()
+	st, err := idx.ReadBrokerLog(strings.NewReader(brokerLog))
+	require.NoError(t, err)
+	require.Equal(t, 6, st.Lines)
+	require.Equal(t, 4, st.Events, "the operational line and the line that is not JSON are not events")
+	require.Zero(t, st.Malformed)
+	require.Equal(t, 2, idx.Len())
+	return idx
+}
+
+func join(t *testing.T, f auditjoin.Filter) ([]auditjoin.Row, auditjoin.Stats) {
+	t.Helper()
+	var rows []auditjoin.Row
+	st, err := auditjoin.Join(strings.NewReader(apiLog), index(t), f, func(r auditjoin.Row) error {
+		rows = append(rows, r)
+		return nil
+	})
+	require.NoError(t, err)
+	return rows, st
+}
+
+func TestEveryRequestMadeWithABrokerCredentialIsAttributedToItsLease(t *testing.T) {
+	t.Parallel()
+	rows, st := join(t, auditjoin.Filter{})
+	require.Len(t, rows, 5)
+	require.Equal(t, 7, st.Requests, "RequestReceived and non-events are not requests")
+	require.Equal(t, 5, st.Joined)
+	require.Equal(t, 1, st.NoLease, "the admin's request")
+	require.Equal(t, 1, st.Unauthenticated, "the 401 carries no credential id")
+	require.Equal(t, 1, st.Malformed, "the Policy line is not an event")
+
+	list := rows[0]
+	require.Equal(t, "list", list.Verb)
+	require.Equal(t, "configmaps", list.Resource)
+	require.Equal(t, "argo", list.Namespace)
+	require.Equal(t, 200, list.Code)
+	require.Equal(t, tokenLease, list.Lease.ID)
+	require.Equal(t, "west", list.Lease.Peer)
+	require.Equal(t, "wf/submitter", list.Lease.Workload)
+	require.Equal(t, "REQ1", list.Lease.IssueRequestID)
+	require.Equal(t, "live", list.LeaseState)
+
+	require.Equal(t, 403, rows[1].Code)
+	require.Equal(t, certLease, rows[2].Lease.ID)
+	require.Equal(t, "live", rows[2].LeaseState)
+	require.Equal(t, "/version", rows[4].Path)
+	revoked := rows[3]
+	require.Equal(t, certLease, revoked.Lease.ID)
+	require.Equal(t, 403, revoked.Code)
+	require.Equal(t, "revoked", revoked.LeaseState, "received after the lease's revocation")
+	require.Equal(t, at(30), revoked.Lease.RevokedAt)
+}
+
+func TestFiltersSelectByLeasePeerAndTime(t *testing.T) {
+	t.Parallel()
+	rows, _ := join(t, auditjoin.Filter{LeaseID: certLease})
+	require.Len(t, rows, 2)
+	rows, _ = join(t, auditjoin.Filter{Peer: "east"})
+	require.Empty(t, rows)
+	rows, st := join(t, auditjoin.Filter{Since: at(3)})
+	require.Len(t, rows, 3)
+	require.Equal(t, 3, st.Joined)
+}
+
+func TestALeaseFromItsSecretJoinsWithoutTheBrokerLog(t *testing.T) {
+	t.Parallel()
+	idx := auditjoin.NewIndex()
+	idx.AddLease(auditjoin.Lease{ID: tokenLease, Peer: "west", Namespace: "argo", ServiceAccount: "runner", Credential: "token", CredentialID: tokenCred})
+	idx.AddLease(auditjoin.Lease{ID: "cccccccccccccccccccccccccc"}) // no credential id yet: joins nothing
+	var rows []auditjoin.Row
+	_, err := auditjoin.Join(strings.NewReader(apiLog), idx, auditjoin.Filter{}, func(r auditjoin.Row) error {
+		rows = append(rows, r)
+		return nil
+	})
+	require.NoError(t, err)
+	require.Len(t, rows, 3)
+	require.Equal(t, "west", rows[0].Lease.Peer)
+}
+
+func TestTheSummaryListsWhatEachLeaseUsedAndWhatItsRolesNeverUsed(t *testing.T) {
+	t.Parallel()
+	rows, _ := join(t, auditjoin.Filter{})
+	s := auditjoin.NewSummary()
+	for _, r := range rows {
+		s.Add(r)
+	}
+	leases := s.Leases()
+	require.Len(t, leases, 2)
+	tok := leases[0]
+	require.Equal(t, tokenLease, tok.Lease.ID)
+	require.Equal(t, 3, tok.Requests)
+	require.Equal(t, "system:serviceaccount:argo:runner", tok.Subject.String())
+	require.Equal(t, []auditjoin.Use{
+		{Permission: auditjoin.Permission{Verb: "get", Path: "/version"}, Count: 1},
+		{Permission: auditjoin.Permission{Verb: "delete", Resource: "configmaps"}, Count: 1, Denied: 1},
+		{Permission: auditjoin.Permission{Verb: "list", Resource: "configmaps"}, Count: 1},
+	}, tok.Uses)
+	cert := leases[1]
+	require.Equal(t, 1, cert.AfterRevocation)
+	require.Equal(t, "tokenbroker:west:abc", cert.Subject.String())
+
+	subjects := s.Subjects()
+	require.Len(t, subjects, 2)
+	require.Equal(t, "certs", subjects[0].Grant)
+	require.Equal(t, "runners", subjects[1].Grant)
+	require.Equal(t, []string{tokenLease}, subjects[1].Leases)
+
+	rules := []rbacv1.PolicyRule{
+		{Verbs: []string{"get", "list", "watch"}, APIGroups: []string{""}, Resources: []string{"configmaps", "pods/log"}},
+		{Verbs: []string{"delete"}, APIGroups: []string{""}, Resources: []string{"configmaps"}},
+		{Verbs: []string{"get"}, NonResourceURLs: []string{"/version", "/healthz/*"}},
+	}
+	unused := auditjoin.Unused(rules, subjects[1].Uses)
+	var names []string
+	for _, p := range unused {
+		names = append(names, p.String())
+	}
+	require.ElementsMatch(t, []string{"get /healthz/*", "get configmaps", "watch configmaps", "get pods/log", "list pods/log", "watch pods/log", "delete configmaps"}, names,
+		"a denied delete does not use the delete right; list configmaps and get /version were used")
+}
+
+func TestUnusedMatchesRulesAsRBACDoes(t *testing.T) {
+	t.Parallel()
+	uses := []auditjoin.Use{
+		{Permission: auditjoin.Permission{Verb: "get", Group: "apps", Resource: "deployments/scale"}, Count: 1},
+		{Permission: auditjoin.Permission{Verb: "list", Resource: "pods"}, Count: 2},
+	}
+	for _, tc := range []struct {
+		name   string
+		rule   rbacv1.PolicyRule
+		unused []string
+	}{
+		{"a verb wildcard is used by any verb", rbacv1.PolicyRule{Verbs: []string{"*"}, APIGroups: []string{""}, Resources: []string{"pods"}}, nil},
+		{"a resource wildcard is used by any resource of its group", rbacv1.PolicyRule{Verbs: []string{"get"}, APIGroups: []string{"apps"}, Resources: []string{"*"}}, nil},
+		{"*/scale is used by any scale subresource", rbacv1.PolicyRule{Verbs: []string{"get"}, APIGroups: []string{"*"}, Resources: []string{"*/scale"}}, nil},
+		{"a resource does not cover its subresource", rbacv1.PolicyRule{Verbs: []string{"get"}, APIGroups: []string{"apps"}, Resources: []string{"deployments"}}, []string{"get apps/deployments"}},
+		{"another group's resource of the same name is not used", rbacv1.PolicyRule{Verbs: []string{"list"}, APIGroups: []string{"metrics.k8s.io"}, Resources: []string{"pods"}}, []string{"list metrics.k8s.io/pods"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var got []string
+			for _, p := range auditjoin.Unused([]rbacv1.PolicyRule{tc.rule}, uses) {
+				got = append(got, p.String())
+			}
+			require.Equal(t, tc.unused, got)
+		})
+	}
+}
+
+// TestBrokerEventNamesTheBrokersFields holds BrokerEvent to the JSON names
+// broker.AuditEvent writes: a renamed field there must fail here.
+func TestBrokerEventNamesTheBrokersFields(t *testing.T) {
+	t.Parallel()
+	tags := func(typ reflect.Type) map[string]bool {
+		m := map[string]bool{}
+		for i := range typ.NumField() {
+			name, _, _ := strings.Cut(typ.Field(i).Tag.Get("json"), ",")
+			m[name] = true
+		}
+		return m
+	}
+	want := tags(reflect.TypeFor[broker.AuditEvent]())
+	for name := range tags(reflect.TypeFor[auditjoin.BrokerEvent]()) {
+		require.True(t, want[name], "broker.AuditEvent has no field %q", name)
+	}
+	var buf bytes.Buffer
+	require.NoError(t, broker.NewAuditLog(&buf).Audit(broker.AuditEvent{
+		Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow, LeaseID: tokenLease, CredentialID: tokenCred,
+	}))
+	ev, err := auditjoin.ParseBrokerEvent(bytes.TrimSpace(buf.Bytes()))
+	require.NoError(t, err)
+	require.Equal(t, tokenCred, ev.CredentialID)
+	require.Equal(t, broker.AuditSchema, auditjoin.BrokerAuditSchema)
+}
+
+func TestOldBrokerEventsJoinByTheTokensJTI(t *testing.T) {
+	t.Parallel()
+	ev, err := auditjoin.ParseBrokerEvent([]byte(`{"audit":"tokenbroker.io/v1","action":"issue","decision":"allow","lease_id":"x","token_jti":"abc"}`))
+	require.NoError(t, err)
+	require.Equal(t, "JTI=abc", ev.CredentialID)
+}
+
+func TestLinesThatAreNotEventsAreTold(t *testing.T) {
+	t.Parallel()
+	_, err := auditjoin.ParseBrokerEvent([]byte(`{"msg":"hello"}`))
+	require.ErrorIs(t, err, auditjoin.ErrNotEvent)
+	_, err = auditjoin.ParseBrokerEvent([]byte(`{"audit":"tokenbroker.io/v1",`))
+	require.Error(t, err)
+	require.NotErrorIs(t, err, auditjoin.ErrNotEvent)
+	_, err = auditjoin.ParseAPIEvent([]byte(`{"kind":"Event","apiVersion":"audit.k8s.io/v1beta1"}`))
+	require.ErrorIs(t, err, auditjoin.ErrNotEvent)
+}
+
+// streamed is an io.Reader that makes n API server events on the fly,
+// one a line, with a line over MaxLineBytes every 1000th: the log exists
+// nowhere whole.
+type streamed struct {
+	n, i int
+	buf  []byte
+}
+
+func (s *streamed) Read(p []byte) (int, error) {
+	for len(s.buf) == 0 {
+		if s.i == s.n {
+			return 0, io.EOF
+		}
+		if s.i%1000 == 999 {
+			s.buf = append(bytes.Repeat([]byte("x"), auditjoin.MaxLineBytes+10), '\n')
+		} else {
+			s.buf = []byte(apiEvent(at(1).Add(time.Duration(s.i)*time.Millisecond), "ResponseComplete", "list", saUser, tokenCred, "configmaps", "argo", 200) + "\n")
+		}
+		s.i++
+	}
+	n := copy(p, s.buf)
+	s.buf = s.buf[n:]
+	return n, nil
+}
+
+func TestALogOfAnySizeIsStreamedAndOverlongLinesAreSkipped(t *testing.T) {
+	t.Parallel()
+	const n = 20000
+	s := auditjoin.NewSummary()
+	st, err := auditjoin.Join(&streamed{n: n}, index(t), auditjoin.Filter{}, func(r auditjoin.Row) error {
+		s.Add(r)
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, n, st.Lines)
+	require.Equal(t, n/1000, st.TooLong)
+	require.Equal(t, n-n/1000, st.Joined)
+	require.Equal(t, n-n/1000, s.Leases()[0].Requests)
+}
+
+func TestEmitErrorsStopTheJoin(t *testing.T) {
+	t.Parallel()
+	stop := errors.New("stop")
+	_, err := auditjoin.Join(strings.NewReader(apiLog), index(t), auditjoin.Filter{}, func(auditjoin.Row) error { return stop })
+	require.ErrorIs(t, err, stop)
+}
+
+func FuzzParseAPIEvent(f *testing.F) {
+	for _, line := range strings.Split(apiLog, "\n") {
+		f.Add([]byte(line))
+	}
+	f.Fuzz(func(t *testing.T, line []byte) {
+		ev, err := auditjoin.ParseAPIEvent(line)
+		if err != nil {
+			return
+		}
+		for _, s := range []string{ev.AuditID, ev.Verb, ev.Username, ev.CredentialID, ev.Resource, ev.Namespace, ev.Name, ev.Path} {
+			if len(s) > 1024 {
+				t.Fatalf("a field of %d bytes was kept", len(s))
+			}
+		}
+		if len(ev.Groups) > 64 {
+			t.Fatalf("%d groups were kept", len(ev.Groups))
+		}
+	})
+}
+
+func FuzzParseBrokerEvent(f *testing.F) {
+	for _, line := range strings.Split(brokerLog, "\n") {
+		f.Add([]byte(line))
+	}
+	f.Fuzz(func(t *testing.T, line []byte) {
+		ev, err := auditjoin.ParseBrokerEvent(line)
+		if err != nil {
+			return
+		}
+		if ev.Audit != auditjoin.BrokerAuditSchema {
+			t.Fatalf("accepted an event of schema %q", ev.Audit)
+		}
+		idx := auditjoin.NewIndex()
+		idx.AddBrokerEvent(ev) // never panics
+	})
+}

@@ -1,0 +1,126 @@
+package auditjoin
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"time"
+)
+
+// Filter selects the joined requests: by lease id, by peer, and from a
+// time on (the request's receipt). Zero values select everything.
+type Filter struct {
+	LeaseID string
+	Peer    string
+	Since   time.Time
+}
+
+// Row is one API request made with a broker credential, joined to its
+// lease.
+type Row struct {
+	Time        time.Time `json:"time"`
+	AuditID     string    `json:"auditID,omitempty"`
+	Verb        string    `json:"verb"`
+	Group       string    `json:"group,omitempty"`
+	Resource    string    `json:"resource,omitempty"`
+	Subresource string    `json:"subresource,omitempty"`
+	Namespace   string    `json:"namespace,omitempty"`
+	Name        string    `json:"name,omitempty"`
+	// Path is the URL path of a non-resource request (/api, /version).
+	Path string `json:"path,omitempty"`
+	Code int    `json:"code"`
+	// Username is who the API server says made the request.
+	Username string `json:"username"`
+	// LeaseState is the lease's state when the request was received:
+	// live, revoked or expired.
+	LeaseState string `json:"leaseState"`
+	Lease      Lease  `json:"lease"`
+}
+
+// Stats counts what Join saw of the API server's log.
+type Stats struct {
+	ReadStats
+	// Requests are the events that end a request (stage ResponseComplete
+	// or Panic, or a ResponseStarted refusal of authentication) in the
+	// filter's time window.
+	Requests int `json:"requests"`
+	// Joined are the requests attributed to a lease (before the lease
+	// and peer filters).
+	Joined int `json:"joined"`
+	// Unauthenticated are requests refused with 401 that carry no user
+	// and so no credential id: a revoked token's requests among them.
+	Unauthenticated int `json:"unauthenticated"`
+	// NoLease are requests with a credential id the index does not know
+	// (other clients, or leases whose issue event or Secret was not read).
+	NoLease int `json:"noLease"`
+}
+
+// Join reads the API server's audit log from r, one event at a time, and
+// calls emit for every request made with a credential of idx that f
+// selects, in the log's order. It holds one line at a time.
+func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, err error) {
+	lr := newLineReader(r, MaxLineBytes)
+	defer func() { st.TooLong = lr.tooLong; st.Lines += lr.tooLong }()
+	for {
+		line, err := lr.next()
+		if errors.Is(err, io.EOF) {
+			return st, nil
+		}
+		if err != nil {
+			return st, fmt.Errorf("read API server audit log: %w", err)
+		}
+		st.Lines++
+		ev, err := ParseAPIEvent(line)
+		if err != nil {
+			st.Malformed++
+			continue
+		}
+		st.Events++
+		if !endsRequest(ev) || (!f.Since.IsZero() && ev.Time.Before(f.Since)) {
+			continue
+		}
+		st.Requests++
+		if ev.Username == "" {
+			if ev.Code == 401 {
+				st.Unauthenticated++
+			}
+			continue
+		}
+		if ev.CredentialID == "" {
+			continue
+		}
+		l := idx.Lookup(ev.CredentialID)
+		if l == nil {
+			st.NoLease++
+			continue
+		}
+		st.Joined++
+		if (f.LeaseID != "" && l.ID != f.LeaseID) || (f.Peer != "" && l.Peer != f.Peer) {
+			continue
+		}
+		row := Row{
+			Time: ev.Time, AuditID: ev.AuditID, Verb: ev.Verb,
+			Group: ev.Group, Resource: ev.Resource, Subresource: ev.Subresource,
+			Namespace: ev.Namespace, Name: ev.Name, Path: ev.Path, Code: ev.Code,
+			Username: ev.Username, LeaseState: l.StateAt(ev.Time), Lease: *l,
+		}
+		if err := emit(row); err != nil {
+			return st, err
+		}
+	}
+}
+
+// endsRequest reports whether ev is the one event of its request that
+// counts: ResponseComplete or Panic; or the ResponseStarted event the API
+// server writes, with no user, for a request that failed authentication.
+// (A watch also has a ResponseStarted event, with a user: its
+// ResponseComplete counts.)
+func endsRequest(ev APIEvent) bool {
+	switch ev.Stage {
+	case "ResponseComplete", "Panic":
+		return true
+	case "ResponseStarted":
+		return ev.Username == ""
+	}
+	return false
+}

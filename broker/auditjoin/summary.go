@@ -1,0 +1,273 @@
+package auditjoin
+
+import (
+	"cmp"
+	"slices"
+	"strings"
+	"time"
+
+	rbacv1 "k8s.io/api/rbac/v1"
+)
+
+// Subject kinds.
+const (
+	SubjectServiceAccount = "ServiceAccount"
+	SubjectUser           = "User"
+)
+
+// Subject is an RBAC subject: a ServiceAccount (Namespace/Name) or a user.
+type Subject struct {
+	Kind      string `json:"kind"`
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name"`
+}
+
+// String is the subject's user name as the API server sees it.
+func (s Subject) String() string {
+	if s.Kind == SubjectServiceAccount {
+		return "system:serviceaccount:" + s.Namespace + ":" + s.Name
+	}
+	return s.Name
+}
+
+// Permission is one RBAC rule entry: a verb on a resource of an API group
+// (Resource is "resource" or "resource/subresource", Group "" for the core
+// group), or on a non-resource URL path.
+type Permission struct {
+	Verb     string `json:"verb"`
+	Group    string `json:"group,omitempty"`
+	Resource string `json:"resource,omitempty"`
+	Path     string `json:"path,omitempty"`
+}
+
+// String is "verb resource", "verb group/resource" or "verb /path".
+func (p Permission) String() string {
+	switch {
+	case p.Path != "":
+		return p.Verb + " " + p.Path
+	case p.Group != "":
+		return p.Verb + " " + p.Group + "/" + p.Resource
+	}
+	return p.Verb + " " + p.Resource
+}
+
+// permissionOf is the permission a request asked for.
+func permissionOf(r Row) Permission {
+	if r.Resource == "" {
+		return Permission{Verb: r.Verb, Path: r.Path}
+	}
+	res := r.Resource
+	if r.Subresource != "" {
+		res += "/" + r.Subresource
+	}
+	return Permission{Verb: r.Verb, Group: r.Group, Resource: res}
+}
+
+// Use is how often a permission was asked for: Count requests, Denied of
+// them refused by authorization (403).
+type Use struct {
+	Permission
+	Count  int `json:"count"`
+	Denied int `json:"denied"`
+}
+
+// LeaseUsage is what one lease's credential was used for.
+type LeaseUsage struct {
+	Lease    Lease     `json:"lease"`
+	Subject  Subject   `json:"subject"`
+	Requests int       `json:"requests"`
+	First    time.Time `json:"first"`
+	Last     time.Time `json:"last"`
+	// AfterRevocation counts requests received once the lease was revoked.
+	AfterRevocation int   `json:"afterRevocation"`
+	Uses            []Use `json:"uses"`
+}
+
+// SubjectUsage is what every lease of one grant for one RBAC subject was
+// used for together: the unit of right-sizing, since RBAC grants the
+// subject, not the lease.
+type SubjectUsage struct {
+	Grant   string  `json:"grant"`
+	Subject Subject `json:"subject"`
+	// Namespace is the leases' namespace, where RoleBindings count.
+	Namespace string   `json:"namespace"`
+	Leases    []string `json:"leases"`
+	Requests  int      `json:"requests"`
+	Uses      []Use    `json:"uses"`
+}
+
+type usage struct {
+	lease    Lease
+	requests int
+	first    time.Time
+	last     time.Time
+	after    int
+	uses     map[Permission]*Use
+}
+
+type subjectKey struct {
+	grant, namespace string
+	subject          Subject
+}
+
+// Summary aggregates joined requests per lease and per grant and subject.
+// Its memory grows with the number of leases and distinct permissions
+// used, not with the number of requests.
+type Summary struct {
+	leases   map[string]*usage
+	subjects map[subjectKey]*usage
+	members  map[subjectKey]map[string]struct{}
+}
+
+// NewSummary returns an empty summary.
+func NewSummary() *Summary {
+	return &Summary{leases: map[string]*usage{}, subjects: map[subjectKey]*usage{}, members: map[subjectKey]map[string]struct{}{}}
+}
+
+// Add counts one joined request.
+func (s *Summary) Add(r Row) {
+	l := &r.Lease
+	lu := s.leases[l.ID]
+	if lu == nil {
+		lu = &usage{lease: *l, uses: map[Permission]*Use{}}
+		s.leases[l.ID] = lu
+	}
+	key := subjectKey{grant: l.Grant, namespace: l.Namespace, subject: l.Subject()}
+	su := s.subjects[key]
+	if su == nil {
+		su = &usage{uses: map[Permission]*Use{}}
+		s.subjects[key] = su
+		s.members[key] = map[string]struct{}{}
+	}
+	s.members[key][l.ID] = struct{}{}
+	p := permissionOf(r)
+	for _, u := range []*usage{lu, su} {
+		u.requests++
+		if u.first.IsZero() || r.Time.Before(u.first) {
+			u.first = r.Time
+		}
+		if r.Time.After(u.last) {
+			u.last = r.Time
+		}
+		if r.LeaseState == "revoked" {
+			u.after++
+		}
+		use := u.uses[p]
+		if use == nil {
+			use = &Use{Permission: p}
+			u.uses[p] = use
+		}
+		use.Count++
+		if r.Code == 403 {
+			use.Denied++
+		}
+	}
+}
+
+func sortedUses(m map[Permission]*Use) []Use {
+	out := make([]Use, 0, len(m))
+	for _, u := range m {
+		out = append(out, *u)
+	}
+	slices.SortFunc(out, func(a, b Use) int {
+		return cmp.Or(cmp.Compare(a.Group, b.Group), cmp.Compare(a.Resource, b.Resource), cmp.Compare(a.Path, b.Path), cmp.Compare(a.Verb, b.Verb))
+	})
+	return out
+}
+
+// Leases returns the usage of every lease, by first use.
+func (s *Summary) Leases() []LeaseUsage {
+	out := make([]LeaseUsage, 0, len(s.leases))
+	for _, u := range s.leases {
+		out = append(out, LeaseUsage{
+			Lease: u.lease, Subject: u.lease.Subject(), Requests: u.requests, First: u.first, Last: u.last,
+			AfterRevocation: u.after, Uses: sortedUses(u.uses),
+		})
+	}
+	slices.SortFunc(out, func(a, b LeaseUsage) int {
+		return cmp.Or(a.First.Compare(b.First), cmp.Compare(a.Lease.ID, b.Lease.ID))
+	})
+	return out
+}
+
+// Subjects returns the usage per grant and subject, by grant and subject.
+func (s *Summary) Subjects() []SubjectUsage {
+	out := make([]SubjectUsage, 0, len(s.subjects))
+	for k, u := range s.subjects {
+		ids := make([]string, 0, len(s.members[k]))
+		for id := range s.members[k] {
+			ids = append(ids, id)
+		}
+		slices.Sort(ids)
+		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses)})
+	}
+	slices.SortFunc(out, func(a, b SubjectUsage) int {
+		return cmp.Or(cmp.Compare(a.Grant, b.Grant), cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Subject.String(), b.Subject.String()))
+	})
+	return out
+}
+
+// Unused lists the entries of rules (one per verb × group × resource, or
+// verb × non-resource URL) that no request of uses exercised: no request
+// the rule entry matches, or only requests authorization refused (403).
+// Entries are matched as RBAC matches them (wildcards "*", "*/subresource",
+// a non-resource path ending in "*"); resourceNames are ignored, so an
+// entry limited to some names counts as used by a use of any name.
+func Unused(rules []rbacv1.PolicyRule, uses []Use) []Permission {
+	seen := map[Permission]bool{}
+	var out []Permission
+	add := func(p Permission, used bool) {
+		if used || seen[p] {
+			return
+		}
+		seen[p] = true
+		out = append(out, p)
+	}
+	for _, rule := range rules {
+		for _, verb := range rule.Verbs {
+			for _, path := range rule.NonResourceURLs {
+				add(Permission{Verb: verb, Path: path}, slices.ContainsFunc(uses, func(u Use) bool {
+					return u.Path != "" && exercised(u) && verbMatches(verb, u.Verb) && pathMatches(path, u.Path)
+				}))
+			}
+			for _, group := range rule.APIGroups {
+				for _, res := range rule.Resources {
+					add(Permission{Verb: verb, Group: group, Resource: res}, slices.ContainsFunc(uses, func(u Use) bool {
+						return u.Resource != "" && exercised(u) && verbMatches(verb, u.Verb) && resourceMatches(group, res, u.Group, u.Resource)
+					}))
+				}
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b Permission) int {
+		return cmp.Or(cmp.Compare(a.Group, b.Group), cmp.Compare(a.Resource, b.Resource), cmp.Compare(a.Path, b.Path), cmp.Compare(a.Verb, b.Verb))
+	})
+	return out
+}
+
+// exercised reports whether authorization let at least one of u's
+// requests through.
+func exercised(u Use) bool { return u.Count > u.Denied }
+
+func verbMatches(rule, verb string) bool { return rule == rbacv1.VerbAll || rule == verb }
+
+func pathMatches(rule, path string) bool {
+	if rule == rbacv1.NonResourceAll || rule == path {
+		return true
+	}
+	prefix, ok := strings.CutSuffix(rule, "*")
+	return ok && strings.HasPrefix(path, prefix)
+}
+
+// resourceMatches reports whether a rule's group and resource cover a
+// used group and "resource[/subresource]", as RBAC matches them.
+func resourceMatches(ruleGroup, ruleRes, group, res string) bool {
+	if ruleGroup != rbacv1.APIGroupAll && ruleGroup != group {
+		return false
+	}
+	if ruleRes == rbacv1.ResourceAll || ruleRes == res {
+		return true
+	}
+	_, sub, ok := strings.Cut(res, "/")
+	return ok && ruleRes == "*/"+sub
+}

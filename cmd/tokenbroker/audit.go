@@ -1,0 +1,468 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
+	"github.com/tokenbroker/tokenbroker/broker/rbacrights"
+)
+
+// auditOptions is the typed configuration of "tokenbroker audit".
+type auditOptions struct {
+	APIAuditLog     string
+	BrokerAuditLogs []string
+	Kubeconfig      string
+	Context         string
+	Since           string
+	Lease           string
+	Peer            string
+	Output          string
+	Summary         bool
+
+	since time.Time
+}
+
+var auditOutputs = []string{"table", "json"}
+
+func newAuditCommand() *cobra.Command {
+	var o auditOptions
+	cmd := &cobra.Command{
+		Use:   "audit --api-audit-log FILE (--broker-audit-log FILE... | --kubeconfig FILE) [--lease ID] [--peer NAME] [--since 2h] [--summary] [-o table|json]",
+		Short: "Who used a credential: join a target API server's audit log to the broker's leases (admin)",
+		Long: `Read a target API server's audit log (audit.k8s.io/v1 events, JSON lines, the
+file of --audit-log-path; "-" for standard input) and print every request made
+with a credential the broker issued: when, the verb, resource, namespace and
+response code, and the lease, its peer, the source workload and the broker
+request that minted it.
+
+The API server names the credential of every authenticated request in
+user.extra["authentication.kubernetes.io/credential-id"] ("JTI=<jti>" for a
+token, "X509SHA256=<fingerprint>" for a client certificate). The broker records
+the same id as credential_id in its audit events and on each lease Secret
+(annotation ` + broker.AnnotationCredentialID + `). Give the broker's audit
+events with --broker-audit-log (its standard output or --audit-log file;
+operational log lines are skipped; repeat the flag for several replicas or
+days), or read the live lease Secrets with --kubeconfig (leases are deleted
+at expiry and revocation, so only live leases join that way), or both.
+How far back the join reaches is how long the broker's audit events are kept.
+
+A request that fails authentication carries no credential id and cannot be
+attributed: a revoked token's later requests are 401s counted at the end, not
+rows. A revoked client certificate still authenticates: its later requests
+are 403 rows with the state "revoked".
+
+--summary prints, per lease, what it was used for (verb x resource, with
+counts and refusals), and per grant and RBAC subject the permissions the
+subject has and never used: read with --kubeconfig from the RoleBindings in
+the lease's namespace and the ClusterRoleBindings (bindings to
+system:authenticated left out). Without --kubeconfig they are "unknown".
+
+The log is streamed: any size, one line (at most 1 MiB; longer lines are
+skipped and counted) at a time. Counts go to standard error at the end.
+-o json prints one JSON object per line. Reading Secrets and RBAC needs list
+on secrets in every namespace, and list/get on roles, rolebindings,
+clusterroles and clusterrolebindings; nothing is written.`,
+		Example: `  # every request made with a broker credential, joined with the broker's audit events
+  tokenbroker audit --api-audit-log /var/log/kubernetes/audit.log --broker-audit-log broker-audit.jsonl
+
+  # the same from the pods' logs, for one peer, over the last two hours
+  kubectl -n tokenbroker logs -l app.kubernetes.io/name=tokenbroker --tail=-1 --prefix=false > broker.log
+  tokenbroker audit --api-audit-log audit.log --broker-audit-log broker.log --peer west --since 2h
+
+  # the live leases, read from their Secrets; the audit log on stdin
+  zcat audit.log.gz | tokenbroker audit --api-audit-log - --kubeconfig ~/.kube/east
+
+  # what one lease was used for, and the permissions its grant never used
+  tokenbroker audit --api-audit-log audit.log --broker-audit-log broker.log --kubeconfig ~/.kube/east --lease q3fcxb7kumyz4pa2m6dxx5jnle --summary`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := o.validate(time.Now()); err != nil {
+				return err
+			}
+			var client kubernetes.Interface
+			if o.Kubeconfig != "" {
+				rc, err := restConfig(o.Kubeconfig, o.Context)
+				if err != nil {
+					return err
+				}
+				rc.QPS, rc.Burst = leasesKubeQPS, leasesKubeBurst
+				if client, err = kubernetes.NewForConfig(rc); err != nil {
+					return fmt.Errorf("create Kubernetes client: %w", err)
+				}
+			}
+			return runAudit(cmd.Context(), o, client, cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&o.APIAuditLog, "api-audit-log", "", `the target API server's audit log (JSON lines of audit.k8s.io/v1 events), "-" for standard input`)
+	fs.StringArrayVar(&o.BrokerAuditLogs, "broker-audit-log", nil, `a file of the broker's audit events (its output; other lines are skipped), "-" for standard input; repeatable`)
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "a kubeconfig of the target cluster: read its live lease Secrets, and with --summary its RBAC")
+	fs.StringVar(&o.Context, "context", "", "kubeconfig context to use (default: its current context)")
+	fs.StringVar(&o.Since, "since", "", `only requests received since this time: RFC 3339 ("2030-01-02T15:04:05Z") or a duration before now ("2h")`)
+	fs.StringVar(&o.Lease, "lease", "", "only the requests made with this lease's credential")
+	fs.StringVar(&o.Peer, "peer", "", "only the requests made with credentials of this peer (its name in the policy)")
+	fs.StringVarP(&o.Output, "output", "o", "table", "output format: table or json (one object a line)")
+	fs.BoolVar(&o.Summary, "summary", false, "per lease, the verbs and resources used; per grant and subject, the permissions never used")
+	_ = cmd.RegisterFlagCompletionFunc("output", cobra.FixedCompletions(auditOutputs, cobra.ShellCompDirectiveNoFileComp))
+	return cmd
+}
+
+func (o *auditOptions) validate(now time.Time) error {
+	if o.APIAuditLog == "" {
+		return errors.New("--api-audit-log is required: the target API server's audit log file (its --audit-log-path), or - for standard input")
+	}
+	if len(o.BrokerAuditLogs) == 0 && o.Kubeconfig == "" {
+		return errors.New("give the broker's audit events (--broker-audit-log FILE) or a kubeconfig to read the live lease Secrets (--kubeconfig FILE), or both")
+	}
+	stdin := 0
+	for _, f := range append([]string{o.APIAuditLog}, o.BrokerAuditLogs...) {
+		if f == "-" {
+			stdin++
+		}
+		if f == "" {
+			return errors.New("--broker-audit-log needs a file name")
+		}
+	}
+	if stdin > 1 {
+		return errors.New(`only one input can be standard input ("-")`)
+	}
+	if o.Lease != "" && !apiv1.ValidLeaseID(o.Lease) {
+		return fmt.Errorf("--lease %q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", o.Lease)
+	}
+	if len(o.Peer) > 253 {
+		return errors.New("--peer is longer than 253 characters: not a peer name")
+	}
+	if !slices.Contains(auditOutputs, o.Output) {
+		return fmt.Errorf("--output must be one of %s, not %q", strings.Join(auditOutputs, ", "), o.Output)
+	}
+	if o.Since != "" {
+		t, err := parseSince(o.Since, now)
+		if err != nil {
+			return err
+		}
+		o.since = t
+	}
+	return nil
+}
+
+// parseSince is an RFC 3339 time or a positive duration before now.
+func parseSince(s string, now time.Time) (time.Time, error) {
+	if t, err := time.Parse(time.RFC3339, s); err == nil {
+		return t, nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		return time.Time{}, fmt.Errorf(`--since %q is neither an RFC 3339 time ("2030-01-02T15:04:05Z") nor a positive duration ("2h")`, s)
+	}
+	return now.Add(-d), nil
+}
+
+// openInput opens a log file, or returns stdin for "-". Only regular
+// files, pipes and standard input are read.
+func openInput(name string, stdin io.Reader) (io.ReadCloser, error) {
+	if name == "-" {
+		return io.NopCloser(stdin), nil
+	}
+	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	if fi.IsDir() {
+		_ = f.Close()
+		return nil, fmt.Errorf("%s is a directory, not a log file", name)
+	}
+	return f, nil
+}
+
+func runAudit(ctx context.Context, o auditOptions, client kubernetes.Interface, stdin io.Reader, out, errOut io.Writer) error {
+	idx := auditjoin.NewIndex()
+	for _, name := range o.BrokerAuditLogs {
+		f, err := openInput(name, stdin)
+		if err != nil {
+			return fmt.Errorf("open broker audit log: %w", err)
+		}
+		st, err := idx.ReadBrokerLog(f)
+		_ = f.Close()
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		if st.TooLong > 0 || st.Malformed > 0 {
+			fmt.Fprintf(errOut, "%s: skipped %d lines over %d bytes and %d broken audit events\n", name, st.TooLong, auditjoin.MaxLineBytes, st.Malformed)
+		}
+	}
+	if client != nil {
+		err := broker.EachLeaseSecretPage(ctx, client.CoreV1(), "", nil, func(page []corev1.Secret) error {
+			for _, r := range broker.LeaseRecords(page, "", time.Now()) {
+				l := auditjoin.Lease{
+					ID: r.ID, Peer: r.Peer, Identity: r.Identity, Namespace: r.Namespace, ServiceAccount: r.ServiceAccount,
+					User: r.User, Workload: r.Workload, Credential: r.Credential, Grant: r.Grant, CredentialID: r.CredentialID,
+					IssuedAt: r.CreatedAt,
+				}
+				if r.ExpiresAt != nil {
+					l.ExpiresAt = *r.ExpiresAt
+				}
+				idx.AddLease(l)
+			}
+			return nil
+		})
+		if err != nil {
+			return explainAPIError(err, "list", "")
+		}
+	}
+	if idx.Len() == 0 {
+		fmt.Fprintln(errOut, "warning: no lease with a credential id was found: nothing can be joined (broker audit events without credential_id name only tokens, by token_jti)")
+	}
+
+	f, err := openInput(o.APIAuditLog, stdin)
+	if err != nil {
+		return fmt.Errorf("open API server audit log: %w", err)
+	}
+	defer f.Close()
+	filter := auditjoin.Filter{LeaseID: o.Lease, Peer: o.Peer, Since: o.since}
+	var (
+		st      auditjoin.Stats
+		printed int
+	)
+	if o.Summary {
+		sum := auditjoin.NewSummary()
+		st, err = auditjoin.Join(f, idx, filter, func(r auditjoin.Row) error {
+			printed++
+			sum.Add(r)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if err := printSummary(ctx, out, o.Output, sum, client); err != nil {
+			return err
+		}
+	} else {
+		p := &rowPrinter{out: out, json: o.Output == "json"}
+		st, err = auditjoin.Join(f, idx, filter, func(r auditjoin.Row) error {
+			printed++
+			return p.row(r)
+		})
+		if flushErr := p.flush(); err == nil {
+			err = flushErr
+		}
+		if err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(errOut, "%d requests read, %d made with a broker credential, %d selected; %d refused authentication (401) and carry no credential id, so cannot be attributed (a revoked or expired token's requests are among them); %d made with credentials of no known lease\n",
+		st.Requests, st.Joined, printed, st.Unauthenticated, st.NoLease)
+	if st.TooLong > 0 || st.Malformed > 0 {
+		fmt.Fprintf(errOut, "%s: skipped %d lines over %d bytes and %d lines that are not audit events\n", o.APIAuditLog, st.TooLong, auditjoin.MaxLineBytes, st.Malformed)
+	}
+	return nil
+}
+
+// auditTablePage is how many rows the table aligns at a time: the output
+// streams, so the columns line up within a page.
+const auditTablePage = 500
+
+type rowPrinter struct {
+	out  io.Writer
+	json bool
+	tw   *tabwriter.Writer
+	n    int
+}
+
+func (p *rowPrinter) row(r auditjoin.Row) error {
+	if p.json {
+		b, err := json.Marshal(r)
+		if err != nil {
+			return err
+		}
+		_, err = p.out.Write(append(b, '\n'))
+		return err
+	}
+	if p.tw == nil {
+		p.tw = tabwriter.NewWriter(p.out, 0, 8, 2, ' ', 0)
+		if p.n == 0 {
+			fmt.Fprintln(p.tw, "TIME\tVERB\tRESOURCE\tNAMESPACE\tNAME\tCODE\tLEASE\tSTATE\tPEER\tWORKLOAD\tISSUE-REQUEST")
+		}
+	}
+	fmt.Fprintln(p.tw, strings.Join([]string{
+		r.Time.UTC().Format(time.RFC3339), r.Verb, resourceOf(r), orNone(r.Namespace), orNone(r.Name), strconv.Itoa(r.Code),
+		r.Lease.ID, r.LeaseState, orNone(r.Lease.Peer), orNone(r.Lease.Workload), orNone(r.Lease.IssueRequestID),
+	}, "\t"))
+	p.n++
+	if p.n%auditTablePage == 0 {
+		return p.flush()
+	}
+	return nil
+}
+
+func (p *rowPrinter) flush() error {
+	if p.tw == nil {
+		return nil
+	}
+	err := p.tw.Flush()
+	p.tw = nil
+	return err
+}
+
+// resourceOf is "group/resource/subresource" (the core group without
+// "group/"), or the path of a non-resource request.
+func resourceOf(r auditjoin.Row) string {
+	if r.Resource == "" {
+		return r.Path
+	}
+	s := r.Resource
+	if r.Subresource != "" {
+		s += "/" + r.Subresource
+	}
+	if r.Group != "" {
+		s = r.Group + "/" + s
+	}
+	return s
+}
+
+// subjectReport is one grant and subject of the summary, with the
+// permissions it has and never used.
+type subjectReport struct {
+	Kind string `json:"kind"`
+	auditjoin.SubjectUsage
+	// Permissions is "known" (read from RBAC), "unbound" (no binding names
+	// the subject any more) or "unknown" (no --kubeconfig).
+	Permissions string                 `json:"permissions"`
+	Bindings    []string               `json:"bindings,omitempty"`
+	Unused      []auditjoin.Permission `json:"unused"`
+}
+
+type leaseReport struct {
+	Kind string `json:"kind"`
+	auditjoin.LeaseUsage
+}
+
+func printSummary(ctx context.Context, out io.Writer, format string, sum *auditjoin.Summary, client kubernetes.Interface) error {
+	var resolver *rbacrights.Resolver
+	if client != nil {
+		resolver = rbacrights.NewResolver(client.RbacV1())
+	}
+	var subjects []subjectReport
+	for _, s := range sum.Subjects() {
+		rep := subjectReport{Kind: "subject", SubjectUsage: s, Permissions: "unknown", Unused: []auditjoin.Permission{}}
+		if resolver != nil {
+			sub := rbacrights.Subject{Name: s.Subject.Name}
+			ns := s.Subject.Namespace
+			if s.Subject.Kind == auditjoin.SubjectServiceAccount {
+				sub.ServiceAccount, sub.Namespace, sub.Groups = true, ns, rbacrights.ServiceAccountGroups(ns)
+			} else {
+				ns = s.Namespace
+			}
+			rules, from, err := resolver.Rules(ctx, sub, ns)
+			if err != nil {
+				return fmt.Errorf("read the RBAC of %s: %w", s.Subject, err)
+			}
+			rep.Permissions, rep.Bindings = "unbound", from
+			if len(from) > 0 {
+				rep.Permissions = "known"
+				rep.Unused = auditjoin.Unused(rules, s.Uses)
+			}
+		}
+		subjects = append(subjects, rep)
+	}
+	if format == "json" {
+		enc := json.NewEncoder(out)
+		for _, l := range sum.Leases() {
+			if err := enc.Encode(leaseReport{Kind: "lease", LeaseUsage: l}); err != nil {
+				return err
+			}
+		}
+		for _, s := range subjects {
+			if err := enc.Encode(s); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for _, l := range sum.Leases() {
+		fmt.Fprintf(out, "LEASE %s  %s, peer %s, %s\n", l.Lease.ID, orNone(l.Lease.Credential), orNone(l.Lease.Peer), l.Subject)
+		fmt.Fprintf(out, "  workload %s, issued %s by request %s, %s\n", orNone(l.Lease.Workload), timeOrUnknown(l.Lease.IssuedAt),
+			orNone(l.Lease.IssueRequestID), leaseEnd(l.Lease))
+		fmt.Fprintf(out, "  %d requests from %s to %s, %d after revocation\n", l.Requests,
+			l.First.UTC().Format(time.RFC3339), l.Last.UTC().Format(time.RFC3339), l.AfterRevocation)
+		if err := printUses(out, l.Uses); err != nil {
+			return err
+		}
+		fmt.Fprintln(out)
+	}
+	for _, s := range subjects {
+		fmt.Fprintf(out, "GRANT %s  %s, %d leases, %d requests\n", orNone(s.Grant), s.Subject, len(s.Leases), s.Requests)
+		switch s.Permissions {
+		case "unknown":
+			fmt.Fprintln(out, "  permissions unknown: give --kubeconfig to read the subject's RBAC")
+		case "unbound":
+			fmt.Fprintln(out, "  no RBAC binding names this subject now (a client certificate's RoleBinding goes with its lease)")
+		default:
+			fmt.Fprintf(out, "  bound by %s\n", strings.Join(s.Bindings, ", "))
+			if len(s.Unused) == 0 {
+				fmt.Fprintln(out, "  every permission was used")
+			} else {
+				names := make([]string, len(s.Unused))
+				for i, p := range s.Unused {
+					names[i] = p.String()
+				}
+				fmt.Fprintf(out, "  never used: %s\n", strings.Join(names, ", "))
+			}
+		}
+		fmt.Fprintln(out)
+	}
+	return nil
+}
+
+func printUses(out io.Writer, uses []auditjoin.Use) error {
+	tw := tabwriter.NewWriter(out, 0, 8, 2, ' ', 0)
+	fmt.Fprintln(tw, "  VERB\tRESOURCE\tREQUESTS\tDENIED")
+	for _, u := range uses {
+		res := u.Path
+		if res == "" {
+			res = u.Resource
+			if u.Group != "" {
+				res = u.Group + "/" + res
+			}
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\n", u.Verb, res, u.Count, u.Denied)
+	}
+	return tw.Flush()
+}
+
+func timeOrUnknown(t time.Time) string {
+	if t.IsZero() {
+		return "<unknown>"
+	}
+	return t.UTC().Format(time.RFC3339)
+}
+
+func leaseEnd(l auditjoin.Lease) string {
+	switch {
+	case !l.RevokedAt.IsZero():
+		return "revoked " + l.RevokedAt.UTC().Format(time.RFC3339) + " (" + l.RevokeReason + ")"
+	case !l.ExpiresAt.IsZero():
+		return "expires " + l.ExpiresAt.UTC().Format(time.RFC3339)
+	}
+	return "expiry unknown"
+}

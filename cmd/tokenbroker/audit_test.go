@@ -1,0 +1,66 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestAuditOptionsAreCheckedWithMessagesThatSayWhatToGive(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2030, 1, 1, 12, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name string
+		o    auditOptions
+		err  string
+	}{
+		{"the API server's log is required", auditOptions{BrokerAuditLogs: []string{"b"}, Output: "table"}, "--api-audit-log is required"},
+		{"leases come from the broker's log or the cluster", auditOptions{APIAuditLog: "a", Output: "table"}, "--broker-audit-log FILE"},
+		{"only one input reads stdin", auditOptions{APIAuditLog: "-", BrokerAuditLogs: []string{"-"}, Output: "table"}, "only one input"},
+		{"a lease id has the lease id's shape", auditOptions{APIAuditLog: "a", BrokerAuditLogs: []string{"b"}, Lease: "../x", Output: "table"}, "is not a lease id"},
+		{"since is a time or a duration", auditOptions{APIAuditLog: "a", BrokerAuditLogs: []string{"b"}, Since: "yesterday", Output: "table"}, "neither an RFC 3339 time"},
+		{"the output is table or json", auditOptions{APIAuditLog: "a", BrokerAuditLogs: []string{"b"}, Output: "yaml"}, "--output must be one of table, json"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			require.ErrorContains(t, tc.o.validate(now), tc.err)
+		})
+	}
+	o := auditOptions{APIAuditLog: "a", Kubeconfig: "k", Since: "2h", Output: "json"}
+	require.NoError(t, o.validate(now))
+	require.Equal(t, now.Add(-2*time.Hour), o.since)
+}
+
+func TestAuditPrintsJoinedRequestsAndSaysWhatItCouldNotAttribute(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	const lease = "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	broker := `{"level":"info","msg":"decision"}
+{"time":"2030-01-01T10:00:00Z","audit":"tokenbroker.io/v1","action":"issue","decision":"allow","request_id":"REQ1","peer":"west","namespace":"argo","service_account":"runner","credential":"token","lease_id":"` + lease + `","credential_id":"JTI=j1","expires_at":"2030-01-01T12:00:00Z","workload":"wf/submitter","grant":"runners"}
+`
+	api := `{"kind":"Event","apiVersion":"audit.k8s.io/v1","stage":"ResponseComplete","verb":"list","requestURI":"/api/v1/namespaces/argo/configmaps","user":{"username":"system:serviceaccount:argo:runner","extra":{"authentication.kubernetes.io/credential-id":["JTI=j1"]}},"objectRef":{"resource":"configmaps","namespace":"argo"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:01:00.000000Z"}
+{"kind":"Event","apiVersion":"audit.k8s.io/v1","stage":"ResponseStarted","verb":"list","requestURI":"/api/v1/namespaces/argo/configmaps","user":{},"responseStatus":{"code":401},"requestReceivedTimestamp":"2030-01-01T10:02:00.000000Z"}
+`
+	brokerFile := filepath.Join(dir, "broker.log")
+	require.NoError(t, os.WriteFile(brokerFile, []byte(broker), 0o600))
+	var out, errOut bytes.Buffer
+	o := auditOptions{APIAuditLog: "-", BrokerAuditLogs: []string{brokerFile}, Output: "table"}
+	require.NoError(t, runAudit(t.Context(), o, nil, strings.NewReader(api), &out, &errOut))
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 2, out.String())
+	require.Equal(t, []string{"TIME", "VERB", "RESOURCE", "NAMESPACE", "NAME", "CODE", "LEASE", "STATE", "PEER", "WORKLOAD", "ISSUE-REQUEST"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live", "west", "wf/submitter", "REQ1"}, strings.Fields(lines[1]))
+	require.Contains(t, errOut.String(), "2 requests read, 1 made with a broker credential, 1 selected; 1 refused authentication (401)")
+
+	out.Reset()
+	o.Summary = true
+	require.NoError(t, runAudit(t.Context(), o, nil, strings.NewReader(api), &out, &errOut))
+	require.Contains(t, out.String(), "LEASE "+lease+"  token, peer west, system:serviceaccount:argo:runner")
+	require.Contains(t, out.String(), "GRANT runners  system:serviceaccount:argo:runner, 1 leases, 1 requests")
+	require.Contains(t, out.String(), "permissions unknown: give --kubeconfig")
+}
