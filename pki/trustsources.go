@@ -4,7 +4,10 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 // ErrTooManyCertificates is returned (wrapped) by MergeCABundles when the
@@ -69,3 +72,49 @@ func PinnedCAs(certs []*x509.Certificate, fingerprint string, now time.Time) ([]
 // EncodeCertificatesPEM encodes certs as PEM "CERTIFICATE" blocks, in
 // order.
 func EncodeCertificatesPEM(certs []*x509.Certificate) []byte { return encodeCerts(certs) }
+
+// ValidSignerName checks a Kubernetes signer name as the API server does
+// for a ClusterTrustBundle's spec.signerName: "<domain>/<path>", the
+// domain DNS labels with at least one dot, the path DNS subdomains
+// separated by dots. It also leaves room for the bundle name
+// ClusterTrustBundleName makes from it.
+func ValidSignerName(name string) error {
+	domain, path, ok := strings.Cut(name, "/")
+	if !ok || strings.Contains(path, "/") {
+		return fmt.Errorf("signer name %q: want <domain>/<name>, e.g. tokenbroker.io/east", name)
+	}
+	if len(name) > maxSignerNameLen {
+		return fmt.Errorf("signer name %q: longer than %d characters", name, maxSignerNameLen)
+	}
+	labels := strings.Split(domain, ".")
+	if len(labels) < 2 {
+		return fmt.Errorf("signer name %q: the domain %q needs at least two labels separated by dots", name, domain)
+	}
+	for _, l := range labels {
+		if msgs := validation.IsDNS1123Label(l); len(msgs) > 0 {
+			return fmt.Errorf("signer name %q: domain label %q: %s", name, l, strings.Join(msgs, "; "))
+		}
+	}
+	for _, l := range strings.Split(path, ".") {
+		if msgs := validation.IsDNS1123Subdomain(l); len(msgs) > 0 {
+			return fmt.Errorf("signer name %q: name %q: %s", name, l, strings.Join(msgs, "; "))
+		}
+	}
+	return nil
+}
+
+// ClusterTrustBundleSuffix is the last part of the name of the
+// ClusterTrustBundle a broker publishes (ClusterTrustBundleName).
+const ClusterTrustBundleSuffix = "trust-bundle"
+
+// maxSignerNameLen leaves room in a 253-character object name for ":" and
+// ClusterTrustBundleSuffix.
+const maxSignerNameLen = 253 - 1 - len(ClusterTrustBundleSuffix)
+
+// ClusterTrustBundleName is the name of the signer-linked
+// ClusterTrustBundle a broker publishes for signer: the API server
+// requires the signer name with "/" replaced by ":", then ":" and a
+// suffix (KEP-3257).
+func ClusterTrustBundleName(signer string) string {
+	return strings.ReplaceAll(signer, "/", ":") + ":" + ClusterTrustBundleSuffix
+}

@@ -3,6 +3,7 @@ package pki
 import (
 	"crypto/x509"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -92,4 +93,34 @@ func TestPinnedCAs(t *testing.T) {
 		_, err = PinnedCAs(nil, pin, fixedNow())
 		require.ErrorIs(t, err, ErrFingerprintMismatch)
 	})
+}
+
+func TestValidSignerName(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, signer string
+		ok           bool
+	}{
+		{"a domain and a name are valid", "tokenbroker.io/east", true},
+		{"a dotted name is valid", "tokenbroker.io/east.prod", true},
+		{"no slash is refused", "tokenbroker.io", false},
+		{"two slashes are refused", "tokenbroker.io/a/b", false},
+		{"a one-label domain is refused", "tokenbroker/east", false},
+		{"upper case is refused", "tokenbroker.io/East", false},
+		{"a colon is refused", "tokenbroker.io/east:x", false},
+		{"an empty name is refused", "", false},
+		{"a name too long for the bundle's name is refused", "tokenbroker.io/" + strings.Repeat("a.", 120) + "b", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			err := ValidSignerName(tc.signer)
+			if tc.ok {
+				require.NoError(t, err)
+				require.LessOrEqual(t, len(ClusterTrustBundleName(tc.signer)), 253)
+			} else {
+				require.Error(t, err)
+			}
+		})
+	}
+	require.Equal(t, "tokenbroker.io:east:trust-bundle", ClusterTrustBundleName("tokenbroker.io/east"))
 }

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
@@ -116,6 +118,13 @@ type Options struct {
 	// SigningTimeout bounds the wait for the cluster's signer when
 	// issuing a client certificate; zero means 10s.
 	SigningTimeout time.Duration
+	// PublishClusterTrustBundle, if set, is a signer name
+	// (tokenbroker.io/<broker>): the broker keeps a ClusterTrustBundle
+	// linked to that signer equal to the CAs it serves
+	// (broker.ClusterTrustBundlePublisher). The cluster must serve
+	// certificates.k8s.io/v1 clustertrustbundles (Kubernetes 1.37 or
+	// later), or Run fails.
+	PublishClusterTrustBundle string
 	// AuditLog is where audit events go: AuditStdout, AuditStderr or a
 	// file path (see OpenAuditLog).
 	AuditLog string
@@ -208,6 +217,11 @@ func (o Options) Validate() error {
 	}
 	if o.ClientCertTTL < broker.MinCertificateTTL || o.ClientCertTTL > broker.MaxCertificateTTL {
 		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
+	}
+	if o.PublishClusterTrustBundle != "" {
+		if err := pki.ValidSignerName(o.PublishClusterTrustBundle); err != nil {
+			errs = append(errs, fmt.Errorf("--publish-cluster-trust-bundle: %w", err))
+		}
 	}
 	if msgs := validation.IsDNS1123Label(o.Namespace); len(msgs) > 0 {
 		errs = append(errs, fmt.Errorf("--namespace %q: %s", o.Namespace, strings.Join(msgs, "; ")))
@@ -329,6 +343,13 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}
 
+	var ctb *broker.ClusterTrustBundlePublisher
+	if opts.PublishClusterTrustBundle != "" {
+		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, client, certs, clientCAs, reg, log); err != nil {
+			return err
+		}
+	}
+
 	store := broker.NewPolicyStore(policy)
 	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval)
 	if err != nil {
@@ -404,6 +425,9 @@ func Run(ctx context.Context, opts Options) error {
 	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
+	if ctb != nil {
+		go ctb.Run(ctx)
+	}
 	poolDone := make(chan struct{})
 	go func() { defer close(poolDone); b.RunPool(ctx) }()
 	defer func() { cancel(); <-poolDone }() // its unclaimed Secrets are deleted before serve returns
@@ -444,6 +468,63 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// clusterTrustBundlePublisher checks that the cluster serves
+// ClusterTrustBundles at certificates.k8s.io/v1 and makes the publisher of
+// the CAs this broker serves: the client-CA bundle (what GET
+// /v1/trust-bundle serves) and the CAs its serving certificate file
+// carries after the leaf, both as reloaded at each check.
+func clusterTrustBundlePublisher(signer string, client kubernetes.Interface, certs *pki.CertReloader,
+	clientCAs *pki.PoolReloader, reg prometheus.Registerer, log *zap.Logger) (*broker.ClusterTrustBundlePublisher, error) {
+	const gv = "certificates.k8s.io/v1"
+	res, err := client.Discovery().ServerResourcesForGroupVersion(gv)
+	served := false
+	if err == nil {
+		for _, r := range res.APIResources {
+			served = served || r.Name == "clustertrustbundles"
+		}
+	}
+	if !served {
+		if err != nil && !apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("--publish-cluster-trust-bundle: discover %s: %w", gv, err)
+		}
+		return nil, fmt.Errorf("--publish-cluster-trust-bundle: the cluster does not serve %s clustertrustbundles (GA in Kubernetes 1.37); unset the flag on older clusters", gv)
+	}
+	var warned []byte
+	bundle := func() []*x509.Certificate {
+		var chain []*x509.Certificate
+		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {
+			for _, der := range tc.Certificate {
+				c, err := x509.ParseCertificate(der)
+				if err != nil {
+					break
+				}
+				chain = append(chain, c)
+			}
+		}
+		cas, ok := broker.PublishedCAs(clientCAs.Certificates(), chain, time.Now())
+		if pem := pki.EncodeCertificatesPEM(cas); !ok && !bytes.Equal(pem, warned) {
+			warned = pem
+			log.Warn("the serving certificate does not chain to the CAs published in the ClusterTrustBundle; peers that trust only the bundle refuse this broker until it does (put its CA in --client-ca-file or after the certificate in --tls-cert-file)",
+				zap.String("signer", signer))
+		} else if ok {
+			warned = nil
+		}
+		return cas
+	}
+	p, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{
+		Client:     client.CertificatesV1().ClusterTrustBundles(),
+		SignerName: signer,
+		Bundle:     bundle,
+		Logger:     log.Named("cluster-trust-bundle"),
+		Registerer: reg,
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("publishing the trust bundle as a ClusterTrustBundle", zap.String("name", p.Name()), zap.String("signer", signer))
+	return p, nil
 }
 
 // namespaceInformer is the broker's metadata-only informer of namespaces,
