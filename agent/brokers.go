@@ -18,6 +18,9 @@ import (
 // clients are made again with it.
 type brokers struct {
 	holder *identityHolder
+	// trust, if set, is the CAs that verify brokers in place of the
+	// identity's bundle (identity.trustBundleFrom).
+	trust func() *trustState
 
 	mu      sync.Mutex
 	bundle  []byte
@@ -49,20 +52,28 @@ func (b *brokers) clientAs(url, tokenFile string) (*client.Client, error) {
 	if id == nil {
 		return nil, errNoIdentityYet
 	}
+	roots, bundle := id.roots, id.bundlePEM
+	if b.trust != nil {
+		st := b.trust()
+		if st == nil {
+			return nil, errNoTrustYet
+		}
+		roots, bundle = st.pool, st.pem
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !bytes.Equal(id.bundlePEM, b.bundle) {
+	if !bytes.Equal(bundle, b.bundle) {
 		for _, c := range b.clients {
 			c.CloseIdleConnections()
 		}
 		b.clients = map[string]*client.Client{}
-		b.bundle = id.bundlePEM
+		b.bundle = bundle
 	}
 	key := url + "\x00" + tokenFile
 	if c, ok := b.clients[key]; ok {
 		return c, nil
 	}
-	cfg := client.Config{URL: url, RootCAs: id.roots, GetClientCertificate: b.holder.GetClientCertificate,
+	cfg := client.Config{URL: url, RootCAs: roots, GetClientCertificate: b.holder.GetClientCertificate,
 		IdleConnTimeout: brokerIdleConnTimeout}
 	if tokenFile != "" {
 		cfg.WorkloadToken = client.WorkloadTokenFile(tokenFile)
