@@ -330,6 +330,10 @@ func (c *Cluster) apiServerArgs() []string {
 	args := []string{
 		"--bind-address=127.0.0.1",
 		"--advertise-address=127.0.0.1",
+		// Since 1.37 the API server refuses to publish a loopback address
+		// as the kubernetes Service's endpoint; there is no node to reach
+		// it from, so publish none.
+		"--endpoint-reconciler-type=none",
 		"--secure-port=" + strconv.Itoa(c.port),
 		"--cert-dir=" + file("apiserver-certs"),
 		"--tls-cert-file=" + file(servingCertFile),
