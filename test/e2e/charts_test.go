@@ -185,7 +185,11 @@ func TestAgentChartRenders(t *testing.T) {
 			"kargo":  {"east"},
 			"argocd": {"cluster-east"},
 		}, roles)
-		require.Empty(t, manifestsOf(docs, "ClusterRole"), "nothing cluster-wide")
+		// Cluster-wide only what identity.trustBundleFrom reads: the
+		// ClusterTrustBundles, cluster-scoped and public.
+		require.Equal(t, []string{"ClusterRole/west-tokenbroker-agent-trust-bundles"}, kindNames(manifestsOf(docs, "ClusterRole")))
+		ctbRole := decode[rbacv1.ClusterRole](t, findManifest(t, docs, "ClusterRole", "west-tokenbroker-agent-trust-bundles"))
+		require.Equal(t, []rbacv1.PolicyRule{{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, Verbs: []string{"get", "list", "watch"}}}, ctbRole.Rules)
 		d := decode[appsv1.Deployment](t, findManifest(t, docs, "Deployment", "west-tokenbroker-agent"))
 		ctr := d.Spec.Template.Spec.Containers[0]
 		require.Equal(t, int32(9191), ctr.Ports[0].ContainerPort)
