@@ -198,6 +198,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		metrics:   m,
 		onRenewed: a.brokers.closeIdle,
 	}
+	if a.trust != nil {
+		a.renewer.trust = a.trust.get
+	}
 	if err := a.registry.Register(newExpiryCollector(a.clock.Now, a.targets, a.holder)); err != nil {
 		return nil, fmt.Errorf("register agent metrics: %w", err)
 	}

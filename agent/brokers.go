@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"sync"
@@ -53,12 +54,24 @@ func (b *brokers) clientAs(url, tokenFile string) (*client.Client, error) {
 		return nil, errNoIdentityYet
 	}
 	roots, bundle := id.roots, id.bundlePEM
+	var verify func(tls.ConnectionState) error
 	if b.trust != nil {
 		st := b.trust()
 		if st == nil {
 			return nil, errNoTrustYet
 		}
-		roots, bundle = st.pool, st.pem
+		if st.err != nil {
+			// Fail closed: no client, and no kept-alive connection to a
+			// broker verified with CAs no longer in service.
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			for _, c := range b.clients {
+				c.CloseIdleConnections()
+			}
+			b.clients, b.bundle = map[string]*client.Client{}, nil
+			return nil, st.err
+		}
+		roots, bundle, verify = st.pool, st.pem, st.verify
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -74,7 +87,7 @@ func (b *brokers) clientAs(url, tokenFile string) (*client.Client, error) {
 		return c, nil
 	}
 	cfg := client.Config{URL: url, RootCAs: roots, GetClientCertificate: b.holder.GetClientCertificate,
-		IdleConnTimeout: brokerIdleConnTimeout}
+		IdleConnTimeout: brokerIdleConnTimeout, VerifyConnection: verify}
 	if tokenFile != "" {
 		cfg.WorkloadToken = client.WorkloadTokenFile(tokenFile)
 	}

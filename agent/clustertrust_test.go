@@ -3,6 +3,8 @@ package agent
 import (
 	"context"
 	"crypto/x509"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -10,7 +12,9 @@ import (
 	"go.uber.org/zap"
 	certificatesv1 "k8s.io/api/certificates/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -55,6 +59,10 @@ func TestSelectTrust(t *testing.T) {
 			// Named for our signer but linked to another: the API server
 			// refuses it, a tampered answer must not slip it in.
 			ctbOf("tokenbroker.io:east:x", "tokenbroker.io/west", attacker.CertPEM()),
+			// Linked to our signer but not named for it: the API server
+			// refuses it, a tampered answer must not slip it in.
+			ctbOf("attacker", ctbSigner, attacker.CertPEM()),
+			ctbOf("tokenbroker.io:eastern:trust-bundle", ctbSigner, attacker.CertPEM()),
 		}, ctbSigner, "", now, log)
 		require.NoError(t, err)
 		require.Len(t, certs, 1)
@@ -98,26 +106,116 @@ func TestSelectTrust(t *testing.T) {
 	})
 }
 
-func TestClusterTrustKeepsTheCAsInServiceWhenARefreshFindsNothing(t *testing.T) {
+type ctFixture struct {
+	ct      *clusterTrust
+	client  *fake.Clientset
+	clock   *clocktesting.FakeClock
+	brokers *brokers
+}
+
+func newCTFixture(t *testing.T, objs ...runtime.Object) *ctFixture {
+	t.Helper()
+	f := &ctFixture{client: fake.NewClientset(objs...), clock: clocktesting.NewFakeClock(time.Now())}
+	var err error
+	f.ct, err = newClusterTrust(ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Minute)}, "",
+		f.client.CertificatesV1().ClusterTrustBundles(), f.clock, zap.NewNop())
+	require.NoError(t, err)
+	h := &identityHolder{}
+	h.set(&identity{})
+	f.brokers = newBrokers(h)
+	f.brokers.trust = f.ct.get
+	return f
+}
+
+func TestClusterTrustTrustsNothingOnceTheBundlesYieldNothing(t *testing.T) {
 	t.Parallel()
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker"})
 	require.NoError(t, err)
 	b := ctbOf("tokenbroker.io:east:trust-bundle", ctbSigner, ca.CertPEM())
-	client := fake.NewClientset(&b)
-	ct, err := newClusterTrust(ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Minute)}, "",
-		client.CertificatesV1().ClusterTrustBundles(), clocktesting.NewFakeClock(time.Now()), zap.NewNop())
-	require.NoError(t, err)
-	require.Nil(t, ct.get())
-
-	brokers := newBrokers(&identityHolder{})
-	brokers.trust = ct.get
+	f := newCTFixture(t, &b)
+	require.Nil(t, f.ct.get())
 	ctx := context.Background()
-	require.NoError(t, ct.refresh(ctx))
-	require.Equal(t, string(ca.CertPEM()), string(ct.get().pem))
+	require.NoError(t, f.ct.refresh(ctx))
+	require.Equal(t, string(ca.CertPEM()), string(f.ct.get().pem))
+	_, err = f.brokers.client("https://east:8443")
+	require.NoError(t, err)
 
-	require.NoError(t, client.CertificatesV1().ClusterTrustBundles().Delete(ctx, b.Name, metav1.DeleteOptions{}))
-	require.Error(t, ct.refresh(ctx))
-	require.Equal(t, string(ca.CertPEM()), string(ct.get().pem), "the CAs in service stay")
+	// An operator deletes the bundle to cut a compromised CA off: the
+	// answer is authoritative, the agent trusts no broker.
+	bundles := f.client.CertificatesV1().ClusterTrustBundles()
+	require.NoError(t, bundles.Delete(ctx, b.Name, metav1.DeleteOptions{}))
+	require.ErrorIs(t, f.ct.refresh(ctx), errNoTrust)
+	_, err = f.brokers.client("https://east:8443")
+	require.ErrorIs(t, err, errNoTrust)
+	require.Empty(t, f.brokers.clients, "no client kept for the CAs dropped")
+
+	// A bundle that holds nothing usable is the same.
+	bad := ctbOf("tokenbroker.io:east:trust-bundle", ctbSigner, []byte("garbage"))
+	_, err = bundles.Create(ctx, &bad, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.ErrorIs(t, f.ct.refresh(ctx), errNoTrust)
+	_, err = f.brokers.client("https://east:8443")
+	require.ErrorIs(t, err, errNoTrust)
+
+	// Trust comes back with a good bundle.
+	_, err = bundles.Update(ctx, &b, metav1.UpdateOptions{})
+	require.NoError(t, err)
+	require.NoError(t, f.ct.refresh(ctx))
+	_, err = f.brokers.client("https://east:8443")
+	require.NoError(t, err)
+}
+
+func TestClusterTrustOutlivesFailedReadsOnlyForTheGrace(t *testing.T) {
+	t.Parallel()
+	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker"})
+	require.NoError(t, err)
+	b := ctbOf("tokenbroker.io:east:trust-bundle", ctbSigner, ca.CertPEM())
+	f := newCTFixture(t, &b)
+	ctx := context.Background()
+	require.NoError(t, f.ct.refresh(ctx))
+
+	f.client.PrependReactor("list", "clustertrustbundles", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("connection refused")
+	})
+	grace := trustGraceIntervals * time.Minute
+	f.clock.Step(grace)
+	require.ErrorContains(t, f.ct.refresh(ctx), "the CAs in service stay")
+	require.NoError(t, f.ct.get().err)
+	_, err = f.brokers.client("https://east:8443")
+	require.NoError(t, err, "within the grace the CAs in service stay")
+
+	f.clock.Step(time.Second)
+	require.ErrorIs(t, f.ct.refresh(ctx), errNoTrust)
+	_, err = f.brokers.client("https://east:8443")
+	require.ErrorIs(t, err, errNoTrust, "past the grace no broker is trusted")
+}
+
+func TestClusterTrustTakesExactlyTheLimitAndRefusesMore(t *testing.T) {
+	t.Parallel()
+	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker"})
+	require.NoError(t, err)
+	var objs []runtime.Object
+	for i := range maxTrustBundles {
+		b := ctbOf(fmt.Sprintf("tokenbroker.io:east:b%02d", i), ctbSigner, ca.CertPEM())
+		objs = append(objs, &b)
+	}
+	f := newCTFixture(t, objs...)
+	ctx := context.Background()
+	require.NoError(t, f.ct.refresh(ctx), "exactly the limit is fine")
+	var limit int64
+	for _, a := range f.client.Actions() {
+		if l, ok := a.(k8stesting.ListActionImpl); ok {
+			limit = l.ListOptions.Limit
+		}
+	}
+	require.Equal(t, int64(maxTrustBundles+1), limit)
+
+	more := ctbOf("tokenbroker.io:east:more", ctbSigner, ca.CertPEM())
+	_, err = f.client.CertificatesV1().ClusterTrustBundles().Create(ctx, &more, metav1.CreateOptions{})
+	require.NoError(t, err)
+	err = f.ct.refresh(ctx)
+	require.ErrorIs(t, err, errNoTrust)
+	require.ErrorContains(t, err, "more than 64")
 }
 
 func TestABrokerClientWaitsForTheFirstClusterTrustBundle(t *testing.T) {

@@ -93,9 +93,11 @@ type TrustBundleSource struct {
 // clusterTrustBundle projection does); a bundle that is malformed or holds
 // a certificate that is not a CA is skipped and logged. When
 // identity.enroll.caFingerprint is set, only the pinned CA and CAs that
-// chain to it are kept. The bundles are read again every Interval, so that
-// a CA rotation reaches the agent; if a read keeps nothing, the CAs in
-// service stay.
+// chain to it are kept, the pinned CA the only root. The bundles are read
+// again every Interval, so that a CA rotation reaches the agent. A read
+// the API answers is authoritative: if it keeps nothing, no broker is
+// trusted until one does; a failed read keeps the CAs in service for 10
+// intervals. One signer verifies every target's broker.
 type ClusterTrustBundleSource struct {
 	// SignerName selects the bundles (required), e.g. tokenbroker.io/east,
 	// what the broker's --publish-cluster-trust-bundle names.

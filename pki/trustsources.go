@@ -1,6 +1,7 @@
 package pki
 
 import (
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -117,4 +118,39 @@ const maxSignerNameLen = 253 - 1 - len(ClusterTrustBundleSuffix)
 // suffix (KEP-3257).
 func ClusterTrustBundleName(signer string) string {
 	return strings.ReplaceAll(signer, "/", ":") + ":" + ClusterTrustBundleSuffix
+}
+
+// VerifyChainToPinned returns a check for tls.Config.VerifyConnection that
+// makes pinned the only root of a server's chain: the peer's leaf must
+// verify for serverAuth, now, to pinned, with others and the certificates
+// the peer sent serving only as intermediates. The standard verification
+// against a pool that holds others as roots (hostname included) still runs
+// first; this one adds that a CA kept because it chains to the pin cannot
+// shed the pin's constraints — its path length, name constraints and
+// validity — by being a root itself.
+func VerifyChainToPinned(pinned *x509.Certificate, others []*x509.Certificate) (func(tls.ConnectionState) error, error) {
+	if pinned == nil || !pinned.BasicConstraintsValid || !pinned.IsCA {
+		return nil, errors.New("verify chain to the pinned CA: the pinned certificate is not a CA")
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(pinned)
+	others = append([]*x509.Certificate(nil), others...)
+	fp := Fingerprint(pinned)
+	return func(cs tls.ConnectionState) error {
+		if len(cs.PeerCertificates) == 0 {
+			return errors.New("the server sent no certificate")
+		}
+		inter := x509.NewCertPool()
+		for _, c := range others {
+			inter.AddCert(c)
+		}
+		for _, c := range cs.PeerCertificates[1:] {
+			inter.AddCert(c)
+		}
+		if _, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter,
+			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
+			return fmt.Errorf("the server's certificate does not chain to the pinned CA %s within its constraints: %w", fp, err)
+		}
+		return nil
+	}, nil
 }
