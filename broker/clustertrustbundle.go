@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,11 +21,17 @@ import (
 )
 
 // ErrBundleNotOwned is returned (wrapped) by a publisher's Sync when a
-// ClusterTrustBundle of the name it writes exists but was not made by a
-// broker (no app.kubernetes.io/managed-by=tokenbroker label, or another
-// signer): the broker leaves it alone. Retryable only once an operator
-// deletes or relabels it.
+// ClusterTrustBundle of the name it writes exists but was not made by this
+// broker (no app.kubernetes.io/managed-by=tokenbroker label, another
+// signer, or an AnnotationBroker that names another broker or is missing):
+// the broker leaves it alone. Retryable only once an operator deletes it.
 var ErrBundleNotOwned = errors.New("the ClusterTrustBundle exists and is not the broker's")
+
+// AnnotationBroker on a published ClusterTrustBundle names the broker that
+// made it (its policy's cluster.name). Two brokers given the same signer
+// in one cluster would otherwise overwrite each other's CAs; with it, the
+// second refuses to touch the first one's bundle.
+const AnnotationBroker = "tokenbroker.io/broker"
 
 // Defaults of ClusterTrustBundleConfig.
 const (
@@ -50,8 +57,12 @@ type ClusterTrustBundleConfig struct {
 	// SignerName links the bundle to a signer (pki.ValidSignerName);
 	// the bundle is named pki.ClusterTrustBundleName(SignerName).
 	SignerName string
-	// Bundle returns the CA certificates to publish: the broker's trust
-	// bundle and the CAs of its serving chain (PublishedCAs). Called at
+	// Owner names this broker (its policy's cluster.name); it is written
+	// to AnnotationBroker and a bundle that names another is not touched.
+	// Required.
+	Owner string
+	// Bundle returns the CA certificates to publish: the CAs that anchor
+	// the broker's own server certificate (PublishedCAs). Called at
 	// every check, it is where the files are reloaded. Required.
 	Bundle func() []*x509.Certificate
 	// Interval and Resync: see the Default constants; zero means those.
@@ -69,21 +80,24 @@ type ClusterTrustBundleConfig struct {
 // trust the broker can take its CA from the API (a kubelet projection, the
 // agent's identity.trustBundleFrom) rather than from a copied Secret. It
 // owns only the object it created (labelled
-// app.kubernetes.io/managed-by=tokenbroker, with its signer) and never
+// app.kubernetes.io/managed-by=tokenbroker, with its signer, and annotated
+// AnnotationBroker with its own name) and never
 // deletes it: a broker stopping is no reason for its peers to lose trust.
 // Every replica writes the same content, so replicas agree.
 //
 // Metrics:
 //
 //	tokenbroker_cluster_trust_bundle_syncs_total{result}  writes and checks of the bundle, "success" or "failure"
+//	tokenbroker_cluster_trust_bundle_not_owned_total      checks that found the bundle made by someone else (another broker, a person) and left it alone
 //	tokenbroker_cluster_trust_bundle_in_sync              1 when the bundle was last found or made equal to what the broker serves, else 0
 type ClusterTrustBundlePublisher struct {
 	cfg  ClusterTrustBundleConfig
 	name string
 	log  *zap.Logger
 
-	syncs  *prometheus.CounterVec
-	inSync prometheus.Gauge
+	syncs    *prometheus.CounterVec
+	inSync   prometheus.Gauge
+	notOwned prometheus.Counter
 
 	published []byte // the PEM last found or made in the cluster
 	nextCheck time.Time
@@ -92,8 +106,8 @@ type ClusterTrustBundlePublisher struct {
 
 // NewClusterTrustBundlePublisher checks cfg and registers the metrics.
 func NewClusterTrustBundlePublisher(cfg ClusterTrustBundleConfig) (*ClusterTrustBundlePublisher, error) {
-	if cfg.Client == nil || cfg.Bundle == nil {
-		return nil, errors.New("cluster trust bundle: Client and Bundle are required")
+	if cfg.Client == nil || cfg.Bundle == nil || cfg.Owner == "" {
+		return nil, errors.New("cluster trust bundle: Client, Owner and Bundle are required")
 	}
 	if err := pki.ValidSignerName(cfg.SignerName); err != nil {
 		return nil, fmt.Errorf("cluster trust bundle: %w", err)
@@ -119,13 +133,17 @@ func NewClusterTrustBundlePublisher(cfg ClusterTrustBundleConfig) (*ClusterTrust
 			Name: "tokenbroker_cluster_trust_bundle_in_sync",
 			Help: "1 when the published ClusterTrustBundle holds what the broker serves, else 0.",
 		}),
+		notOwned: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tokenbroker_cluster_trust_bundle_not_owned_total",
+			Help: "Checks that found the ClusterTrustBundle of the broker's name made by someone else, and left it alone.",
+		}),
 	}
 	if p.log == nil {
 		p.log = zap.NewNop()
 	}
-	p.log = p.log.With(zap.String("cluster_trust_bundle", p.name), zap.String("signer", cfg.SignerName))
+	p.log = p.log.With(zap.String("cluster_trust_bundle", p.name), zap.String("signer", cfg.SignerName), zap.String("broker", cfg.Owner))
 	if cfg.Registerer != nil {
-		for _, c := range []prometheus.Collector{p.syncs, p.inSync} {
+		for _, c := range []prometheus.Collector{p.syncs, p.inSync, p.notOwned} {
 			if err := cfg.Registerer.Register(c); err != nil {
 				return nil, fmt.Errorf("cluster trust bundle metrics: %w", err)
 			}
@@ -211,8 +229,9 @@ func (p *ClusterTrustBundlePublisher) write(ctx context.Context, want []byte) er
 	switch {
 	case apierrors.IsNotFound(err):
 		_, err = p.cfg.Client.Create(ctx, &certificatesv1.ClusterTrustBundle{
-			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: map[string]string{LabelManagedBy: ManagedByValue}},
-			Spec:       certificatesv1.ClusterTrustBundleSpec{SignerName: p.cfg.SignerName, TrustBundle: string(want)},
+			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: map[string]string{LabelManagedBy: ManagedByValue},
+				Annotations: map[string]string{AnnotationBroker: p.cfg.Owner}},
+			Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: p.cfg.SignerName, TrustBundle: string(want)},
 		}, metav1.CreateOptions{FieldManager: fieldManager})
 		if err != nil {
 			return fmt.Errorf("create ClusterTrustBundle %s: %w", p.name, err)
@@ -222,9 +241,14 @@ func (p *ClusterTrustBundlePublisher) write(ctx context.Context, want []byte) er
 	case err != nil:
 		return fmt.Errorf("get ClusterTrustBundle %s: %w", p.name, err)
 	}
-	if cur.Labels[LabelManagedBy] != ManagedByValue || cur.Spec.SignerName != p.cfg.SignerName {
-		return fmt.Errorf("ClusterTrustBundle %s (signer %q, %s=%q): %w; delete it or publish under another signer",
-			p.name, cur.Spec.SignerName, LabelManagedBy, cur.Labels[LabelManagedBy], ErrBundleNotOwned)
+	// The label says a broker made it, the annotation which one: a second
+	// broker given the same signer must not take over the first one's
+	// bundle, nor a bundle without the annotation.
+	if cur.Labels[LabelManagedBy] != ManagedByValue || cur.Spec.SignerName != p.cfg.SignerName ||
+		cur.Annotations[AnnotationBroker] != p.cfg.Owner {
+		p.notOwned.Inc()
+		return fmt.Errorf("ClusterTrustBundle %s (signer %q, %s=%q, %s=%q): %w; give each broker its own signer, or delete the bundle",
+			p.name, cur.Spec.SignerName, LabelManagedBy, cur.Labels[LabelManagedBy], AnnotationBroker, cur.Annotations[AnnotationBroker], ErrBundleNotOwned)
 	}
 	if cur.Spec.TrustBundle == string(want) {
 		return nil
@@ -256,39 +280,85 @@ func fingerprints(bundlePEM []byte) []string {
 	return out
 }
 
+// PublishSources are the certificates PublishedCAs chooses from, as the
+// broker holds them at one check.
+type PublishSources struct {
+	// ServingChain is --tls-cert-file: the serving leaf first, then the
+	// intermediates the file carries.
+	ServingChain []*x509.Certificate
+	// ClientCAs is --client-ca-file. It may hold partner CAs, which
+	// authenticate clients only and must never become anchors of this
+	// broker's server certificate.
+	ClientCAs []*x509.Certificate
+	// Signing is --ca-cert-file, nil without one; Previous is
+	// --previous-ca-cert-file during a rotation.
+	Signing  *x509.Certificate
+	Previous []*x509.Certificate
+}
+
 // PublishedCAs is what a broker publishes as its ClusterTrustBundle: the
-// CA certificates of its trust bundle (what GET /v1/trust-bundle serves),
-// then those of its serving chain after the leaf (the CA that issued the
-// serving certificate, when the certificate file carries it), each once.
-// The API server refuses a bundle with a certificate that is not a CA or
-// with one twice, so both are left out. ok is false when the serving leaf
-// does not chain to the result at now: peers that trust only the bundle
-// would then refuse the broker, which the caller should say.
-func PublishedCAs(trust []*x509.Certificate, servingChain []*x509.Certificate, now time.Time) (cas []*x509.Certificate, ok bool) {
+// CAs that anchor this broker's own server certificate, and nothing else,
+// because every CA in the bundle becomes an anchor that agents verify
+// brokers with. That is
+//
+//   - the roots that the serving leaf (with the intermediates of its file)
+//     verifies to for serverAuth at now, taken among the operator's CAs:
+//     the client-CA bundle, the signing CA and the previous signing CA;
+//   - the signing CA and the previous signing CA, so that during a
+//     rotation agents already trust brokers whose server certificates
+//     come from the new CA (and still those from the old one).
+//
+// A client-CA bundle CA that the serving certificate does not verify to —
+// a partner CA — is never published: taken as an anchor, it could issue a
+// server certificate for this broker's name. Intermediates of the serving
+// chain are not published either: the broker sends them in its handshake,
+// and as anchors they would shed their issuer's constraints; a chain CA
+// that is not or does not chain to one of the operator's CAs (an ACME or
+// corporate issuer) is not published at all. Non-CA certificates and
+// duplicates are left out (the API server refuses both).
+//
+// ok is false when the serving leaf verifies to none of the operator's
+// CAs: agents that trust only the bundle would then refuse the broker,
+// which the caller should say.
+func PublishedCAs(src PublishSources, now time.Time) (cas []*x509.Certificate, ok bool) {
+	isCA := func(c *x509.Certificate) bool { return c != nil && c.BasicConstraintsValid && c.IsCA }
 	add := func(c *x509.Certificate) {
-		if c.BasicConstraintsValid && c.IsCA && !containsCertificate(cas, c) {
+		if isCA(c) && !containsCertificate(cas, c) {
 			cas = append(cas, c)
 		}
 	}
-	for _, c := range trust {
+	roots := x509.NewCertPool()
+	var operator []*x509.Certificate
+	for _, c := range append(append(slices.Clone(src.ClientCAs), src.Signing), src.Previous...) {
+		if isCA(c) {
+			roots.AddCert(c)
+			operator = append(operator, c)
+		}
+	}
+	if len(src.ServingChain) > 0 && len(operator) > 0 {
+		inter := x509.NewCertPool()
+		for _, c := range src.ServingChain[1:] {
+			inter.AddCert(c)
+		}
+		chains, err := src.ServingChain[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now,
+			KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+		if err == nil {
+			for _, chain := range chains {
+				// The last certificate of a chain is from roots, so one
+				// of the operator's; anything before it is an
+				// intermediate.
+				if root := chain[len(chain)-1]; containsCertificate(operator, root) {
+					add(root)
+					ok = true
+				}
+			}
+		}
+	}
+	add(src.Signing)
+	for _, c := range src.Previous {
 		add(c)
 	}
-	if len(servingChain) == 0 {
-		return cas, false
-	}
-	for _, c := range servingChain[1:] {
-		add(c)
-	}
-	roots, inter := x509.NewCertPool(), x509.NewCertPool()
-	for _, c := range cas {
-		roots.AddCert(c)
-	}
-	for _, c := range servingChain[1:] {
-		inter.AddCert(c)
-	}
-	_, err := servingChain[0].Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now,
-		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
-	return cas, err == nil
+	return cas, ok
 }
 
 func containsCertificate(certs []*x509.Certificate, c *x509.Certificate) bool {

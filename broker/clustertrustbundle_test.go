@@ -39,6 +39,7 @@ func newCTBFixture(t *testing.T, objs ...runtime.Object) *ctbFixture {
 	f.pub, err = NewClusterTrustBundlePublisher(ClusterTrustBundleConfig{
 		Client:     f.client.CertificatesV1().ClusterTrustBundles(),
 		SignerName: testSigner,
+		Owner:      "east",
 		Bundle:     func() []*x509.Certificate { return f.cas },
 		Clock:      f.clock,
 		Registerer: f.reg,
@@ -65,6 +66,7 @@ func TestClusterTrustBundlePublisher(t *testing.T) {
 		b := f.bundle(t)
 		require.Equal(t, testSigner, b.Spec.SignerName)
 		require.Equal(t, ManagedByValue, b.Labels[LabelManagedBy])
+		require.Equal(t, "east", b.Annotations[AnnotationBroker])
 		require.Equal(t, string(pki.EncodeCertificatesPEM(f.cas)), b.Spec.TrustBundle)
 		require.Equal(t, 1.0, testutil.ToFloat64(f.pub.inSync))
 	})
@@ -85,18 +87,45 @@ func TestClusterTrustBundlePublisher(t *testing.T) {
 		f.pub.step(ctx)
 		require.Greater(t, len(f.client.Actions()), calls)
 	})
-	t.Run("a bundle someone else made under the name is never overwritten", func(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		labels      map[string]string
+		annotations map[string]string
+		signer      string
+	}{
+		{"made by someone else (no label)", nil, map[string]string{AnnotationBroker: "east"}, testSigner},
+		// The label alone is not ownership: another broker given the
+		// same signer labels its bundle the same way.
+		{"made by another broker with the same signer", map[string]string{LabelManagedBy: ManagedByValue}, map[string]string{AnnotationBroker: "west"}, testSigner},
+		{"labelled but naming no broker", map[string]string{LabelManagedBy: ManagedByValue}, nil, testSigner},
+		{"labelled and ours but of another signer", map[string]string{LabelManagedBy: ManagedByValue}, map[string]string{AnnotationBroker: "east"}, ""},
+	} {
+		t.Run("a bundle "+tc.name+" is never overwritten", func(t *testing.T) {
+			t.Parallel()
+			foreign := &certificatesv1.ClusterTrustBundle{
+				ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:east:trust-bundle", Labels: tc.labels, Annotations: tc.annotations},
+				Spec:       certificatesv1.ClusterTrustBundleSpec{SignerName: tc.signer, TrustBundle: "theirs"},
+			}
+			f := newCTBFixture(t, foreign)
+			err := f.pub.Sync(ctx)
+			require.ErrorIs(t, err, ErrBundleNotOwned)
+			require.Equal(t, "theirs", f.bundle(t).Spec.TrustBundle)
+			require.Equal(t, 0.0, testutil.ToFloat64(f.pub.inSync))
+			require.Equal(t, 1.0, testutil.ToFloat64(f.pub.syncs.WithLabelValues("failure")))
+			require.Equal(t, 1.0, testutil.ToFloat64(f.pub.notOwned))
+		})
+	}
+	t.Run("the bundle this broker made is updated", func(t *testing.T) {
 		t.Parallel()
-		foreign := &certificatesv1.ClusterTrustBundle{
-			ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:east:trust-bundle"},
-			Spec:       certificatesv1.ClusterTrustBundleSpec{SignerName: testSigner, TrustBundle: "theirs"},
+		mine := &certificatesv1.ClusterTrustBundle{
+			ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:east:trust-bundle",
+				Labels: map[string]string{LabelManagedBy: ManagedByValue}, Annotations: map[string]string{AnnotationBroker: "east"}},
+			Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: testSigner, TrustBundle: "old"},
 		}
-		f := newCTBFixture(t, foreign)
-		err := f.pub.Sync(ctx)
-		require.ErrorIs(t, err, ErrBundleNotOwned)
-		require.Equal(t, "theirs", f.bundle(t).Spec.TrustBundle)
-		require.Equal(t, 0.0, testutil.ToFloat64(f.pub.inSync))
-		require.Equal(t, 1.0, testutil.ToFloat64(f.pub.syncs.WithLabelValues("failure")))
+		f := newCTBFixture(t, mine)
+		require.NoError(t, f.pub.Sync(ctx))
+		require.Equal(t, string(pki.EncodeCertificatesPEM(f.cas)), f.bundle(t).Spec.TrustBundle)
+		require.Equal(t, 0.0, testutil.ToFloat64(f.pub.notOwned))
 	})
 	t.Run("a failed write is retried with backoff, and counted", func(t *testing.T) {
 		t.Parallel()
@@ -136,6 +165,7 @@ func TestNewClusterTrustBundlePublisherRefusesAnInvalidSigner(t *testing.T) {
 	_, err := NewClusterTrustBundlePublisher(ClusterTrustBundleConfig{
 		Client:     fake.NewClientset().CertificatesV1().ClusterTrustBundles(),
 		SignerName: "east",
+		Owner:      "east",
 		Bundle:     func() []*x509.Certificate { return nil },
 	})
 	require.ErrorContains(t, err, "signer name")
@@ -149,6 +179,12 @@ func TestPublishedCAs(t *testing.T) {
 	require.NoError(t, err)
 	partner, err := pki.NewCA(pki.CAOptions{CommonName: "partner"})
 	require.NoError(t, err)
+	signing, err := pki.NewCA(pki.CAOptions{CommonName: "signing"})
+	require.NoError(t, err)
+	previous, err := pki.NewCA(pki.CAOptions{CommonName: "previous"})
+	require.NoError(t, err)
+	acme, err := pki.NewCA(pki.CAOptions{CommonName: "acme issuer"})
+	require.NoError(t, err)
 	leafFrom := func(ca *pki.CA) []*x509.Certificate {
 		kp, err := ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
 		require.NoError(t, err)
@@ -156,18 +192,56 @@ func TestPublishedCAs(t *testing.T) {
 		require.NoError(t, err)
 		return certs
 	}
+	has := func(cas []*x509.Certificate, c *pki.CA) bool { return containsCertificate(cas, c.Certificate()) }
 
-	t.Run("the trust bundle and the serving chain's CAs are published once each", func(t *testing.T) {
+	t.Run("partner CAs of the client-CA bundle are never published", func(t *testing.T) {
 		t.Parallel()
-		chain := append(leafFrom(inter), inter.Certificate())
-		cas, ok := PublishedCAs([]*x509.Certificate{root.Certificate(), partner.Certificate(), root.Certificate()}, chain, time.Now())
+		cas, ok := PublishedCAs(PublishSources{
+			ServingChain: append(leafFrom(inter), inter.Certificate()),
+			ClientCAs:    []*x509.Certificate{root.Certificate(), partner.Certificate(), root.Certificate()},
+		}, time.Now())
 		require.True(t, ok)
-		require.Len(t, cas, 3)
-		require.True(t, cas[2].Equal(inter.Certificate()))
+		require.Len(t, cas, 1, "the root the serving certificate verifies to, once")
+		require.True(t, has(cas, root))
+		require.False(t, has(cas, partner), "a partner CA published would be an anchor for a server certificate of the broker's name")
+		require.False(t, has(cas, inter), "an intermediate the broker sends is not an anchor")
 	})
-	t.Run("a serving certificate that does not chain to what is published is reported", func(t *testing.T) {
+	t.Run("the signing CA and the previous one are published during a rotation", func(t *testing.T) {
 		t.Parallel()
-		_, ok := PublishedCAs([]*x509.Certificate{partner.Certificate()}, leafFrom(root), time.Now())
+		cas, ok := PublishedCAs(PublishSources{
+			ServingChain: leafFrom(previous),
+			ClientCAs:    []*x509.Certificate{previous.Certificate(), signing.Certificate(), partner.Certificate()},
+			Signing:      signing.Certificate(),
+			Previous:     []*x509.Certificate{previous.Certificate()},
+		}, time.Now())
+		require.True(t, ok)
+		require.Len(t, cas, 2)
+		require.True(t, has(cas, previous))
+		require.True(t, has(cas, signing))
+		require.False(t, has(cas, partner))
+	})
+	t.Run("a serving chain from a CA that is not the operator's is not published and is reported", func(t *testing.T) {
+		t.Parallel()
+		cas, ok := PublishedCAs(PublishSources{
+			ServingChain: append(leafFrom(acme), acme.Certificate()),
+			ClientCAs:    []*x509.Certificate{partner.Certificate()},
+			Signing:      signing.Certificate(),
+		}, time.Now())
 		require.False(t, ok)
+		require.Len(t, cas, 1)
+		require.True(t, has(cas, signing))
+		require.False(t, has(cas, acme), "an ACME or corporate issuer is nobody's anchor for this broker")
+		require.False(t, has(cas, partner))
+	})
+	t.Run("a serving certificate that verifies only to a partner CA publishes that CA, as it is the broker's anchor", func(t *testing.T) {
+		t.Parallel()
+		// Not a partner then: the operator got the server certificate
+		// from it. Listed to pin down the rule: what the serving
+		// certificate verifies to, nothing else.
+		cas, ok := PublishedCAs(PublishSources{ServingChain: leafFrom(partner),
+			ClientCAs: []*x509.Certificate{partner.Certificate(), root.Certificate()}}, time.Now())
+		require.True(t, ok)
+		require.Len(t, cas, 1)
+		require.True(t, has(cas, partner))
 	})
 }

@@ -120,8 +120,9 @@ type Options struct {
 	SigningTimeout time.Duration
 	// PublishClusterTrustBundle, if set, is a signer name
 	// (tokenbroker.io/<broker>): the broker keeps a ClusterTrustBundle
-	// linked to that signer equal to the CAs it serves
-	// (broker.ClusterTrustBundlePublisher). The cluster must serve
+	// linked to that signer equal to the CAs that anchor its server
+	// certificate (broker.PublishedCAs, kept by
+	// broker.ClusterTrustBundlePublisher). The cluster must serve
 	// certificates.k8s.io/v1 clustertrustbundles (Kubernetes 1.37 or
 	// later), or Run fails.
 	PublishClusterTrustBundle string
@@ -345,7 +346,8 @@ func Run(ctx context.Context, opts Options) error {
 
 	var ctb *broker.ClusterTrustBundlePublisher
 	if opts.PublishClusterTrustBundle != "" {
-		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, client, certs, clientCAs, reg, log); err != nil {
+		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, policy.Cluster.Name, client,
+			publishSources(certs, clientCAs, ca, previousCA), reg, log); err != nil {
 			return err
 		}
 	}
@@ -470,13 +472,40 @@ func Run(ctx context.Context, opts Options) error {
 	return srv.Run(ctx)
 }
 
+// publishSources returns, at each call, the certificates a published
+// ClusterTrustBundle is chosen from (broker.PublishedCAs), as reloaded:
+// the serving chain, the client-CA bundle, the signing CA and the
+// previous one. ca and previous may be nil.
+func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca broker.CertificateAuthority,
+	previous broker.CACertificates) func() broker.PublishSources {
+	return func() broker.PublishSources {
+		src := broker.PublishSources{ClientCAs: clientCAs.Certificates()}
+		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {
+			for _, der := range tc.Certificate {
+				c, err := x509.ParseCertificate(der)
+				if err != nil {
+					break
+				}
+				src.ServingChain = append(src.ServingChain, c)
+			}
+		}
+		if ca != nil {
+			src.Signing = ca.Certificate()
+		}
+		if previous != nil {
+			src.Previous = previous.Certificates()
+		}
+		return src
+	}
+}
+
 // clusterTrustBundlePublisher checks that the cluster serves
 // ClusterTrustBundles at certificates.k8s.io/v1 and makes the publisher of
-// the CAs this broker serves: the client-CA bundle (what GET
-// /v1/trust-bundle serves) and the CAs its serving certificate file
-// carries after the leaf, both as reloaded at each check.
-func clusterTrustBundlePublisher(signer string, client kubernetes.Interface, certs *pki.CertReloader,
-	clientCAs *pki.PoolReloader, reg prometheus.Registerer, log *zap.Logger) (*broker.ClusterTrustBundlePublisher, error) {
+// the CAs that anchor this broker's server certificate
+// (broker.PublishedCAs over sources, called at each check), under the
+// broker's name owner.
+func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interface, sources func() broker.PublishSources,
+	reg prometheus.Registerer, log *zap.Logger) (*broker.ClusterTrustBundlePublisher, error) {
 	const gv = "certificates.k8s.io/v1"
 	res, err := client.Discovery().ServerResourcesForGroupVersion(gv)
 	served := false
@@ -493,20 +522,10 @@ func clusterTrustBundlePublisher(signer string, client kubernetes.Interface, cer
 	}
 	var warned []byte
 	bundle := func() []*x509.Certificate {
-		var chain []*x509.Certificate
-		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {
-			for _, der := range tc.Certificate {
-				c, err := x509.ParseCertificate(der)
-				if err != nil {
-					break
-				}
-				chain = append(chain, c)
-			}
-		}
-		cas, ok := broker.PublishedCAs(clientCAs.Certificates(), chain, time.Now())
+		cas, ok := broker.PublishedCAs(sources(), time.Now())
 		if pem := pki.EncodeCertificatesPEM(cas); !ok && !bytes.Equal(pem, warned) {
 			warned = pem
-			log.Warn("the serving certificate does not chain to the CAs published in the ClusterTrustBundle; peers that trust only the bundle refuse this broker until it does (put its CA in --client-ca-file or after the certificate in --tls-cert-file)",
+			log.Warn("the serving certificate does not verify to any of the operator's CAs (--client-ca-file, --ca-cert-file, --previous-ca-cert-file), so its issuer is not published in the ClusterTrustBundle; peers that trust only the bundle refuse this broker until it does",
 				zap.String("signer", signer))
 		} else if ok {
 			warned = nil
@@ -516,6 +535,7 @@ func clusterTrustBundlePublisher(signer string, client kubernetes.Interface, cer
 	p, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{
 		Client:     client.CertificatesV1().ClusterTrustBundles(),
 		SignerName: signer,
+		Owner:      owner,
 		Bundle:     bundle,
 		Logger:     log.Named("cluster-trust-bundle"),
 		Registerer: reg,

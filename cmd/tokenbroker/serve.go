@@ -126,7 +126,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
 	fs.Duration("signing-timeout", clientcert.DefaultTimeout, "how long to wait for the cluster's signer to issue a client certificate before answering 503")
-	fs.String("publish-cluster-trust-bundle", "", `signer name (e.g. tokenbroker.io/east) under which to publish the CAs this broker serves (its client-CA bundle and the CAs after the leaf in --tls-cert-file) as a ClusterTrustBundle named <signer with / as :>:trust-bundle, kept up to date as the files change; needs Kubernetes 1.37 or later and RBAC to attest for the signer; empty: off`)
+	fs.String("publish-cluster-trust-bundle", "", `signer name (e.g. tokenbroker.io/east) under which to publish the CAs that anchor this broker's server certificate (those of --client-ca-file, --ca-cert-file and --previous-ca-cert-file that --tls-cert-file verifies to, plus the signing and previous signing CA; never partner CAs) as a ClusterTrustBundle named <signer with / as :>:trust-bundle, kept up to date as the files change; needs Kubernetes 1.37 or later and RBAC to attest for the signer; empty: off`)
 	fs.String("audit-log", server.AuditStdout, `where audit events go, one JSON line per decision: "stdout", "stderr" (with the operational log) or a file path (appended to, created 0600, reopened on SIGHUP for logrotate); cannot be turned off`)
 	return fs
 }

@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"io"
 	"log"
 	"net"
@@ -59,20 +60,73 @@ func TestClusterTrustBundle(t *testing.T) {
 	s := startStack(t, c, grants, withPublishedTrustBundle(ctbSigner))
 	bundles := c.Client.CertificatesV1().ClusterTrustBundles()
 
-	t.Run("TestClusterTrustBundleIsPublishedAndFollowsTheCAFile", func(t *testing.T) {
+	// A partner's CA, which the broker trusts for its clients only.
+	partner, err := pki.NewCA(pki.CAOptions{CommonName: "partner"})
+	require.NoError(t, err)
+	withPartner := append(append([]byte(nil), s.ca.BundlePEM()...), partner.CertPEM()...)
+
+	t.Run("TestClusterTrustBundleIsPublishedAndFollowsTheCAFiles", func(t *testing.T) {
 		waitForBundle(t, bundles, s.ca.CertPEM())
 		b, err := bundles.Get(ctx, ctbName, metav1.GetOptions{})
 		require.NoError(t, err)
 		require.Equal(t, ctbSigner, b.Spec.SignerName)
 		require.Equal(t, broker.ManagedByValue, b.Labels[broker.LabelManagedBy])
+		require.Equal(t, "east", b.Annotations[broker.AnnotationBroker])
 
+		// A rotation names the other CA in --previous-ca-cert-file: it
+		// is published beside the signing CA. The partner CA added to
+		// the client-CA bundle at the same time is not.
 		next, err := pki.NewCA(pki.CAOptions{CommonName: "east next"})
 		require.NoError(t, err)
+		writeFileAtomic(t, s.clientCAFile, withPartner)
+		writeFileAtomic(t, s.previousCAFile, next.CertPEM())
 		both := append(append([]byte(nil), s.ca.CertPEM()...), next.CertPEM()...)
-		writeFileAtomic(t, s.clientCAFile, both)
 		waitForBundle(t, bundles, both)
+		waitForClientCA(t, s, partner)
+		requireBundleStays(t, bundles, both)
+
+		writeFileAtomic(t, s.previousCAFile, s.ca.CertPEM())
 		writeFileAtomic(t, s.clientCAFile, s.ca.BundlePEM())
 		waitForBundle(t, bundles, s.ca.CertPEM())
+	})
+
+	t.Run("TestClusterTrustBundleBrokerRBACIsExactlyEnough", func(t *testing.T) {
+		// The rules of deploy/components/cluster-trust-bundle (and the
+		// chart; test/e2e holds them equal) for signer tokenbroker.io/rbac.
+		const signer, name = "tokenbroker.io/rbac", "tokenbroker.io:rbac:trust-bundle"
+		grantTo(t, c, "ctb-broker", "ctb-broker",
+			rbacv1.PolicyRule{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, Verbs: []string{"create"}},
+			rbacv1.PolicyRule{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, ResourceNames: []string{name}, Verbs: []string{"get", "update"}},
+			rbacv1.PolicyRule{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"signers"}, ResourceNames: []string{signer}, Verbs: []string{"attest"}})
+		as := impersonate(t, c, "ctb-broker").CertificatesV1().ClusterTrustBundles()
+		cas := []*x509.Certificate{s.ca.Certificate()}
+		pub, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{Client: as, SignerName: signer, Owner: "rbac",
+			Bundle: func() []*x509.Certificate { return cas }})
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return pub.Sync(ctx) == nil }, 10*time.Second, 100*time.Millisecond, "created with these rules")
+		next, err := pki.NewCA(pki.CAOptions{CommonName: "rbac next"})
+		require.NoError(t, err)
+		cas = append(cas, next.Certificate())
+		require.NoError(t, pub.Sync(ctx), "updated with these rules")
+		got, err := bundles.Get(ctx, name, metav1.GetOptions{})
+		require.NoError(t, err)
+		require.Equal(t, string(pki.EncodeCertificatesPEM(cas)), got.Spec.TrustBundle)
+
+		// Nothing else: no other bundle can be read or rewritten, none
+		// listed, none created for another signer.
+		_, err = as.Get(ctx, ctbName, metav1.GetOptions{})
+		require.True(t, apierrors.IsForbidden(err), "%v", err)
+		other, err := bundles.Get(ctx, ctbName, metav1.GetOptions{})
+		require.NoError(t, err)
+		other.Spec.TrustBundle = string(next.CertPEM())
+		_, err = as.Update(ctx, other, metav1.UpdateOptions{})
+		require.True(t, apierrors.IsForbidden(err), "%v", err)
+		_, err = as.List(ctx, metav1.ListOptions{})
+		require.True(t, apierrors.IsForbidden(err), "%v", err)
+		_, err = as.Create(ctx, &certificatesv1.ClusterTrustBundle{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:east:rbac"},
+			Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: ctbSigner, TrustBundle: string(next.CertPEM())}}, metav1.CreateOptions{})
+		require.True(t, apierrors.IsForbidden(err), "another signer's: %v", err)
+		require.NoError(t, bundles.Delete(ctx, name, metav1.DeleteOptions{}))
 	})
 
 	t.Run("TestClusterTrustBundleNeedsAttestOnTheSigner", func(t *testing.T) {
@@ -124,20 +178,17 @@ func TestClusterTrustBundle(t *testing.T) {
 			_, err := bundles.Create(ctx, b, metav1.CreateOptions{})
 			require.NoError(t, err)
 		}
-		// A broker impostor whose certificate chains to the attacker CA.
-		kp, err := attacker.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
-		require.NoError(t, err)
+		// The partner CA is in the broker's client-CA bundle, for its
+		// clients; a partner can issue itself a server certificate for
+		// the broker's address.
+		writeFileAtomic(t, s.clientCAFile, withPartner)
+		t.Cleanup(func() { writeFileAtomic(t, s.clientCAFile, s.ca.BundlePEM()) })
+		waitForClientCA(t, s, partner)
+		// Broker impostors whose certificates chain to the attacker CA
+		// and to the partner CA.
 		var impostorRequests atomic.Int64
-		impostor := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-			impostorRequests.Add(1)
-			w.WriteHeader(http.StatusTeapot)
-		}))
-		pair, err := kp.TLSCertificate()
-		require.NoError(t, err)
-		impostor.TLS = &tls.Config{Certificates: []tls.Certificate{pair}, MinVersion: tls.VersionTLS13}
-		impostor.Config.ErrorLog = log.New(io.Discard, "", 0) // its refused handshakes are expected
-		impostor.StartTLS()
-		t.Cleanup(impostor.Close)
+		impostor := startImpostor(t, attacker, &impostorRequests)
+		partnerImpostor := startImpostor(t, partner, &impostorRequests)
 
 		// The agent's identity: a certificate from the broker's CA, and a
 		// ca.crt that trusts neither broker, so that only the bundles can
@@ -164,7 +215,7 @@ func TestClusterTrustBundle(t *testing.T) {
 			Identity: agent.IdentityConfig{Dir: string(idDir), TrustBundleFrom: &agent.TrustBundleSource{
 				ClusterTrustBundle: &agent.ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Second),
 					LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{broker.LabelManagedBy: broker.ManagedByValue}}}}},
-			Targets: []agent.TargetConfig{target("east", s.url), target("impostor", impostor.URL)},
+			Targets: []agent.TargetConfig{target("east", s.url), target("impostor", impostor.URL), target("partner", partnerImpostor.URL)},
 			Refresh: agent.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
 		}
 		reg := prometheus.NewRegistry()
@@ -182,12 +233,64 @@ func TestClusterTrustBundle(t *testing.T) {
 			return err == nil
 		}, 30*time.Second, 100*time.Millisecond, "the agent fetches a kubeconfig from the broker it trusts through the bundle")
 		require.Eventually(t, func() bool {
-			return refreshFailures(t, reg, "impostor") >= 2
+			return refreshFailures(t, reg, "impostor") >= 2 && refreshFailures(t, reg, "partner") >= 2
 		}, 30*time.Second, 100*time.Millisecond)
-		require.Zero(t, impostorRequests.Load(), "the impostor's certificate chains to a CA only unsigned or foreign bundles hold")
-		_, err = os.Stat(filepath.Join(out, "impostor"))
-		require.True(t, os.IsNotExist(err))
+		require.Zero(t, impostorRequests.Load(), "the impostors' certificates chain to a CA only unsigned or foreign bundles hold, or to a partner CA the broker does not publish")
+		for _, name := range []string{"impostor", "partner"} {
+			_, err = os.Stat(filepath.Join(out, name))
+			require.True(t, os.IsNotExist(err), name)
+		}
+		requireBundleStays(t, bundles, s.ca.CertPEM())
 	})
+}
+
+// startImpostor serves, on 127.0.0.1, a certificate from ca, counting the
+// requests that get through.
+func startImpostor(t *testing.T, ca *pki.CA, requests *atomic.Int64) *httptest.Server {
+	t.Helper()
+	kp, err := ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	require.NoError(t, err)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		requests.Add(1)
+		w.WriteHeader(http.StatusTeapot)
+	}))
+	pair, err := kp.TLSCertificate()
+	require.NoError(t, err)
+	srv.TLS = &tls.Config{Certificates: []tls.Certificate{pair}, MinVersion: tls.VersionTLS13}
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // its refused handshakes are expected
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// waitForClientCA polls until the broker accepts a client certificate from
+// ca: it has reloaded a client-CA bundle that holds it.
+func waitForClientCA(t *testing.T, s *stack, ca *pki.CA) {
+	t.Helper()
+	c := s.clientFrom(t, ca, "partner", s.ca.CertPool())
+	require.Eventually(t, func() bool {
+		resp, err := c.Get(s.url + "/v1/whoami")
+		if err != nil {
+			return false
+		}
+		_ = resp.Body.Close()
+		return true
+	}, 20*time.Second, 100*time.Millisecond, "the broker takes the client-CA bundle with %s", ca.Certificate().Subject.CommonName)
+}
+
+// requireBundleStays checks, over a few of the broker's checks, that its
+// bundle holds exactly want.
+func requireBundleStays(t *testing.T, bundles interface {
+	Get(context.Context, string, metav1.GetOptions) (*certificatesv1.ClusterTrustBundle, error)
+}, want []byte) {
+	t.Helper()
+	wantCerts, err := pki.ParseCertificatesPEM(want)
+	require.NoError(t, err)
+	wantPEM := string(pki.EncodeCertificatesPEM(wantCerts))
+	require.Never(t, func() bool {
+		b, err := bundles.Get(context.Background(), ctbName, metav1.GetOptions{})
+		return err != nil || b.Spec.TrustBundle != wantPEM
+	}, 3*broker.DefaultBundleCheckInterval, 100*time.Millisecond, "the ClusterTrustBundle holds exactly what anchors the broker")
 }
 
 // waitForBundle polls until the broker's bundle holds exactly want.
@@ -221,12 +324,18 @@ func impersonate(t *testing.T, c *testcluster.Cluster, user string) kubernetes.I
 // grant binds a ClusterRole with rule to the user mallory.
 func grant(t *testing.T, c *testcluster.Cluster, name string, rule rbacv1.PolicyRule) {
 	t.Helper()
+	grantTo(t, c, name, "mallory", rule)
+}
+
+// grantTo binds a ClusterRole with rules to user.
+func grantTo(t *testing.T, c *testcluster.Cluster, name, user string, rules ...rbacv1.PolicyRule) {
+	t.Helper()
 	ctx := context.Background()
-	_, err := c.Client.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: []rbacv1.PolicyRule{rule}}, metav1.CreateOptions{})
+	_, err := c.Client.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: name}, Rules: rules}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	_, err = c.Client.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: name},
 		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: name},
-		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: "mallory"}}}, metav1.CreateOptions{})
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 }
 
