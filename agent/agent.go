@@ -25,10 +25,11 @@ import (
 // Deps are the agent's collaborators, injected so that tests and an
 // in-process e2e can start an agent with their own.
 type Deps struct {
-	// Kubernetes is a client of the source cluster, for Secret outputs and
-	// a Secret identity. Required when the config has either (see
-	// Config.UsesKubernetes); it needs get, create and update on those
-	// Secrets only.
+	// Kubernetes is a client of the source cluster, for Secret outputs, a
+	// Secret identity and ClusterTrustBundles. Required when the config has
+	// any (see Config.UsesKubernetes); it needs get, create and update on
+	// those Secrets, and list on clustertrustbundles with
+	// identity.trustBundleFrom.
 	Kubernetes kubernetes.Interface
 	// Dynamic is a dynamic client of the source cluster, for clusterProfile
 	// outputs (Config.UsesClusterProfiles); it needs get, create and patch
@@ -72,6 +73,7 @@ type Agent struct {
 	targets []*refresher
 	renewer *renewer
 	jwks    *jwksUploader
+	trust   *clusterTrust
 
 	runOnce sync.Once
 }
@@ -87,7 +89,7 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		return nil, errors.New("agent: the config has a clusterProfile output, so Deps.Dynamic is required")
 	}
 	if cfg.UsesKubernetes() && deps.Kubernetes == nil {
-		return nil, errors.New("agent: the config has a Secret output or identity, so Deps.Kubernetes is required")
+		return nil, errors.New("agent: the config has a Secret output or identity or ClusterTrustBundles, so Deps.Kubernetes is required")
 	}
 	a := &Agent{
 		cfg:      cfg,
@@ -116,6 +118,17 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 	}
 	a.metrics = m
 	a.brokers = newBrokers(a.holder)
+	if tb := cfg.Identity.TrustBundleFrom; tb != nil && tb.ClusterTrustBundle != nil {
+		pin := ""
+		if cfg.Identity.Enroll != nil {
+			pin = cfg.Identity.Enroll.CAFingerprint
+		}
+		a.trust, err = newClusterTrust(*tb.ClusterTrustBundle, pin, deps.Kubernetes.CertificatesV1().ClusterTrustBundles(), a.clock, a.log.Named("trust"))
+		if err != nil {
+			return nil, err
+		}
+		a.brokers.trust = a.trust.get
+	}
 
 	if cfg.Identity.Secret != nil {
 		a.store = secretStore{secrets: deps.Kubernetes.CoreV1(), ref: *cfg.Identity.Secret}
@@ -185,6 +198,9 @@ func New(cfg Config, deps Deps) (*Agent, error) {
 		metrics:   m,
 		onRenewed: a.brokers.closeIdle,
 	}
+	if a.trust != nil {
+		a.renewer.trust = a.trust.get
+	}
 	if err := a.registry.Register(newExpiryCollector(a.clock.Now, a.targets, a.holder)); err != nil {
 		return nil, fmt.Errorf("register agent metrics: %w", err)
 	}
@@ -236,6 +252,14 @@ func (a *Agent) run(ctx context.Context) error {
 	err := a.startIdentity(ctx)
 	var wg sync.WaitGroup
 	if err == nil {
+		if a.trust != nil {
+			// Targets that start before a good read back off and try
+			// again; the loop reads every interval.
+			if terr := a.trust.refresh(ctx); terr != nil && ctx.Err() == nil {
+				a.log.Error("reading the broker CAs from ClusterTrustBundles failed; brokers are not trusted until a read succeeds", zap.Error(terr))
+			}
+			wg.Go(func() { a.trust.run(ctx) })
+		}
 		wg.Go(func() { a.renewer.run(ctx) })
 		if a.jwks != nil {
 			wg.Go(func() { a.jwks.run(ctx) })

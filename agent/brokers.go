@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"sync"
@@ -18,6 +19,9 @@ import (
 // clients are made again with it.
 type brokers struct {
 	holder *identityHolder
+	// trust, if set, is the CAs that verify brokers in place of the
+	// identity's bundle (identity.trustBundleFrom).
+	trust func() *trustState
 
 	mu      sync.Mutex
 	bundle  []byte
@@ -49,21 +53,41 @@ func (b *brokers) clientAs(url, tokenFile string) (*client.Client, error) {
 	if id == nil {
 		return nil, errNoIdentityYet
 	}
+	roots, bundle := id.roots, id.bundlePEM
+	var verify func(tls.ConnectionState) error
+	if b.trust != nil {
+		st := b.trust()
+		if st == nil {
+			return nil, errNoTrustYet
+		}
+		if st.err != nil {
+			// Fail closed: no client, and no kept-alive connection to a
+			// broker verified with CAs no longer in service.
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			for _, c := range b.clients {
+				c.CloseIdleConnections()
+			}
+			b.clients, b.bundle = map[string]*client.Client{}, nil
+			return nil, st.err
+		}
+		roots, bundle, verify = st.pool, st.pem, st.verify
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !bytes.Equal(id.bundlePEM, b.bundle) {
+	if !bytes.Equal(bundle, b.bundle) {
 		for _, c := range b.clients {
 			c.CloseIdleConnections()
 		}
 		b.clients = map[string]*client.Client{}
-		b.bundle = id.bundlePEM
+		b.bundle = bundle
 	}
 	key := url + "\x00" + tokenFile
 	if c, ok := b.clients[key]; ok {
 		return c, nil
 	}
-	cfg := client.Config{URL: url, RootCAs: id.roots, GetClientCertificate: b.holder.GetClientCertificate,
-		IdleConnTimeout: brokerIdleConnTimeout}
+	cfg := client.Config{URL: url, RootCAs: roots, GetClientCertificate: b.holder.GetClientCertificate,
+		IdleConnTimeout: brokerIdleConnTimeout, VerifyConnection: verify}
 	if tokenFile != "" {
 		cfg.WorkloadToken = client.WorkloadTokenFile(tokenFile)
 	}

@@ -1,6 +1,10 @@
 package agent
 
-import apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+)
 
 // Config is the agent's configuration file (agent.yaml), read by
 // LoadConfig: strict YAML (an unknown key is an error), defaults filled in
@@ -18,6 +22,8 @@ import apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 //	    broker: https://east.example.com:8444
 //	    caFingerprint: sha256:3f1c...
 //	    tokenFile: /var/run/tokenbroker/join/token
+//	  trustBundleFrom:                             # verify brokers with ClusterTrustBundles instead of ca.crt
+//	    clusterTrustBundle: {signerName: tokenbroker.io/east, labelSelector: {matchLabels: {app.kubernetes.io/managed-by: tokenbroker}}}
 //	refresh: {fraction: 0.66, jitter: 0.1, minBackoff: 1s, maxBackoff: 5m, revokeGrace: 10m}
 //	targets:
 //	  - name: east
@@ -49,7 +55,8 @@ type Config struct {
 
 // IdentityConfig says where the agent's client certificate lives and how
 // it is obtained and renewed. Exactly one of Dir and Secret is required.
-// The trust bundle that verifies every broker is the identity's ca.crt.
+// The trust bundle that verifies every broker is the identity's ca.crt,
+// or, with TrustBundleFrom, the ClusterTrustBundles it names.
 type IdentityConfig struct {
 	// Dir holds tls.crt, tls.key (0600) and ca.crt (see IdentityDir).
 	Dir string `json:"dir,omitempty"`
@@ -65,6 +72,42 @@ type IdentityConfig struct {
 	RenewAt float64 `json:"renewAt,omitempty"`
 	// Enroll is used only while there is no (valid) certificate.
 	Enroll *EnrollConfig `json:"enroll,omitempty"`
+	// TrustBundleFrom, if set, is where the CAs that verify every broker
+	// come from instead of the identity's ca.crt (which enrollment and
+	// renewal still write and check).
+	TrustBundleFrom *TrustBundleSource `json:"trustBundleFrom,omitempty"`
+}
+
+// TrustBundleSource is a source of broker CAs other than ca.crt; exactly
+// one field is set.
+type TrustBundleSource struct {
+	ClusterTrustBundle *ClusterTrustBundleSource `json:"clusterTrustBundle,omitempty"`
+}
+
+// ClusterTrustBundleSource takes the broker CAs from the ClusterTrustBundles
+// (certificates.k8s.io/v1, Kubernetes 1.37 or later) of the agent's own
+// cluster that are linked to SignerName: only someone allowed to attest for
+// that signer can write those, whereas anyone who may create
+// clustertrustbundles can make one without a signer, which is never read.
+// The certificates of every matching bundle are merged (as the kubelet's
+// clusterTrustBundle projection does); a bundle that is malformed or holds
+// a certificate that is not a CA is skipped and logged. When
+// identity.enroll.caFingerprint is set, only the pinned CA and CAs that
+// chain to it are kept, the pinned CA the only root. The bundles are read
+// again every Interval, so that a CA rotation reaches the agent. A read
+// the API answers is authoritative: if it keeps nothing, no broker is
+// trusted until one does; a failed read keeps the CAs in service for 10
+// intervals. One signer verifies every target's broker.
+type ClusterTrustBundleSource struct {
+	// SignerName selects the bundles (required), e.g. tokenbroker.io/east,
+	// what the broker's --publish-cluster-trust-bundle names.
+	SignerName string `json:"signerName"`
+	// LabelSelector narrows them further; empty selects every bundle of
+	// the signer.
+	LabelSelector *metav1.LabelSelector `json:"labelSelector,omitempty"`
+	// Interval is how often the bundles are read; default 1m, between 1s
+	// and 1h.
+	Interval apiv1.Duration `json:"interval,omitempty"`
 }
 
 // EnrollConfig is the first-start enrollment with a join token. All

@@ -85,6 +85,23 @@ targets:
 	require.False(t, cfg.UsesKubernetes())
 }
 
+func TestAClusterTrustBundleSourceGetsItsIntervalAndNeedsKubernetes(t *testing.T) {
+	t.Parallel()
+	cfg, err := ParseConfig([]byte(`
+identity:
+  dir: /id
+  trustBundleFrom:
+    clusterTrustBundle:
+      signerName: tokenbroker.io/east
+      labelSelector: {matchLabels: {app.kubernetes.io/managed-by: tokenbroker}}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: a, serviceAccount: b}, outputs: [{file: {path: /out/east}}]}
+`), "")
+	require.NoError(t, err)
+	require.Equal(t, DefaultTrustBundleInterval, time.Duration(cfg.Identity.TrustBundleFrom.ClusterTrustBundle.Interval))
+	require.True(t, cfg.UsesKubernetes())
+}
+
 func TestRelativePathsAreTakenRelativeToTheConfigFile(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -135,6 +152,12 @@ func TestConfigValidationReportsEveryProblemWithItsFieldPath(t *testing.T) {
 		{"an http renew broker", "identity: {dir: /id, renewBroker: 'http://e'}\ntargets:" + target, []string{"identity.renewBroker: must be an https://"}},
 		{"an incomplete enroll", "identity: {dir: /id, enroll: {broker: 'e:8444', caFingerprint: 'md5:1'}}\ntargets:" + target,
 			[]string{"identity.enroll.broker: must be an https://", "identity.enroll.caFingerprint:", "identity.enroll.tokenFile: is required"}},
+		{"a trust source without a kind", "identity: {dir: /id, trustBundleFrom: {}}\ntargets:" + target, []string{"identity.trustBundleFrom: give clusterTrustBundle"}},
+		{"a ClusterTrustBundle source without a signer", "identity: {dir: /id, trustBundleFrom: {clusterTrustBundle: {}}}\ntargets:" + target,
+			[]string{"identity.trustBundleFrom.clusterTrustBundle.signerName: is required: only bundles linked to a signer are trusted"}},
+		{"a ClusterTrustBundle source with a bad signer, selector and interval",
+			"identity: {dir: /id, trustBundleFrom: {clusterTrustBundle: {signerName: east, interval: 2h, labelSelector: {matchExpressions: [{key: a, operator: Bad}]}}}}\ntargets:" + target,
+			[]string{"identity.trustBundleFrom.clusterTrustBundle.signerName: signer name \"east\"", "identity.trustBundleFrom.clusterTrustBundle.labelSelector:", "identity.trustBundleFrom.clusterTrustBundle.interval: must be between 1s and 1h"}},
 		{"no targets", "identity: {dir: /id}", []string{"targets: at least one target is required"}},
 		{"a bad fraction", "identity: {dir: /id}\nrefresh: {fraction: 1}\ntargets:" + target, []string{"refresh.fraction: must be between 0 and 1"}},
 		{"a negative jitter", "identity: {dir: /id}\nrefresh: {jitter: -0.5}\ntargets:" + target, []string{"refresh.jitter:"}},

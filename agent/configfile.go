@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	"sigs.k8s.io/yaml"
@@ -30,6 +31,8 @@ const (
 	DefaultRevokeGrace = 10 * time.Minute
 	DefaultRenewAt     = 0.66
 	DefaultOpsAddress  = ":9091"
+	// DefaultTrustBundleInterval is how often ClusterTrustBundles are read.
+	DefaultTrustBundleInterval = time.Minute
 )
 
 // maxConfigBytes bounds the configuration file; a config is small.
@@ -125,6 +128,9 @@ func (c *Config) Default() {
 			c.Targets[i].Refresh.fill(c.Refresh)
 		}
 	}
+	if tb := c.Identity.TrustBundleFrom; tb != nil && tb.ClusterTrustBundle != nil && tb.ClusterTrustBundle.Interval == 0 {
+		tb.ClusterTrustBundle.Interval = apiv1.Duration(DefaultTrustBundleInterval)
+	}
 	if c.Identity.RenewAt == 0 {
 		c.Identity.RenewAt = DefaultRenewAt
 	}
@@ -177,10 +183,10 @@ func (c *Config) UsesClusterProfiles() bool {
 }
 
 // UsesKubernetes reports whether the agent needs a client of the source
-// cluster: for a Secret identity, a Secret output or a clusterProfile
-// output.
+// cluster: for a Secret identity, ClusterTrustBundles, a Secret output
+// or a clusterProfile output.
 func (c *Config) UsesKubernetes() bool {
-	if c.Identity.Secret != nil || c.JWKSUpload != nil {
+	if c.Identity.Secret != nil || c.JWKSUpload != nil || c.Identity.TrustBundleFrom != nil {
 		return true
 	}
 	for _, t := range c.Targets {
@@ -350,6 +356,25 @@ func (c *Config) validateIdentity(v *validator) {
 		}
 		if e.TokenFile == "" {
 			v.add("identity.enroll.tokenFile", "is required")
+		}
+	}
+	if tb := id.TrustBundleFrom; tb != nil {
+		ctb := tb.ClusterTrustBundle
+		if ctb == nil {
+			v.add("identity.trustBundleFrom", "give clusterTrustBundle")
+			return
+		}
+		path := "identity.trustBundleFrom.clusterTrustBundle"
+		if ctb.SignerName == "" {
+			v.add(path+".signerName", "is required: only bundles linked to a signer are trusted")
+		} else if err := pki.ValidSignerName(ctb.SignerName); err != nil {
+			v.add(path+".signerName", "%v", err)
+		}
+		if _, err := metav1.LabelSelectorAsSelector(ctb.LabelSelector); err != nil {
+			v.add(path+".labelSelector", "%v", err)
+		}
+		if d := time.Duration(ctb.Interval); d < time.Second || d > time.Hour {
+			v.add(path+".interval", "must be between 1s and 1h")
 		}
 	}
 }

@@ -38,6 +38,11 @@ type renewer struct {
 	log       *zap.Logger
 	metrics   *metrics
 	onRenewed func()
+	// trust, if set (identity.trustBundleFrom), is the broker CAs in
+	// service from ClusterTrustBundles: they vouch for a renewal answer's
+	// CAs too, so that after a CA rotation the new CA, which the bundles
+	// already carry, is kept in the stored ca.crt.
+	trust func() *trustState
 
 	forCert    *x509.Certificate // the certificate renewAt was computed for
 	renewAt    time.Time
@@ -102,16 +107,30 @@ func (r *renewer) step(ctx context.Context) time.Time {
 }
 
 // trusted is the trust bundle a renewal answer is checked against: the one
-// in service, and the stored one when an operator replaced ca.crt (or the
+// in service, the stored one when an operator replaced ca.crt (or the
 // Secret's ca.crt) since it was loaded, which is how a new CA reaches a
-// running agent during a rotation (docs/pki.md). A store that cannot be
+// running agent during a rotation (docs/pki.md), and, with
+// identity.trustBundleFrom, the CAs in service from ClusterTrustBundles,
+// which is how it reaches an agent that trusts brokers through them. A store that cannot be
 // read leaves the bundle in service alone.
 func (r *renewer) trusted(ctx context.Context, cur *identity) []byte {
-	stored, err := r.store.load(ctx)
-	if err != nil || bytes.Equal(stored.bundlePEM, cur.bundlePEM) {
-		return cur.bundlePEM
+	out := append([]byte(nil), cur.bundlePEM...)
+	if stored, err := r.store.load(ctx); err == nil && !bytes.Equal(stored.bundlePEM, cur.bundlePEM) {
+		out = append(out, stored.bundlePEM...)
 	}
-	return append(append([]byte(nil), cur.bundlePEM...), stored.bundlePEM...)
+	return append(out, trustInService(r.trust)...)
+}
+
+// trustInService is the PEM of the CAs trust has in service, nothing when
+// trust is nil, has not read yet or trusts nothing.
+func trustInService(trust func() *trustState) []byte {
+	if trust == nil {
+		return nil
+	}
+	if st := trust(); st != nil && st.err == nil {
+		return st.pem
+	}
+	return nil
 }
 
 func (r *renewer) setNext(failures int, at time.Time) {

@@ -149,3 +149,45 @@ func TestANewCAWrittenToCaCrtOutOfBandIsKeptByTheNextRenewal(t *testing.T) {
 	require.Equal(t, both, stored.bundlePEM)
 	require.Equal(t, both, f.r.holder.get().bundlePEM, "in service for the next handshake")
 }
+
+// TestInBundleTrustModeARenewalAfterTheCAChangedKeepsTheNewCA is the last
+// step of a rotation for an agent that trusts brokers through
+// ClusterTrustBundles: the broker signs with the new CA alone, the bundles
+// carry it, ca.crt still holds only the old one. The renewal answer's CAs
+// are vouched for by the bundles, and the new CA is stored.
+func TestInBundleTrustModeARenewalAfterTheCAChangedKeepsTheNewCA(t *testing.T) {
+	t.Parallel()
+	f := newRenewerFixture(t)
+	newCA, err := pki.NewCA(pki.CAOptions{CommonName: "new CA", Now: f.clock.Now})
+	require.NoError(t, err)
+	partner, err := pki.NewCA(pki.CAOptions{CommonName: "partner CA", Now: f.clock.Now})
+	require.NoError(t, err)
+	f.r.api = renewFunc(func(_ context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+		resp, err := (&testPKI{ca: newCA, clock: f.clock, lifetime: f.pki.lifetime}).sign(csrPEM)
+		require.NoError(t, err)
+		resp.CABundle = string(newCA.CertPEM()) + string(partner.CertPEM())
+		return resp, nil
+	})
+	var trust *trustState
+	f.r.trust = func() *trustState { return trust }
+	ctx := context.Background()
+
+	// Without the bundles' CAs in service (none read yet, or no trust), the
+	// answer has nothing the agent trusts: refused, the old identity stays.
+	trust = &trustState{err: errNoTrust}
+	f.clock.SetTime(f.r.step(ctx))
+	f.r.step(ctx)
+	require.Equal(t, 0, f.calls)
+	require.Equal(t, 1, f.r.failuresSoFar())
+
+	st, err := newTrustState([]*x509.Certificate{newCA.Certificate()}, "")
+	require.NoError(t, err)
+	trust = st
+	f.clock.SetTime(f.r.nextAttempt())
+	f.r.step(ctx)
+	require.Equal(t, 1, f.calls, "renewed")
+	stored, err := f.store.load(ctx)
+	require.NoError(t, err)
+	require.Equal(t, newCA.CertPEM(), stored.bundlePEM, "the new CA, not the partner CA")
+	require.Equal(t, newCA.CertPEM(), f.r.holder.get().bundlePEM)
+}

@@ -422,3 +422,52 @@ func FuzzTrustedBundle(f *testing.F) {
 		}
 	})
 }
+
+// FuzzMergeCABundles feeds two ClusterTrustBundles' trustBundle fields,
+// which anyone allowed to attest for the signer writes, to MergeCABundles:
+// whatever they hold, what comes out is distinct CA certificates, at most
+// MaxCertificates, each from a bundle that parsed whole.
+func FuzzMergeCABundles(f *testing.F) {
+	ca, err := NewCA(CAOptions{Now: fixedNow, CommonName: "ctb"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	other, err := NewCA(CAOptions{Now: fixedNow, CommonName: "other"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	kp, err := ca.IssueClient(ClientOptions{Identity: "spiffe://oc.example/cluster/west"})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(ca.CertPEM(), other.CertPEM())
+	f.Add(ca.CertPEM(), ca.CertPEM())
+	f.Add(append(append([]byte(nil), kp.CertPEM...), ca.CertPEM()...), other.CertPEM())
+	f.Add([]byte(""), []byte("not a bundle"))
+	f.Fuzz(func(t *testing.T, a, b []byte) {
+		certs, skipped, err := MergeCABundles([][]byte{a, b})
+		if err != nil {
+			if certs != nil {
+				t.Fatal("certificates returned with an error")
+			}
+			return
+		}
+		if len(certs) > MaxCertificates || len(skipped) > 2 {
+			t.Fatalf("%d certificates, %d skipped", len(certs), len(skipped))
+		}
+		var parsed []*x509.Certificate
+		for _, in := range [][]byte{a, b} {
+			if p, err := ParseCertificatesPEM(in); err == nil && firstNonCA(p) < 0 {
+				parsed = append(parsed, p...)
+			}
+		}
+		for i, c := range certs {
+			if !c.BasicConstraintsValid || !c.IsCA {
+				t.Fatalf("certificate %d is not a CA", i)
+			}
+			if !containsCert(parsed, c) || containsCert(certs[:i], c) {
+				t.Fatalf("certificate %d is not from a good bundle, or twice", i)
+			}
+		}
+	})
+}

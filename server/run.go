@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"crypto/x509"
 	"errors"
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
@@ -116,6 +118,14 @@ type Options struct {
 	// SigningTimeout bounds the wait for the cluster's signer when
 	// issuing a client certificate; zero means 10s.
 	SigningTimeout time.Duration
+	// PublishClusterTrustBundle, if set, is a signer name
+	// (tokenbroker.io/<broker>): the broker keeps a ClusterTrustBundle
+	// linked to that signer equal to the CAs that anchor its server
+	// certificate (broker.PublishedCAs, kept by
+	// broker.ClusterTrustBundlePublisher). The cluster must serve
+	// certificates.k8s.io/v1 clustertrustbundles (Kubernetes 1.37 or
+	// later), or Run fails.
+	PublishClusterTrustBundle string
 	// AuditLog is where audit events go: AuditStdout, AuditStderr or a
 	// file path (see OpenAuditLog).
 	AuditLog string
@@ -208,6 +218,11 @@ func (o Options) Validate() error {
 	}
 	if o.ClientCertTTL < broker.MinCertificateTTL || o.ClientCertTTL > broker.MaxCertificateTTL {
 		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
+	}
+	if o.PublishClusterTrustBundle != "" {
+		if err := pki.ValidSignerName(o.PublishClusterTrustBundle); err != nil {
+			errs = append(errs, fmt.Errorf("--publish-cluster-trust-bundle: %w", err))
+		}
 	}
 	if msgs := validation.IsDNS1123Label(o.Namespace); len(msgs) > 0 {
 		errs = append(errs, fmt.Errorf("--namespace %q: %s", o.Namespace, strings.Join(msgs, "; ")))
@@ -329,6 +344,14 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}
 
+	var ctb *broker.ClusterTrustBundlePublisher
+	if opts.PublishClusterTrustBundle != "" {
+		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, policy.Cluster.Name, client,
+			publishSources(certs, clientCAs, ca, previousCA), reg, log); err != nil {
+			return err
+		}
+	}
+
 	store := broker.NewPolicyStore(policy)
 	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval)
 	if err != nil {
@@ -404,6 +427,9 @@ func Run(ctx context.Context, opts Options) error {
 	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
+	if ctb != nil {
+		go ctb.Run(ctx)
+	}
 	poolDone := make(chan struct{})
 	go func() { defer close(poolDone); b.RunPool(ctx) }()
 	defer func() { cancel(); <-poolDone }() // its unclaimed Secrets are deleted before serve returns
@@ -444,6 +470,81 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}()
 	return srv.Run(ctx)
+}
+
+// publishSources returns, at each call, the certificates a published
+// ClusterTrustBundle is chosen from (broker.PublishedCAs), as reloaded:
+// the serving chain, the client-CA bundle, the signing CA and the
+// previous one. ca and previous may be nil.
+func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca broker.CertificateAuthority,
+	previous broker.CACertificates) func() broker.PublishSources {
+	return func() broker.PublishSources {
+		src := broker.PublishSources{ClientCAs: clientCAs.Certificates()}
+		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {
+			for _, der := range tc.Certificate {
+				c, err := x509.ParseCertificate(der)
+				if err != nil {
+					break
+				}
+				src.ServingChain = append(src.ServingChain, c)
+			}
+		}
+		if ca != nil {
+			src.Signing = ca.Certificate()
+		}
+		if previous != nil {
+			src.Previous = previous.Certificates()
+		}
+		return src
+	}
+}
+
+// clusterTrustBundlePublisher checks that the cluster serves
+// ClusterTrustBundles at certificates.k8s.io/v1 and makes the publisher of
+// the CAs that anchor this broker's server certificate
+// (broker.PublishedCAs over sources, called at each check), under the
+// broker's name owner.
+func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interface, sources func() broker.PublishSources,
+	reg prometheus.Registerer, log *zap.Logger) (*broker.ClusterTrustBundlePublisher, error) {
+	const gv = "certificates.k8s.io/v1"
+	res, err := client.Discovery().ServerResourcesForGroupVersion(gv)
+	served := false
+	if err == nil {
+		for _, r := range res.APIResources {
+			served = served || r.Name == "clustertrustbundles"
+		}
+	}
+	if !served {
+		if err != nil && !apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("--publish-cluster-trust-bundle: discover %s: %w", gv, err)
+		}
+		return nil, fmt.Errorf("--publish-cluster-trust-bundle: the cluster does not serve %s clustertrustbundles (GA in Kubernetes 1.37); unset the flag on older clusters", gv)
+	}
+	var warned []byte
+	bundle := func() []*x509.Certificate {
+		cas, ok := broker.PublishedCAs(sources(), time.Now())
+		if pem := pki.EncodeCertificatesPEM(cas); !ok && !bytes.Equal(pem, warned) {
+			warned = pem
+			log.Warn("the serving certificate does not verify to any of the operator's CAs (--client-ca-file, --ca-cert-file, --previous-ca-cert-file), so its issuer is not published in the ClusterTrustBundle; peers that trust only the bundle refuse this broker until it does",
+				zap.String("signer", signer))
+		} else if ok {
+			warned = nil
+		}
+		return cas
+	}
+	p, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{
+		Client:     client.CertificatesV1().ClusterTrustBundles(),
+		SignerName: signer,
+		Owner:      owner,
+		Bundle:     bundle,
+		Logger:     log.Named("cluster-trust-bundle"),
+		Registerer: reg,
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("publishing the trust bundle as a ClusterTrustBundle", zap.String("name", p.Name()), zap.String("signer", signer))
+	return p, nil
 }
 
 // namespaceInformer is the broker's metadata-only informer of namespaces,

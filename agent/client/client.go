@@ -35,6 +35,11 @@ type Config struct {
 	// RootCAs verifies the broker's certificate. Required: the client never
 	// falls back to the system roots or to no verification.
 	RootCAs *x509.CertPool
+	// VerifyConnection, if set, is a further check of every handshake
+	// after the standard verification against RootCAs (hostname
+	// included), never in place of it: the agent uses it to make a pinned
+	// CA the only root (pki.VerifyChainToPinned).
+	VerifyConnection func(tls.ConnectionState) error
 	// Certificate is the client certificate; nil for enrollment with a join
 	// token, which goes to the broker's enrollment listener.
 	Certificate *pki.CertReloader
@@ -106,6 +111,7 @@ func New(cfg Config) (*Client, error) {
 	if cfg.GetClientCertificate != nil {
 		tc.GetClientCertificate = cfg.GetClientCertificate
 	}
+	tc.VerifyConnection = cfg.VerifyConnection
 	return &Client{base: u, workload: cfg.WorkloadToken, http: &http.Client{
 		Timeout:   cfg.Timeout,
 		Transport: newTransport(tc, cfg.IdleConnTimeout),

@@ -153,6 +153,7 @@ func TestBadCertificateFlagsAreRefused(t *testing.T) {
 		{[]string{"--namespace", "Not_A_Namespace"}, "--namespace"},
 		{[]string{"--previous-ca-cert-file", "old.crt"}, "--previous-ca-cert-file needs --ca-cert-file"},
 		{[]string{"--broker-name", "east west"}, "--broker-name: audience \"east west\": only printable ASCII without spaces or commas"},
+		{[]string{"--publish-cluster-trust-bundle", "east"}, "--publish-cluster-trust-bundle: signer name \"east\""},
 		{[]string{"--broker-name", "tokenbroker-enrollment"}, "--broker-name: audience \"tokenbroker-enrollment\" is the mark of an unbound token"},
 	} {
 		_, err := serveConfigOf(t, append(required, tc.args...)...)
@@ -166,6 +167,15 @@ func TestTheAuditLogGoesToStdoutByDefaultAndCannotBeTurnedOff(t *testing.T) {
 	require.Equal(t, "stdout", cfg.AuditLog)
 	_, err = serveConfigOf(t, append([]string{"--audit-log", ""}, required...)...)
 	require.ErrorContains(t, err, "--audit-log")
+}
+
+func TestPublishingAClusterTrustBundleIsOffByDefaultAndTakesASignerName(t *testing.T) {
+	cfg, err := serveConfigOf(t, required...)
+	require.NoError(t, err)
+	require.Empty(t, cfg.PublishClusterTrustBundle)
+	cfg, err = serveConfigOf(t, append([]string{"--publish-cluster-trust-bundle", "tokenbroker.io/east"}, required...)...)
+	require.NoError(t, err)
+	require.Equal(t, "tokenbroker.io/east", cfg.PublishClusterTrustBundle)
 }
 
 func TestAnUnknownCredentialKindIsRefusedBeforeStart(t *testing.T) {

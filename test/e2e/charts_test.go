@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -185,7 +186,11 @@ func TestAgentChartRenders(t *testing.T) {
 			"kargo":  {"east"},
 			"argocd": {"cluster-east"},
 		}, roles)
-		require.Empty(t, manifestsOf(docs, "ClusterRole"), "nothing cluster-wide")
+		// Cluster-wide only what identity.trustBundleFrom reads: the
+		// ClusterTrustBundles, cluster-scoped and public.
+		require.Equal(t, []string{"ClusterRole/west-tokenbroker-agent-trust-bundles"}, kindNames(manifestsOf(docs, "ClusterRole")))
+		ctbRole := decode[rbacv1.ClusterRole](t, findManifest(t, docs, "ClusterRole", "west-tokenbroker-agent-trust-bundles"))
+		require.Equal(t, []rbacv1.PolicyRule{{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, Verbs: []string{"list"}}}, ctbRole.Rules)
 		d := decode[appsv1.Deployment](t, findManifest(t, docs, "Deployment", "west-tokenbroker-agent"))
 		ctr := d.Spec.Template.Spec.Containers[0]
 		require.Equal(t, int32(9191), ctr.Ports[0].ContainerPort)
@@ -378,6 +383,56 @@ policy:
 	cd := decode[appsv1.Deployment](t, findManifest(t, hDocs, "Deployment", "tokenbroker"))
 	require.Contains(t, kd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
 	require.Contains(t, cd.Spec.Template.Spec.Containers[0].Args, "--credentials=token,clientCertificate")
+}
+
+// TestTheChartsClusterTrustBundleRBACIsTheComponents holds the broker
+// chart's clusterTrustBundle objects to deploy/components/cluster-trust-bundle:
+// create on clustertrustbundles, get and update on exactly the broker's
+// bundle, attest on exactly its signer, nothing else; the signer in the
+// flag; no signer by default in either.
+func TestTheChartsClusterTrustBundleRBACIsTheComponents(t *testing.T) {
+	h := newHelm(t)
+	require.NotContains(t, kindNames(manifestsOf(h.render(t, "--set", "pki.tlsSecret=tls"), "ClusterRole")), "ClusterRole/tokenbroker-trust-bundle", "off by default")
+
+	overlay := t.TempDir()
+	rel := func(p string) string {
+		r, err := filepath.Rel(overlay, filepath.Join(repoRoot(t), p))
+		require.NoError(t, err)
+		return r
+	}
+	writeFile(t, filepath.Join(overlay, "kustomization.yaml"), "resources: ["+rel("deploy/base")+"]\ncomponents: ["+rel("deploy/components/cluster-trust-bundle")+"]\n")
+	// The component chooses no signer: without the overlay's ConfigMap,
+	// kustomize fails.
+	out, err := exec.Command(kubectlBinary(t), "kustomize", overlay).CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(out), "tokenbroker-trust-bundle-signer")
+
+	writeFile(t, filepath.Join(overlay, "signer.yaml"), `apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: tokenbroker-trust-bundle-signer
+  annotations: {config.kubernetes.io/local-config: "true"}
+data:
+  signerName: tokenbroker.io/east
+`)
+	writeFile(t, filepath.Join(overlay, "kustomization.yaml"), "resources: ["+rel("deploy/base")+", signer.yaml]\ncomponents: ["+rel("deploy/components/cluster-trust-bundle")+"]\n")
+	kDocs := splitManifests(t, run(t, kubectlBinary(t), "kustomize", overlay))
+	require.NotContains(t, kindNames(manifestsOf(kDocs, "ConfigMap")), "ConfigMap/tokenbroker-trust-bundle-signer", "the signer ConfigMap is kustomize's only")
+	hDocs := h.render(t, "--set", "pki.tlsSecret=tls", "--set", "clusterTrustBundle.signerName=tokenbroker.io/east")
+	want := normalizedRules([]rbacv1.PolicyRule{
+		{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, Verbs: []string{"create"}},
+		{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"clustertrustbundles"}, ResourceNames: []string{"tokenbroker.io:east:trust-bundle"}, Verbs: []string{"get", "update"}},
+		{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"signers"}, ResourceNames: []string{"tokenbroker.io/east"}, Verbs: []string{"attest"}},
+	})
+	k := decode[rbacv1.ClusterRole](t, findManifest(t, kDocs, "ClusterRole", "tokenbroker-trust-bundle"))
+	c := decode[rbacv1.ClusterRole](t, findManifest(t, hDocs, "ClusterRole", "tokenbroker-trust-bundle"))
+	require.Equal(t, want, normalizedRules(k.Rules))
+	require.Equal(t, want, normalizedRules(c.Rules))
+
+	kd := decode[appsv1.Deployment](t, findManifest(t, kDocs, "Deployment", "tokenbroker"))
+	require.Contains(t, kd.Spec.Template.Spec.Containers[0].Env, corev1.EnvVar{Name: "TOKENBROKER_PUBLISH_CLUSTER_TRUST_BUNDLE", Value: "tokenbroker.io/east"})
+	cd := decode[appsv1.Deployment](t, findManifest(t, hDocs, "Deployment", "tokenbroker"))
+	require.Contains(t, cd.Spec.Template.Spec.Containers[0].Args, "--publish-cluster-trust-bundle=tokenbroker.io/east")
 }
 
 // TestTheChartsLeaseAdmissionPolicyIsTheComponents holds the broker chart's

@@ -296,7 +296,7 @@ func TestHelmChartRenders(t *testing.T) {
 		// be namespaced (CSRs are cluster-scoped).
 		// So is the namespace cache's list and watch (namespaces are
 		// cluster-scoped too).
-		require.ElementsMatch(t, []string{"ClusterRoleBinding/tokenbroker-csr", "ClusterRoleBinding/tokenbroker-namespaces"}, kindNames(manifestsOf(everything, "ClusterRoleBinding")))
+		require.ElementsMatch(t, []string{"ClusterRoleBinding/tokenbroker-csr", "ClusterRoleBinding/tokenbroker-namespaces", "ClusterRoleBinding/tokenbroker-trust-bundle"}, kindNames(manifestsOf(everything, "ClusterRoleBinding")))
 		baseCRB := decode[rbacv1.ClusterRoleBinding](t, findManifest(t, base, "ClusterRoleBinding", "tokenbroker-issue"))
 		var issueNamespaces, bindNamespaces []string
 		for _, m := range manifestsOf(everything, "RoleBinding") {
@@ -746,6 +746,8 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 				"servicemonitor.monitoring.coreos.com/tokenbroker",
 				"prometheusrule.monitoring.coreos.com/tokenbroker",
 				"configmap/tokenbroker-dashboard",
+				"clusterrole.rbac.authorization.k8s.io/tokenbroker-trust-bundle",
+				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-trust-bundle",
 				"clusterrole.rbac.authorization.k8s.io/tokenbroker-csr",
 				"clusterrolebinding.rbac.authorization.k8s.io/tokenbroker-csr",
 				"clusterrole.rbac.authorization.k8s.io/tokenbroker-bind",

@@ -83,6 +83,13 @@ type stackConfig struct {
 	ca            *pki.CA
 	maxLiveLeases int
 	kube          *rest.Config
+	// publishCTB is serve's --publish-cluster-trust-bundle.
+	publishCTB string
+}
+
+// withPublishedTrustBundle sets serve's --publish-cluster-trust-bundle.
+func withPublishedTrustBundle(signer string) stackOption {
+	return func(c *stackConfig) { c.publishCTB = signer }
 }
 
 // withMaxLiveLeases sets serve's --max-live-leases.
@@ -141,29 +148,30 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 		// The composition root "tokenbroker serve" runs, with GC and the
 		// audit log as shipped; only the files are quicker to reload.
 		done <- server.Run(ctx, server.Options{
-			ListenAddress:      "127.0.0.1:0",
-			EnrollAddress:      "127.0.0.1:0",
-			OpsAddress:         "127.0.0.1:0",
-			TLSCertFile:        s.serverCert,
-			TLSKeyFile:         s.serverKey,
-			ClientCAFile:       s.clientCAFile,
-			CACertFile:         caCert,
-			CAKeyFile:          caKey,
-			PreviousCACertFile: s.previousCAFile,
-			ClientCertTTL:      pki.DefaultClientLifetime,
-			PolicyFile:         s.policyFile,
-			Namespace:          brokerNamespace,
-			Kube:               kube,
-			KubeQPS:            1000,
-			KubeBurst:          2000,
-			GCInterval:         time.Minute,
-			MaxLiveLeases:      sc.maxLiveLeases,
-			ReloadInterval:     reloadInterval,
-			MaxBodyBytes:       server.DefaultMaxBodyBytes,
-			Credentials:        []string{apiv1.CredentialToken},
-			AuditLog:           s.auditLog,
-			Logger:             zap.New(core),
-			Started:            func(st server.Started) { started <- st },
+			ListenAddress:             "127.0.0.1:0",
+			EnrollAddress:             "127.0.0.1:0",
+			OpsAddress:                "127.0.0.1:0",
+			TLSCertFile:               s.serverCert,
+			TLSKeyFile:                s.serverKey,
+			ClientCAFile:              s.clientCAFile,
+			CACertFile:                caCert,
+			CAKeyFile:                 caKey,
+			PreviousCACertFile:        s.previousCAFile,
+			ClientCertTTL:             pki.DefaultClientLifetime,
+			PolicyFile:                s.policyFile,
+			Namespace:                 brokerNamespace,
+			Kube:                      kube,
+			KubeQPS:                   1000,
+			KubeBurst:                 2000,
+			GCInterval:                time.Minute,
+			MaxLiveLeases:             sc.maxLiveLeases,
+			ReloadInterval:            reloadInterval,
+			MaxBodyBytes:              server.DefaultMaxBodyBytes,
+			Credentials:               []string{apiv1.CredentialToken},
+			AuditLog:                  s.auditLog,
+			PublishClusterTrustBundle: sc.publishCTB,
+			Logger:                    zap.New(core),
+			Started:                   func(st server.Started) { started <- st },
 		})
 	}()
 	s.stop = sync.OnceFunc(func() {
