@@ -42,7 +42,7 @@ COMPAT_KUBE_VERSION ?= v1.35.4
 # What `make test-compat` runs besides test/integration: the e2e tests of the
 # agent, client certificates (CSR signing, RBAC revocation), tenant selectors
 # and their admission policy, per-peer limits, revocation and the audit join.
-COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestTenantLabelAdmissionPolicy|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt
+COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestTenantLabelAdmissionPolicy|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt|TestAuditJoin
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that

@@ -11,6 +11,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -45,11 +47,21 @@ func TestClusterTrustBundle(t *testing.T) {
 	c := testcluster.Start(t)
 	ctx := context.Background()
 
+	v, err := c.Client.Discovery().ServerVersion()
+	require.NoError(t, err)
+	minor, err := strconv.Atoi(strings.TrimRight(v.Minor, "+"))
+	require.NoError(t, err, "minor version %q", v.Minor)
 	res, err := c.Client.Discovery().ServerResourcesForGroupVersion("certificates.k8s.io/v1")
-	require.NoError(t, err, "Kubernetes 1.37 serves certificates.k8s.io/v1 by default")
+	require.NoError(t, err, "certificates.k8s.io/v1 is served")
 	served := false
 	for _, r := range res.APIResources {
 		served = served || r.Name == "clustertrustbundles"
+	}
+	if minor < 37 {
+		// make test-compat: the oldest supported releases serve only the
+		// beta, off by default; the feature is for 1.37 and later.
+		require.False(t, served, "Kubernetes %s does not serve clustertrustbundles at certificates.k8s.io/v1", v.GitVersion)
+		t.Skipf("ClusterTrustBundles (certificates.k8s.io/v1) need Kubernetes 1.37; this API server is %s", v.GitVersion)
 	}
 	require.True(t, served, "clustertrustbundles is served at certificates.k8s.io/v1 by default")
 
