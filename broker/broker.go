@@ -175,6 +175,9 @@ type Broker struct {
 	retries    *retryQueue // failed lease deletions, retried until done
 	// expiries are the leases revoked at their expiry (leaseexpiry.go).
 	expiries *expiryQueue
+	// credIDs are the credential-id annotations being written after their
+	// answer (credentialid.go).
+	credIDs *credentialIDWrites
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants
 	// pool is nil when disabled.
@@ -211,7 +214,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), reads: newInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), reads: newInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, audiences: b.joinTokenAudiences, now: cfg.Clock.Now}
 	}
@@ -576,15 +579,16 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// The audit names the credential without holding it: a token's jti,
 	// a certificate's serial, and the id the API server logs for it.
 	ref := credentialID(cred)
-	// One write records the credential's id on the lease and, if the API
-	// server or the signer shortened it, its true expiry (for listings
-	// and the GC).
-	var newExpiry *time.Time
+	// If the API server or the signer shortened the credential, the
+	// lease's true expiry (for listings and the GC) is written before the
+	// answer, with the credential's id; otherwise the id follows the
+	// answer (credentialid.go).
+	idRecorded := false
 	if clampedBy == ClampedByAPIServer || clampedBy == ClampedBySigner {
-		newExpiry = &cred.ExpiresAt
-	}
-	if err := b.recordCredential(ctx, created, ref.apiID, newExpiry); err != nil {
-		return fail(created, outcomeFor(err), err)
+		if err := b.recordCredential(ctx, created, ref.apiID, &cred.ExpiresAt); err != nil {
+			return fail(created, outcomeFor(err), err)
+		}
+		idRecorded = true
 	}
 
 	if cred.Kind() != issuer.Kind() {
@@ -627,6 +631,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		// The credential outlives the lease: revoke it at the lease's
 		// expiry, not up to a GC interval later.
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
+	}
+	if !idRecorded {
+		b.recordCredentialIDLater(ctx, created, ref.apiID, log)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,
@@ -699,7 +706,7 @@ func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.Kubeconf
 
 // recordCredential writes the credential's API server id (apiID, unless
 // empty) and, unless nil, a new expiry on a lease Secret, in one merge
-// patch.
+// patch that applies only to the Secret of s's UID.
 func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID string, expiresAt *time.Time) error {
 	ann := map[string]string{}
 	if apiID != "" {
@@ -711,7 +718,12 @@ func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID s
 	if len(ann) == 0 {
 		return nil
 	}
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": ann}})
+	meta := map[string]any{"annotations": ann}
+	if s.UID != "" {
+		// The Secret this lease created, not one made since under its name.
+		meta["uid"] = s.UID
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": meta})
 	if err != nil {
 		return err
 	}
