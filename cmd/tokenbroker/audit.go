@@ -75,7 +75,10 @@ system:authenticated left out). Without --kubeconfig they are "unknown".
 
 The log is streamed: any size, one line (at most 1 MiB; longer lines are
 skipped and counted) at a time. Counts go to standard error at the end.
--o json prints one JSON object per line. Reading Secrets and RBAC needs list
+-o json prints one JSON object per line. In the table and the summary, a
+field with a control character, invalid UTF-8, a space or a quote (names
+come from request URLs, Secrets and RBAC objects) is printed quoted and
+Go-escaped ("a\x20b", "x\x1b[2K"): one request is always one line. Reading Secrets and RBAC needs list
 on secrets in every namespace, and list/get on roles, rolebindings,
 clusterroles and clusterrolebindings; nothing is written.`,
 		Example: `  # every request made with a broker credential, joined with the broker's audit events
@@ -305,8 +308,9 @@ func (p *rowPrinter) row(r auditjoin.Row) error {
 		}
 	}
 	fmt.Fprintln(p.tw, strings.Join([]string{
-		r.Time.UTC().Format(time.RFC3339), r.Verb, resourceOf(r), orNone(r.Namespace), orNone(r.Name), strconv.Itoa(r.Code),
-		r.Lease.ID, r.LeaseState, orNone(r.Lease.Peer), orNone(r.Lease.Workload), orNone(r.Lease.IssueRequestID),
+		r.Time.UTC().Format(time.RFC3339), printableNone(r.Verb), printableNone(resourceOf(r)), printableNone(r.Namespace), printableNone(r.Name),
+		strconv.Itoa(r.Code), printableNone(r.Lease.ID), printableNone(r.LeaseState), printableNone(r.Lease.Peer), printableNone(r.Lease.Workload),
+		printableNone(r.Lease.IssueRequestID),
 	}, "\t"))
 	p.n++
 	if p.n%auditTablePage == 0 {
@@ -400,9 +404,10 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 		return nil
 	}
 	for _, l := range sum.Leases() {
-		fmt.Fprintf(out, "LEASE %s  %s, peer %s, %s\n", l.Lease.ID, orNone(l.Lease.Credential), orNone(l.Lease.Peer), l.Subject)
-		fmt.Fprintf(out, "  workload %s, issued %s by request %s, %s\n", orNone(l.Lease.Workload), timeOrUnknown(l.Lease.IssuedAt),
-			orNone(l.Lease.IssueRequestID), leaseEnd(l.Lease))
+		fmt.Fprintf(out, "LEASE %s  %s, peer %s, %s\n", printableNone(l.Lease.ID), printableNone(l.Lease.Credential), printableNone(l.Lease.Peer),
+			printableNone(l.Subject.String()))
+		fmt.Fprintf(out, "  workload %s, issued %s by request %s, %s\n", printableNone(l.Lease.Workload), timeOrUnknown(l.Lease.IssuedAt),
+			printableNone(l.Lease.IssueRequestID), leaseEnd(l.Lease))
 		fmt.Fprintf(out, "  %d requests from %s to %s, %d after revocation\n", l.Requests,
 			l.First.UTC().Format(time.RFC3339), l.Last.UTC().Format(time.RFC3339), l.AfterRevocation)
 		if err := printUses(out, l.Uses); err != nil {
@@ -411,20 +416,24 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 		fmt.Fprintln(out)
 	}
 	for _, s := range subjects {
-		fmt.Fprintf(out, "GRANT %s  %s, %d leases, %d requests\n", orNone(s.Grant), s.Subject, len(s.Leases), s.Requests)
+		fmt.Fprintf(out, "GRANT %s  %s, %d leases, %d requests\n", printableNone(s.Grant), printableNone(s.Subject.String()), len(s.Leases), s.Requests)
 		switch s.Permissions {
 		case "unknown":
 			fmt.Fprintln(out, "  permissions unknown: give --kubeconfig to read the subject's RBAC")
 		case "unbound":
 			fmt.Fprintln(out, "  no RBAC binding names this subject now (a client certificate's RoleBinding goes with its lease)")
 		default:
-			fmt.Fprintf(out, "  bound by %s\n", strings.Join(s.Bindings, ", "))
+			names := make([]string, len(s.Bindings))
+			for i, b := range s.Bindings {
+				names[i] = printable(b)
+			}
+			fmt.Fprintf(out, "  bound by %s\n", strings.Join(names, ", "))
 			if len(s.Unused) == 0 {
 				fmt.Fprintln(out, "  every permission was used")
 			} else {
 				names := make([]string, len(s.Unused))
 				for i, p := range s.Unused {
-					names[i] = p.String()
+					names[i] = printablePermission(p)
 				}
 				fmt.Fprintf(out, "  never used: %s\n", strings.Join(names, ", "))
 			}
@@ -445,7 +454,7 @@ func printUses(out io.Writer, uses []auditjoin.Use) error {
 				res = u.Group + "/" + res
 			}
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\n", u.Verb, res, u.Count, u.Denied)
+		fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\n", printableNone(u.Verb), printableNone(res), u.Count, u.Denied)
 	}
 	return tw.Flush()
 }
@@ -460,7 +469,7 @@ func timeOrUnknown(t time.Time) string {
 func leaseEnd(l auditjoin.Lease) string {
 	switch {
 	case !l.RevokedAt.IsZero():
-		return "revoked " + l.RevokedAt.UTC().Format(time.RFC3339) + " (" + l.RevokeReason + ")"
+		return "revoked " + l.RevokedAt.UTC().Format(time.RFC3339) + " (" + printableText(l.RevokeReason) + ")"
 	case !l.ExpiresAt.IsZero():
 		return "expires " + l.ExpiresAt.UTC().Format(time.RFC3339)
 	}
