@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
@@ -699,4 +700,35 @@ func (b *Broker) peerNamespaces(peer *PeerSpec) []string {
 	ns = append(ns, b.tenants.namespaces(peer.Name)...)
 	slices.Sort(ns)
 	return slices.Compact(ns)
+}
+
+// EachLeaseSecretMetadataPage is EachLeaseSecretPage over every namespace
+// with the metadata client: the lease Secrets' metadata only (labels,
+// annotations, creation time; never their data), of the type
+// SecretTypeLease only (a field selector the API server applies, so a
+// Secret of another type that copies the labels is not listed). Each
+// Secret fn gets has its ObjectMeta and Type set, nothing else.
+func EachLeaseSecretMetadataPage(ctx context.Context, client metadata.Interface, fn func([]corev1.Secret) error) error {
+	opts := metav1.ListOptions{
+		LabelSelector: labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}).String(),
+		FieldSelector: leaseTypeSelector,
+		Limit:         LeaseSecretPageSize,
+	}
+	for {
+		list, err := client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, opts)
+		if err != nil {
+			return err
+		}
+		page := make([]corev1.Secret, len(list.Items))
+		for i := range list.Items {
+			page[i] = corev1.Secret{ObjectMeta: list.Items[i].ObjectMeta, Type: SecretTypeLease}
+		}
+		if err := fn(page); err != nil {
+			return err
+		}
+		if list.Continue == "" {
+			return nil
+		}
+		opts.Continue = list.Continue
+	}
 }

@@ -351,3 +351,82 @@ func FuzzParseBrokerEvent(f *testing.F) {
 		idx.AddBrokerEvent(ev) // never panics
 	})
 }
+
+func joinAll(t *testing.T, idx *auditjoin.Index, log string) ([]auditjoin.Row, auditjoin.Stats) {
+	t.Helper()
+	var rows []auditjoin.Row
+	st, err := auditjoin.Join(strings.NewReader(log), idx, auditjoin.Filter{}, func(r auditjoin.Row) error {
+		rows = append(rows, r)
+		return nil
+	})
+	require.NoError(t, err)
+	return rows, st
+}
+
+func TestAForgedLeaseSecretNeverOverridesTheBrokersIssueEvent(t *testing.T) {
+	t.Parallel()
+	idx := index(t)
+	// A tenant forges a Secret with another lease id that names the token
+	// lease's credential id, and one with the token lease's id that names
+	// another credential: both are refused.
+	idx.AddLease(auditjoin.Lease{ID: "ffffffffffffffffffffffffff", Peer: "east", Namespace: "argo", ServiceAccount: "runner", Credential: "token", CredentialID: tokenCred})
+	idx.AddLease(auditjoin.Lease{ID: certLease, Peer: "east", Namespace: "argo", User: certUser, Credential: "clientCertificate", CredentialID: "X509SHA256=forged"})
+	n, notes := idx.Conflicts()
+	require.Equal(t, 2, n)
+	require.Len(t, notes, 2)
+	rows, st := joinAll(t, idx, apiLog)
+	require.Len(t, rows, 5)
+	for _, r := range rows {
+		require.NotEqual(t, "east", r.Lease.Peer, "the forged Secret's peer is never blamed")
+		require.Equal(t, auditjoin.SourceBrokerLog, r.Lease.Source)
+		require.True(t, r.Lease.Disputed, "a lease someone else claims is marked")
+	}
+	require.Equal(t, 5, st.Disputed)
+	require.Zero(t, st.FromSecret)
+}
+
+func TestBetweenLeaseSecretsTheEarliestCreatedWins(t *testing.T) {
+	t.Parallel()
+	for _, order := range []string{"real first", "forged first"} {
+		idx := auditjoin.NewIndex()
+		real := auditjoin.Lease{ID: tokenLease, Peer: "west", Namespace: "argo", ServiceAccount: "runner", Credential: "token", CredentialID: tokenCred, IssuedAt: at(0)}
+		forged := auditjoin.Lease{ID: "ffffffffffffffffffffffffff", Peer: "east", Namespace: "argo", ServiceAccount: "runner", Credential: "token", CredentialID: tokenCred, IssuedAt: at(1)}
+		if order == "real first" {
+			idx.AddLease(real)
+			idx.AddLease(forged)
+		} else {
+			idx.AddLease(forged)
+			idx.AddLease(real)
+		}
+		n, _ := idx.Conflicts()
+		require.Equal(t, 1, n, order)
+		rows, st := joinAll(t, idx, apiLog)
+		require.Len(t, rows, 3, order)
+		require.Equal(t, tokenLease, rows[0].Lease.ID, order)
+		require.Equal(t, auditjoin.SourceSecret, rows[0].Lease.Source)
+		require.True(t, rows[0].Lease.Disputed)
+		require.Equal(t, 3, st.FromSecret)
+	}
+}
+
+func TestARequestWhoseUserIsNotTheLeasesSubjectIsNotJoined(t *testing.T) {
+	t.Parallel()
+	log := strings.Join([]string{
+		apiEvent(at(1), "ResponseComplete", "get", "system:serviceaccount:kube-system:admin", tokenCred, "secrets", "kube-system", 200),
+		apiEvent(at(2), "ResponseComplete", "get", "someone", certCred, "secrets", "kube-system", 200),
+		apiEvent(at(3), "ResponseComplete", "get", saUser, tokenCred, "configmaps", "argo", 200),
+	}, "\n") + "\n"
+	rows, st := joinAll(t, index(t), log)
+	require.Len(t, rows, 1)
+	require.Equal(t, saUser, rows[0].Username)
+	require.Equal(t, 2, st.WrongUser)
+	require.Equal(t, 1, st.Joined)
+}
+
+func TestADuplicatedEventIsCountedOnce(t *testing.T) {
+	t.Parallel()
+	ev := apiEvent(at(1), "ResponseComplete", "get", saUser, tokenCred, "configmaps", "argo", 200)
+	rows, st := joinAll(t, index(t), ev+"\n"+ev+"\n")
+	require.Len(t, rows, 1)
+	require.Equal(t, 1, st.Duplicates)
+}

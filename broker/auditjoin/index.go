@@ -27,6 +27,33 @@ type Lease struct {
 	ExpiresAt      time.Time `json:"expiresAt,omitzero"`
 	RevokedAt      time.Time `json:"revokedAt,omitzero"`
 	RevokeReason   string    `json:"revokeReason,omitempty"`
+	// Source is where the lease is known from: SourceBrokerLog (the
+	// broker's issue event, authoritative) or SourceSecret (only a lease
+	// Secret, trusted as far as the lease admission policy protects them).
+	Source string `json:"source"`
+	// Disputed is set when another issue event or lease Secret claims the
+	// same lease id or credential id with something else: one of them is
+	// forged. The broker's event wins, then the earliest created Secret.
+	Disputed bool `json:"disputed,omitempty"`
+
+	fromIssue bool
+}
+
+// Lease sources.
+const (
+	SourceBrokerLog = "broker-log"
+	SourceSecret    = "secret"
+)
+
+// ExpectedUsername is the user name the API server gives the lease's
+// credential: system:serviceaccount:<namespace>:<name> for a token, the
+// per-lease user for a certificate; "" when the lease does not say.
+func (l *Lease) ExpectedUsername() string {
+	s := l.Subject()
+	if s.Name == "" || (s.Kind == SubjectServiceAccount && s.Namespace == "") {
+		return ""
+	}
+	return s.String()
 }
 
 // Subject is the RBAC subject the lease's credential authenticates as:
@@ -54,7 +81,25 @@ func (l *Lease) StateAt(t time.Time) string {
 type Index struct {
 	byID   map[string]*Lease
 	byCred map[string]*Lease
+	// conflicts counts the claims refused; notes keeps the first few.
+	conflicts int
+	notes     []string
 }
+
+// maxConflictNotes bounds the conflicts described.
+const maxConflictNotes = 20
+
+func (x *Index) conflict(format string, args ...any) {
+	x.conflicts++
+	if len(x.notes) < maxConflictNotes {
+		x.notes = append(x.notes, fmt.Sprintf(format, args...))
+	}
+}
+
+// Conflicts returns how many claims of a lease id or credential id were
+// refused because another source claimed it first or with more
+// authority, and a description of the first few.
+func (x *Index) Conflicts() (int, []string) { return x.conflicts, x.notes }
 
 // NewIndex returns an empty index.
 func NewIndex() *Index {
@@ -76,28 +121,109 @@ func (x *Index) lease(id string) *Lease {
 	return l
 }
 
-// AddLease adds a lease read from its Secret. What the broker's issue
-// event already said of it is kept (it also names the issuing request);
-// the Secret adds its credential id if the event had none. A lease
-// without a credential id is kept (a later event may name it) but joins
-// nothing.
+// AddLease adds a lease read from its Secret (Source SecretSource). A
+// Secret never overrides the broker's issue event: what the event said is
+// kept, the Secret only adds a credential id the event lacked, and a
+// Secret that names another credential id for the lease, or a credential
+// id another issued lease has, is refused, counted (Conflicts) and marks
+// the lease disputed. Between Secrets, for the same lease id or credential
+// id, the earliest created wins, as the broker's own lookup decides. A
+// lease without a credential id is kept (a later event may name it) but
+// joins nothing. Every field is bounded.
 func (x *Index) AddLease(in Lease) {
+	in = boundLease(in)
 	if in.ID == "" {
 		return
 	}
-	l := x.lease(in.ID)
-	if l.IssuedAt.IsZero() {
+	in.Source, in.fromIssue, in.Disputed = SourceSecret, false, false
+	l := x.byID[in.ID]
+	switch {
+	case l == nil:
+		l = &in
+		x.byID[in.ID] = l
+	case l.fromIssue:
+		if in.CredentialID == "" || in.CredentialID == l.CredentialID {
+			return
+		}
+		if l.CredentialID != "" {
+			l.Disputed = true
+			x.conflict("a lease Secret in namespace %q names credential id %q for lease %q, whose issue event names %q: the Secret is ignored",
+				in.Namespace, in.CredentialID, in.ID, l.CredentialID)
+			return
+		}
+		x.claim(l, in.CredentialID)
+		return
+	case l.Source == SourceSecret:
+		// Two Secrets with one lease id: the earliest created wins.
+		l.Disputed = true
+		if !earlier(&in, l) {
+			x.conflict("two lease Secrets claim lease %q (namespaces %q and %q): the earliest created is used", in.ID, l.Namespace, in.Namespace)
+			return
+		}
+		x.conflict("two lease Secrets claim lease %q (namespaces %q and %q): the earliest created is used", in.ID, in.Namespace, l.Namespace)
+		if x.byCred[l.CredentialID] == l {
+			delete(x.byCred, l.CredentialID)
+		}
 		revokedAt, reason := l.RevokedAt, l.RevokeReason
 		*l = in
-		if l.RevokedAt.IsZero() {
-			l.RevokedAt, l.RevokeReason = revokedAt, reason
-		}
-	} else if l.CredentialID == "" {
-		l.CredentialID = in.CredentialID
+		l.RevokedAt, l.RevokeReason, l.Disputed = revokedAt, reason, true
+	default:
+		// Known so far from a revoke event only.
+		revokedAt, reason := l.RevokedAt, l.RevokeReason
+		*l = in
+		l.RevokedAt, l.RevokeReason = revokedAt, reason
 	}
 	if l.CredentialID != "" {
-		x.byCred[l.CredentialID] = l
+		x.claim(l, l.CredentialID)
 	}
+}
+
+// earlier reports whether Secret lease a was created before b (by id on
+// a tie, so that the order of reading does not decide).
+func earlier(a, b *Lease) bool {
+	if !a.IssuedAt.Equal(b.IssuedAt) {
+		return a.IssuedAt.Before(b.IssuedAt)
+	}
+	return a.Namespace+"/"+a.ID < b.Namespace+"/"+b.ID
+}
+
+// claim maps credential id cred to l unless a lease with more authority
+// has it: an issued lease over a Secret, the earliest created Secret over
+// a later one.
+func (x *Index) claim(l *Lease, cred string) {
+	other := x.byCred[cred]
+	switch {
+	case other == nil || other == l:
+	case other.fromIssue && l.fromIssue:
+		other.Disputed, l.Disputed = true, true
+		x.conflict("leases %q and %q are both issued with credential id %q: the first is used", other.ID, l.ID, cred)
+		return
+	case other.fromIssue:
+		other.Disputed, l.Disputed = true, true
+		x.conflict("a lease Secret (lease %q, namespace %q) names credential id %q of the issued lease %q: the Secret is ignored", l.ID, l.Namespace, cred, other.ID)
+		return
+	case l.fromIssue:
+		other.Disputed, l.Disputed = true, true
+		x.conflict("a lease Secret (lease %q, namespace %q) names credential id %q of the issued lease %q: the Secret is ignored", other.ID, other.Namespace, cred, l.ID)
+	default:
+		other.Disputed, l.Disputed = true, true
+		if !earlier(l, other) {
+			x.conflict("lease Secrets of leases %q and %q name credential id %q: the earliest created is used", other.ID, l.ID, cred)
+			return
+		}
+		x.conflict("lease Secrets of leases %q and %q name credential id %q: the earliest created is used", l.ID, other.ID, cred)
+	}
+	l.CredentialID = cred
+	x.byCred[cred] = l
+}
+
+// boundLease cuts every field of l to maxFieldBytes.
+func boundLease(l Lease) Lease {
+	for _, s := range []*string{&l.ID, &l.Peer, &l.Identity, &l.Namespace, &l.ServiceAccount, &l.User, &l.Workload,
+		&l.Credential, &l.Grant, &l.CredentialID, &l.IssueRequestID, &l.RevokeReason} {
+		*s = bound(*s)
+	}
+	return l
 }
 
 // AddBrokerEvent adds what a broker audit event says of a lease: an
@@ -110,6 +236,30 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 	switch ev.Action {
 	case "issue":
 		l := x.lease(ev.LeaseID)
+		if l.fromIssue {
+			// The same event read twice (a file given twice), or a
+			// second issue of one lease id: the first stands.
+			if ev.CredentialID != "" && l.CredentialID != "" && ev.CredentialID != l.CredentialID {
+				l.Disputed = true
+				x.conflict("two issue events for lease %q name credential ids %q and %q: the first is used", l.ID, l.CredentialID, ev.CredentialID)
+			}
+			return
+		}
+		if l.Source == SourceSecret {
+			// Read from a Secret before its event: the event replaces it.
+			if l.CredentialID != "" && ev.CredentialID != "" && l.CredentialID != ev.CredentialID {
+				l.Disputed = true
+				x.conflict("a lease Secret in namespace %q names credential id %q for lease %q, whose issue event names %q: the Secret is ignored",
+					l.Namespace, l.CredentialID, l.ID, ev.CredentialID)
+			}
+			if l.CredentialID != "" && x.byCred[l.CredentialID] == l && l.CredentialID != ev.CredentialID && ev.CredentialID != "" {
+				delete(x.byCred, l.CredentialID)
+			}
+			if ev.CredentialID == "" {
+				ev.CredentialID = l.CredentialID
+			}
+		}
+		l.fromIssue, l.Source = true, SourceBrokerLog
 		l.Peer, l.Identity, l.Namespace, l.ServiceAccount = ev.Peer, ev.Identity, ev.Namespace, ev.ServiceAccount
 		l.User, l.Workload, l.Credential, l.Grant = ev.User, ev.Workload, ev.Credential, ev.Grant
 		l.IssuedAt, l.IssueRequestID = ev.Time, ev.RequestID
@@ -117,8 +267,11 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 			l.ExpiresAt = exp.UTC()
 		}
 		if ev.CredentialID != "" {
-			l.CredentialID = ev.CredentialID
-			x.byCred[ev.CredentialID] = l
+			if x.byCred[l.CredentialID] == l && l.CredentialID != ev.CredentialID {
+				delete(x.byCred, l.CredentialID)
+			}
+			l.CredentialID = ""
+			x.claim(l, ev.CredentialID)
 		}
 	case "revoke":
 		l := x.lease(ev.LeaseID)

@@ -29,8 +29,15 @@ type Row struct {
 	// Path is the URL path of a non-resource request (/api, /version).
 	Path string `json:"path,omitempty"`
 	Code int    `json:"code"`
-	// Username is who the API server says made the request.
+	// Username is who the API server says made the request: always the
+	// lease's subject (other requests are not joined).
 	Username string `json:"username"`
+	// ImpersonatedUser is the user the request impersonated: it was
+	// authorized as that user.
+	ImpersonatedUser string `json:"impersonatedUser,omitempty"`
+	// Decision is the authorizer's decision (allow, forbid) when the
+	// event has it.
+	Decision string `json:"decision,omitempty"`
 	// LeaseState is the lease's state when the request was received:
 	// live, revoked or expired.
 	LeaseState string `json:"leaseState"`
@@ -53,6 +60,49 @@ type Stats struct {
 	// NoLease are requests with a credential id the index does not know
 	// (other clients, or leases whose issue event or Secret was not read).
 	NoLease int `json:"noLease"`
+	// WrongUser are requests whose credential id is a lease's but whose
+	// user is not the lease's subject: not joined (a forged lease Secret,
+	// or an authenticator that lets a client set user.extra).
+	WrongUser int `json:"wrongUser"`
+	// FromSecret are the joined requests whose lease is known only from
+	// its Secret, not from the broker's audit events.
+	FromSecret int `json:"fromSecret"`
+	// Disputed are the joined requests whose lease is disputed.
+	Disputed int `json:"disputed"`
+	// Duplicates are events whose auditID was already seen (overlapping
+	// log files), skipped.
+	Duplicates int `json:"duplicates"`
+}
+
+// maxSeenAuditIDs bounds the audit ids remembered to skip duplicates: the
+// last ones seen.
+const maxSeenAuditIDs = 100_000
+
+// seenIDs remembers the last maxSeenAuditIDs ids.
+type seenIDs struct {
+	set  map[string]struct{}
+	ring []string
+	next int
+}
+
+// add reports whether id was already among the ids remembered, and
+// remembers it.
+func (s *seenIDs) add(id string) bool {
+	if _, ok := s.set[id]; ok {
+		return true
+	}
+	if s.set == nil {
+		s.set = map[string]struct{}{}
+	}
+	if len(s.ring) < maxSeenAuditIDs {
+		s.ring = append(s.ring, id)
+	} else {
+		delete(s.set, s.ring[s.next])
+		s.ring[s.next] = id
+		s.next = (s.next + 1) % maxSeenAuditIDs
+	}
+	s.set[id] = struct{}{}
+	return false
 }
 
 // Join reads the API server's audit log from r, one event at a time, and
@@ -61,6 +111,7 @@ type Stats struct {
 func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, err error) {
 	lr := newLineReader(r, MaxLineBytes)
 	defer func() { st.TooLong = lr.tooLong; st.Lines += lr.tooLong }()
+	var seen seenIDs
 	for {
 		line, err := lr.next()
 		if errors.Is(err, io.EOF) {
@@ -79,6 +130,10 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 		if !endsRequest(ev) || (!f.Since.IsZero() && ev.Time.Before(f.Since)) {
 			continue
 		}
+		if ev.AuditID != "" && seen.add(ev.AuditID) {
+			st.Duplicates++
+			continue
+		}
 		st.Requests++
 		if ev.Username == "" {
 			if ev.Code == 401 {
@@ -94,7 +149,17 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 			st.NoLease++
 			continue
 		}
+		if want := l.ExpectedUsername(); want == "" || ev.Username != want {
+			st.WrongUser++
+			continue
+		}
 		st.Joined++
+		if l.Source == SourceSecret {
+			st.FromSecret++
+		}
+		if l.Disputed {
+			st.Disputed++
+		}
 		if (f.LeaseID != "" && l.ID != f.LeaseID) || (f.Peer != "" && l.Peer != f.Peer) {
 			continue
 		}
@@ -102,7 +167,7 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 			Time: ev.Time, AuditID: ev.AuditID, Verb: ev.Verb,
 			Group: ev.Group, Resource: ev.Resource, Subresource: ev.Subresource,
 			Namespace: ev.Namespace, Name: ev.Name, Path: ev.Path, Code: ev.Code,
-			Username: ev.Username, LeaseState: l.StateAt(ev.Time), Lease: *l,
+			Username: ev.Username, ImpersonatedUser: ev.ImpersonatedUser, Decision: ev.Decision, LeaseState: l.StateAt(ev.Time), Lease: *l,
 		}
 		if err := emit(row); err != nil {
 			return st, err

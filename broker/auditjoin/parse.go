@@ -100,7 +100,17 @@ type APIEvent struct {
 	Name        string
 	Path        string
 	Code        int
+	// ImpersonatedUser is the user name the request impersonated, "" if
+	// none: the request was authorized as that user, not as Username.
+	ImpersonatedUser string
+	// Decision is the authorizer's, from the annotation
+	// authorization.k8s.io/decision: "allow", "forbid", or "" if absent.
+	Decision string
 }
+
+// DecisionAnnotation is the audit annotation with the authorizer's
+// decision.
+const DecisionAnnotation = "authorization.k8s.io/decision"
 
 // apiEventJSON is the subset of audit.k8s.io/v1 Event that is decoded.
 type apiEventJSON struct {
@@ -115,7 +125,11 @@ type apiEventJSON struct {
 		Groups   []string            `json:"groups"`
 		Extra    map[string][]string `json:"extra"`
 	} `json:"user"`
-	ObjectRef *struct {
+	ImpersonatedUser *struct {
+		Username string `json:"username"`
+	} `json:"impersonatedUser"`
+	Annotations map[string]string `json:"annotations"`
+	ObjectRef   *struct {
 		Resource    string `json:"resource"`
 		Namespace   string `json:"namespace"`
 		Name        string `json:"name"`
@@ -169,6 +183,13 @@ func ParseAPIEvent(line []byte) (APIEvent, error) {
 	}
 	if j.ResponseStatus != nil {
 		ev.Code = j.ResponseStatus.Code
+	}
+	if j.ImpersonatedUser != nil {
+		ev.ImpersonatedUser = bound(j.ImpersonatedUser.Username)
+	}
+	switch d := j.Annotations[DecisionAnnotation]; d {
+	case "allow", "forbid":
+		ev.Decision = d
 	}
 	return ev, nil
 }

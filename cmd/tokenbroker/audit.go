@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -62,6 +63,17 @@ days), or read the live lease Secrets with --kubeconfig (leases are deleted
 at expiry and revocation, so only live leases join that way), or both.
 How far back the join reaches is how long the broker's audit events are kept.
 
+What the join trusts: the broker's issue events win; a lease Secret never
+overrides one, and between Secrets the earliest created wins. Refused
+claims are counted on standard error and their leases marked disputed
+(STATE ",disputed"). A request is joined only if its user is the lease's
+subject (system:serviceaccount:<namespace>:<name>, or the certificate's
+per-lease user); others are counted. Leases known only from their Secrets
+(STATE ",secret", JSON "source":"secret") are trusted only as far as the
+lease admission policy (deploy/components/lease-admission-policy) reserves
+lease Secrets for the broker: without it anyone who may create Secrets can
+forge one. Only the metadata of Secrets of type tokenbroker.io/lease is read.
+
 A request that fails authentication carries no credential id and cannot be
 attributed: a revoked token's later requests are 401s counted at the end, not
 rows. A revoked client certificate still authenticates: its later requests
@@ -78,8 +90,9 @@ skipped and counted) at a time. Counts go to standard error at the end.
 -o json prints one JSON object per line. In the table and the summary, a
 field with a control character, invalid UTF-8, a space or a quote (names
 come from request URLs, Secrets and RBAC objects) is printed quoted and
-Go-escaped ("a\x20b", "x\x1b[2K"): one request is always one line. Reading Secrets and RBAC needs list
-on secrets in every namespace, and list/get on roles, rolebindings,
+Go-escaped ("a\x20b", "x\x1b[2K"): one request is always one line.
+Reading Secrets and RBAC needs list on secrets (their metadata only) in
+every namespace, and list/get on roles, rolebindings,
 clusterroles and clusterrolebindings; nothing is written.`,
 		Example: `  # every request made with a broker credential, joined with the broker's audit events
   tokenbroker audit --api-audit-log /var/log/kubernetes/audit.log --broker-audit-log broker-audit.jsonl
@@ -98,7 +111,10 @@ clusterroles and clusterrolebindings; nothing is written.`,
 			if err := o.validate(time.Now()); err != nil {
 				return err
 			}
-			var client kubernetes.Interface
+			var (
+				client kubernetes.Interface
+				meta   metadata.Interface
+			)
 			if o.Kubeconfig != "" {
 				rc, err := restConfig(o.Kubeconfig, o.Context)
 				if err != nil {
@@ -108,8 +124,11 @@ clusterroles and clusterrolebindings; nothing is written.`,
 				if client, err = kubernetes.NewForConfig(rc); err != nil {
 					return fmt.Errorf("create Kubernetes client: %w", err)
 				}
+				if meta, err = metadata.NewForConfig(rc); err != nil {
+					return fmt.Errorf("create Kubernetes metadata client: %w", err)
+				}
 			}
-			return runAudit(cmd.Context(), o, client, cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
+			return runAudit(cmd.Context(), o, auditClients{kube: client, meta: meta}, cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 	}
 	fs := cmd.Flags()
@@ -198,7 +217,15 @@ func openInput(name string, stdin io.Reader) (io.ReadCloser, error) {
 	return f, nil
 }
 
-func runAudit(ctx context.Context, o auditOptions, client kubernetes.Interface, stdin io.Reader, out, errOut io.Writer) error {
+// auditClients are the clients of --kubeconfig: nil without it. meta
+// lists the lease Secrets' metadata, kube reads RBAC.
+type auditClients struct {
+	kube kubernetes.Interface
+	meta metadata.Interface
+}
+
+func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin io.Reader, out, errOut io.Writer) error {
+	client := clients.kube
 	idx := auditjoin.NewIndex()
 	for _, name := range o.BrokerAuditLogs {
 		f, err := openInput(name, stdin)
@@ -214,8 +241,8 @@ func runAudit(ctx context.Context, o auditOptions, client kubernetes.Interface, 
 			fmt.Fprintf(errOut, "%s: skipped %d lines over %d bytes and %d broken audit events\n", name, st.TooLong, auditjoin.MaxLineBytes, st.Malformed)
 		}
 	}
-	if client != nil {
-		err := broker.EachLeaseSecretPage(ctx, client.CoreV1(), "", nil, func(page []corev1.Secret) error {
+	if clients.meta != nil {
+		err := broker.EachLeaseSecretMetadataPage(ctx, clients.meta, func(page []corev1.Secret) error {
 			for _, r := range broker.LeaseRecords(page, "", time.Now()) {
 				l := auditjoin.Lease{
 					ID: r.ID, Peer: r.Peer, Identity: r.Identity, Namespace: r.Namespace, ServiceAccount: r.ServiceAccount,
@@ -231,6 +258,12 @@ func runAudit(ctx context.Context, o auditOptions, client kubernetes.Interface, 
 		})
 		if err != nil {
 			return explainAPIError(err, "list", "")
+		}
+	}
+	if n, notes := idx.Conflicts(); n > 0 {
+		fmt.Fprintf(errOut, "warning: %d claims of a lease id or credential id were refused (a forged lease Secret or issue event; the broker's issue event wins, then the earliest created Secret); their leases are marked disputed:\n", n)
+		for _, note := range notes {
+			fmt.Fprintf(errOut, "  %s\n", printableText(note))
 		}
 	}
 	if idx.Len() == 0 {
@@ -275,6 +308,18 @@ func runAudit(ctx context.Context, o auditOptions, client kubernetes.Interface, 
 	}
 	fmt.Fprintf(errOut, "%d requests read, %d made with a broker credential, %d selected; %d refused authentication (401) and carry no credential id, so cannot be attributed (a revoked or expired token's requests are among them); %d made with credentials of no known lease\n",
 		st.Requests, st.Joined, printed, st.Unauthenticated, st.NoLease)
+	if st.WrongUser > 0 {
+		fmt.Fprintf(errOut, "warning: %d requests name a lease's credential id but were made by another user than the lease's subject: not joined (a forged lease Secret, or an authenticator that lets clients set user.extra)\n", st.WrongUser)
+	}
+	if st.FromSecret > 0 {
+		fmt.Fprintf(errOut, "note: %d of the joined requests are of leases known only from their lease Secrets (source \"secret\"), not from the broker's audit events: trusted only as far as the lease admission policy reserves lease Secrets for the broker\n", st.FromSecret)
+	}
+	if st.Disputed > 0 {
+		fmt.Fprintf(errOut, "warning: %d of the joined requests are of disputed leases (STATE ends in \",disputed\")\n", st.Disputed)
+	}
+	if st.Duplicates > 0 {
+		fmt.Fprintf(errOut, "%d events repeated an audit id already read (overlapping log files) and were counted once\n", st.Duplicates)
+	}
 	if st.TooLong > 0 || st.Malformed > 0 {
 		fmt.Fprintf(errOut, "%s: skipped %d lines over %d bytes and %d lines that are not audit events\n", o.APIAuditLog, st.TooLong, auditjoin.MaxLineBytes, st.Malformed)
 	}
@@ -309,7 +354,7 @@ func (p *rowPrinter) row(r auditjoin.Row) error {
 	}
 	fmt.Fprintln(p.tw, strings.Join([]string{
 		r.Time.UTC().Format(time.RFC3339), printableNone(r.Verb), printableNone(resourceOf(r)), printableNone(r.Namespace), printableNone(r.Name),
-		strconv.Itoa(r.Code), printableNone(r.Lease.ID), printableNone(r.LeaseState), printableNone(r.Lease.Peer), printableNone(r.Lease.Workload),
+		strconv.Itoa(r.Code), printableNone(r.Lease.ID), printableNone(stateOf(r)), printableNone(r.Lease.Peer), printableNone(r.Lease.Workload),
 		printableNone(r.Lease.IssueRequestID),
 	}, "\t"))
 	p.n++
@@ -317,6 +362,20 @@ func (p *rowPrinter) row(r auditjoin.Row) error {
 		return p.flush()
 	}
 	return nil
+}
+
+// stateOf is the STATE column: the lease's state, ",disputed" when
+// another source claims its lease id or credential id, ",secret" when it
+// is known only from its lease Secret.
+func stateOf(r auditjoin.Row) string {
+	s := r.LeaseState
+	if r.Lease.Disputed {
+		s += ",disputed"
+	}
+	if r.Lease.Source == auditjoin.SourceSecret {
+		s += ",secret"
+	}
+	return s
 }
 
 func (p *rowPrinter) flush() error {
@@ -404,8 +463,8 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 		return nil
 	}
 	for _, l := range sum.Leases() {
-		fmt.Fprintf(out, "LEASE %s  %s, peer %s, %s\n", printableNone(l.Lease.ID), printableNone(l.Lease.Credential), printableNone(l.Lease.Peer),
-			printableNone(l.Subject.String()))
+		fmt.Fprintf(out, "LEASE %s  %s, peer %s, %s%s\n", printableNone(l.Lease.ID), printableNone(l.Lease.Credential), printableNone(l.Lease.Peer),
+			printableNone(l.Subject.String()), leaseMarks(l.Lease))
 		fmt.Fprintf(out, "  workload %s, issued %s by request %s, %s\n", printableNone(l.Lease.Workload), timeOrUnknown(l.Lease.IssuedAt),
 			printableNone(l.Lease.IssueRequestID), leaseEnd(l.Lease))
 		fmt.Fprintf(out, "  %d requests from %s to %s, %d after revocation\n", l.Requests,
@@ -457,6 +516,18 @@ func printUses(out io.Writer, uses []auditjoin.Use) error {
 		fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\n", printableNone(u.Verb), printableNone(res), u.Count, u.Denied)
 	}
 	return tw.Flush()
+}
+
+// leaseMarks is what the summary says of a lease's source and disputes.
+func leaseMarks(l auditjoin.Lease) string {
+	var s string
+	if l.Source == auditjoin.SourceSecret {
+		s += " (known only from its lease Secret)"
+	}
+	if l.Disputed {
+		s += " (DISPUTED: another lease Secret or event claims its id or credential)"
+	}
+	return s
 }
 
 func timeOrUnknown(t time.Time) string {

@@ -9,6 +9,13 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	metadatafake "k8s.io/client-go/metadata/fake"
+	clienttesting "k8s.io/client-go/testing"
+
+	"github.com/tokenbroker/tokenbroker/broker"
 )
 
 func TestAuditOptionsAreCheckedWithMessagesThatSayWhatToGive(t *testing.T) {
@@ -50,7 +57,7 @@ func TestAuditPrintsJoinedRequestsAndSaysWhatItCouldNotAttribute(t *testing.T) {
 	require.NoError(t, os.WriteFile(brokerFile, []byte(broker), 0o600))
 	var out, errOut bytes.Buffer
 	o := auditOptions{APIAuditLog: "-", BrokerAuditLogs: []string{brokerFile}, Output: "table"}
-	require.NoError(t, runAudit(t.Context(), o, nil, strings.NewReader(api), &out, &errOut))
+	require.NoError(t, runAudit(t.Context(), o, auditClients{}, strings.NewReader(api), &out, &errOut))
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	require.Len(t, lines, 2, out.String())
 	require.Equal(t, []string{"TIME", "VERB", "RESOURCE", "NAMESPACE", "NAME", "CODE", "LEASE", "STATE", "PEER", "WORKLOAD", "ISSUE-REQUEST"}, strings.Fields(lines[0]))
@@ -59,8 +66,41 @@ func TestAuditPrintsJoinedRequestsAndSaysWhatItCouldNotAttribute(t *testing.T) {
 
 	out.Reset()
 	o.Summary = true
-	require.NoError(t, runAudit(t.Context(), o, nil, strings.NewReader(api), &out, &errOut))
+	require.NoError(t, runAudit(t.Context(), o, auditClients{}, strings.NewReader(api), &out, &errOut))
 	require.Contains(t, out.String(), "LEASE "+lease+"  token, peer west, system:serviceaccount:argo:runner")
 	require.Contains(t, out.String(), "GRANT runners  system:serviceaccount:argo:runner, 1 leases, 1 requests")
 	require.Contains(t, out.String(), "permissions unknown: give --kubeconfig")
+}
+
+func TestAuditFromLeaseSecretsListsTheirMetadataOfTheLeaseTypeAndMarksTheirSource(t *testing.T) {
+	t.Parallel()
+	const lease = "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	scheme := metadatafake.NewTestScheme()
+	require.NoError(t, metav1.AddMetaToScheme(scheme))
+	scheme.AddKnownTypeWithName(corev1.SchemeGroupVersion.WithKind("Secret"), &metav1.PartialObjectMetadata{})
+	scheme.AddKnownTypeWithName(corev1.SchemeGroupVersion.WithKind("SecretList"), &metav1.PartialObjectMetadataList{})
+	secret := &metav1.PartialObjectMetadata{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "tokenbroker-lease-" + lease, CreationTimestamp: metav1.NewTime(time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC)),
+			Labels:      map[string]string{broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind, broker.LabelLeaseID: lease, broker.LabelPeer: "west"},
+			Annotations: map[string]string{broker.AnnotationSA: "runner", broker.AnnotationCred: "token", broker.AnnotationCredentialID: "JTI=j1"}},
+	}
+	meta := metadatafake.NewSimpleMetadataClient(scheme, secret)
+	var fieldSelector string
+	meta.PrependReactor("list", "secrets", func(a clienttesting.Action) (bool, runtime.Object, error) {
+		fieldSelector = a.(clienttesting.ListActionImpl).GetListRestrictions().Fields.String()
+		return false, nil, nil
+	})
+	api := `{"kind":"Event","apiVersion":"audit.k8s.io/v1","auditID":"1","stage":"ResponseComplete","verb":"list","requestURI":"/api/v1/namespaces/argo/configmaps","user":{"username":"system:serviceaccount:argo:runner","extra":{"authentication.kubernetes.io/credential-id":["JTI=j1"]}},"objectRef":{"resource":"configmaps","namespace":"argo"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:01:00.000000Z"}
+{"kind":"Event","apiVersion":"audit.k8s.io/v1","auditID":"2","stage":"ResponseComplete","verb":"list","requestURI":"/api/v1/namespaces/kube-system/secrets","user":{"username":"system:serviceaccount:kube-system:admin","extra":{"authentication.kubernetes.io/credential-id":["JTI=j1"]}},"objectRef":{"resource":"secrets","namespace":"kube-system"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:02:00.000000Z"}
+`
+	var out, errOut bytes.Buffer
+	o := auditOptions{APIAuditLog: "-", Kubeconfig: "k", Output: "table"}
+	require.NoError(t, runAudit(t.Context(), o, auditClients{meta: meta}, strings.NewReader(api), &out, &errOut))
+	require.Equal(t, "type=tokenbroker.io/lease", fieldSelector, "a Secret of another type with the lease labels is not a lease")
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 2, out.String())
+	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live,secret", "west", "<none>", "<none>"}, strings.Fields(lines[1]))
+	require.Contains(t, errOut.String(), "1 of the joined requests are of leases known only from their lease Secrets")
+	require.Contains(t, errOut.String(), "1 requests name a lease's credential id but were made by another user than the lease's subject")
 }
