@@ -187,7 +187,7 @@ func TestTheSummaryListsWhatEachLeaseUsedAndWhatItsRolesNeverUsed(t *testing.T) 
 		{Verbs: []string{"delete"}, APIGroups: []string{""}, Resources: []string{"configmaps"}},
 		{Verbs: []string{"get"}, NonResourceURLs: []string{"/version", "/healthz/*"}},
 	}
-	unused := auditjoin.Unused(rules, subjects[1].Uses)
+	unused, _ := auditjoin.Unused(rules, subjects[1].Uses)
 	var names []string
 	for _, p := range unused {
 		names = append(names, p.String())
@@ -216,7 +216,8 @@ func TestUnusedMatchesRulesAsRBACDoes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			var got []string
-			for _, p := range auditjoin.Unused([]rbacv1.PolicyRule{tc.rule}, uses) {
+			unused, _ := auditjoin.Unused([]rbacv1.PolicyRule{tc.rule}, uses)
+			for _, p := range unused {
 				got = append(got, p.String())
 			}
 			require.Equal(t, tc.unused, got)
@@ -429,4 +430,67 @@ func TestADuplicatedEventIsCountedOnce(t *testing.T) {
 	rows, st := joinAll(t, index(t), ev+"\n"+ev+"\n")
 	require.Len(t, rows, 1)
 	require.Equal(t, 1, st.Duplicates)
+}
+
+func TestImpersonatingRequestsUseOnlyTheRightToImpersonate(t *testing.T) {
+	t.Parallel()
+	line := `{"kind":"Event","apiVersion":"audit.k8s.io/v1","auditID":"imp","stage":"ResponseComplete","verb":"delete","requestURI":"/api/v1/namespaces/argo/secrets/x",` +
+		`"user":{"username":"` + saUser + `","extra":{"` + auditjoin.CredentialIDKey + `":["` + tokenCred + `"]}},"impersonatedUser":{"username":"system:admin"},` +
+		`"objectRef":{"resource":"secrets","namespace":"argo","name":"x"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:01:00Z"}`
+	rows, _ := joinAll(t, index(t), line+"\n")
+	require.Len(t, rows, 1)
+	require.Equal(t, "system:admin", rows[0].ImpersonatedUser)
+	s := auditjoin.NewSummary()
+	s.Add(rows[0])
+	uses := s.Leases()[0].Uses
+	require.Equal(t, []auditjoin.Use{{Permission: auditjoin.Permission{Verb: "impersonate", Resource: "users"}, Count: 1}}, uses,
+		"the delete was authorized as system:admin, not as the lease's subject")
+
+	rules := []rbacv1.PolicyRule{
+		{Verbs: []string{"delete"}, APIGroups: []string{""}, Resources: []string{"secrets"}},
+		{Verbs: []string{"impersonate"}, APIGroups: []string{""}, Resources: []string{"users", "groups"}},
+		{Verbs: []string{"bind", "escalate"}, APIGroups: []string{"rbac.authorization.k8s.io"}, Resources: []string{"roles"}},
+		{Verbs: []string{"create"}, APIGroups: []string{""}, Resources: []string{"pods/exec"}},
+	}
+	unused, unobservable := auditjoin.Unused(rules, uses)
+	require.Equal(t, []auditjoin.Permission{{Verb: "delete", Resource: "secrets"}}, unused)
+	require.Equal(t, []auditjoin.Permission{{Verb: "impersonate", Resource: "groups"}, {Verb: "create", Resource: "pods/exec"},
+		{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "roles"}, {Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "roles"}}, unobservable,
+		"verbs the audit log never shows are not called unused")
+}
+
+func TestTheAuthorizersDecisionSaysWhetherARequestWasDenied(t *testing.T) {
+	t.Parallel()
+	row := func(code int, decision string) auditjoin.Row {
+		return auditjoin.Row{Verb: "get", Resource: "configmaps", Code: code, Decision: decision, Lease: auditjoin.Lease{ID: tokenLease, Namespace: "argo", ServiceAccount: "runner"}}
+	}
+	s := auditjoin.NewSummary()
+	s.Add(row(403, "allow")) // allowed by RBAC, refused by an admission webhook
+	s.Add(row(403, "forbid"))
+	s.Add(row(403, ""))
+	s.Add(row(200, "allow"))
+	require.Equal(t, 2, s.Leases()[0].Uses[0].Denied)
+
+	line := `{"kind":"Event","apiVersion":"audit.k8s.io/v1","stage":"ResponseComplete","verb":"get","annotations":{"authorization.k8s.io/decision":"allow","authorization.k8s.io/reason":""},"responseStatus":{"code":403}}`
+	ev, err := auditjoin.ParseAPIEvent([]byte(line))
+	require.NoError(t, err)
+	require.Equal(t, "allow", ev.Decision)
+}
+
+func TestTheSummaryKeepsABoundedNumberOfPermissions(t *testing.T) {
+	t.Parallel()
+	s := auditjoin.NewSummary()
+	l := auditjoin.Lease{ID: tokenLease, Namespace: "argo", ServiceAccount: "runner"}
+	for i := range auditjoin.MaxPermissions + 10 {
+		s.Add(auditjoin.Row{Verb: "get", Path: fmt.Sprintf("/x/%d", i), Code: 404, Lease: l})
+	}
+	s.Add(auditjoin.Row{Verb: "get", Path: "/x/1", Code: 200, Lease: l})
+	lu := s.Leases()[0]
+	require.Len(t, lu.Uses, auditjoin.MaxPermissions)
+	require.Equal(t, 10, lu.OtherRequests)
+	require.Equal(t, auditjoin.MaxPermissions+11, lu.Requests)
+	su := s.Subjects()[0]
+	require.Len(t, su.Uses, auditjoin.MaxPermissions)
+	require.Equal(t, 10, su.OtherRequests)
+	require.Equal(t, 10, s.Overflow())
 }

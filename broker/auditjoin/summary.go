@@ -51,8 +51,16 @@ func (p Permission) String() string {
 	return p.Verb + " " + p.Resource
 }
 
-// permissionOf is the permission a request asked for.
+// permissionOf is the permission a request asked for of the lease's
+// subject. An impersonating request was authorized as the impersonated
+// user: of the subject it used only the right to impersonate.
 func permissionOf(r Row) Permission {
+	if r.ImpersonatedUser != "" {
+		if strings.HasPrefix(r.ImpersonatedUser, "system:serviceaccount:") {
+			return Permission{Verb: "impersonate", Resource: "serviceaccounts"}
+		}
+		return Permission{Verb: "impersonate", Resource: "users"}
+	}
 	if r.Resource == "" {
 		return Permission{Verb: r.Verb, Path: r.Path}
 	}
@@ -64,7 +72,8 @@ func permissionOf(r Row) Permission {
 }
 
 // Use is how often a permission was asked for: Count requests, Denied of
-// them refused by authorization (403).
+// them refused by authorization (the event's authorization.k8s.io/decision
+// "forbid"; without that annotation, a 403).
 type Use struct {
 	Permission
 	Count  int `json:"count"`
@@ -81,7 +90,16 @@ type LeaseUsage struct {
 	// AfterRevocation counts requests received once the lease was revoked.
 	AfterRevocation int   `json:"afterRevocation"`
 	Uses            []Use `json:"uses"`
+	// OtherRequests are requests for permissions past the first
+	// MaxPermissions distinct ones, counted but not told apart.
+	OtherRequests int `json:"otherRequests,omitempty"`
 }
+
+// MaxPermissions bounds the distinct permissions kept per lease and per
+// subject: they are chosen by whoever holds the credential (any resource
+// name the API server logs, any path). Requests past it are counted in
+// OtherRequests.
+const MaxPermissions = 4096
 
 // SubjectUsage is what every lease of one grant for one RBAC subject was
 // used for together: the unit of right-sizing, since RBAC grants the
@@ -94,6 +112,8 @@ type SubjectUsage struct {
 	Leases    []string `json:"leases"`
 	Requests  int      `json:"requests"`
 	Uses      []Use    `json:"uses"`
+	// OtherRequests: as LeaseUsage's.
+	OtherRequests int `json:"otherRequests,omitempty"`
 }
 
 type usage struct {
@@ -103,6 +123,7 @@ type usage struct {
 	last     time.Time
 	after    int
 	uses     map[Permission]*Use
+	other    int
 }
 
 type subjectKey struct {
@@ -117,6 +138,22 @@ type Summary struct {
 	leases   map[string]*usage
 	subjects map[subjectKey]*usage
 	members  map[subjectKey]map[string]struct{}
+	// overflow counts the requests that went to an OtherRequests count.
+	overflow int
+}
+
+// Overflow is the number of requests counted in a lease's or subject's
+// OtherRequests, past MaxPermissions distinct permissions.
+func (s *Summary) Overflow() int { return s.overflow }
+
+// Denied reports whether authorization refused the request: its
+// authorization.k8s.io/decision annotation says so, or, without one, its
+// code is 403.
+func Denied(r Row) bool {
+	if r.Decision != "" {
+		return r.Decision == "forbid"
+	}
+	return r.Code == 403
 }
 
 // NewSummary returns an empty summary.
@@ -141,6 +178,7 @@ func (s *Summary) Add(r Row) {
 	}
 	s.members[key][l.ID] = struct{}{}
 	p := permissionOf(r)
+	overflowed := false
 	for _, u := range []*usage{lu, su} {
 		u.requests++
 		if u.first.IsZero() || r.Time.Before(u.first) {
@@ -154,13 +192,21 @@ func (s *Summary) Add(r Row) {
 		}
 		use := u.uses[p]
 		if use == nil {
+			if len(u.uses) >= MaxPermissions {
+				u.other++
+				overflowed = true
+				continue
+			}
 			use = &Use{Permission: p}
 			u.uses[p] = use
 		}
 		use.Count++
-		if r.Code == 403 {
+		if Denied(r) {
 			use.Denied++
 		}
+	}
+	if overflowed {
+		s.overflow++
 	}
 }
 
@@ -181,7 +227,7 @@ func (s *Summary) Leases() []LeaseUsage {
 	for _, u := range s.leases {
 		out = append(out, LeaseUsage{
 			Lease: u.lease, Subject: u.lease.Subject(), Requests: u.requests, First: u.first, Last: u.last,
-			AfterRevocation: u.after, Uses: sortedUses(u.uses),
+			AfterRevocation: u.after, Uses: sortedUses(u.uses), OtherRequests: u.other,
 		})
 	}
 	slices.SortFunc(out, func(a, b LeaseUsage) int {
@@ -199,12 +245,28 @@ func (s *Summary) Subjects() []SubjectUsage {
 			ids = append(ids, id)
 		}
 		slices.Sort(ids)
-		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses)})
+		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses), OtherRequests: u.other})
 	}
 	slices.SortFunc(out, func(a, b SubjectUsage) int {
 		return cmp.Or(cmp.Compare(a.Grant, b.Grant), cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Subject.String(), b.Subject.String()))
 	})
 	return out
+}
+
+// notObservable reports whether a rule entry's use never shows in an
+// audit log as a request: bind and escalate are checked while writing
+// RBAC objects, approve and sign while writing CSRs, impersonate on the
+// impersonating request (seen only as impersonatedUser), and create on
+// pods/exec, attach and portforward is checked on a request the log shows
+// as a get (a WebSocket upgrade).
+func notObservable(verb, group, res string) bool {
+	switch verb {
+	case "bind", "escalate", "approve", "sign", "impersonate":
+		return true
+	case "create":
+		return group == "" && (res == "pods/exec" || res == "pods/attach" || res == "pods/portforward")
+	}
+	return false
 }
 
 // Unused lists the entries of rules (one per verb × group × resource, or
@@ -213,15 +275,22 @@ func (s *Summary) Subjects() []SubjectUsage {
 // Entries are matched as RBAC matches them (wildcards "*", "*/subresource",
 // a non-resource path ending in "*"); resourceNames are ignored, so an
 // entry limited to some names counts as used by a use of any name.
-func Unused(rules []rbacv1.PolicyRule, uses []Use) []Permission {
+// Entries whose use the audit log cannot show (bind, escalate, approve,
+// sign, impersonate when no request impersonated, create on pods/exec,
+// attach and portforward when unused) are returned apart, in unobservable:
+// "never used" cannot be told of them.
+func Unused(rules []rbacv1.PolicyRule, uses []Use) (unused, unobservable []Permission) {
 	seen := map[Permission]bool{}
-	var out []Permission
 	add := func(p Permission, used bool) {
 		if used || seen[p] {
 			return
 		}
 		seen[p] = true
-		out = append(out, p)
+		if notObservable(p.Verb, p.Group, p.Resource) {
+			unobservable = append(unobservable, p)
+		} else {
+			unused = append(unused, p)
+		}
 	}
 	for _, rule := range rules {
 		for _, verb := range rule.Verbs {
@@ -239,10 +308,12 @@ func Unused(rules []rbacv1.PolicyRule, uses []Use) []Permission {
 			}
 		}
 	}
-	slices.SortFunc(out, func(a, b Permission) int {
+	byName := func(a, b Permission) int {
 		return cmp.Or(cmp.Compare(a.Group, b.Group), cmp.Compare(a.Resource, b.Resource), cmp.Compare(a.Path, b.Path), cmp.Compare(a.Verb, b.Verb))
-	})
-	return out
+	}
+	slices.SortFunc(unused, byName)
+	slices.SortFunc(unobservable, byName)
+	return unused, unobservable
 }
 
 // exercised reports whether authorization let at least one of u's

@@ -84,6 +84,16 @@ counts and refusals), and per grant and RBAC subject the permissions the
 subject has and never used: read with --kubeconfig from the RoleBindings in
 the lease's namespace and the ClusterRoleBindings (bindings to
 system:authenticated left out). Without --kubeconfig they are "unknown".
+A request is refused when its authorization.k8s.io/decision annotation is
+"forbid" (else when its code is 403); an impersonating request (column
+IMPERSONATING) uses only the right to impersonate. bind, escalate,
+approve, sign, impersonate and create on pods/exec, attach and portforward
+never show as requests: they are listed as "not observable in the audit
+log". At most 4096 distinct permissions are kept per lease and subject;
+the rest are counted as other requests.
+
+ISSUE-REQUEST is the X-Request-Id the client sent with its issuance: the
+peer chooses it. Find the issuance in the broker's log by the lease id.
 
 The log is streamed: any size, one line (at most 1 MiB; longer lines are
 skipped and counted) at a time. Counts go to standard error at the end.
@@ -293,6 +303,9 @@ func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin i
 		if err := printSummary(ctx, out, o.Output, sum, client); err != nil {
 			return err
 		}
+		if n := sum.Overflow(); n > 0 {
+			fmt.Fprintf(errOut, "warning: %d requests were for permissions past the first %d distinct ones of their lease or subject: counted as other requests, not told apart\n", n, auditjoin.MaxPermissions)
+		}
 	} else {
 		p := &rowPrinter{out: out, json: o.Output == "json"}
 		st, err = auditjoin.Join(f, idx, filter, func(r auditjoin.Row) error {
@@ -349,13 +362,13 @@ func (p *rowPrinter) row(r auditjoin.Row) error {
 	if p.tw == nil {
 		p.tw = tabwriter.NewWriter(p.out, 0, 8, 2, ' ', 0)
 		if p.n == 0 {
-			fmt.Fprintln(p.tw, "TIME\tVERB\tRESOURCE\tNAMESPACE\tNAME\tCODE\tLEASE\tSTATE\tPEER\tWORKLOAD\tISSUE-REQUEST")
+			fmt.Fprintln(p.tw, "TIME\tVERB\tRESOURCE\tNAMESPACE\tNAME\tCODE\tLEASE\tSTATE\tPEER\tWORKLOAD\tISSUE-REQUEST\tIMPERSONATING")
 		}
 	}
 	fmt.Fprintln(p.tw, strings.Join([]string{
 		r.Time.UTC().Format(time.RFC3339), printableNone(r.Verb), printableNone(resourceOf(r)), printableNone(r.Namespace), printableNone(r.Name),
 		strconv.Itoa(r.Code), printableNone(r.Lease.ID), printableNone(stateOf(r)), printableNone(r.Lease.Peer), printableNone(r.Lease.Workload),
-		printableNone(r.Lease.IssueRequestID),
+		printableNone(r.Lease.IssueRequestID), printableNone(r.ImpersonatedUser),
 	}, "\t"))
 	p.n++
 	if p.n%auditTablePage == 0 {
@@ -413,6 +426,10 @@ type subjectReport struct {
 	Permissions string                 `json:"permissions"`
 	Bindings    []string               `json:"bindings,omitempty"`
 	Unused      []auditjoin.Permission `json:"unused"`
+	// NotObservable are permissions whose use the audit log cannot show
+	// (bind, escalate, approve, sign, impersonate, create on pods/exec,
+	// attach and portforward): neither used nor unused.
+	NotObservable []auditjoin.Permission `json:"notObservable,omitempty"`
 }
 
 type leaseReport struct {
@@ -443,7 +460,7 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 			rep.Permissions, rep.Bindings = "unbound", from
 			if len(from) > 0 {
 				rep.Permissions = "known"
-				rep.Unused = auditjoin.Unused(rules, s.Uses)
+				rep.Unused, rep.NotObservable = auditjoin.Unused(rules, s.Uses)
 			}
 		}
 		subjects = append(subjects, rep)
@@ -472,6 +489,9 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 		if err := printUses(out, l.Uses); err != nil {
 			return err
 		}
+		if l.OtherRequests > 0 {
+			fmt.Fprintf(out, "  and %d requests for other permissions (past the first %d)\n", l.OtherRequests, auditjoin.MaxPermissions)
+		}
 		fmt.Fprintln(out)
 	}
 	for _, s := range subjects {
@@ -488,18 +508,29 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 			}
 			fmt.Fprintf(out, "  bound by %s\n", strings.Join(names, ", "))
 			if len(s.Unused) == 0 {
-				fmt.Fprintln(out, "  every permission was used")
+				fmt.Fprintln(out, "  every permission the audit log can show was used")
 			} else {
-				names := make([]string, len(s.Unused))
-				for i, p := range s.Unused {
-					names[i] = printablePermission(p)
-				}
-				fmt.Fprintf(out, "  never used: %s\n", strings.Join(names, ", "))
+				fmt.Fprintf(out, "  never used: %s\n", printablePermissions(s.Unused))
+			}
+			if len(s.NotObservable) > 0 {
+				fmt.Fprintf(out, "  not observable in the audit log: %s\n", printablePermissions(s.NotObservable))
+			}
+			if s.OtherRequests > 0 {
+				fmt.Fprintf(out, "  %d requests for permissions past the first %d are not told apart: \"never used\" may list some of them\n",
+					s.OtherRequests, auditjoin.MaxPermissions)
 			}
 		}
 		fmt.Fprintln(out)
 	}
 	return nil
+}
+
+func printablePermissions(ps []auditjoin.Permission) string {
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = printablePermission(p)
+	}
+	return strings.Join(names, ", ")
 }
 
 func printUses(out io.Writer, uses []auditjoin.Use) error {

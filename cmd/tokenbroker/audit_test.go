@@ -60,8 +60,8 @@ func TestAuditPrintsJoinedRequestsAndSaysWhatItCouldNotAttribute(t *testing.T) {
 	require.NoError(t, runAudit(t.Context(), o, auditClients{}, strings.NewReader(api), &out, &errOut))
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	require.Len(t, lines, 2, out.String())
-	require.Equal(t, []string{"TIME", "VERB", "RESOURCE", "NAMESPACE", "NAME", "CODE", "LEASE", "STATE", "PEER", "WORKLOAD", "ISSUE-REQUEST"}, strings.Fields(lines[0]))
-	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live", "west", "wf/submitter", "REQ1"}, strings.Fields(lines[1]))
+	require.Equal(t, []string{"TIME", "VERB", "RESOURCE", "NAMESPACE", "NAME", "CODE", "LEASE", "STATE", "PEER", "WORKLOAD", "ISSUE-REQUEST", "IMPERSONATING"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live", "west", "wf/submitter", "REQ1", "<none>"}, strings.Fields(lines[1]))
 	require.Contains(t, errOut.String(), "2 requests read, 1 made with a broker credential, 1 selected; 1 refused authentication (401)")
 
 	out.Reset()
@@ -100,7 +100,7 @@ func TestAuditFromLeaseSecretsListsTheirMetadataOfTheLeaseTypeAndMarksTheirSourc
 	require.Equal(t, "type=tokenbroker.io/lease", fieldSelector, "a Secret of another type with the lease labels is not a lease")
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	require.Len(t, lines, 2, out.String())
-	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live,secret", "west", "<none>", "<none>"}, strings.Fields(lines[1]))
+	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live,secret", "west", "<none>", "<none>", "<none>"}, strings.Fields(lines[1]))
 	require.Contains(t, errOut.String(), "1 of the joined requests are of leases known only from their lease Secrets")
 	require.Contains(t, errOut.String(), "1 requests name a lease's credential id but were made by another user than the lease's subject")
 }

@@ -14,7 +14,7 @@ import (
 )
 
 // auditColumns is the number of columns of the audit table.
-const auditColumns = 11
+const auditColumns = 12
 
 // requireOneSafeLinePerRow checks the printer's property: out has no
 // control byte but the newlines ending its lines, is valid UTF-8, and has
