@@ -79,3 +79,22 @@ func (b *Broker) recordCredentialIDLater(ctx context.Context, s *corev1.Secret, 
 
 // waitCredentialIDWrites waits for the annotation writes in flight.
 func (b *Broker) waitCredentialIDWrites() { b.credIDs.wg.Wait() }
+
+// WaitCredentialIDWrites waits for the credential-id annotations still
+// being written in the background, until ctx ends (then it returns
+// ctx.Err() and the writes go on, each within its own timeout). The
+// server calls it when it shuts down, after the last answer, so that a
+// rollout does not lose the annotations of the last issuances.
+func (b *Broker) WaitCredentialIDWrites(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		b.credIDs.wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

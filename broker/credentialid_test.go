@@ -78,3 +78,22 @@ func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswe
 	require.Equal(t, ClampedByAPIServer, resp.ClampedBy)
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID))
 }
+
+func TestWaitCredentialIDWritesWaitsForTheWritesInFlightWithinItsContext(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	e.b.credIDs.run = func(f func()) { go f() }
+	release := make(chan struct{})
+	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
+		<-release
+		return false, nil, nil
+	})
+	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
+	require.NoError(t, err)
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, e.b.WaitCredentialIDWrites(ended), context.Canceled, "a write is in flight: the wait ends with its context")
+	close(release)
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID), "written when the wait returns")
+}

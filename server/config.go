@@ -97,6 +97,14 @@ type RefusalAuditor interface {
 	RefuseCaller(ctx context.Context, c broker.Caller, code, reason string)
 }
 
+// BackgroundWriter is the optional ability of a Broker to finish, at
+// shutdown, the writes it started after answering (the credential-id
+// annotation of lease Secrets); the server finds it by type assertion and
+// waits for them within its shutdown grace.
+type BackgroundWriter interface {
+	WaitCredentialIDWrites(ctx context.Context) error
+}
+
 // WorkloadAuthenticator is the optional ability of a Broker to verify the
 // workload tokens peers send beside their certificate and to keep the key
 // sets they upload; the server finds it by type assertion. Without it a
@@ -127,6 +135,7 @@ var (
 	_ RevocationChecker     = (*broker.Broker)(nil)
 	_ RefusalAuditor        = (*broker.Broker)(nil)
 	_ WorkloadAuthenticator = (*broker.Broker)(nil)
+	_ BackgroundWriter      = (*broker.Broker)(nil)
 	_ TrustAnchors          = (*pki.PoolReloader)(nil)
 )
 

@@ -218,6 +218,13 @@ func (s *Server) Run(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("shut down %s listener: %w", sv.name, err))
 		}
 	}
+	// The last answers may have left credential-id annotations to write:
+	// wait for them within the same grace.
+	if bw, ok := s.broker.(BackgroundWriter); ok {
+		if err := bw.WaitCredentialIDWrites(shutdownCtx); err != nil {
+			s.log.Warn("shut down before every credential id was written on its lease Secret; the issuances' audit events have them", zap.Error(err))
+		}
+	}
 	if shutdownCtx.Err() != nil {
 		cancelBase()
 		for _, sv := range servers {
