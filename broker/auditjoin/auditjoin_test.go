@@ -170,7 +170,7 @@ func TestTheSummaryListsWhatEachLeaseUsedAndWhatItsRolesNeverUsed(t *testing.T) 
 	require.Equal(t, []auditjoin.Use{
 		{Permission: auditjoin.Permission{Verb: "get", Path: "/version"}, Count: 1},
 		{Permission: auditjoin.Permission{Verb: "delete", Resource: "configmaps"}, Count: 1, Denied: 1},
-		{Permission: auditjoin.Permission{Verb: "list", Resource: "configmaps"}, Count: 1},
+		{Permission: auditjoin.Permission{Verb: "list", Resource: "configmaps"}, Count: 1, AllowedIn: []string{"argo"}},
 	}, tok.Uses)
 	cert := leases[1]
 	require.Equal(t, 1, cert.AfterRevocation)
@@ -493,4 +493,22 @@ func TestTheSummaryKeepsABoundedNumberOfPermissions(t *testing.T) {
 	require.Len(t, su.Uses, auditjoin.MaxPermissions)
 	require.Equal(t, 10, su.OtherRequests)
 	require.Equal(t, 10, s.Overflow())
+}
+
+func TestARoleBindingsRulesAreUsedOnlyInItsNamespace(t *testing.T) {
+	t.Parallel()
+	s := auditjoin.NewSummary()
+	l := auditjoin.Lease{ID: tokenLease, Namespace: "argo", ServiceAccount: "runner"}
+	s.Add(auditjoin.Row{Verb: "list", Resource: "configmaps", Namespace: "other", Code: 200, Lease: l})
+	s.Add(auditjoin.Row{Verb: "get", Resource: "configmaps", Namespace: "argo", Code: 403, Lease: l})
+	uses := s.Subjects()[0].Uses
+	rules := []rbacv1.PolicyRule{{Verbs: []string{"get", "list"}, APIGroups: []string{""}, Resources: []string{"configmaps"}}}
+	unused, _ := auditjoin.UnusedIn("argo", rules, uses)
+	require.Equal(t, []auditjoin.Permission{{Verb: "get", Resource: "configmaps", Namespace: "argo"}, {Verb: "list", Resource: "configmaps", Namespace: "argo"}}, unused,
+		"a list in another namespace does not use argo's RoleBinding; a refused get uses nothing")
+	require.Equal(t, "list configmaps in argo", unused[1].String())
+	unused, _ = auditjoin.UnusedIn("other", rules, uses)
+	require.Equal(t, []auditjoin.Permission{{Verb: "get", Resource: "configmaps", Namespace: "other"}}, unused)
+	unused, _ = auditjoin.Unused(rules, uses)
+	require.Equal(t, []auditjoin.Permission{{Verb: "get", Resource: "configmaps"}}, unused, "a ClusterRoleBinding's rules are used in any namespace")
 }

@@ -38,17 +38,25 @@ type Permission struct {
 	Group    string `json:"group,omitempty"`
 	Resource string `json:"resource,omitempty"`
 	Path     string `json:"path,omitempty"`
+	// Namespace, in a permission of UnusedIn, is the namespace a
+	// RoleBinding grants it in ("" for a ClusterRoleBinding's).
+	Namespace string `json:"namespace,omitempty"`
 }
 
-// String is "verb resource", "verb group/resource" or "verb /path".
+// String is "verb resource", "verb group/resource" or "verb /path", with
+// " in <namespace>" for a permission of one namespace.
 func (p Permission) String() string {
+	s := p.Verb + " " + p.Resource
 	switch {
 	case p.Path != "":
-		return p.Verb + " " + p.Path
+		s = p.Verb + " " + p.Path
 	case p.Group != "":
-		return p.Verb + " " + p.Group + "/" + p.Resource
+		s = p.Verb + " " + p.Group + "/" + p.Resource
 	}
-	return p.Verb + " " + p.Resource
+	if p.Namespace != "" {
+		s += " in " + p.Namespace
+	}
+	return s
 }
 
 // permissionOf is the permission a request asked for of the lease's
@@ -71,6 +79,21 @@ func permissionOf(r Row) Permission {
 	return Permission{Verb: r.Verb, Group: r.Group, Resource: res}
 }
 
+// namespaceOf is the namespace where the request's permission was
+// checked: the impersonated ServiceAccount's for an impersonation (users
+// are cluster-wide), else the request's.
+func namespaceOf(r Row) string {
+	if r.ImpersonatedUser != "" {
+		rest, ok := strings.CutPrefix(r.ImpersonatedUser, "system:serviceaccount:")
+		if !ok {
+			return ""
+		}
+		ns, _, _ := strings.Cut(rest, ":")
+		return ns
+	}
+	return r.Namespace
+}
+
 // Use is how often a permission was asked for: Count requests, Denied of
 // them refused by authorization (the event's authorization.k8s.io/decision
 // "forbid"; without that annotation, a 403).
@@ -78,7 +101,14 @@ type Use struct {
 	Permission
 	Count  int `json:"count"`
 	Denied int `json:"denied"`
+	// AllowedIn are the namespaces where at least one of its requests was
+	// allowed (at most maxUseNamespaces; past that, ManyNamespaces).
+	AllowedIn      []string `json:"allowedIn,omitempty"`
+	ManyNamespaces bool     `json:"manyNamespaces,omitempty"`
 }
+
+// maxUseNamespaces bounds Use.AllowedIn.
+const maxUseNamespaces = 64
 
 // LeaseUsage is what one lease's credential was used for.
 type LeaseUsage struct {
@@ -177,7 +207,7 @@ func (s *Summary) Add(r Row) {
 		s.members[key] = map[string]struct{}{}
 	}
 	s.members[key][l.ID] = struct{}{}
-	p := permissionOf(r)
+	p, ns := permissionOf(r), namespaceOf(r)
 	overflowed := false
 	for _, u := range []*usage{lu, su} {
 		u.requests++
@@ -201,8 +231,14 @@ func (s *Summary) Add(r Row) {
 			u.uses[p] = use
 		}
 		use.Count++
-		if Denied(r) {
+		switch {
+		case Denied(r):
 			use.Denied++
+		case ns == "" || slices.Contains(use.AllowedIn, ns) || use.ManyNamespaces:
+		case len(use.AllowedIn) == maxUseNamespaces:
+			use.ManyNamespaces = true
+		default:
+			use.AllowedIn = append(use.AllowedIn, ns)
 		}
 	}
 	if overflowed {
@@ -280,12 +316,25 @@ func notObservable(verb, group, res string) bool {
 // attach and portforward when unused) are returned apart, in unobservable:
 // "never used" cannot be told of them.
 func Unused(rules []rbacv1.PolicyRule, uses []Use) (unused, unobservable []Permission) {
+	return UnusedIn("", rules, uses)
+}
+
+// UnusedIn is Unused for rules that apply in one namespace only (those a
+// RoleBinding of namespace binds): only requests allowed in that namespace
+// use them, and the permissions returned name it. namespace "" is
+// Unused: rules of ClusterRoleBindings, which apply everywhere. A use
+// allowed in more namespaces than it records counts as used in any.
+func UnusedIn(namespace string, rules []rbacv1.PolicyRule, uses []Use) (unused, unobservable []Permission) {
+	inScope := func(u Use) bool {
+		return namespace == "" || u.ManyNamespaces || slices.Contains(u.AllowedIn, namespace)
+	}
 	seen := map[Permission]bool{}
 	add := func(p Permission, used bool) {
 		if used || seen[p] {
 			return
 		}
 		seen[p] = true
+		p.Namespace = namespace
 		if notObservable(p.Verb, p.Group, p.Resource) {
 			unobservable = append(unobservable, p)
 		} else {
@@ -296,13 +345,13 @@ func Unused(rules []rbacv1.PolicyRule, uses []Use) (unused, unobservable []Permi
 		for _, verb := range rule.Verbs {
 			for _, path := range rule.NonResourceURLs {
 				add(Permission{Verb: verb, Path: path}, slices.ContainsFunc(uses, func(u Use) bool {
-					return u.Path != "" && exercised(u) && verbMatches(verb, u.Verb) && pathMatches(path, u.Path)
+					return u.Path != "" && exercised(u) && inScope(u) && verbMatches(verb, u.Verb) && pathMatches(path, u.Path)
 				}))
 			}
 			for _, group := range rule.APIGroups {
 				for _, res := range rule.Resources {
 					add(Permission{Verb: verb, Group: group, Resource: res}, slices.ContainsFunc(uses, func(u Use) bool {
-						return u.Resource != "" && exercised(u) && verbMatches(verb, u.Verb) && resourceMatches(group, res, u.Group, u.Resource)
+						return u.Resource != "" && exercised(u) && inScope(u) && verbMatches(verb, u.Verb) && resourceMatches(group, res, u.Group, u.Resource)
 					}))
 				}
 			}

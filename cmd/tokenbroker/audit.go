@@ -81,9 +81,11 @@ are 403 rows with the state "revoked".
 
 --summary prints, per lease, what it was used for (verb x resource, with
 counts and refusals), and per grant and RBAC subject the permissions the
-subject has and never used: read with --kubeconfig from the RoleBindings in
-the lease's namespace and the ClusterRoleBindings (bindings to
-system:authenticated left out). Without --kubeconfig they are "unknown".
+subject has and never used: read with --kubeconfig from the
+ClusterRoleBindings (their rules apply in every namespace) and the
+RoleBindings of every namespace (theirs only there, listed "in <namespace>"),
+bindings to system:authenticated left out, subjects matched as the RBAC
+authorizer matches them. Without --kubeconfig they are "unknown".
 A request is refused when its authorization.k8s.io/decision annotation is
 "forbid" (else when its code is 403); an impersonating request (column
 IMPERSONATING) uses only the right to impersonate. bind, escalate,
@@ -102,8 +104,8 @@ field with a control character, invalid UTF-8, a space or a quote (names
 come from request URLs, Secrets and RBAC objects) is printed quoted and
 Go-escaped ("a\x20b", "x\x1b[2K"): one request is always one line.
 Reading Secrets and RBAC needs list on secrets (their metadata only) in
-every namespace, and list/get on roles, rolebindings,
-clusterroles and clusterrolebindings; nothing is written.`,
+every namespace, list on rolebindings in every namespace, and list/get on
+roles, clusterroles and clusterrolebindings; nothing is written.`,
 		Example: `  # every request made with a broker credential, joined with the broker's audit events
   tokenbroker audit --api-audit-log /var/log/kubernetes/audit.log --broker-audit-log broker-audit.jsonl
 
@@ -446,21 +448,21 @@ func printSummary(ctx context.Context, out io.Writer, format string, sum *auditj
 	for _, s := range sum.Subjects() {
 		rep := subjectReport{Kind: "subject", SubjectUsage: s, Permissions: "unknown", Unused: []auditjoin.Permission{}}
 		if resolver != nil {
-			sub := rbacrights.Subject{Name: s.Subject.Name}
-			ns := s.Subject.Namespace
+			sub := rbacrights.Subject{Username: s.Subject.String()}
 			if s.Subject.Kind == auditjoin.SubjectServiceAccount {
-				sub.ServiceAccount, sub.Namespace, sub.Groups = true, ns, rbacrights.ServiceAccountGroups(ns)
-			} else {
-				ns = s.Namespace
+				sub.Groups = rbacrights.ServiceAccountGroups(s.Subject.Namespace)
 			}
-			rules, from, err := resolver.Rules(ctx, sub, ns)
+			grants, err := resolver.Grants(ctx, sub)
 			if err != nil {
-				return fmt.Errorf("read the RBAC of %s: %w", s.Subject, err)
+				return fmt.Errorf("read the RBAC of %s: %w", printable(s.Subject.String()), err)
 			}
-			rep.Permissions, rep.Bindings = "unbound", from
-			if len(from) > 0 {
+			rep.Permissions = "unbound"
+			for _, g := range grants {
 				rep.Permissions = "known"
-				rep.Unused, rep.NotObservable = auditjoin.Unused(rules, s.Uses)
+				rep.Bindings = append(rep.Bindings, g.From...)
+				unused, unobservable := auditjoin.UnusedIn(g.Namespace, g.Rules, s.Uses)
+				rep.Unused = append(rep.Unused, unused...)
+				rep.NotObservable = append(rep.NotObservable, unobservable...)
 			}
 		}
 		subjects = append(subjects, rep)
