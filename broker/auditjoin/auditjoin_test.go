@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -430,6 +431,20 @@ func TestADuplicatedEventIsCountedOnce(t *testing.T) {
 	rows, st := joinAll(t, index(t), ev+"\n"+ev+"\n")
 	require.Len(t, rows, 1)
 	require.Equal(t, 1, st.Duplicates)
+}
+
+func TestRequestsSharingAClientChosenAuditIDAreEachCounted(t *testing.T) {
+	t.Parallel()
+	// A client sets its requests' audit ids (the Audit-ID header): one id
+	// on every request must not make the join skip all but the first.
+	var lines []string
+	for i := range 3 {
+		ev := apiEvent(at(i+1), "ResponseComplete", "delete", saUser, tokenCred, "configmaps", "argo", 200)
+		lines = append(lines, regexp.MustCompile(`"auditID":"[^"]*"`).ReplaceAllString(ev, `"auditID":"chosen"`))
+	}
+	rows, st := joinAll(t, index(t), strings.Join(lines, "\n")+"\n")
+	require.Len(t, rows, 3)
+	require.Zero(t, st.Duplicates)
 }
 
 func TestImpersonatingRequestsUseOnlyTheRightToImpersonate(t *testing.T) {

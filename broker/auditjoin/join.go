@@ -1,6 +1,7 @@
 package auditjoin
 
 import (
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -74,25 +75,31 @@ type Stats struct {
 	Duplicates int `json:"duplicates"`
 }
 
-// maxSeenAuditIDs bounds the audit ids remembered to skip duplicates: the
+// maxSeenAuditIDs bounds the events remembered to skip duplicates: the
 // last ones seen.
 const maxSeenAuditIDs = 100_000
 
-// seenIDs remembers the last maxSeenAuditIDs ids.
+// seenIDs remembers the last maxSeenAuditIDs events, each by the SHA-256 of
+// its whole line (3.2 MB for all of them). Not by auditID: a client chooses
+// its requests' audit ids (the Audit-ID header), so a lease holder could
+// give all its requests one id and have all but the first skipped; a line
+// repeated by an overlapping file or an at-least-once log pipeline is the
+// same to the byte, while two requests' lines never are (their timestamps
+// and audit ids differ).
 type seenIDs struct {
-	set  map[string]struct{}
-	ring []string
+	set  map[[sha256.Size]byte]struct{}
+	ring [][sha256.Size]byte
 	next int
 }
 
 // add reports whether id was already among the ids remembered, and
 // remembers it.
-func (s *seenIDs) add(id string) bool {
+func (s *seenIDs) add(id [sha256.Size]byte) bool {
 	if _, ok := s.set[id]; ok {
 		return true
 	}
 	if s.set == nil {
-		s.set = map[string]struct{}{}
+		s.set = map[[sha256.Size]byte]struct{}{}
 	}
 	if len(s.ring) < maxSeenAuditIDs {
 		s.ring = append(s.ring, id)
@@ -130,7 +137,7 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 		if !endsRequest(ev) || (!f.Since.IsZero() && ev.Time.Before(f.Since)) {
 			continue
 		}
-		if ev.AuditID != "" && seen.add(ev.AuditID) {
+		if seen.add(sha256.Sum256(line)) {
 			st.Duplicates++
 			continue
 		}
