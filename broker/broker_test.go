@@ -127,7 +127,7 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "argo", ns)
 
-	e.b.waitCredentialIDWrites()
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, "west", s.Labels[LabelPeer])
@@ -210,7 +210,7 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	sum := sha256.Sum256(leaf[0].Raw)
 	want := "X509SHA256=" + hex.EncodeToString(sum[:])
 	require.Contains(t, audit.String(), `"credential_id":"`+want+`"`)
-	e.b.waitCredentialIDWrites()
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, want, s.Annotations[AnnotationCredentialID])

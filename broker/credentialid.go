@@ -77,9 +77,6 @@ func (b *Broker) recordCredentialIDLater(ctx context.Context, s *corev1.Secret, 
 	})
 }
 
-// waitCredentialIDWrites waits for the annotation writes in flight.
-func (b *Broker) waitCredentialIDWrites() { b.credIDs.wg.Wait() }
-
 // WaitCredentialIDWrites waits for the credential-id annotations still
 // being written in the background, until ctx ends (then it returns
 // ctx.Err() and the writes go on, each within its own timeout). The

@@ -22,22 +22,29 @@ func (e *env) credentialIDOf(t *testing.T, id string) string {
 	return s.Annotations[AnnotationCredentialID]
 }
 
-func TestTheCredentialIDIsWrittenAfterTheAnswer(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
+// holdCredentialIDWrites makes the broker write credential ids in the
+// background and holds every lease patch until release is closed.
+func (e *env) holdCredentialIDWrites() (release chan struct{}) {
 	e.b.credIDs.run = func(f func()) { go f() }
-	release := make(chan struct{})
+	release = make(chan struct{})
 	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		<-release
 		return false, nil, nil
 	})
+	return release
+}
+
+func TestTheCredentialIDIsWrittenAfterTheAnswer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	release := e.holdCredentialIDWrites()
 	// The patch is held: the answer comes all the same.
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
 	require.Empty(t, resp.ClampedBy)
 	require.Empty(t, e.credentialIDOf(t, resp.LeaseID), "not written before the patch goes through")
 	close(release)
-	e.b.waitCredentialIDWrites()
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID))
 }
 
@@ -63,7 +70,7 @@ func TestAFailedCredentialIDWriteCostsOnlyTheAnnotation(t *testing.T) {
 	})
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err, "the credential was issued; its id is in the audit event")
-	e.b.waitCredentialIDWrites()
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	require.Empty(t, e.credentialIDOf(t, resp.LeaseID), "the lease stands without the annotation")
 	require.Equal(t, 1, e.logs.FilterMessage("could not record the credential id on the lease Secret; the issuance's audit event has it").Len())
 }
@@ -82,12 +89,7 @@ func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswe
 func TestWaitCredentialIDWritesWaitsForTheWritesInFlightWithinItsContext(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	e.b.credIDs.run = func(f func()) { go f() }
-	release := make(chan struct{})
-	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
-		<-release
-		return false, nil, nil
-	})
+	release := e.holdCredentialIDWrites()
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
 	ended, cancel := context.WithCancel(context.Background())

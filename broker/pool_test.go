@@ -282,7 +282,7 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	ns, err := e.b.leaseLookupNamespaces(ctx, peer, resp.LeaseID, true)
 	require.NoError(t, err)
 	require.Equal(t, []string{"flux"}, ns, "the counter knows the lease it committed")
-	e.b.waitCredentialIDWrites()
+	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	e.client.ClearActions()
 	l, err := e.b.GetLease(ctx, west, resp.LeaseID)
 	require.NoError(t, err)
