@@ -46,7 +46,9 @@ COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
-# test/promqlcheck pins (one Prometheus for the PromQL parser and the rule tests).
+# test/promqlcheck pins (one Prometheus for the PromQL parser and the rule tests),
+# without the service discoveries (remove_all_sd: check rules and test rules
+# discover nothing, and the cloud SDKs are minutes of a cold build).
 PROMTOOL_VERSION = $(shell cd test/promqlcheck && $(GO) list -m -f '{{.Version}}' github.com/prometheus/prometheus)
 # helm for the chart in deploy/helm, built from the Go module proxy.
 HELM_VERSION := v3.19.5
@@ -77,7 +79,7 @@ helm: ## build bin/helm (the pinned HELM_VERSION) from the Go module proxy unles
 promtool: ## build bin/promtool (the Prometheus version test/promqlcheck pins) from the Go module proxy unless it is there
 	@v=$(PROMTOOL_VERSION); if ! $(GO) version -m $(BIN)/promtool 2>/dev/null | grep -Eq "^\s+mod\s+github.com/prometheus/prometheus\s+$$v\s"; then \
 	  echo "building promtool $$v"; \
-	  GOBIN=$(BIN) $(GO) install github.com/prometheus/prometheus/cmd/promtool@$$v; \
+	  GOBIN=$(BIN) $(GO) install -tags remove_all_sd github.com/prometheus/prometheus/cmd/promtool@$$v; \
 	fi
 
 alerts-test: promtool ## promtool test rules: every alert the charts ship (test/alerts/*.test.yaml), and promtool check rules
