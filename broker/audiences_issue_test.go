@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // The issuance and the exec kubeconfig under a grant that lists no
@@ -25,14 +26,14 @@ func TestAnUnlistedAudienceIsRefusedBeforeAnythingIsCreatedAndAuditedAsSuch(t *t
 	req := apiv1.KubeconfigRequest{Namespace: "flux", ServiceAccount: "reader", Audiences: []string{"sts.amazonaws.com"}}
 
 	_, err := e.b.IssueKubeconfig(ctx, west, req)
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	require.Zero(t, e.leaseCount(t))
 	require.Empty(t, e.iss.got, "no token is asked for")
 
 	// The exec kubeconfig, which the credential plugin's --audience
 	// flags come from, is decided alike.
 	_, err = e.b.ExecKubeconfig(ctx, west, req, "https://broker.example:8443")
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 
 	evs := rec.all()
 	require.Len(t, evs, 2)

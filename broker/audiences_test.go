@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 const audiencePolicy = `
@@ -61,11 +62,11 @@ func TestAudiencesAreThePolicysNotThePeers(t *testing.T) {
 			d, err := p.DecideAudiences(nil, west, nil, tc.ns, "runner", "", tc.audiences, 24*time.Hour, 0)
 			switch {
 			case tc.wantAudienceRefusal:
-				require.Equal(t, KindForbidden, KindOf(err))
+				require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 				require.ErrorIs(t, err, ErrAudienceNotGranted)
 				require.Equal(t, "no grant allows this request", errDetail(err), "the caller is told no more than for any refusal")
 			case tc.wantForbidden:
-				require.Equal(t, KindForbidden, KindOf(err))
+				require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 				require.NotErrorIs(t, err, ErrAudienceNotGranted)
 			default:
 				require.NoError(t, err)
@@ -157,7 +158,7 @@ func FuzzDecideAudiences(f *testing.F) {
 		}
 		d, err := p.DecideAudiences(nil, west, nil, ns, "runner", "", auds, 0, 0)
 		if err != nil {
-			require.Equal(t, KindForbidden, KindOf(err))
+			require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 			return
 		}
 		var grant *GrantSpec

@@ -19,6 +19,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // auditRecorder keeps the events it is given, as JSON lines too, so tests
@@ -60,14 +61,14 @@ func TestEveryKubeconfigDecisionIsAuditedOnceWithWhoAndWhat(t *testing.T) {
 	resp, err := e.b.IssueKubeconfig(ctx, caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "48h"})
 	require.NoError(t, err)
 	_, err = e.b.IssueKubeconfig(WithRequestID(context.Background(), "req-2"), caller, apiv1.KubeconfigRequest{Namespace: "kube-system", ServiceAccount: "admin"})
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	_, err = e.b.IssueKubeconfig(context.Background(), caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", MinTTL: "13h"})
-	require.Equal(t, KindUnprocessable, KindOf(err))
+	require.Equal(t, problem.KindUnprocessable, problem.KindOf(err))
 	require.NoError(t, e.b.RevokeLease(WithRequestID(context.Background(), "req-4"), caller, resp.LeaseID))
-	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(context.Background(), caller, resp.LeaseID)))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(e.b.RevokeLease(context.Background(), caller, resp.LeaseID)))
 	e.iss.err = apierrors.NewServiceUnavailable("etcd is down")
 	_, err = e.b.IssueKubeconfig(context.Background(), caller, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
-	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
 
 	evs := rec.all()
 	require.Len(t, evs, 6, "one event per decision")
@@ -143,7 +144,7 @@ func TestAnInvalidLeaseIDIsNotCopiedIntoTheAuditLog(t *testing.T) {
 	e := newEnv(t)
 	rec := newAuditRecorder()
 	e.b.cfg.Auditor = rec
-	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(context.Background(), west, "../../etc/passwd\n{\"audit\":1}")))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(e.b.RevokeLease(context.Background(), west, "../../etc/passwd\n{\"audit\":1}")))
 	evs := rec.all()
 	require.Len(t, evs, 1)
 	require.Equal(t, DecisionDeny, evs[0].Decision)
@@ -173,7 +174,7 @@ func TestCertificateDecisionsAreAudited(t *testing.T) {
 	renewed, err := e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
 	_, err = e.b.Renew(ctx, caller, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 
 	evs := rec.all()
 	require.Len(t, evs, 5)

@@ -24,6 +24,7 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -234,7 +235,7 @@ func New(cfg Config) (*Broker, error) {
 func (b *Broker) policy() (*Policy, error) {
 	p := b.cfg.Policy.Load()
 	if p == nil {
-		return nil, Errorf(KindUnavailable, "no policy is loaded")
+		return nil, problem.Errorf(problem.KindUnavailable, "no policy is loaded")
 	}
 	return p, nil
 }
@@ -342,7 +343,7 @@ func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err 
 	d := b.cfg.Clock.Since(start)
 	b.cfg.Metrics.observeAPI(call, d)
 	if err != nil {
-		b.cfg.Metrics.observeAPIError(call, apiErrorReason(err))
+		b.cfg.Metrics.observeAPIError(call, problem.APIErrorReason(err))
 	}
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(d))
@@ -380,7 +381,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 			a.denial, a.reason = denyAudience, ErrAudienceNotGranted.Error()
 		}
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", orDefault(a.reason, errDetail(err))))
-		if KindOf(err) == KindForbidden {
+		if problem.KindOf(err) == problem.KindForbidden {
 			return decided{}, outcomeDenied, err
 		}
 		a.denial = denyMinTTL
@@ -391,7 +392,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	if issuer == nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
 		a.denial = denyCredential
-		return decided{}, outcomeUnprocessable, Errorf(KindUnprocessable, "credential %q is not available from this broker", d.Credential)
+		return decided{}, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable, "credential %q is not available from this broker", d.Credential)
 	}
 	return decided{Decision: d, policy: p, issuer: issuer, requested: requested, minTTL: minTTL}, outcomeGranted, nil
 }
@@ -434,7 +435,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			if minTTL > 0 && d.TTL < minTTL {
 				log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
 				a.denial = denyMinTTL
-				return nil, outcomeUnprocessable, Errorf(KindUnprocessable,
+				return nil, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
 					"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
 			}
 		}
@@ -443,7 +444,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	var cert *certRequest
 	if d.Credential == apiv1.CredentialClientCertificate {
 		if cert, err = b.certificateRequest(ctx, p, d, req); err != nil {
-			if KindOf(err) == KindInvalid {
+			if problem.KindOf(err) == problem.KindInvalid {
 				return nil, outcomeInvalid, err
 			}
 			return nil, outcomeFor(err), err
@@ -501,7 +502,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if ready != nil {
 		claimed, got, claimErr, issueErr := b.claim(ctx, ready, lease, issuer, d.Credential, ireq)
 		switch {
-		case isNotFound(claimErr):
+		case problem.IsNotFound(claimErr):
 			// Another replica's GC, its clock ahead, took the pooled
 			// Secret: nothing is left to delete, and nothing stops the
 			// sequential path.
@@ -509,7 +510,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			ready = nil
 		case claimErr != nil:
 			// The pooled Secret goes, and a token bound to it with it.
-			err = classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
+			err = problem.Classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
 			return fail(ready.secret, outcomeFor(err), err)
 		case issueErr != nil:
 			err = classifyIssuer(issueErr, req)
@@ -527,9 +528,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
 		b.timeAPI(ctx, "create_lease", t0, err)
 		if err != nil {
-			err = classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
+			err = problem.Classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
 			log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
-			if KindOf(err) == KindUnavailable && !neverSent(err) {
+			if problem.KindOf(err) == problem.KindUnavailable && !neverSent(err) {
 				// The API server may have stored the Secret and failed
 				// before it answered. Its name is unique, so delete it by
 				// name once the API server is back.
@@ -573,7 +574,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	if minTTL > 0 && granted < minTTL {
 		a.denial = denyMinTTL
-		return fail(created, outcomeUnprocessable, Errorf(KindUnprocessable,
+		return fail(created, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
 	// The audit names the credential without holding it: a token's jti,
@@ -664,7 +665,7 @@ func parseTTLs(ttl, minTTL string) (time.Duration, time.Duration, error) {
 	}
 	t, m := parse("ttl", ttl), parse("minTTL", minTTL)
 	if len(fields) > 0 {
-		return 0, 0, Invalid(fields...)
+		return 0, 0, problem.Invalid(fields...)
 	}
 	return t, m, nil
 }
@@ -731,7 +732,7 @@ func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID s
 	_, err = b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	b.timeAPI(ctx, "patch_lease", t0, err)
 	if err != nil {
-		return classify(err, "record lease credential", "lease Secret vanished")
+		return problem.Classify(err, "record lease credential", "lease Secret vanished")
 	}
 	return nil
 }
@@ -746,7 +747,7 @@ func (b *Broker) deleteLease(ctx context.Context, s *corev1.Secret, log *zap.Log
 	if err == nil {
 		return
 	}
-	if KindOf(classify(err, "", "")) != KindUnavailable {
+	if problem.KindOf(problem.Classify(err, "", "")) != problem.KindUnavailable {
 		log.Error("delete lease after failed request", zap.String("secret", s.Namespace+"/"+s.Name), zap.Error(err))
 		return
 	}
@@ -784,7 +785,7 @@ func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
 	}
 	t0 := b.cfg.Clock.Now()
 	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, opts)
-	if isNotFound(err) {
+	if problem.IsNotFound(err) {
 		err = nil // gone already: what a delete wants
 	}
 	b.timeAPI(ctx, "delete_lease", t0, err)
@@ -858,7 +859,7 @@ func (b *Broker) Ready(ctx context.Context) error {
 }
 
 func errDetail(err error) string {
-	var be *Error
+	var be *problem.Error
 	if errors.As(err, &be) && be.Detail != "" {
 		return be.Detail
 	}

@@ -24,6 +24,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -221,7 +222,7 @@ func TestFailedIssuanceLeavesNoLease(t *testing.T) {
 	e := newEnv(t)
 	e.iss.err = errors.New("connection refused")
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
-	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
 	require.Zero(t, e.leaseCount(t))
 }
 
@@ -245,7 +246,7 @@ func TestAShortenedGrantBelowMinTTLIsRefusedAndLeavesNoLease(t *testing.T) {
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{
 		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h", MinTTL: "90m",
 	})
-	require.Equal(t, KindUnprocessable, KindOf(err))
+	require.Equal(t, problem.KindUnprocessable, problem.KindOf(err))
 	require.Zero(t, e.leaseCount(t))
 }
 
@@ -289,7 +290,7 @@ func TestDeniedRequestsCreateNothingAndAreLogged(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "kube-system", ServiceAccount: "admin"})
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	require.Zero(t, e.leaseCount(t))
 	require.Empty(t, e.iss.got)
 	denied := e.logs.FilterMessage("decision").FilterField(zap.Bool("allowed", false))
@@ -301,7 +302,7 @@ func TestInvalidTTLIsRejectedBeforeAnythingHappens(t *testing.T) {
 	e := newEnv(t)
 	for _, ttl := range []string{"-1h", "0s", "1d", "1e9h", "soon"} {
 		_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: ttl})
-		require.Equal(t, KindInvalid, KindOf(err), ttl)
+		require.Equal(t, problem.KindInvalid, problem.KindOf(err), ttl)
 	}
 	require.Zero(t, e.leaseCount(t))
 }
@@ -330,12 +331,12 @@ func TestAPeerSeesAndRevokesOnlyItsOwnLeases(t *testing.T) {
 	require.Equal(t, mine.LeaseID, list[0].ID)
 
 	_, err = e.b.GetLease(ctx, west, theirs.LeaseID)
-	require.Equal(t, KindNotFound, KindOf(err))
-	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(ctx, west, theirs.LeaseID)))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(err))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(e.b.RevokeLease(ctx, west, theirs.LeaseID)))
 	require.Equal(t, 2, e.leaseCount(t))
 
 	require.NoError(t, e.b.RevokeLease(ctx, west, mine.LeaseID))
-	require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(ctx, west, mine.LeaseID)))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(e.b.RevokeLease(ctx, west, mine.LeaseID)))
 	require.Equal(t, 1, e.leaseCount(t))
 }
 
@@ -344,7 +345,7 @@ func TestLeaseIDsOfAnyOtherShapeAreNotLookedUp(t *testing.T) {
 	e := newEnv(t)
 	for _, id := range []string{"", "../../etc/passwd", strings.Repeat("a", 27), "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxy1", "a,b"} {
 		_, err := e.b.GetLease(context.Background(), west, id)
-		require.Equal(t, KindNotFound, KindOf(err), id)
+		require.Equal(t, problem.KindNotFound, problem.KindOf(err), id)
 	}
 	require.Empty(t, e.client.Actions())
 }
@@ -421,7 +422,7 @@ func TestALeaseThatCannotBeDeletedDuringAnOutageIsDeletedWhenTheAPIServerIsBack(
 	})
 	e.iss.err = errors.New("dial tcp 127.0.0.1:6443: connect: connection refused")
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
-	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
 	require.Equal(t, 1, e.leaseCount(t), "the outage keeps the lease for now")
 
 	mu.Lock()

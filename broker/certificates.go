@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -166,16 +167,16 @@ const (
 // errJoinToken is every enrollment authentication failure as the caller
 // sees it: bad, expired, reused or revoked, all the same.
 func errJoinToken(cause error) error {
-	return Wrap(KindUnauthenticated, "invalid join token", cause)
+	return problem.Wrap(problem.KindUnauthenticated, "invalid join token", cause)
 }
 
 // errCertificatesDisabled answers enrollment and renewal on a broker that
 // has no signing CA.
-var errCertificatesDisabled = Errorf(KindNotFound, "this broker does not issue certificates")
+var errCertificatesDisabled = problem.Errorf(problem.KindNotFound, "this broker does not issue certificates")
 
 // errIdentityMismatch is the refusal of a CSR for another identity than the
 // one the join token or the client certificate vouches for.
-var errIdentityMismatch = Errorf(KindForbidden, "the CSR's identity is not the authenticated identity")
+var errIdentityMismatch = problem.Errorf(problem.KindForbidden, "the CSR's identity is not the authenticated identity")
 
 // UsedJoinTokenSecretName returns the name of the record of a used join
 // token: a hash of the jti, so that the name is always valid whatever the
@@ -254,7 +255,7 @@ func (b *Broker) enroll(ctx context.Context, token string, req apiv1.Certificate
 	}
 	if err := b.recordJoinToken(ctx, claims); err != nil {
 		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
-		if KindOf(err) == KindUnauthenticated {
+		if problem.KindOf(err) == problem.KindUnauthenticated {
 			a.denial, a.reason = denyJoinToken, "join token already used"
 		}
 		return nil, outcomeOfCert(err), err
@@ -303,7 +304,7 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 	if b.revoked(c.Identity) {
 		log.Info("renewal refused", zap.String("reason", "identity revoked"))
 		a.denial, a.reason = denyRevoked, "identity revoked"
-		return nil, certUnauthenticated, Wrap(KindUnauthenticated, "", errors.New("identity is revoked"))
+		return nil, certUnauthenticated, problem.Wrap(problem.KindUnauthenticated, "", errors.New("identity is revoked"))
 	}
 	// Only certificates of the signing CA (or the previous one) renew: a
 	// peer authenticated by another CA of the trust bundle gets its
@@ -311,14 +312,14 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 	if !b.issuedBySigningCA(c.Certificate) {
 		log.Info("renewal refused", zap.String("reason", "client certificate not issued by the signing CA"))
 		a.denial, a.reason = denyNotSigningCA, "client certificate not issued by the signing CA"
-		return nil, certDenied, Wrap(KindForbidden, "", errors.New("the client certificate was not issued by this broker's signing CA"))
+		return nil, certDenied, problem.Wrap(problem.KindForbidden, "", errors.New("the client certificate was not issued by this broker's signing CA"))
 	}
 	// A peer removed from the policy has no business here any more: it
 	// keeps its certificate until it expires, but gets no new one.
 	if p := b.cfg.Policy.Load(); p == nil || p.Peer(c.Identity) == nil {
 		log.Info("renewal refused", zap.String("reason", "not a peer in the policy"))
 		a.denial, a.reason = denyNotAPeer, "not a peer in the policy"
-		return nil, certDenied, Wrap(KindForbidden, "", errors.New("the identity is not a peer in the policy"))
+		return nil, certDenied, problem.Wrap(problem.KindForbidden, "", errors.New("the identity is not a peer in the policy"))
 	}
 	if err := b.admitRenewal(c.Identity, a); err != nil {
 		log.Info("renewal refused", zap.String("reason", errDetail(err)))
@@ -363,15 +364,15 @@ func (b *Broker) revoked(identity string) bool { return b.Revoked(identity) }
 func parseCSR(csrPEM, identity string) (*x509.CertificateRequest, error) {
 	csr, csrIdentity, err := pki.ParseCSRPEM([]byte(csrPEM))
 	if err != nil {
-		return nil, &Error{
-			Kind:   KindInvalid,
+		return nil, &problem.Error{
+			Kind:   problem.KindInvalid,
 			Detail: "the request is invalid",
 			Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}},
 			Err:    err,
 		}
 	}
 	if csrIdentity != identity {
-		return nil, &Error{Kind: KindForbidden, Detail: errIdentityMismatch.Detail,
+		return nil, &problem.Error{Kind: problem.KindForbidden, Detail: errIdentityMismatch.Detail,
 			Err: fmt.Errorf("CSR identity %q, authenticated identity %q", csrIdentity, identity)}
 	}
 	return csr, nil
@@ -418,9 +419,9 @@ func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims
 		return errJoinToken(fmt.Errorf("join token already used (record %s/%s exists)", b.cfg.Namespace, s.Name))
 	case apierrors.IsNotFound(err):
 		// The broker's own namespace is missing: an operator problem.
-		return Wrap(KindInternal, "", fmt.Errorf("record used join token in namespace %q: %w", b.cfg.Namespace, err))
+		return problem.Wrap(problem.KindInternal, "", fmt.Errorf("record used join token in namespace %q: %w", b.cfg.Namespace, err))
 	}
-	return classify(err, "record used join token", "namespace not found")
+	return problem.Classify(err, "record used join token", "namespace not found")
 }
 
 // sign issues the certificate for identity with the peer's lifetime,
@@ -442,7 +443,7 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 	b.cfg.Metrics.observeAPI("sign_client_certificate", b.cfg.Clock.Since(t0))
 	if err != nil {
 		if errors.Is(err, pki.ErrInvalidCSR) {
-			return nil, &Error{Kind: KindInvalid, Detail: "the request is invalid",
+			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
 				Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}}, Err: err}
 		}
 		return nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
@@ -462,7 +463,7 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 
 // csrDenial is the denial reason code of a refused CSR.
 func csrDenial(err error) string {
-	if KindOf(err) == KindForbidden {
+	if problem.KindOf(err) == problem.KindForbidden {
 		return denyIdentityMismatch
 	}
 	return denyInvalid
@@ -470,12 +471,12 @@ func csrDenial(err error) string {
 
 // certOutcomes label a certificate request that failed, by the kind of
 // its error.
-var certOutcomes = map[Kind]string{
-	KindUnauthenticated: certUnauthenticated,
-	KindInvalid:         certInvalid,
-	KindForbidden:       certDenied,
-	KindUnavailable:     certUnavailable,
-	KindTooManyRequests: certLimited,
+var certOutcomes = map[problem.Kind]string{
+	problem.KindUnauthenticated: certUnauthenticated,
+	problem.KindInvalid:         certInvalid,
+	problem.KindForbidden:       certDenied,
+	problem.KindUnavailable:     certUnavailable,
+	problem.KindTooManyRequests: certLimited,
 }
 
 func outcomeOfCert(err error) string { return labelOf(err, certOutcomes, certError) }

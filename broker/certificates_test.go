@@ -21,6 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -98,8 +99,8 @@ func newCSR(t *testing.T, identity string) string {
 
 func requireUniformUnauthenticated(t *testing.T, err error) {
 	t.Helper()
-	require.Equal(t, KindUnauthenticated, KindOf(err), "%v", err)
-	var be *Error
+	require.Equal(t, problem.KindUnauthenticated, problem.KindOf(err), "%v", err)
+	var be *problem.Error
 	require.ErrorAs(t, err, &be)
 	require.Equal(t, "invalid join token", be.Detail)
 	require.Empty(t, be.Fields)
@@ -196,14 +197,14 @@ func TestACSRProblemIsReportedAndDoesNotUseTheTokenUp(t *testing.T) {
 	tok, claims := e.joinToken(t, westID)
 
 	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n"})
-	require.Equal(t, KindInvalid, KindOf(err))
-	var be *Error
+	require.Equal(t, problem.KindInvalid, problem.KindOf(err))
+	var be *problem.Error
 	require.ErrorAs(t, err, &be)
 	require.Len(t, be.Fields, 1)
 	require.Equal(t, "csr", be.Fields[0].Field)
 
 	_, err = e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
-	require.Equal(t, KindForbidden, KindOf(err), "a CSR for another identity than the token's subject")
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err), "a CSR for another identity than the token's subject")
 
 	_, err = e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
 	require.True(t, apierrors.IsNotFound(err), "refused requests do not use the token up")
@@ -219,8 +220,8 @@ func TestAnUnreachableAPIServerIsRetryableAndDoesNotUseTheTokenUp(t *testing.T) 
 	})
 	tok, _ := e.joinToken(t, westID)
 	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
-	require.Equal(t, KindUnavailable, KindOf(err))
-	require.True(t, Retryable(err))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
+	require.True(t, problem.Retryable(err))
 }
 
 func TestAMissingBrokerNamespaceIsAnInternalError(t *testing.T) {
@@ -231,7 +232,7 @@ func TestAMissingBrokerNamespaceIsAnInternalError(t *testing.T) {
 	})
 	tok, _ := e.joinToken(t, westID)
 	_, err := e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
-	require.Equal(t, KindInternal, KindOf(err))
+	require.Equal(t, problem.KindInternal, problem.KindOf(err))
 }
 
 func TestThePolicyChoosesThePeersCertificateLifetime(t *testing.T) {
@@ -263,19 +264,19 @@ func TestRenewal(t *testing.T) {
 	t.Run("a CSR for another identity is forbidden", func(t *testing.T) {
 		t.Parallel()
 		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, "spiffe://oc.example/cluster/south")})
-		require.Equal(t, KindForbidden, KindOf(err))
+		require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	})
 	t.Run("a revoked identity cannot renew", func(t *testing.T) {
 		t.Parallel()
 		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, northID), apiv1.CertificateRequest{CSR: newCSR(t, northID)})
-		require.Equal(t, KindUnauthenticated, KindOf(err))
+		require.Equal(t, problem.KindUnauthenticated, problem.KindOf(err))
 	})
 	t.Run("a CSR that is not PEM is invalid with a field error", func(t *testing.T) {
 		t.Parallel()
 		_, err := e.b.Renew(ctx, callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: "hello"})
-		var be *Error
+		var be *problem.Error
 		require.ErrorAs(t, err, &be)
-		require.Equal(t, KindInvalid, be.Kind)
+		require.Equal(t, problem.KindInvalid, be.Kind)
 		require.Equal(t, "csr", be.Fields[0].Field)
 	})
 	t.Run("renewal never records a join token", func(t *testing.T) {
@@ -289,9 +290,9 @@ func TestWithoutACAThereAreNoCertificates(t *testing.T) {
 	b, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
 	require.NoError(t, err)
 	_, err = b.Enroll(context.Background(), "x", apiv1.CertificateRequest{CSR: "x"})
-	require.Equal(t, KindNotFound, KindOf(err))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(err))
 	_, err = b.Renew(context.Background(), west, apiv1.CertificateRequest{CSR: "x"})
-	require.Equal(t, KindNotFound, KindOf(err))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(err))
 	tb := b.TrustBundle()
 	require.Empty(t, tb.CABundle)
 	require.NotNil(t, tb.Fingerprints)
@@ -378,7 +379,7 @@ func TestTheCAsSigningErrorsAreNotTheCallersFault(t *testing.T) {
 	e := newCertEnv(t, testPolicy)
 	e.b.cfg.CA = failingCA{e.ca}
 	_, err := e.b.Renew(context.Background(), callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
-	require.Equal(t, KindInternal, KindOf(err))
+	require.Equal(t, problem.KindInternal, problem.KindOf(err))
 }
 
 type failingCA struct{ *pki.CA }
@@ -451,7 +452,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	// A partner CA of the bundle authenticates peers but is no signing CA.
 	_, err = enroll(partner)
 	requireUniformUnauthenticated(t, err)
-	require.Equal(t, KindForbidden, KindOf(renew(partner)))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(renew(partner)))
 
 	// The rotation: the new CA signs, the old one is named the previous CA.
 	trust.set(newCA, oldCA, partner)
@@ -469,7 +470,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	previous.set()
 	_, err = enroll(oldCA)
 	requireUniformUnauthenticated(t, err)
-	require.Equal(t, KindForbidden, KindOf(renew(oldCA)))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(renew(oldCA)))
 	_, err = enroll(newCA)
 	require.NoError(t, err)
 }

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -54,14 +55,14 @@ func (b *Broker) certificateRequest(ctx context.Context, p *Policy, d Decision, 
 	}
 	csr, cn, err := pki.ParseUserCSRPEM([]byte(req.CSR))
 	if err != nil {
-		return nil, Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
 	}
 	want, err := apiv1.CertificateUser(d.Peer, csr.PublicKey)
 	if err != nil {
-		return nil, Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
 	}
 	if cn != want {
-		return nil, Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})
 	}
 	fp := fingerprintOf(csr)
 	live, err := b.listLeaseSecrets(ctx, p.Namespaces(), labels.Set{LabelKeyFingerprint: fp})
@@ -71,7 +72,7 @@ func (b *Broker) certificateRequest(ctx context.Context, p *Policy, d Decision, 
 	now := b.cfg.Clock.Now()
 	for i := range live {
 		if !leaseExpired(&live[i], now) {
-			return nil, Errorf(KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[LabelLeaseID])
+			return nil, problem.Errorf(problem.KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[LabelLeaseID])
 		}
 	}
 	return &certRequest{csrPEM: []byte(req.CSR), user: cn, fingerprint: fp}, nil
@@ -85,16 +86,16 @@ func fingerprintOf(csr *x509.CertificateRequest) string {
 func classifyIssuer(err error, req apiv1.KubeconfigRequest) error {
 	switch {
 	case errors.Is(err, clientcert.ErrNotSigned):
-		return Wrap(KindTimeout, "the cluster did not sign the certificate in time: it may not sign for "+clientcert.Signer+" at all (docs/security.md, Client certificates), or it is overloaded; nothing was issued", err)
+		return problem.Wrap(problem.KindTimeout, "the cluster did not sign the certificate in time: it may not sign for "+clientcert.Signer+" at all (docs/security.md, Client certificates), or it is overloaded; nothing was issued", err)
 	case errors.Is(err, clientcert.ErrRefused):
-		return Wrap(KindUnprocessable, "the cluster refused the certificate signing request", err)
+		return problem.Wrap(problem.KindUnprocessable, "the cluster refused the certificate signing request", err)
 	case errors.Is(err, pki.ErrInvalidCSR):
-		return Wrap(KindInternal, "", err)
+		return problem.Wrap(problem.KindInternal, "", err)
 	}
 	if req.Credential == issuers.KindClientCertificate {
-		return classify(err, "issue client certificate", fmt.Sprintf("role for namespace %s not found", req.Namespace))
+		return problem.Classify(err, "issue client certificate", fmt.Sprintf("role for namespace %s not found", req.Namespace))
 	}
-	return classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
+	return problem.Classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
 }
 
 // leaseExpired reports whether a lease's recorded expiry has passed; a

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	"k8s.io/client-go/kubernetes/fake"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -52,7 +53,7 @@ func TestTheEnrollmentLimiterChecksTheSourceFirstAndKeysIPv6ByItsSlash64(t *test
 			for i, tr := range tc.tries {
 				err := e.b.admitEnrollment(tr.addr, tr.token, nil)
 				if tr.refused {
-					require.Equal(t, KindTooManyRequests, KindOf(err), "try %d", i)
+					require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "try %d", i)
 				} else {
 					require.NoError(t, err, "try %d", i)
 				}

@@ -8,6 +8,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // An exec kubeconfig is decided like an issuance and creates nothing: its
@@ -48,7 +49,7 @@ func TestAnExecKubeconfigTheGrantsDoNotAllowIsRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	_, err := e.b.ExecKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "kube-system", ServiceAccount: "admin"}, "https://b.example")
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	_, err = e.b.ExecKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "24h", MinTTL: "13h"}, "https://b.example")
-	require.Equal(t, KindUnprocessable, KindOf(err), "the grant's maxTTL 12h cannot reach minTTL 13h")
+	require.Equal(t, problem.KindUnprocessable, problem.KindOf(err), "the grant's maxTTL 12h cannot reach minTTL 13h")
 }

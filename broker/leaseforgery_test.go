@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // forgeryPolicy grants west argo and flux, and south kueue.
@@ -188,7 +189,7 @@ func TestCopiesOfALeaseNeverHideItFromItsOwner(t *testing.T) {
 			require.Equal(t, "argo", got.Namespace)
 			require.NoError(t, e.b.RevokeLease(ctx, west, resp.LeaseID))
 			_, err = e.client.CoreV1().Secrets("argo").Get(ctx, lease.Name, metav1.GetOptions{})
-			require.True(t, isNotFound(err), "the lease is revoked")
+			require.True(t, problem.IsNotFound(err), "the lease is revoked")
 			_, err = e.client.CoreV1().Secrets(tc.namespace).Get(ctx, lease.Name, metav1.GetOptions{})
 			require.NoError(t, err, "the copy is not the broker's to delete")
 		})
@@ -247,8 +248,8 @@ func TestAWorkloadGetsAndRevokesOnlyItsOwnLeasesByID(t *testing.T) {
 				require.Zero(t, e.leaseCount(t))
 				return
 			}
-			require.Equal(t, KindNotFound, KindOf(err))
-			require.Equal(t, KindNotFound, KindOf(revokeErr))
+			require.Equal(t, problem.KindNotFound, problem.KindOf(err))
+			require.Equal(t, problem.KindNotFound, problem.KindOf(revokeErr))
 			require.Equal(t, 1, e.leaseCount(t), "not revoked")
 		})
 	}
@@ -281,7 +282,7 @@ func TestARevocationDeletesOnlyARoleBindingTheLeaseOwns(t *testing.T) {
 
 			require.NoError(t, b.RevokeLease(ctx, west, id))
 			_, err = client.RbacV1().RoleBindings("argo").Get(ctx, leaseSecretPrefix+id, metav1.GetOptions{})
-			require.Equal(t, tc.deleted, isNotFound(err), "deleted: %v", err)
+			require.Equal(t, tc.deleted, problem.IsNotFound(err), "deleted: %v", err)
 		})
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // Paging of GET /v1/leases. A peer's leases live in several namespaces and
@@ -123,7 +124,7 @@ func (r LeasePageRequest) parse() (leaseCursor, int, error) {
 		}
 	}
 	if len(fields) > 0 {
-		return leaseCursor{}, 0, Invalid(fields...)
+		return leaseCursor{}, 0, problem.Invalid(fields...)
 	}
 	return cur, limit, nil
 }

@@ -18,6 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // allLeases walks every page of the caller's leases.
@@ -99,8 +100,8 @@ func TestListLeasesRefusesABadPageRequestWithoutAskingTheAPIServer(t *testing.T)
 			t.Parallel()
 			e := newEnv(t)
 			_, err := e.b.ListLeases(context.Background(), west, tc.req)
-			require.Equal(t, KindInvalid, KindOf(err))
-			var be *Error
+			require.Equal(t, problem.KindInvalid, problem.KindOf(err))
+			var be *problem.Error
 			require.ErrorAs(t, err, &be)
 			require.Len(t, be.Fields, 1)
 			require.Equal(t, tc.field, be.Fields[0].Field)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/runtime"
 	k8stesting "k8s.io/client-go/testing"
@@ -52,15 +53,15 @@ func TestLeaseReadsAreLimitedPerIdentity(t *testing.T) {
 			e, clk := newLimitsEnv(t, leaseReadsPolicy)
 			for range 2 {
 				err := tc.read(e, west)
-				require.NotEqual(t, KindTooManyRequests, KindOf(err), "the burst")
+				require.NotEqual(t, problem.KindTooManyRequests, problem.KindOf(err), "the burst")
 			}
 			err := tc.read(e, west)
-			require.Equal(t, KindTooManyRequests, KindOf(err))
-			require.Equal(t, 30*time.Second, RetryAfterOf(err), "2 a minute: a token every 30s")
+			require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err))
+			require.Equal(t, 30*time.Second, problem.RetryAfterOf(err), "2 a minute: a token every 30s")
 			require.Contains(t, err.Error(), "peer west is over its limit of 2 lease reads a minute; retry in 30s")
-			require.NotEqual(t, KindTooManyRequests, KindOf(tc.read(e, south)), "another identity has its own bucket")
+			require.NotEqual(t, problem.KindTooManyRequests, problem.KindOf(tc.read(e, south)), "another identity has its own bucket")
 			clk.Step(30 * time.Second)
-			require.NotEqual(t, KindTooManyRequests, KindOf(tc.read(e, west)), "after Retry-After")
+			require.NotEqual(t, problem.KindTooManyRequests, problem.KindOf(tc.read(e, west)), "after Retry-After")
 		})
 	}
 }
@@ -85,8 +86,8 @@ func TestLeaseReadsWaitingOnTheAPIServerAreCappedPerIdentity(t *testing.T) {
 	}()
 	<-listing
 	_, err := e.b.GetLease(ctx, west, unknownLeaseID)
-	require.Equal(t, KindTooManyRequests, KindOf(err), "one read in flight is west's cap")
-	require.Equal(t, time.Second, RetryAfterOf(err))
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "one read in flight is west's cap")
+	require.Equal(t, time.Second, problem.RetryAfterOf(err))
 	require.Contains(t, err.Error(), "peer west has its leaseReadsInFlight of 1 lease reads waiting on the API server")
 	close(release)
 	require.NoError(t, <-done)
@@ -102,7 +103,7 @@ func TestAnUnknownLeaseIDIsNotFoundAtOnceWithoutAnAPICallOnceTheCounterIsSynced(
 	calls := len(e.client.Actions())
 	start := time.Now()
 	_, err := e.b.GetLease(context.Background(), west, unknownLeaseID)
-	require.Equal(t, KindNotFound, KindOf(err))
+	require.Equal(t, problem.KindNotFound, problem.KindOf(err))
 	require.Less(t, time.Since(start), 500*time.Millisecond, "no wait for the counter")
 	require.Len(t, e.client.Actions(), calls, "no API call")
 }

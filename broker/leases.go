@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // ListLeases returns one page of the caller's leases and the continue
@@ -69,10 +70,10 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 		b.timeAPI(ctx, "list_leases", t0, err)
 		switch {
 		case apierrors.IsResourceExpired(err) || (opts.Continue != "" && apierrors.IsBadRequest(err)):
-			return nil, &Error{Kind: KindInvalid, Detail: "the request is invalid", Err: err, Fields: []apiv1.FieldError{
+			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid", Err: err, Fields: []apiv1.FieldError{
 				{Field: "continue", Detail: "has expired or is not valid; start again without it"}}}
 		case err != nil:
-			return nil, classify(err, "list leases in "+namespaces[i], "no Secrets")
+			return nil, problem.Classify(err, "list leases in "+namespaces[i], "no Secrets")
 		}
 		remaining -= len(list.Items)
 		for j := range list.Items {
@@ -132,7 +133,7 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 		defer done()
 		err = b.revokeLease(ctx, c, id, &a.ev)
 	}
-	if KindOf(err) == KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
+	if problem.KindOf(err) == problem.KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
 		b.cfg.Logger.Warn("revocation failed: API server unavailable; retrying in the background",
 			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.Error(err))
 	}
@@ -156,7 +157,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred], s.Annotations[AnnotationUser]
 	b.deleteLeaseBinding(ctx, s, s.Annotations[AnnotationCred], b.cfg.Logger.With(zap.String("lease_id", id)))
 	if err := b.deleteSecret(ctx, s); err != nil {
-		return classify(err, "revoke lease", "lease not found")
+		return problem.Classify(err, "revoke lease", "lease not found")
 	}
 	b.cfg.Metrics.leaseDeleted("revoked", 1)
 	b.cfg.Logger.Info("lease revoked",
@@ -236,7 +237,7 @@ func ownLease(s *corev1.Secret, c Caller, peer *PeerSpec) bool {
 // the lease, so the earliest created of the Secrets that pass wins. wait
 // is as for leaseLookupNamespaces.
 func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, error) {
-	notFound := Errorf(KindNotFound, "lease %q not found", id)
+	notFound := problem.Errorf(problem.KindNotFound, "lease %q not found", id)
 	if !apiv1.ValidLeaseID(id) {
 		return nil, notFound
 	}
@@ -346,7 +347,7 @@ func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, se
 		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
 		b.timeAPI(ctx, call, t0, err)
 		if err != nil {
-			return nil, classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+			return nil, problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
 		}
 		out = append(out, list.Items...)
 	}
@@ -370,7 +371,7 @@ func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string,
 			list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
 			b.timeAPI(ctx, call, t0, err)
 			if err != nil {
-				return classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+				return problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
 			}
 			if err := fn(list.Items); err != nil {
 				return err
@@ -546,7 +547,7 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", others))
 	}
 	if len(errs) > 0 {
-		return leases + others, active, classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
+		return leases + others, active, problem.Classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
 	}
 	return leases + others, active, nil
 }

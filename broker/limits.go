@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // Built-in limits, in force when the policy says nothing. Every issuance
@@ -209,8 +210,8 @@ func (l *limiter) sweep(now time.Time) {
 
 // limited is an *Error of KindTooManyRequests naming the limit and when to
 // come back.
-func limited(retryAfter time.Duration, format string, args ...any) *Error {
-	e := Errorf(KindTooManyRequests, format, args...)
+func limited(retryAfter time.Duration, format string, args ...any) *problem.Error {
+	e := problem.Errorf(problem.KindTooManyRequests, format, args...)
 	e.RetryAfter = retryAfter
 	return e
 }
@@ -297,7 +298,7 @@ func (b *Broker) takeIssuance(identity, peer string, lim Limits, a *pendingAudit
 }
 
 // refuseLimited counts and records a refusal by a limit.
-func (b *Broker) refuseLimited(a *pendingAudit, peer, reason string, err *Error) error {
+func (b *Broker) refuseLimited(a *pendingAudit, peer, reason string, err *problem.Error) error {
 	b.cfg.Metrics.observeLimited(peer, reason)
 	if a != nil {
 		a.denial = reason

@@ -13,6 +13,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 const limitsPolicy = `
@@ -56,8 +57,8 @@ func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *tes
 		require.NoError(t, err, "the burst")
 	}
 	_, err := e.b.IssueKubeconfig(ctx, west, req)
-	require.Equal(t, KindTooManyRequests, KindOf(err))
-	require.Equal(t, 30*time.Second, RetryAfterOf(err), "2 a minute: a token every 30s")
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err))
+	require.Equal(t, 30*time.Second, problem.RetryAfterOf(err), "2 a minute: a token every 30s")
 	require.Contains(t, err.Error(), "peer west is over its limit of 2 issuances a minute (burst 2); retry in 30s")
 	require.Equal(t, 2, e.leaseCount(t), "nothing created")
 	evs := rec.all()
@@ -71,8 +72,8 @@ func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *tes
 
 	clk.Step(29 * time.Second)
 	_, err = e.b.IssueKubeconfig(ctx, west, req)
-	require.Equal(t, KindTooManyRequests, KindOf(err))
-	require.InDelta(t, float64(time.Second), float64(RetryAfterOf(err)), float64(time.Millisecond))
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err))
+	require.InDelta(t, float64(time.Second), float64(problem.RetryAfterOf(err)), float64(time.Millisecond))
 	clk.Step(time.Second)
 	_, err = e.b.IssueKubeconfig(ctx, west, req)
 	require.NoError(t, err, "after Retry-After")
@@ -161,9 +162,9 @@ limits: {enrollmentsPerMinute: 1}
 `)
 	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-a", nil))
 	err := e.b.admitEnrollment("192.0.2.1", "token-b", nil)
-	require.Equal(t, KindTooManyRequests, KindOf(err), "the same address")
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "the same address")
 	err = e.b.admitEnrollment("192.0.2.2", "token-a", nil)
-	require.Equal(t, KindTooManyRequests, KindOf(err), "the same token from another address")
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "the same token from another address")
 	require.NoError(t, e.b.admitEnrollment("192.0.2.3", "token-c", nil))
 	clk.Step(time.Minute)
 	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-b", nil))

@@ -18,6 +18,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 func newMetricsEnv(t *testing.T) (*env, *prometheus.Registry, *Metrics) {
@@ -96,7 +97,7 @@ func TestIssuerAndAPIServerErrorsAreCountedByReason(t *testing.T) {
 	e, reg, m := newMetricsEnv(t)
 	e.iss.err = apierrors.NewServiceUnavailable("etcd is down")
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
-	require.Equal(t, KindUnavailable, KindOf(err))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
 	e.iss.err = nil
 	e.client.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, "x", nil)

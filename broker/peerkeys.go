@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -247,10 +248,10 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 	if apierrors.IsNotFound(err) {
 		// The broker's own namespace is missing: its misconfiguration,
 		// not the peer's fault.
-		return PeerKeysUpdate{}, Wrap(KindInternal, "", fmt.Errorf("store the key set of peer %s: namespace %q: %w", peer, s.namespace, err))
+		return PeerKeysUpdate{}, problem.Wrap(problem.KindInternal, "", fmt.Errorf("store the key set of peer %s: namespace %q: %w", peer, s.namespace, err))
 	}
 	if err != nil {
-		return PeerKeysUpdate{}, classify(fmt.Errorf("store the key set of peer %s in Secret %s/%s: %w", peer, s.namespace, name, err), "store key set", "namespace not found")
+		return PeerKeysUpdate{}, problem.Classify(fmt.Errorf("store the key set of peer %s in Secret %s/%s: %w", peer, s.namespace, name, err), "store key set", "namespace not found")
 	}
 	if written != nil {
 		// Take it at once rather than when the watch delivers it, so the

@@ -17,6 +17,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -579,7 +580,7 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 	}
 	peer := p.peer(identity)
 	if peer == nil {
-		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
+		return Decision{}, problem.Errorf(problem.KindForbidden, "no grant allows this request")
 	}
 	var grant *GrantSpec
 	audienceOnly := false // a grant matched but for the audiences
@@ -600,10 +601,10 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 		}
 	}
 	if grant == nil && audienceOnly {
-		return Decision{}, &Error{Kind: KindForbidden, Detail: "no grant allows this request", Err: ErrAudienceNotGranted}
+		return Decision{}, &problem.Error{Kind: problem.KindForbidden, Detail: "no grant allows this request", Err: ErrAudienceNotGranted}
 	}
 	if grant == nil {
-		return Decision{}, Errorf(KindForbidden, "no grant allows this request")
+		return Decision{}, problem.Errorf(problem.KindForbidden, "no grant allows this request")
 	}
 	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested}
 	d.Grant = peer.grantRef(grant)
@@ -612,7 +613,7 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 	}
 	d.TTL, d.ClampedBy = p.clamp(grant, requested)
 	if minTTL > 0 && d.TTL < minTTL {
-		return Decision{}, Errorf(KindUnprocessable,
+		return Decision{}, problem.Errorf(problem.KindUnprocessable,
 			"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, orDefault(d.ClampedBy, "requested ttl"))
 	}
 	return d, nil

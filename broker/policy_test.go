@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -53,7 +54,7 @@ func TestDecide(t *testing.T) {
 		ttl, minTTL            time.Duration
 		wantTTL                time.Duration
 		wantClamp              string
-		wantKind               Kind // 0 means success
+		wantKind               problem.Kind // 0 means success
 	}{
 		{name: "a granted request within the grant's max keeps its TTL", identity: west, ns: "argo", sa: "admiralty-source", ttl: 2 * time.Hour, wantTTL: 2 * time.Hour},
 		{name: "no TTL means the policy default", identity: west, ns: "argo", sa: "admiralty-source", wantTTL: time.Hour},
@@ -61,18 +62,18 @@ func TestDecide(t *testing.T) {
 		{name: "a TTL over the policy max is clamped when the grant has no max", identity: west, ns: "flux", sa: "reader", ttl: 48 * time.Hour, wantTTL: 24 * time.Hour, wantClamp: ClampedByPolicy},
 		{name: "a TTL under the issuer's minimum is the issuer's to raise, not the policy's", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Minute, wantTTL: time.Minute},
 		{name: "a minTTL the grant can give is accepted", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, minTTL: 12 * time.Hour, wantTTL: 12 * time.Hour, wantClamp: ClampedByGrant},
-		{name: "a minTTL above the grant's max is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, minTTL: 13 * time.Hour, wantKind: KindUnprocessable},
-		{name: "a minTTL above the requested TTL is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Hour, minTTL: 2 * time.Hour, wantKind: KindUnprocessable},
-		{name: "an unknown identity is forbidden", identity: "spiffe://oc.example/cluster/south", ns: "argo", sa: "admiralty-source", wantKind: KindForbidden},
-		{name: "a namespace outside the grant is forbidden", identity: west, ns: "kube-system", sa: "admiralty-source", wantKind: KindForbidden},
-		{name: "a ServiceAccount outside the grant is forbidden", identity: west, ns: "argo", sa: "default", wantKind: KindForbidden},
-		{name: "namespaces and ServiceAccounts of different grants do not combine", identity: west, ns: "flux", sa: "admiralty-source", wantKind: KindForbidden},
-		{name: "a credential kind the grant does not give is forbidden", identity: west, ns: "argo", cred: apiv1.CredentialClientCertificate, wantKind: KindForbidden},
-		{name: "a client certificate grant does not give the token of a ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", wantKind: KindForbidden},
-		{name: "a grant for client certificates does not give tokens", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialToken, wantKind: KindForbidden},
+		{name: "a minTTL above the grant's max is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: 20 * time.Hour, minTTL: 13 * time.Hour, wantKind: problem.KindUnprocessable},
+		{name: "a minTTL above the requested TTL is unprocessable", identity: west, ns: "argo", sa: "admiralty-source", ttl: time.Hour, minTTL: 2 * time.Hour, wantKind: problem.KindUnprocessable},
+		{name: "an unknown identity is forbidden", identity: "spiffe://oc.example/cluster/south", ns: "argo", sa: "admiralty-source", wantKind: problem.KindForbidden},
+		{name: "a namespace outside the grant is forbidden", identity: west, ns: "kube-system", sa: "admiralty-source", wantKind: problem.KindForbidden},
+		{name: "a ServiceAccount outside the grant is forbidden", identity: west, ns: "argo", sa: "default", wantKind: problem.KindForbidden},
+		{name: "namespaces and ServiceAccounts of different grants do not combine", identity: west, ns: "flux", sa: "admiralty-source", wantKind: problem.KindForbidden},
+		{name: "a credential kind the grant does not give is forbidden", identity: west, ns: "argo", cred: apiv1.CredentialClientCertificate, wantKind: problem.KindForbidden},
+		{name: "a client certificate grant does not give the token of a ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", wantKind: problem.KindForbidden},
+		{name: "a grant for client certificates does not give tokens", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialToken, wantKind: problem.KindForbidden},
 		{name: "a client certificate grant clamps to its own max", identity: north, ns: "argo", cred: apiv1.CredentialClientCertificate, ttl: time.Hour, wantTTL: 30 * time.Minute, wantClamp: ClampedByGrant},
-		{name: "a client certificate grant names no ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialClientCertificate, wantKind: KindForbidden},
-		{name: "an empty identity is forbidden", identity: "", ns: "argo", sa: "admiralty-source", wantKind: KindForbidden},
+		{name: "a client certificate grant names no ServiceAccount", identity: north, ns: "argo", sa: "admiralty-source", cred: apiv1.CredentialClientCertificate, wantKind: problem.KindForbidden},
+		{name: "an empty identity is forbidden", identity: "", ns: "argo", sa: "admiralty-source", wantKind: problem.KindForbidden},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -80,7 +81,7 @@ func TestDecide(t *testing.T) {
 			d, err := p.Decide(tc.identity, tc.ns, tc.sa, tc.cred, tc.ttl, tc.minTTL)
 			if tc.wantKind != 0 {
 				require.Error(t, err)
-				require.Equal(t, tc.wantKind, KindOf(err))
+				require.Equal(t, tc.wantKind, problem.KindOf(err))
 				return
 			}
 			require.NoError(t, err)
@@ -242,7 +243,7 @@ func TestEmptyPolicyDeniesEverything(t *testing.T) {
 	t.Parallel()
 	p := mustPolicy(t, "cluster: {name: a, server: 'https://a', caData: x}\n")
 	_, err := p.Decide("spiffe://a/cluster/w", "default", "default", "", 0, 0)
-	require.Equal(t, KindForbidden, KindOf(err))
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	peer, grants := p.Grants("spiffe://a/cluster/w")
 	require.Empty(t, peer)
 	require.NotNil(t, grants)

@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // The pool's bookkeeping around the API server, with the fake clientset;
@@ -300,7 +301,7 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	for {
 		select {
 		case err := <-done:
-			require.Equal(t, KindNotFound, KindOf(err))
+			require.Equal(t, problem.KindNotFound, problem.KindOf(err))
 			for _, a := range e.client.Actions() {
 				require.NotEqual(t, "list", a.GetVerb(), "an unknown id is not searched for")
 			}

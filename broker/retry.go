@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -173,7 +174,7 @@ func (b *Broker) retryDeletion(d *pendingDeletion) error {
 			ev.Decision, ev.Reason = DecisionAllow, "revoked after the API server was unavailable"
 			b.audit(ctx, ev)
 			return nil
-		case KindOf(err) == KindNotFound:
+		case problem.KindOf(err) == problem.KindNotFound:
 			return nil // gone already (or never the caller's)
 		}
 		return err

@@ -15,6 +15,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // outage makes the fake API server refuse the given verbs on the Secrets
@@ -99,8 +100,8 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			o.set(true)
 
 			err = e.b.RevokeLease(context.Background(), west, resp.LeaseID)
-			require.Equal(t, KindUnavailable, KindOf(err))
-			require.True(t, Retryable(err))
+			require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
+			require.True(t, problem.Retryable(err))
 			require.Equal(t, 1, e.leaseCount(t), "nothing is deleted")
 			require.Equal(t, 0.0, testutil.ToFloat64(m.deleted.WithLabelValues("revoked")), "nothing is claimed")
 			events := rec.all()
@@ -124,7 +125,7 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			require.Equal(t, "revoked after the API server was unavailable", last.Reason)
 
 			// A DELETE the caller retries now finds nothing.
-			require.Equal(t, KindNotFound, KindOf(e.b.RevokeLease(context.Background(), west, resp.LeaseID)))
+			require.Equal(t, problem.KindNotFound, problem.KindOf(e.b.RevokeLease(context.Background(), west, resp.LeaseID)))
 		})
 	}
 }
@@ -139,9 +140,9 @@ func TestARevocationIsQueuedOnceAndNeverForAnotherPeersLease(t *testing.T) {
 	o.set(true)
 	other := Caller{Identity: "spiffe://oc.example/cluster/north"}
 	for range 3 {
-		require.Equal(t, KindUnavailable, KindOf(e.b.RevokeLease(context.Background(), west, resp.LeaseID)))
+		require.Equal(t, problem.KindUnavailable, problem.KindOf(e.b.RevokeLease(context.Background(), west, resp.LeaseID)))
 	}
-	require.Equal(t, KindUnavailable, KindOf(e.b.RevokeLease(context.Background(), other, resp.LeaseID)))
+	require.Equal(t, problem.KindUnavailable, problem.KindOf(e.b.RevokeLease(context.Background(), other, resp.LeaseID)))
 	require.Equal(t, 2, e.b.PendingDeletions(), "one per caller and lease")
 
 	o.set(false)

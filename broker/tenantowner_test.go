@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // Grants whose namespaces must also be owned by a named object
@@ -118,7 +119,7 @@ func TestAGrantWithANamespaceOwnerTakesOnlyTheNamespacesItOwns(t *testing.T) {
 				require.NoError(t, err)
 				return
 			}
-			require.Equal(t, KindForbidden, KindOf(err))
+			require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 		})
 	}
 	t.Run("whoami lists the owned namespaces only, and the owner", func(t *testing.T) {

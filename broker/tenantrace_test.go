@@ -22,6 +22,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // Races between an issuance and a namespace leaving its selector grant,
@@ -196,7 +197,7 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 				require.Len(t, e.leases(t, "oil-dev"), 1)
 				return
 			}
-			require.Equal(t, KindForbidden, KindOf(err), "answered as any request there is now")
+			require.Equal(t, problem.KindForbidden, problem.KindOf(err), "answered as any request there is now")
 			require.Nil(t, resp)
 			require.Empty(t, e.leases(t, "oil-dev"), "the lease, and the credential bound to it, are gone")
 			evs := e.audit.all()

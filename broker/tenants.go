@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -483,11 +484,11 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 	t0 := b.cfg.Clock.Now()
 	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
 	b.timeAPI(ctx, "delete_lease", t0, err)
-	if isNotFound(err) || apierrors.IsConflict(err) {
+	if problem.IsNotFound(err) || apierrors.IsConflict(err) {
 		return nil // gone already (another replica), or a new Secret of that name
 	}
 	if err != nil {
-		return classify(err, "revoke lease of a namespace that left its grant", "lease not found")
+		return problem.Classify(err, "revoke lease of a namespace that left its grant", "lease not found")
 	}
 	id := s.Labels[LabelLeaseID]
 	reason := "namespace " + item.namespace + " is no longer covered by grant " + item.grant + " (" + item.reason + ")"
@@ -668,7 +669,7 @@ func (b *Broker) recheckCoverage(ctx context.Context, g *GrantSpec, d Decision, 
 	b.deleteLease(ctx, created, log)
 	a.reason = "namespace " + created.Namespace + " is no longer covered by grant " + d.Grant + " (" + UnmatchDuringIssue + ")"
 	log.Info("decision", zap.Bool("allowed", false), zap.String("reason", a.reason))
-	return Errorf(KindForbidden, "no grant allows this request")
+	return problem.Errorf(problem.KindForbidden, "no grant allows this request")
 }
 
 // TrimNamespace is a cache.TransformFunc for the namespace informer: it

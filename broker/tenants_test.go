@@ -19,6 +19,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 const tenantPolicy = `
@@ -145,7 +146,7 @@ peers:
 			t.Parallel()
 			d, err := p.DecideIn(nss, west, tt.ns, tt.sa, "", 0, 0)
 			if !tt.allowed {
-				require.Equal(t, KindForbidden, KindOf(err))
+				require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 				return
 			}
 			require.NoError(t, err)
@@ -155,7 +156,7 @@ peers:
 	t.Run("without a namespace cache a selector grant matches nothing", func(t *testing.T) {
 		t.Parallel()
 		_, err := p.Decide(west, "oil-a", "in", "", 0, 0)
-		require.Equal(t, KindForbidden, KindOf(err))
+		require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	})
 }
 
@@ -299,7 +300,7 @@ func TestANamespaceThatLeavesASelectorGrantLosesItsLeases(t *testing.T) {
 	require.True(t, e.live(t, "oil-dev", kept), "revokeOnUnmatch: false keeps the other peer's lease")
 
 	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"})
-	require.Equal(t, KindForbidden, KindOf(err), "new requests are refused")
+	require.Equal(t, problem.KindForbidden, problem.KindOf(err), "new requests are refused")
 
 	require.NoError(t, testutil.CollectAndCompare(e.reg, strings.NewReader(`
 # HELP tokenbroker_unmatched_revocations_total Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).

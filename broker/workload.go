@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -45,12 +46,12 @@ var workloadTokenDetails = map[string]string{
 
 // BadWorkloadToken returns the KindBadWorkloadToken error of reason with
 // its caller-facing detail; cause is for the log.
-func BadWorkloadToken(reason string, cause error) *Error {
+func BadWorkloadToken(reason string, cause error) *problem.Error {
 	detail, ok := workloadTokenDetails[reason]
 	if !ok {
 		detail = "The workload token was refused."
 	}
-	return &Error{Kind: KindBadWorkloadToken, Reason: reason, Detail: detail, Err: cause}
+	return &problem.Error{Kind: problem.KindBadWorkloadToken, Reason: reason, Detail: detail, Err: cause}
 }
 
 // TokenFingerprint is "sha256:<hex>" of a token, to name it in logs.
@@ -69,7 +70,7 @@ func TokenFingerprint(token string) string {
 func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token string) (Caller, error) {
 	w, err := b.verifyWorkload(c, token)
 	if err != nil {
-		var be *Error
+		var be *problem.Error
 		reason := ""
 		if errors.As(err, &be) {
 			reason = be.Reason
@@ -158,15 +159,15 @@ func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *pendi
 	}
 	peer := p.peer(c.Identity)
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.JWKSFromPeer {
-		return nil, Errorf(KindForbidden, "the policy does not let this peer upload its key set")
+		return nil, problem.Errorf(problem.KindForbidden, "the policy does not let this peer upload its key set")
 	}
 	a.ev.Peer = peer.Name
 	if b.cfg.PeerKeys == nil {
-		return nil, Errorf(KindUnprocessable, "this broker keeps no uploaded key sets")
+		return nil, problem.Errorf(problem.KindUnprocessable, "this broker keeps no uploaded key sets")
 	}
 	set, err := pki.ParseJWKS(doc)
 	if err != nil {
-		return nil, Invalid(apiv1.FieldError{Field: "keys", Detail: err.Error()})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "keys", Detail: err.Error()})
 	}
 	a.ev.JWKSDigest = set.Digest()
 	up, err := b.cfg.PeerKeys.Put(ctx, peer.Name, c.Identity, doc, set, b.cfg.Clock.Now(), peer.WorkloadIdentity.EffectiveJWKSOverlap())

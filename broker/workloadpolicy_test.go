@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -60,7 +61,7 @@ func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
 				require.NoError(t, err)
 				return
 			}
-			require.Equal(t, KindForbidden, KindOf(err))
+			require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 		})
 	}
 	_, grants := p.GrantsFor(west, other, true, nil)

@@ -13,7 +13,7 @@ import (
 	"unicode/utf8"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // maxEchoedKey bounds how much of an offending JSON key is echoed back.
@@ -37,7 +37,7 @@ func decodeJSONBody(r *http.Request, limit int64, dst any) error {
 		if errors.As(err, &mbe) {
 			return tooLarge(mbe.Limit)
 		}
-		return broker.Wrap(broker.KindInvalid, "The request body could not be read.", err)
+		return problem.Wrap(problem.KindInvalid, "The request body could not be read.", err)
 	}
 	return decodeStrict(body, dst)
 }
@@ -48,7 +48,7 @@ func decodeJSONBody(r *http.Request, limit int64, dst any) error {
 func readJWKSBody(r *http.Request, limit int64) ([]byte, error) {
 	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || (mt != apiv1.MediaTypeJSON && mt != apiv1.MediaTypeJWKSet) {
-		return nil, broker.Errorf(broker.KindUnsupportedMediaType, "The request body must be application/json or application/jwk-set+json.")
+		return nil, problem.Errorf(problem.KindUnsupportedMediaType, "The request body must be application/json or application/jwk-set+json.")
 	}
 	if r.ContentLength > limit {
 		return nil, tooLarge(limit)
@@ -59,25 +59,25 @@ func readJWKSBody(r *http.Request, limit int64) ([]byte, error) {
 		if errors.As(err, &mbe) {
 			return nil, tooLarge(mbe.Limit)
 		}
-		return nil, broker.Wrap(broker.KindInvalid, "The request body could not be read.", err)
+		return nil, problem.Wrap(problem.KindInvalid, "The request body could not be read.", err)
 	}
 	if int64(len(body)) > limit {
 		return nil, tooLarge(limit)
 	}
 	if len(bytes.TrimSpace(body)) == 0 {
-		return nil, broker.Errorf(broker.KindInvalid, "The request body is empty.")
+		return nil, problem.Errorf(problem.KindInvalid, "The request body is empty.")
 	}
 	return body, nil
 }
 
 func tooLarge(limit int64) error {
-	return broker.Errorf(broker.KindTooLarge, "The request body is larger than %d bytes.", limit)
+	return problem.Errorf(problem.KindTooLarge, "The request body is larger than %d bytes.", limit)
 }
 
 // checkJSONContentType accepts application/json with at most a UTF-8
 // charset parameter.
 func checkJSONContentType(ct string) error {
-	unsupported := broker.Errorf(broker.KindUnsupportedMediaType, "The request body must be application/json.")
+	unsupported := problem.Errorf(problem.KindUnsupportedMediaType, "The request body must be application/json.")
 	if ct == "" {
 		return unsupported
 	}
@@ -102,7 +102,7 @@ func checkJSONContentType(ct string) error {
 // key scan closes those gaps before the real decode.
 func decodeStrict(body []byte, dst any) error {
 	if len(bytes.TrimSpace(body)) == 0 {
-		return broker.Errorf(broker.KindInvalid, "The request body is empty.")
+		return problem.Errorf(problem.KindInvalid, "The request body is empty.")
 	}
 	if err := scanObjectKeys(body, jsonFieldNames(dst)); err != nil {
 		return err
@@ -113,7 +113,7 @@ func decodeStrict(body []byte, dst any) error {
 		return decodeError(err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return broker.Errorf(broker.KindInvalid, "The request body has data after the JSON object.")
+		return problem.Errorf(problem.KindInvalid, "The request body has data after the JSON object.")
 	}
 	return nil
 }
@@ -128,7 +128,7 @@ func scanObjectKeys(body []byte, known map[string]bool) error {
 		return decodeError(err)
 	}
 	if d, ok := tok.(json.Delim); !ok || d != '{' {
-		return broker.Errorf(broker.KindInvalid, "The request body must be a JSON object.")
+		return problem.Errorf(problem.KindInvalid, "The request body must be a JSON object.")
 	}
 	seen := make(map[string]bool, len(known))
 	for dec.More() {
@@ -138,13 +138,13 @@ func scanObjectKeys(body []byte, known map[string]bool) error {
 		}
 		key, ok := tok.(string)
 		if !ok {
-			return broker.Errorf(broker.KindInvalid, "The request body is not valid JSON.")
+			return problem.Errorf(problem.KindInvalid, "The request body is not valid JSON.")
 		}
 		if !known[key] {
-			return broker.Invalid(apiv1.FieldError{Field: echoKey(key), Detail: "unknown field"})
+			return problem.Invalid(apiv1.FieldError{Field: echoKey(key), Detail: "unknown field"})
 		}
 		if seen[key] {
-			return broker.Invalid(apiv1.FieldError{Field: key, Detail: "duplicate field"})
+			return problem.Invalid(apiv1.FieldError{Field: key, Detail: "duplicate field"})
 		}
 		seen[key] = true
 		if err := skipValue(dec); err != nil {
@@ -155,7 +155,7 @@ func scanObjectKeys(body []byte, known map[string]bool) error {
 		return decodeError(err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return broker.Errorf(broker.KindInvalid, "The request body has data after the JSON object.")
+		return problem.Errorf(problem.KindInvalid, "The request body has data after the JSON object.")
 	}
 	return nil
 }
@@ -190,17 +190,17 @@ func decodeError(err error) error {
 	)
 	switch {
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return broker.Wrap(broker.KindInvalid, "The request body is truncated JSON.", err)
+		return problem.Wrap(problem.KindInvalid, "The request body is truncated JSON.", err)
 	case errors.As(err, &syntaxErr):
-		return broker.Wrap(broker.KindInvalid,
+		return problem.Wrap(problem.KindInvalid,
 			fmt.Sprintf("The request body is not valid JSON (at byte %d).", syntaxErr.Offset), err)
 	case errors.As(err, &typeErr):
 		field := typeErr.Field
 		if field == "" {
 			field = "(body)"
 		}
-		return &broker.Error{
-			Kind:   broker.KindInvalid,
+		return &problem.Error{
+			Kind:   problem.KindInvalid,
 			Detail: "The request is invalid.",
 			Fields: []apiv1.FieldError{{Field: echoKey(field), Detail: "must be " + jsonTypeName(typeErr.Type)}},
 			Err:    err,
@@ -208,7 +208,7 @@ func decodeError(err error) error {
 	default:
 		// DisallowUnknownFields and other decoder complaints; the key scan
 		// normally catches unknown fields first.
-		return broker.Wrap(broker.KindInvalid, "The request body does not match the expected object.", err)
+		return problem.Wrap(problem.KindInvalid, "The request body does not match the expected object.", err)
 	}
 }
 

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 func TestNegotiate(t *testing.T) {
@@ -109,9 +109,9 @@ func TestDecodeStrict(t *testing.T) {
 				require.Equal(t, tt.want, got)
 				return
 			}
-			var be *broker.Error
+			var be *problem.Error
 			require.ErrorAs(t, err, &be)
-			require.Equal(t, broker.KindInvalid, be.Kind)
+			require.Equal(t, problem.KindInvalid, be.Kind)
 			require.Equal(t, tt.detail, be.Detail)
 			require.Equal(t, tt.fields, be.Fields)
 		})
@@ -212,9 +212,9 @@ func FuzzDecodeKubeconfigRequest(f *testing.F) {
 		var req apiv1.KubeconfigRequest
 		err := decodeJSONBody(r, DefaultMaxBodyBytes, &req)
 		if err != nil {
-			var be *broker.Error
+			var be *problem.Error
 			require.ErrorAs(t, err, &be)
-			require.Contains(t, []broker.Kind{broker.KindInvalid, broker.KindTooLarge}, be.Kind)
+			require.Contains(t, []problem.Kind{problem.KindInvalid, problem.KindTooLarge}, be.Kind)
 			return
 		}
 		fields := validateKubeconfigRequest(req)

@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // problemTypePrefix starts the type URI of every problem.
@@ -80,7 +80,7 @@ var (
 
 // classOf chooses the class of err. An unknown Kind is internal, so that a
 // kind added to the broker later is never shown as the caller's fault.
-func classOf(err error) (problemClass, *broker.Error) {
+func classOf(err error) (problemClass, *problem.Error) {
 	switch {
 	case errors.Is(err, errNotAcceptable):
 		return classNotAcceptable, nil
@@ -89,32 +89,32 @@ func classOf(err error) (problemClass, *broker.Error) {
 	case errors.Is(err, errRouteNotFound):
 		return classNotFound, nil
 	}
-	var be *broker.Error
+	var be *problem.Error
 	if !errors.As(err, &be) {
 		return classInternal, nil
 	}
 	switch be.Kind {
-	case broker.KindInvalid:
+	case problem.KindInvalid:
 		return classInvalid, be
-	case broker.KindUnauthenticated:
+	case problem.KindUnauthenticated:
 		return classUnauthenticated, be
-	case broker.KindForbidden:
+	case problem.KindForbidden:
 		return classForbidden, be
-	case broker.KindNotFound:
+	case problem.KindNotFound:
 		return classNotFound, be
-	case broker.KindTooLarge:
+	case problem.KindTooLarge:
 		return classTooLarge, be
-	case broker.KindUnsupportedMediaType:
+	case problem.KindUnsupportedMediaType:
 		return classUnsupportedMediaType, be
-	case broker.KindUnprocessable:
+	case problem.KindUnprocessable:
 		return classUnprocessable, be
-	case broker.KindUnavailable:
+	case problem.KindUnavailable:
 		return classUnavailable, be
-	case broker.KindTimeout:
+	case problem.KindTimeout:
 		return classTimeout, be
-	case broker.KindTooManyRequests:
+	case problem.KindTooManyRequests:
 		return classTooManyRequests, be
-	case broker.KindBadWorkloadToken:
+	case problem.KindBadWorkloadToken:
 		return classBadWorkloadToken, be
 	default:
 		return classInternal, be
@@ -175,7 +175,7 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	switch {
 	case class.status == http.StatusTooManyRequests:
-		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(broker.RetryAfterOf(err).Seconds())))))
+		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(problem.RetryAfterOf(err).Seconds())))))
 	case class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout:
 		h.Set("Retry-After", retryAfterSeconds)
 	}

@@ -11,6 +11,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 func TestBrokerErrorsBecomeProblems(t *testing.T) {
@@ -30,52 +31,52 @@ func TestBrokerErrorsBecomeProblems(t *testing.T) {
 	}{
 		{
 			name:   "An invalid error shows its detail and fields with 400.",
-			err:    &broker.Error{Kind: broker.KindInvalid, Detail: "bad namespace", Fields: fields},
+			err:    &problem.Error{Kind: problem.KindInvalid, Detail: "bad namespace", Fields: fields},
 			status: http.StatusBadRequest, slug: "invalid-request", detail: "bad namespace", fields: fields,
 		},
 		{
 			name:   "An invalid error without a detail gets the default detail.",
-			err:    &broker.Error{Kind: broker.KindInvalid},
+			err:    &problem.Error{Kind: problem.KindInvalid},
 			status: http.StatusBadRequest, slug: "invalid-request", detail: "The request is invalid.",
 		},
 		{
 			name:   "An unauthenticated error has a fixed detail and hides its own.",
-			err:    &broker.Error{Kind: broker.KindUnauthenticated, Detail: secret, Fields: fields, Err: cause},
+			err:    &problem.Error{Kind: problem.KindUnauthenticated, Detail: secret, Fields: fields, Err: cause},
 			status: http.StatusUnauthorized, slug: "unauthenticated", detail: classUnauthenticated.detail,
 		},
 		{
 			name:   "A forbidden error has a fixed detail and hides its own.",
-			err:    &broker.Error{Kind: broker.KindForbidden, Detail: secret, Fields: fields, Err: cause},
+			err:    &problem.Error{Kind: problem.KindForbidden, Detail: secret, Fields: fields, Err: cause},
 			status: http.StatusForbidden, slug: "forbidden", detail: classForbidden.detail,
 		},
 		{
 			name:   "A not-found error shows its detail with 404.",
-			err:    broker.Errorf(broker.KindNotFound, "lease not found"),
+			err:    problem.Errorf(problem.KindNotFound, "lease not found"),
 			status: http.StatusNotFound, slug: "not-found", detail: "lease not found",
 		},
 		{
 			name:   "A too-large error shows its detail with 413.",
-			err:    broker.Errorf(broker.KindTooLarge, "too big"),
+			err:    problem.Errorf(problem.KindTooLarge, "too big"),
 			status: http.StatusRequestEntityTooLarge, slug: "payload-too-large", detail: "too big",
 		},
 		{
 			name:   "An unsupported-media-type error shows its detail with 415.",
-			err:    broker.Errorf(broker.KindUnsupportedMediaType, "json please"),
+			err:    problem.Errorf(problem.KindUnsupportedMediaType, "json please"),
 			status: http.StatusUnsupportedMediaType, slug: "unsupported-media-type", detail: "json please",
 		},
 		{
 			name:   "An unprocessable error shows the broker's detail with 422.",
-			err:    broker.Wrap(broker.KindUnprocessable, "granted TTL 10m is below minTTL 1h", cause),
+			err:    problem.Wrap(problem.KindUnprocessable, "granted TTL 10m is below minTTL 1h", cause),
 			status: http.StatusUnprocessableEntity, slug: "unprocessable", detail: "granted TTL 10m is below minTTL 1h",
 		},
 		{
 			name:   "An unavailable error has a fixed detail and a Retry-After header.",
-			err:    broker.Wrap(broker.KindUnavailable, secret, cause),
+			err:    problem.Wrap(problem.KindUnavailable, secret, cause),
 			status: http.StatusServiceUnavailable, slug: "unavailable", detail: classUnavailable.detail, retryAfter: "5",
 		},
 		{
 			name:   "An internal error has a fixed detail and hides its own.",
-			err:    broker.Wrap(broker.KindInternal, secret, cause),
+			err:    problem.Wrap(problem.KindInternal, secret, cause),
 			status: http.StatusInternalServerError, slug: "internal", detail: classInternal.detail,
 		},
 		{
@@ -85,12 +86,12 @@ func TestBrokerErrorsBecomeProblems(t *testing.T) {
 		},
 		{
 			name:   "A kind the server does not know is an internal error.",
-			err:    &broker.Error{Kind: broker.Kind(99), Detail: secret},
+			err:    &problem.Error{Kind: problem.Kind(99), Detail: secret},
 			status: http.StatusInternalServerError, slug: "internal", detail: classInternal.detail,
 		},
 		{
 			name:   "A wrapped broker error is found in the chain.",
-			err:    fmt.Errorf("revoke: %w", broker.Errorf(broker.KindForbidden, "%s", secret)),
+			err:    fmt.Errorf("revoke: %w", problem.Errorf(problem.KindForbidden, "%s", secret)),
 			status: http.StatusForbidden, slug: "forbidden", detail: classForbidden.detail,
 		},
 	}

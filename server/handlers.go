@@ -18,6 +18,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -158,7 +159,7 @@ func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
 }
 
 func leaseNotFound(id string) error {
-	return broker.Errorf(broker.KindNotFound, "lease %q not found", echoKey(id))
+	return problem.Errorf(problem.KindNotFound, "lease %q not found", echoKey(id))
 }
 
 // createKubeconfig handles POST /v1/kubeconfigs. The Accept header is
@@ -167,7 +168,7 @@ func leaseNotFound(id string) error {
 func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer) {
 	format := r.URL.Query().Get("format")
 	if format != "" && format != formatExec {
-		writeError(w, r, broker.Invalid(apiv1.FieldError{Field: "format", Detail: `must be "exec" or absent`}))
+		writeError(w, r, problem.Invalid(apiv1.FieldError{Field: "format", Detail: `must be "exec" or absent`}))
 		return
 	}
 	mediaType, ok := acceptOrRefuse(w, r, apiv1.MediaTypeJSON, apiv1.MediaTypeYAML)
@@ -180,7 +181,7 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer
 		return
 	}
 	if fields := validateKubeconfigRequest(req); len(fields) > 0 {
-		writeError(w, r, broker.Invalid(fields...))
+		writeError(w, r, problem.Invalid(fields...))
 		return
 	}
 	if format == formatExec {
@@ -218,7 +219,7 @@ const formatExec = "exec"
 func (s *Server) execKubeconfig(w http.ResponseWriter, r *http.Request, p peer, req apiv1.KubeconfigRequest, mediaType string) {
 	brokerURL := "https://" + r.Host
 	if prob := schema.URLProblem(brokerURL, "", "https"); prob != "" {
-		writeError(w, r, broker.Invalid(apiv1.FieldError{Field: "Host", Detail: prob}))
+		writeError(w, r, problem.Invalid(apiv1.FieldError{Field: "Host", Detail: prob}))
 		return
 	}
 	kc, err := s.broker.ExecKubeconfig(r.Context(), p.caller, req, brokerURL)
@@ -248,7 +249,7 @@ func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
 	}
 	for _, key := range []string{"limit", "continue"} {
 		if len(q[key]) > 1 {
-			writeError(w, r, broker.Invalid(apiv1.FieldError{Field: key, Detail: "must be given once"}))
+			writeError(w, r, problem.Invalid(apiv1.FieldError{Field: key, Detail: "must be given once"}))
 			return
 		}
 	}
@@ -299,7 +300,7 @@ func strictQuery(raw string) (url.Values, error) {
 	if len(fields) == 0 { // not reached: ParseQuery fails on a pair only
 		fields = append(fields, apiv1.FieldError{Field: "query", Detail: "is not valid percent-encoding"})
 	}
-	return nil, broker.Invalid(fields...)
+	return nil, problem.Invalid(fields...)
 }
 
 // writeLeaseList answers 200 with page, encoded one lease at a time into a
@@ -414,7 +415,7 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 	}
 	token, ok := bearerToken(r.Header)
 	if !ok {
-		writeError(w, r, &broker.Error{Kind: broker.KindUnauthenticated, Err: errNoJoinToken})
+		writeError(w, r, &problem.Error{Kind: problem.KindUnauthenticated, Err: errNoJoinToken})
 		return
 	}
 	req, err := s.decodeCertificateRequest(r)
@@ -459,7 +460,7 @@ func (s *Server) decodeCertificateRequest(r *http.Request) (apiv1.CertificateReq
 		return req, err
 	}
 	if fields := validateCertificateRequest(req); len(fields) > 0 {
-		return req, broker.Invalid(fields...)
+		return req, problem.Invalid(fields...)
 	}
 	return req, nil
 }
@@ -477,7 +478,7 @@ func (s *Server) trustBundle(w http.ResponseWriter, r *http.Request) {
 		tb = s.certs.TrustBundle()
 	}
 	if tb.CABundle == "" {
-		writeError(w, r, broker.Errorf(broker.KindNotFound, "This broker serves no trust bundle."))
+		writeError(w, r, problem.Errorf(problem.KindNotFound, "This broker serves no trust bundle."))
 		return
 	}
 	if tb.Fingerprints == nil {

@@ -15,6 +15,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -229,12 +230,12 @@ func TestCreateKubeconfigBrokerAnswers(t *testing.T) {
 	}{
 		{
 			name:   "A grant shorter than minTTL is 422 with the broker's detail.",
-			err:    broker.Errorf(broker.KindUnprocessable, "granted TTL 10m0s is below minTTL 30m0s"),
+			err:    problem.Errorf(problem.KindUnprocessable, "granted TTL 10m0s is below minTTL 30m0s"),
 			status: http.StatusUnprocessableEntity, slug: "unprocessable", detail: "granted TTL 10m0s is below minTTL 30m0s",
 		},
 		{
 			name:   "A policy denial is 403 with the fixed detail.",
-			err:    broker.Errorf(broker.KindForbidden, "peer west has no grant for kube-system/admin"),
+			err:    problem.Errorf(problem.KindForbidden, "peer west has no grant for kube-system/admin"),
 			status: http.StatusForbidden, slug: "forbidden", detail: classForbidden.detail,
 		},
 		{
@@ -365,7 +366,7 @@ func TestLeases(t *testing.T) {
 		t.Parallel()
 		h := newHarness(t, &fakeBroker{
 			get: func(context.Context, broker.Caller, string) (*apiv1.Lease, error) {
-				return nil, broker.Errorf(broker.KindNotFound, "lease not found")
+				return nil, problem.Errorf(problem.KindNotFound, "lease not found")
 			},
 		})
 		rec := h.do(request{method: http.MethodGet, path: "/v1/leases/" + testLeaseID})
@@ -654,9 +655,9 @@ func FuzzStrictQuery(f *testing.F) {
 			return
 		}
 		require.Error(t, wantErr, "refused only what url.ParseQuery refuses")
-		var be *broker.Error
+		var be *problem.Error
 		require.ErrorAs(t, err, &be)
-		require.Equal(t, broker.KindInvalid, be.Kind)
+		require.Equal(t, problem.KindInvalid, be.Kind)
 		require.NotEmpty(t, be.Fields)
 		for _, fe := range be.Fields {
 			require.Contains(t, []string{"limit", "continue", "query"}, fe.Field)

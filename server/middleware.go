@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -182,7 +183,7 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 			if s.refusals != nil {
 				s.refusals.RefuseCaller(r.Context(), p.caller, err.code, err.Error())
 			}
-			writeError(w, r, &broker.Error{Kind: broker.KindUnauthenticated, Err: err})
+			writeError(w, r, &problem.Error{Kind: problem.KindUnauthenticated, Err: err})
 			return
 		}
 		if info := requestInfoFrom(r.Context()); info != nil {

@@ -18,6 +18,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 func TestAccessLogHasOneLinePerRequestAndNoSecrets(t *testing.T) {
@@ -85,7 +86,7 @@ func TestMetricsAreRecordedOnTheGivenRegistry(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, &fakeBroker{
 		get: func(context.Context, broker.Caller, string) (*apiv1.Lease, error) {
-			return nil, broker.Errorf(broker.KindNotFound, "lease not found")
+			return nil, problem.Errorf(problem.KindNotFound, "lease not found")
 		},
 	})
 	h.do(postKubeconfig(validBody))

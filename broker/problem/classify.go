@@ -1,4 +1,4 @@
-package broker
+package problem
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 // request may be retried); what the API server refuses as invalid is
 // KindUnprocessable; anything else is internal (an operator problem, such
 // as missing RBAC for the broker).
-func classify(err error, what, notFound string) error {
+func Classify(err error, what, notFound string) error {
 	if err == nil {
 		return nil
 	}
@@ -45,9 +45,9 @@ func apiMessage(err error) string {
 	return ""
 }
 
-// apiErrorReason is the reason label of
+// aPIErrorReason is the reason label of
 // tokenbroker_apiserver_call_errors_total for a failed API call.
-func apiErrorReason(err error) string {
+func APIErrorReason(err error) string {
 	var status apierrors.APIStatus
 	switch {
 	case apierrors.IsNotFound(err):
@@ -66,39 +66,4 @@ func apiErrorReason(err error) string {
 	return "other"
 }
 
-func isNotFound(err error) bool { return apierrors.IsNotFound(err) }
-
-// Outcomes of an issuance, as counted in metrics.
-const (
-	outcomeGranted       = "granted"
-	outcomeDenied        = "denied"
-	outcomeInvalid       = "invalid"
-	outcomeUnprocessable = "unprocessable"
-	outcomeNotFound      = "not_found"
-	outcomeUnavailable   = "unavailable"
-	outcomeError         = "error"
-	outcomeLimited       = "limited"
-)
-
-// issueOutcomes label an issuance that failed, by the kind of its error.
-var issueOutcomes = map[Kind]string{
-	KindForbidden:     outcomeDenied,
-	KindInvalid:       outcomeInvalid,
-	KindUnprocessable: outcomeUnprocessable,
-	KindNotFound:      outcomeNotFound,
-	KindUnavailable:   outcomeUnavailable,
-	// A signer that did not answer in time: the cluster is unavailable
-	// for this request.
-	KindTimeout:         outcomeUnavailable,
-	KindTooManyRequests: outcomeLimited,
-}
-
-func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }
-
-// labelOf is the metric label of err's kind in labels, else other.
-func labelOf(err error, labels map[Kind]string, other string) string {
-	if l, ok := labels[KindOf(err)]; ok {
-		return l
-	}
-	return other
-}
+func IsNotFound(err error) bool { return apierrors.IsNotFound(err) }

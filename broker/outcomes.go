@@ -1,0 +1,38 @@
+package broker
+
+import "github.com/tokenbroker/tokenbroker/broker/problem"
+
+// Outcomes of an issuance, as counted in metrics.
+const (
+	outcomeGranted       = "granted"
+	outcomeDenied        = "denied"
+	outcomeInvalid       = "invalid"
+	outcomeUnprocessable = "unprocessable"
+	outcomeNotFound      = "not_found"
+	outcomeUnavailable   = "unavailable"
+	outcomeError         = "error"
+	outcomeLimited       = "limited"
+)
+
+// issueOutcomes label an issuance that failed, by the kind of its error.
+var issueOutcomes = map[problem.Kind]string{
+	problem.KindForbidden:     outcomeDenied,
+	problem.KindInvalid:       outcomeInvalid,
+	problem.KindUnprocessable: outcomeUnprocessable,
+	problem.KindNotFound:      outcomeNotFound,
+	problem.KindUnavailable:   outcomeUnavailable,
+	// A signer that did not answer in time: the cluster is unavailable
+	// for this request.
+	problem.KindTimeout:         outcomeUnavailable,
+	problem.KindTooManyRequests: outcomeLimited,
+}
+
+func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }
+
+// labelOf is the metric label of err's kind in labels, else other.
+func labelOf(err error, labels map[problem.Kind]string, other string) string {
+	if l, ok := labels[problem.KindOf(err)]; ok {
+		return l
+	}
+	return other
+}
