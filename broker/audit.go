@@ -175,7 +175,7 @@ func (b *Broker) audit(ctx context.Context, ev AuditEvent) {
 		return
 	}
 	err := b.cfg.Auditor.Audit(ev)
-	b.cfg.Metrics.observeAudit(ev.Action, ev.Decision, err)
+	b.cfg.Metrics.ObserveAudit(ev.Action, ev.Decision, err)
 	if err != nil {
 		b.cfg.Logger.Error("audit event not written",
 			zap.Error(err), zap.String("action", ev.Action), zap.String("decision", ev.Decision),

@@ -14,11 +14,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -157,7 +157,7 @@ func TestCertificateDecisionsAreAudited(t *testing.T) {
 	rec := newAuditRecorder()
 	e.b.cfg.Auditor = rec
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e.b.cfg.Metrics = m
 	ctx := WithRequestID(context.Background(), "enroll-1")
@@ -201,10 +201,10 @@ func TestCertificateDecisionsAreAudited(t *testing.T) {
 	require.Equal(t, DecisionDeny, evs[4].Decision)
 
 	require.NotContains(t, rec.buf.String(), tok, "the join token is in the audit log")
-	require.Equal(t, 2.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionEnroll, denyJoinToken)))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionRenew, denyIdentityMismatch)))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.auditEvents.WithLabelValues(ActionEnroll, DecisionAllow)))
-	require.Equal(t, 2.0, testutil.ToFloat64(m.auditEvents.WithLabelValues(ActionEnroll, DecisionDeny)))
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_denials_total", "action", ActionEnroll, "reason", denyJoinToken))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_denials_total", "action", ActionRenew, "reason", denyIdentityMismatch))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_audit_events_total", "action", ActionEnroll, "decision", DecisionAllow))
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_audit_events_total", "action", ActionEnroll, "decision", DecisionDeny))
 }
 
 type failingAuditor struct{}
@@ -215,12 +215,12 @@ func TestAnAuditWriteFailureIsCountedAndLoggedButTheDecisionStands(t *testing.T)
 	t.Parallel()
 	e := newEnv(t)
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e.b.cfg.Metrics, e.b.cfg.Auditor = m, failingAuditor{}
 	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 	require.NoError(t, err)
-	require.Equal(t, 1.0, testutil.ToFloat64(m.auditErrors))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_audit_write_errors_total"))
 	require.Equal(t, 1, e.logs.FilterMessage("audit event not written").Len())
 }
 
@@ -271,7 +271,7 @@ func BenchmarkAuditLog(b *testing.B) {
 
 func TestARefusedCallerIsAuditedAndCounted(t *testing.T) {
 	t.Parallel()
-	e, _, m := newMetricsEnv(t)
+	e, reg, _ := newMetricsEnv(t)
 	rec := newAuditRecorder()
 	e.b.cfg.Auditor = rec
 	e.b.RefuseCaller(WithRequestID(context.Background(), "r-401"), Caller{Identity: westID, CertSHA256: "sha256:aa"}, RefusedRevoked, "identity is revoked")
@@ -281,5 +281,5 @@ func TestARefusedCallerIsAuditedAndCounted(t *testing.T) {
 		Time: evs[0].Time, Audit: AuditSchema, Action: ActionAuthenticate, Decision: DecisionDeny,
 		Reason: "identity is revoked", RequestID: "r-401", Identity: westID, CertSHA256: "sha256:aa",
 	}, evs[0])
-	require.Equal(t, 1.0, testutil.ToFloat64(m.denials.WithLabelValues(ActionAuthenticate, RefusedRevoked)))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_denials_total", "action", ActionAuthenticate, "reason", RefusedRevoked))
 }

@@ -24,6 +24,7 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -96,7 +97,7 @@ type Config struct {
 	// APIServerReady reports whether the API server answers; used by Ready.
 	APIServerReady func(ctx context.Context) error
 	// Metrics, if set, records issuance outcomes and API call time.
-	Metrics *Metrics
+	Metrics *metrics.Metrics
 	// Clock is the broker's one source of time, for expiries, audit times
 	// and the durations it measures; nil means the wall clock. Rand
 	// defaults to crypto/rand.
@@ -266,7 +267,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)
-	b.cfg.Metrics.observeIssue(outcome, total, total-time.Duration(wait.d.Load()))
+	b.cfg.Metrics.ObserveIssue(outcome, total, total-time.Duration(wait.d.Load()))
 	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
 }
@@ -325,7 +326,7 @@ func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome s
 func (b *Broker) conclude(ctx context.Context, a *pendingAudit, decision, reason, denial string) {
 	a.ev.Decision, a.ev.Reason = decision, orDefault(a.reason, reason)
 	if decision == DecisionDeny {
-		b.cfg.Metrics.observeDenial(a.ev.Action, orDefault(a.denial, denial))
+		b.cfg.Metrics.ObserveDenial(a.ev.Action, orDefault(a.denial, denial))
 	}
 	b.audit(ctx, a.ev)
 }
@@ -341,9 +342,9 @@ type apiWaitKey struct{}
 // request's apiWait, if ctx carries one. It returns the call's duration.
 func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err error) time.Duration {
 	d := b.cfg.Clock.Since(start)
-	b.cfg.Metrics.observeAPI(call, d)
+	b.cfg.Metrics.ObserveAPI(call, d)
 	if err != nil {
-		b.cfg.Metrics.observeAPIError(call, problem.APIErrorReason(err))
+		b.cfg.Metrics.ObserveAPIError(call, problem.APIErrorReason(err))
 	}
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(d))
@@ -516,13 +517,13 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			err = classifyIssuer(issueErr, req)
 			return fail(claimed, outcomeFor(err), err)
 		default:
-			b.cfg.Metrics.observePoolPath(pathPool)
+			b.cfg.Metrics.ObservePoolPath(pathPool)
 			created, cred = claimed, got
 		}
 	}
 	if ready == nil {
 		if cert == nil {
-			b.cfg.Metrics.observePoolPath(pathSequential)
+			b.cfg.Metrics.ObservePoolPath(pathSequential)
 		}
 		t0 := b.cfg.Clock.Now()
 		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
@@ -542,7 +543,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID}
 		t0 = b.cfg.Clock.Now()
 		cred, err = issuer.Issue(ctx, ireq)
-		b.cfg.Metrics.observeIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
+		b.cfg.Metrics.ObserveIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
 		if err != nil {
 			err = classifyIssuer(err, req)
 			return fail(created, outcomeFor(err), err)
@@ -620,7 +621,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	a.ev.CredentialID = ref.apiID
 	a.ev.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
-	b.cfg.Metrics.observeGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
+	b.cfg.Metrics.ObserveGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
 	if requested != 0 {
 		reqTTL = requested.String()

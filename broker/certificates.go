@@ -203,7 +203,7 @@ func UsedJoinTokenSecretName(jti string) string {
 func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionEnroll}}
 	resp, outcome, err := b.enroll(ctx, token, req, a)
-	b.cfg.Metrics.observeCertificate(opEnroll, outcome)
+	b.cfg.Metrics.ObserveCertificate(opEnroll, outcome)
 	b.auditCertificate(ctx, a, outcome, resp, err)
 	return resp, err
 }
@@ -286,7 +286,7 @@ func (b *Broker) signLogged(csr *x509.CertificateRequest, identity string, log *
 func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	a := &pendingAudit{ev: AuditEvent{Action: ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, outcome, err := b.renew(c, req, a)
-	b.cfg.Metrics.observeCertificate(opRenew, outcome)
+	b.cfg.Metrics.ObserveCertificate(opRenew, outcome)
 	b.auditCertificate(ctx, a, outcome, resp, err)
 	return resp, err
 }
@@ -440,7 +440,7 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 	}
 	t0 := b.cfg.Clock.Now()
 	kp, err := b.cfg.CA.SignClient(csr, identity, ttl)
-	b.cfg.Metrics.observeAPI("sign_client_certificate", b.cfg.Clock.Since(t0))
+	b.cfg.Metrics.ObserveAPI("sign_client_certificate", b.cfg.Clock.Since(t0))
 	if err != nil {
 		if errors.Is(err, pki.ErrInvalidCSR) {
 			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",

@@ -25,18 +25,8 @@
 //
 // # Metrics
 //
-// NewMetrics registers the metrics listed on Metrics on the registry it is
-// given (never the global one), with Prometheus naming and help text:
-// issuances by outcome, their duration and the broker's own share of it,
-// the time of each issuer call, credentials issued by peer, namespace and
-// ServiceAccount, requested and granted TTLs, clamps, denials by action and
-// reason, API server call durations and errors, active leases and the
-// garbage collector's passes, deleted leases, certificate requests, the
-// expiry of the server certificate, the signing CA and the client-CA
-// bundle (read at every scrape), configuration reloads
-// (tokenbroker_config_reloads_total{config,result}, also fed by the
-// composition root for the server certificate and client-CA reloaders),
-// the size of the deny list, audit events and build information.
+// Every domain metric is defined in broker/metrics and listed on its
+// Metrics type.
 //
 // # Audit trail
 //

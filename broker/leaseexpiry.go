@@ -142,6 +142,6 @@ func (b *Broker) expireLease(s *corev1.Secret, kind string, log *zap.Logger) {
 		b.queueSecretDeletion(s, deleteExpired)
 		return
 	}
-	b.cfg.Metrics.leaseDeleted(deleteExpired, 1)
+	b.cfg.Metrics.LeaseDeleted(deleteExpired, 1)
 	log.Info("lease expired and revoked")
 }

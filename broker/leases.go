@@ -159,7 +159,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *Audit
 	if err := b.deleteSecret(ctx, s); err != nil {
 		return problem.Classify(err, "revoke lease", "lease not found")
 	}
-	b.cfg.Metrics.leaseDeleted("revoked", 1)
+	b.cfg.Metrics.LeaseDeleted("revoked", 1)
 	b.cfg.Logger.Info("lease revoked",
 		zap.String("identity", c.Identity),
 		zap.String("lease_id", id),
@@ -417,7 +417,7 @@ func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	start := b.cfg.Clock.Now()
 	n, active, err := b.collectGarbage(ctx)
-	b.cfg.Metrics.observeGC(b.cfg.Clock.Since(start), active, b.cfg.Clock.Now(), err)
+	b.cfg.Metrics.ObserveGC(b.cfg.Clock.Since(start), active, b.cfg.Clock.Now(), err)
 	return n, err
 }
 
@@ -542,7 +542,7 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 			leases++
 		}
 	}
-	b.cfg.Metrics.leaseDeleted("expired", leases)
+	b.cfg.Metrics.LeaseDeleted("expired", leases)
 	if others > 0 {
 		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", others))
 	}

@@ -299,7 +299,7 @@ func (b *Broker) takeIssuance(identity, peer string, lim Limits, a *pendingAudit
 
 // refuseLimited counts and records a refusal by a limit.
 func (b *Broker) refuseLimited(a *pendingAudit, peer, reason string, err *problem.Error) error {
-	b.cfg.Metrics.observeLimited(peer, reason)
+	b.cfg.Metrics.ObserveLimited(peer, reason)
 	if a != nil {
 		a.denial = reason
 	}

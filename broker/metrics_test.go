@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -18,13 +19,14 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
-func newMetricsEnv(t *testing.T) (*env, *prometheus.Registry, *Metrics) {
+func newMetricsEnv(t *testing.T) (*env, *prometheus.Registry, *metrics.Metrics) {
 	t.Helper()
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e := newEnv(t)
 	e.b.cfg.Metrics = m
@@ -35,7 +37,7 @@ func TestEveryMetricFollowsPrometheusNamingAndHasHelp(t *testing.T) {
 	t.Parallel()
 	e, reg, m := newMetricsEnv(t)
 	m.SetBuildInfo("v1.2.3", "abc", "go1.26")
-	m.WatchCertificateExpiry(CertificateServer, func() time.Time { return time.Unix(2000000000, 0) })
+	m.WatchCertificateExpiry(metrics.CertificateServer, func() time.Time { return time.Unix(2000000000, 0) })
 	// Touch every vector so that each has a series to lint.
 	_, _ = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "48h"})
 	_, _ = e.b.CollectGarbage(context.Background())
@@ -55,7 +57,7 @@ func TestEveryMetricFollowsPrometheusNamingAndHasHelp(t *testing.T) {
 
 func TestIssuanceMetricsCountWhoGotWhatAndHowTheTTLWasDecided(t *testing.T) {
 	t.Parallel()
-	e, reg, m := newMetricsEnv(t)
+	e, reg, _ := newMetricsEnv(t)
 	ctx := context.Background()
 	issue := func(req apiv1.KubeconfigRequest) error {
 		_, err := e.b.IssueKubeconfig(ctx, west, req)
@@ -88,13 +90,13 @@ tokenbroker_denials_total{action="issue",reason="not_granted"} 1
 	require.InDelta(t, (48+2)*3600.0, histogramSum(t, reg, "tokenbroker_requested_ttl_seconds"), 0.001)
 	require.Equal(t, uint64(3), histogramCount(t, reg, "tokenbroker_granted_ttl_seconds"))
 	require.InDelta(t, (12+2+1)*3600.0, histogramSum(t, reg, "tokenbroker_granted_ttl_seconds"), 0.001)
-	require.Equal(t, 1, testutil.CollectAndCount(m.issuerDur), "one series: issuer token, result success")
+	require.Equal(t, 1, seriesCount(t, reg, "tokenbroker_issuer_duration_seconds"), "one series: issuer token, result success")
 	require.Equal(t, uint64(3), histogramCountWith(t, reg, "tokenbroker_issuer_duration_seconds", "result", "success"))
 }
 
 func TestIssuerAndAPIServerErrorsAreCountedByReason(t *testing.T) {
 	t.Parallel()
-	e, reg, m := newMetricsEnv(t)
+	e, reg, _ := newMetricsEnv(t)
 	e.iss.err = apierrors.NewServiceUnavailable("etcd is down")
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 	require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
@@ -105,15 +107,15 @@ func TestIssuerAndAPIServerErrorsAreCountedByReason(t *testing.T) {
 	_, err = e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 	require.Error(t, err)
 
-	require.Equal(t, 1.0, testutil.ToFloat64(m.apiErrors.WithLabelValues("issue_token", "unavailable")))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.apiErrors.WithLabelValues("create_lease", "forbidden")))
-	require.Equal(t, 2, testutil.CollectAndCount(m.apiErrors))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_apiserver_call_errors_total", "call", "issue_token", "reason", "unavailable"))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_apiserver_call_errors_total", "call", "create_lease", "reason", "forbidden"))
+	require.Equal(t, 2, seriesCount(t, reg, "tokenbroker_apiserver_call_errors_total"))
 	require.Equal(t, uint64(1), histogramCountWith(t, reg, "tokenbroker_issuer_duration_seconds", "result", "error"))
 }
 
 func TestGarbageCollectionReportsActiveLeasesAndItsRuns(t *testing.T) {
 	t.Parallel()
-	e, reg, m := newMetricsEnv(t)
+	e, reg, _ := newMetricsEnv(t)
 	ctx := context.Background()
 	for _, ttl := range []string{"10m", "2h", "3h"} {
 		_, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: ttl})
@@ -121,35 +123,35 @@ func TestGarbageCollectionReportsActiveLeasesAndItsRuns(t *testing.T) {
 	}
 	_, err := e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 3.0, testutil.ToFloat64(m.activeLeases))
+	require.Equal(t, 3.0, metricValue(t, reg, "tokenbroker_leases_active"))
 
 	later := time.Now().Add(11 * time.Minute)
 	e.b.cfg.Clock = clocktesting.NewFakeClock(later)
 	_, err = e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 2.0, testutil.ToFloat64(m.activeLeases))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.deleted.WithLabelValues("expired")))
-	require.Equal(t, float64(later.UnixNano())/1e9, testutil.ToFloat64(m.gcLast))
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_leases_active"))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "expired"))
+	require.Equal(t, float64(later.UnixNano())/1e9, metricValue(t, reg, "tokenbroker_lease_gc_last_success_timestamp_seconds"))
 
 	e.client.PrependReactor("list", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, apierrors.NewServiceUnavailable("down")
 	})
 	_, err = e.b.CollectGarbage(ctx)
 	require.Error(t, err)
-	require.Equal(t, 2.0, testutil.ToFloat64(m.gcRuns.WithLabelValues("success")))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.gcRuns.WithLabelValues("failure")))
-	require.Equal(t, 2.0, testutil.ToFloat64(m.activeLeases), "a failed pass keeps the last count")
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_lease_gc_runs_total", "result", "success"))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_lease_gc_runs_total", "result", "failure"))
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_leases_active"), "a failed pass keeps the last count")
 	require.Equal(t, uint64(3), histogramCount(t, reg, "tokenbroker_lease_gc_duration_seconds"))
 }
 
 func TestCertificateExpiryIsReadAtEveryScrape(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	notAfter := time.Unix(1900000000, 0)
-	m.WatchCertificateExpiry(CertificateServer, func() time.Time { return notAfter })
-	m.WatchCertificateExpiry(CertificateCA, func() time.Time { return time.Time{} }) // none: not reported
+	m.WatchCertificateExpiry(metrics.CertificateServer, func() time.Time { return notAfter })
+	m.WatchCertificateExpiry(metrics.CertificateCA, func() time.Time { return time.Time{} }) // none: not reported
 	want := `
 # HELP tokenbroker_certificate_expiry_timestamp_seconds NotAfter, as Unix time, of the server certificate (server), the signing CA (ca) and the earliest certificate of the client-CA bundle (client-ca).
 # TYPE tokenbroker_certificate_expiry_timestamp_seconds gauge
@@ -163,7 +165,7 @@ tokenbroker_certificate_expiry_timestamp_seconds{certificate="server"} %d
 func TestBuildInfo(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	m.SetBuildInfo("v1.2.3", "abc123", "go1.26.8")
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`
@@ -175,19 +177,19 @@ tokenbroker_build_info{goversion="go1.26.8",revision="abc123",version="v1.2.3"} 
 
 func TestANilMetricsRecordsNothing(t *testing.T) {
 	t.Parallel()
-	var m *Metrics
+	var m *metrics.Metrics
 	// A broker built without metrics (the tests' and the GC replica's)
 	// calls every method on nil: each must be a no-op, not a panic.
 	for name, call := range map[string]func(){
-		"observeGrant":           func() { m.observeGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant) },
-		"observeDenial":          func() { m.observeDenial(ActionIssue, denyInvalid) },
-		"observeGC":              func() { m.observeGC(time.Second, 1, time.Now(), nil) },
-		"observeAPIError":        func() { m.observeAPIError("x", "other") },
-		"observeAudit":           func() { m.observeAudit(ActionIssue, DecisionAllow, nil) },
-		"observeIssuer":          func() { m.observeIssuer("token", time.Second, nil) },
-		"WatchCertificateExpiry": func() { m.WatchCertificateExpiry(CertificateCA, time.Now) },
+		"observeGrant":           func() { m.ObserveGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant) },
+		"observeDenial":          func() { m.ObserveDenial(ActionIssue, denyInvalid) },
+		"observeGC":              func() { m.ObserveGC(time.Second, 1, time.Now(), nil) },
+		"observeAPIError":        func() { m.ObserveAPIError("x", "other") },
+		"observeAudit":           func() { m.ObserveAudit(ActionIssue, DecisionAllow, nil) },
+		"observeIssuer":          func() { m.ObserveIssuer("token", time.Second, nil) },
+		"WatchCertificateExpiry": func() { m.WatchCertificateExpiry(metrics.CertificateCA, time.Now) },
 		"SetBuildInfo":           func() { m.SetBuildInfo("v", "r", "g") },
-		"ObserveReload":          func() { m.ObserveReload(ConfigPolicy, nil) },
+		"ObserveReload":          func() { m.ObserveReload(metrics.ConfigPolicy, nil) },
 	} {
 		require.NotPanics(t, call, name)
 	}
@@ -233,7 +235,7 @@ func histogramCountWith(t *testing.T, g prometheus.Gatherer, name, label, value 
 // every metric.
 func metricsDoc(t *testing.T) string {
 	t.Helper()
-	b, err := os.ReadFile("metrics.go")
+	b, err := os.ReadFile(filepath.Join("metrics", "metrics.go"))
 	require.NoError(t, err)
 	s := string(b)
 	return s[:strings.Index(s, "type Metrics struct")]

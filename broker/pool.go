@@ -301,7 +301,7 @@ func (b *Broker) RunPool(ctx context.Context) {
 // if it stopped because issuances were not quiet yet, else 0.
 func (b *Broker) tendPool(ctx context.Context) time.Duration {
 	p := b.pool
-	defer func() { b.cfg.Metrics.setPoolReady(p.size()) }()
+	defer func() { b.cfg.Metrics.SetPoolReady(p.size()) }()
 	b.deletePooled(ctx, p.sweep(b.cfg.Clock.Now()))
 	for ctx.Err() == nil {
 		ns, ok := p.next()
@@ -407,7 +407,7 @@ func (b *Broker) claim(ctx context.Context, s *pooled, lease *corev1.Secret, iss
 	}()
 	t0 := b.cfg.Clock.Now()
 	cred, issueErr := issuer.Issue(inner, ireq)
-	b.cfg.Metrics.observeIssuer(kind, b.timeAPI(inner, "issue_"+kind, t0, issueErr), issueErr)
+	b.cfg.Metrics.ObserveIssuer(kind, b.timeAPI(inner, "issue_"+kind, t0, issueErr), issueErr)
 	<-done
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(b.cfg.Clock.Since(start)))

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -38,13 +39,13 @@ type PolicyWatcher struct {
 // caller loaded it with LoadPolicyFile before); an error means it no longer
 // loads. interval zero means DefaultPolicyReloadInterval; metrics may be
 // nil.
-func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, metrics *Metrics, interval time.Duration) (*PolicyWatcher, error) {
+func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, m *metrics.Metrics, interval time.Duration) (*PolicyWatcher, error) {
 	if interval <= 0 {
 		interval = DefaultPolicyReloadInterval
 	}
 	w := &PolicyWatcher{store: store, interval: interval}
 	report := func(err error) {
-		metrics.ObserveReload(ConfigPolicy, err)
+		m.ObserveReload(metrics.ConfigPolicy, err)
 		if err != nil {
 			log.Error("policy reload refused; keeping the policy in force", zap.String("file", path), zap.Error(err))
 			return

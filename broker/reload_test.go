@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -30,7 +31,7 @@ func TestThePolicyWatcherSwapsGoodPoliciesAndRefusesBadOnes(t *testing.T) {
 	require.NoError(t, err)
 	store := NewPolicyStore(p)
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	core, logs := observer.New(zap.InfoLevel)
 	w, err := NewPolicyWatcher(file, store, zap.New(core), m, 0)

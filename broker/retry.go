@@ -96,7 +96,7 @@ func (b *Broker) queueDeletion(key string, d *pendingDeletion) bool {
 	d.backoff = wait.Backoff{Duration: retryFirst, Factor: 2, Cap: retryCap, Steps: math.MaxInt32}
 	d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
 	q.pending[key] = d
-	b.cfg.Metrics.setPendingDeletions(len(q.pending))
+	b.cfg.Metrics.SetPendingDeletions(len(q.pending))
 	if !q.running {
 		// The worker runs while there is something to retry and stops when
 		// the queue is empty.
@@ -154,7 +154,7 @@ func (b *Broker) runRetries() {
 			} else {
 				d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
 			}
-			b.cfg.Metrics.setPendingDeletions(len(q.pending))
+			b.cfg.Metrics.SetPendingDeletions(len(q.pending))
 			q.mu.Unlock()
 		}
 	}
@@ -184,7 +184,7 @@ func (b *Broker) retryDeletion(d *pendingDeletion) error {
 	}
 	b.cfg.Logger.Info("lease deleted after retries", zap.String("secret", d.secret.Namespace+"/"+d.secret.Name), zap.String("reason", d.reason))
 	if d.reason == deleteExpired {
-		b.cfg.Metrics.leaseDeleted(deleteExpired, 1)
+		b.cfg.Metrics.LeaseDeleted(deleteExpired, 1)
 	}
 	return nil
 }

@@ -8,13 +8,13 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 	"k8s.io/apimachinery/pkg/runtime"
 	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -56,16 +56,17 @@ func (o *outage) on(e *env, verbs ...string) {
 }
 
 // retryEnv is an env on a fake clock with metrics and an audit recorder.
-func retryEnv(t *testing.T) (*env, *clocktesting.FakeClock, *Metrics, *auditRecorder) {
+func retryEnv(t *testing.T) (*env, *clocktesting.FakeClock, *prometheus.Registry, *auditRecorder) {
 	t.Helper()
 	e := newEnv(t)
 	clock := clocktesting.NewFakeClock(time.Now())
-	m, err := NewMetrics(prometheus.NewRegistry())
+	reg := prometheus.NewRegistry()
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	rec := newAuditRecorder()
 	e.b.cfg.Clock, e.b.cfg.Metrics, e.b.cfg.Auditor = clock, m, rec
 	e.b.limits, e.b.enrollLim = newLimiter(clock), newEnrollLimiter(clock)
-	return e, clock, m, rec
+	return e, clock, reg, rec
 }
 
 // stepUntil advances the clock by the backoff cap until cond holds; the
@@ -92,7 +93,7 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			e, clock, m, rec := retryEnv(t)
+			e, clock, reg, rec := retryEnv(t)
 			resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 			require.NoError(t, err)
 			var o outage
@@ -103,11 +104,11 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			require.Equal(t, problem.KindUnavailable, problem.KindOf(err))
 			require.True(t, problem.Retryable(err))
 			require.Equal(t, 1, e.leaseCount(t), "nothing is deleted")
-			require.Equal(t, 0.0, testutil.ToFloat64(m.deleted.WithLabelValues("revoked")), "nothing is claimed")
+			require.Equal(t, 0.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "revoked"), "nothing is claimed")
 			events := rec.all()
 			require.Equal(t, DecisionError, events[len(events)-1].Decision)
 			require.Equal(t, 1, e.b.PendingDeletions())
-			require.Equal(t, 1.0, testutil.ToFloat64(m.pendingDel))
+			require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_lease_deletions_pending"))
 
 			// Retried with backoff while the outage lasts.
 			stepUntil(t, clock, func() bool { return o.count() >= 4 })
@@ -116,8 +117,8 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			o.set(false)
 			stepUntil(t, clock, func() bool { return e.b.PendingDeletions() == 0 })
 			require.Zero(t, e.leaseCount(t), "the lease is gone once the API server answers")
-			require.Equal(t, 1.0, testutil.ToFloat64(m.deleted.WithLabelValues("revoked")))
-			require.Zero(t, testutil.ToFloat64(m.pendingDel))
+			require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "revoked"))
+			require.Zero(t, metricValue(t, reg, "tokenbroker_lease_deletions_pending"))
 			last := rec.all()[len(rec.all())-1]
 			require.Equal(t, ActionRevoke, last.Action)
 			require.Equal(t, DecisionAllow, last.Decision)
@@ -152,7 +153,7 @@ func TestARevocationIsQueuedOnceAndNeverForAnotherPeersLease(t *testing.T) {
 
 func TestAnExpiredLeaseTheGCCannotDeleteIsRetriedUntilGone(t *testing.T) {
 	t.Parallel()
-	e, clock, m, _ := retryEnv(t)
+	e, clock, reg, _ := retryEnv(t)
 	_, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
 	clock.Step(2 * time.Hour)
@@ -169,5 +170,5 @@ func TestAnExpiredLeaseTheGCCannotDeleteIsRetriedUntilGone(t *testing.T) {
 	o.set(false)
 	stepUntil(t, clock, func() bool { return e.b.PendingDeletions() == 0 })
 	require.Zero(t, e.leaseCount(t))
-	require.Equal(t, 1.0, testutil.ToFloat64(m.deleted.WithLabelValues("expired")))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "expired"))
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode"
 
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -151,15 +152,15 @@ type RevocationList struct {
 	configMaps corev1client.ConfigMapsGetter
 	namespace  string
 	log        *zap.Logger
-	metrics    *Metrics
+	metrics    *metrics.Metrics
 
 	current atomic.Pointer[DenyList]
 }
 
 // NewRevocationList returns a list that Run fills from the ConfigMap
 // RevocationConfigMap in namespace. log is required; metrics may be nil.
-func NewRevocationList(cms corev1client.ConfigMapsGetter, namespace string, log *zap.Logger, metrics *Metrics) *RevocationList {
-	return &RevocationList{configMaps: cms, namespace: namespace, log: log, metrics: metrics}
+func NewRevocationList(cms corev1client.ConfigMapsGetter, namespace string, log *zap.Logger, m *metrics.Metrics) *RevocationList {
+	return &RevocationList{configMaps: cms, namespace: namespace, log: log, metrics: m}
 }
 
 // StaticRevocationList returns a list that holds d and is never updated,
@@ -226,7 +227,7 @@ func (l *RevocationList) Run(ctx context.Context) {
 		// No ConfigMap at all means nothing is revoked; an Add event that
 		// arrived first has already stored the list.
 		if l.current.CompareAndSwap(nil, &DenyList{}) {
-			l.metrics.setRevocations(0, 0)
+			l.metrics.SetRevocations(0, 0)
 		}
 		l.log.Info("revocation list synced", zap.String("namespace", l.namespace))
 	}()
@@ -267,7 +268,7 @@ func (l *RevocationList) update(obj any) {
 
 func (l *RevocationList) store(d *DenyList) {
 	l.current.Store(d)
-	l.metrics.setRevocations(d.Len())
+	l.metrics.SetRevocations(d.Len())
 }
 
 // AddRevocation adds one entry to the deny list ConfigMap in cms, creating

@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -131,7 +131,7 @@ func TestTheRevocationListFollowsTheConfigMap(t *testing.T) {
 	t.Parallel()
 	client := fake.NewClientset()
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	l := NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), m)
 
@@ -151,7 +151,7 @@ func TestTheRevocationListFollowsTheConfigMap(t *testing.T) {
 	_, err = AddRevocation(ctx, cms, RevokeSerial, "1f", "", time.Now())
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return l.Revoked(northID, "1f") }, 5*time.Second, 10*time.Millisecond)
-	require.Equal(t, 1.0, testutil.ToFloat64(m.revocations.WithLabelValues("serial")))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_revocations", "kind", "serial"))
 
 	// A ConfigMap of the same name elsewhere is not the deny list.
 	_, err = AddRevocation(ctx, client.CoreV1().ConfigMaps("other"), RevokeIdentity, "spiffe://oc.example/cluster/south", "", time.Now())

@@ -22,6 +22,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -82,7 +83,7 @@ func newRaceEnv(t *testing.T, policy string, namespaces map[string]map[string]st
 	}
 	nss.synced = true
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e := &raceEnv{
 		client: fake.NewClientset(), nss: nss, store: NewPolicyStore(mustPolicy(t, policy)),

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -93,7 +94,7 @@ type tenants struct {
 	informer NamespaceInformer
 	queue    workqueue.TypedDelayingInterface[unmatch]
 	log      *zap.Logger
-	metrics  *Metrics
+	metrics  *metrics.Metrics
 	clock    clock.PassiveClock
 	// live reads a namespace from the API server, not the cache, to
 	// confirm that it left a grant before its leases are revoked; nil
@@ -298,11 +299,11 @@ func (t *tenants) reportLocked() {
 	if t.metrics == nil {
 		return
 	}
-	counts := make(map[selectorGrant]int, len(t.matching))
+	counts := make(map[metrics.PeerGrant]int, len(t.matching))
 	for k, m := range t.matching {
-		counts[k] = len(m)
+		counts[metrics.PeerGrant{Peer: k.peer, Grant: k.grant}] = len(m)
 	}
-	t.metrics.setSelectorNamespaces(counts)
+	t.metrics.SetSelectorNamespaces(counts)
 }
 
 // matchingNamespaces returns the namespaces the peer's selector grant
@@ -492,7 +493,7 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 	}
 	id := s.Labels[LabelLeaseID]
 	reason := "namespace " + item.namespace + " is no longer covered by grant " + item.grant + " (" + item.reason + ")"
-	b.cfg.Metrics.observeUnmatched(item.reason)
+	b.cfg.Metrics.ObserveUnmatched(item.reason)
 	b.cfg.Logger.Info("lease revoked",
 		zap.String("identity", s.Annotations[AnnotationIdentity]),
 		zap.String("peer", item.peer),

@@ -19,6 +19,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -238,7 +239,7 @@ func newTenantEnv(t *testing.T, policy string, namespaces map[string]map[string]
 	}
 	nss.synced = true
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e := &tenantEnv{
 		client: fake.NewClientset(), nss: nss, store: NewPolicyStore(mustPolicy(t, policy)),
@@ -338,7 +339,7 @@ func TestAnUnchangedNamespaceSeenAgainRevokesNothing(t *testing.T) {
 	e.nss.set("oil-dev", map[string]string{"capsule.clastix.io/tenant": "oil", "other": "x"})
 	e.b.tenants.queue.ShutDownWithDrain()
 	require.True(t, e.live(t, "oil-dev", id))
-	require.Zero(t, testutil.ToFloat64(e.b.cfg.Metrics.unmatched.WithLabelValues(UnmatchLabelChanged)))
+	require.Zero(t, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchLabelChanged))
 }
 
 func TestTheDelayRidesOutARelabel(t *testing.T) {
@@ -369,7 +370,7 @@ func TestAReloadThatNarrowsAGrantRevokesWhatItNoLongerCovers(t *testing.T) {
 	e.store.Store(mustPolicy(t, narrowed))
 	e.requireRevoked(t, "oil-dev", dev)
 	require.True(t, e.live(t, "oil-system", sys), "still listed by name")
-	require.Equal(t, 1.0, testutil.ToFloat64(e.b.cfg.Metrics.unmatched.WithLabelValues(UnmatchPolicy)))
+	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchPolicy))
 
 	// Removing the grant altogether narrows it to nothing.
 	e.store.Store(mustPolicy(t, strings.Replace(narrowed, "namespaces: [oil-system]", "namespaces: [other]", 1)))
@@ -423,7 +424,7 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 	e.b.sweepUnmatched(context.Background())
 	e.clock.Step(uncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
-	require.Equal(t, 1.0, testutil.ToFloat64(e.b.cfg.Metrics.unmatched.WithLabelValues(UnmatchFoundAtStart)))
+	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchFoundAtStart))
 }
 
 // BenchmarkDecideWithManyNamespaces shows that a selector grant decides in

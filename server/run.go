@@ -25,6 +25,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -269,11 +270,11 @@ func Run(ctx context.Context, opts Options) error {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	metrics, err := broker.NewMetrics(reg)
+	mets, err := metrics.New(reg)
 	if err != nil {
 		return fmt.Errorf("register metrics: %w", err)
 	}
-	metrics.SetBuildInfo(opts.Build.Version, opts.Build.Revision, opts.Build.GoVersion)
+	mets.SetBuildInfo(opts.Build.Version, opts.Build.Revision, opts.Build.GoVersion)
 	auditor, closeAudit, err := OpenAuditLog(opts.AuditLog, log)
 	if err != nil {
 		return err
@@ -286,29 +287,29 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	reloadOpts := func(config, file string) []pki.ReloaderOption {
-		o := []pki.ReloaderOption{pki.WithReloadCallback(reloadReporter(log, metrics, config, file))}
+		o := []pki.ReloaderOption{pki.WithReloadCallback(reloadReporter(log, mets, config, file))}
 		if opts.ReloadInterval > 0 {
 			o = append(o, pki.WithReloadInterval(opts.ReloadInterval))
 		}
 		return o
 	}
-	certs, err := pki.NewCertReloader(opts.TLSCertFile, opts.TLSKeyFile, reloadOpts(broker.ConfigServerCertificate, opts.TLSCertFile)...)
+	certs, err := pki.NewCertReloader(opts.TLSCertFile, opts.TLSKeyFile, reloadOpts(metrics.ConfigServerCertificate, opts.TLSCertFile)...)
 	if err != nil {
 		return fmt.Errorf("load server certificate: %w", err)
 	}
-	clientCAs, err := pki.NewPoolReloader(opts.ClientCAFile, reloadOpts(broker.ConfigClientCA, opts.ClientCAFile)...)
+	clientCAs, err := pki.NewPoolReloader(opts.ClientCAFile, reloadOpts(metrics.ConfigClientCA, opts.ClientCAFile)...)
 	if err != nil {
 		return fmt.Errorf("load client CA bundle: %w", err)
 	}
-	metrics.WatchCertificateExpiry(broker.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
-	metrics.WatchCertificateExpiry(broker.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
+	mets.WatchCertificateExpiry(metrics.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
+	mets.WatchCertificateExpiry(metrics.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
 	// A nil *pki.CAReloader must not become a non-nil interface.
 	var ca broker.CertificateAuthority
 	if opts.CACertFile != "" {
 		// Validate-then-swap like the other files; a new CA that the
 		// client-CA bundle does not trust is also warned about.
 		var c *pki.CAReloader
-		report := reloadReporter(log, metrics, broker.ConfigCA, opts.CACertFile)
+		report := reloadReporter(log, mets, metrics.ConfigCA, opts.CACertFile)
 		o := []pki.ReloaderOption{pki.WithReloadCallback(func(err error) {
 			report(err)
 			if err == nil {
@@ -323,7 +324,7 @@ func Run(ctx context.Context, opts Options) error {
 			return fmt.Errorf("load signing CA: %w", err)
 		}
 		ca = c
-		metrics.WatchCertificateExpiry(broker.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
+		mets.WatchCertificateExpiry(metrics.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
 			zap.Duration("default_ttl", opts.ClientCertTTL))
@@ -333,7 +334,7 @@ func Run(ctx context.Context, opts Options) error {
 	// A nil *pki.PoolReloader must not become a non-nil interface.
 	var previousCA broker.CACertificates
 	if opts.PreviousCACertFile != "" {
-		p, err := pki.NewPoolReloader(opts.PreviousCACertFile, reloadOpts(broker.ConfigPreviousCA, opts.PreviousCACertFile)...)
+		p, err := pki.NewPoolReloader(opts.PreviousCACertFile, reloadOpts(metrics.ConfigPreviousCA, opts.PreviousCACertFile)...)
 		if err != nil {
 			return fmt.Errorf("load previous signing CA: %w", err)
 		}
@@ -353,11 +354,11 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	store := broker.NewPolicyStore(policy)
-	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), metrics, opts.ReloadInterval)
+	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), mets, opts.ReloadInterval)
 	if err != nil {
 		return err
 	}
-	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), metrics)
+	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), mets)
 	leases := broker.NewLeaseCounter(metaClient, clock.RealClock{}, log.Named("leases"))
 	namespaces, err := namespaceInformer(ctx, metaClient, log)
 	if err != nil {
@@ -370,7 +371,7 @@ func Run(ctx context.Context, opts Options) error {
 		Issuers:                 iss,
 		Policy:                  store,
 		Logger:                  log.Named("broker"),
-		Metrics:                 metrics,
+		Metrics:                 mets,
 		APIServerReady:          broker.APIServerReadyz(client.Discovery().RESTClient()),
 		Namespace:               opts.Namespace,
 		CA:                      ca,
@@ -606,7 +607,7 @@ func earliestNotAfter(certs []*x509.Certificate) time.Time {
 }
 
 // reloadReporter logs and counts the reloads of one configuration file.
-func reloadReporter(log *zap.Logger, m *broker.Metrics, config, file string) func(error) {
+func reloadReporter(log *zap.Logger, m *metrics.Metrics, config, file string) func(error) {
 	return func(err error) {
 		m.ObserveReload(config, err)
 		if err != nil {

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -191,18 +192,24 @@ func registeredMetrics(t *testing.T) map[string]bool {
 	t.Helper()
 	nameRE := regexp.MustCompile(`"(tokenbroker_[a-z0-9_]+)"`)
 	out := map[string]bool{}
-	// Every non-test file of the packages that register metrics: most are
-	// in their metrics.go, some next to what they count (the
-	// ClusterTrustBundle publisher's).
+	// Every non-test file of the packages that register metrics and the
+	// packages below them: most are in broker/metrics, some next to what
+	// they count (the ClusterTrustBundle publisher's).
 	var files []string
 	for _, dir := range []string{"broker", "server", "agent"} {
-		matches, err := filepath.Glob(filepath.Join(repoRoot(t), dir, "*.go"))
-		require.NoError(t, err)
-		for _, f := range matches {
-			if !strings.HasSuffix(f, "_test.go") {
-				files = append(files, f)
+		err := filepath.WalkDir(filepath.Join(repoRoot(t), dir), func(path string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
 			}
-		}
+			if d.IsDir() && d.Name() == "testdata" {
+				return filepath.SkipDir
+			}
+			if !d.IsDir() && strings.HasSuffix(path, ".go") && !strings.HasSuffix(path, "_test.go") {
+				files = append(files, path)
+			}
+			return nil
+		})
+		require.NoError(t, err)
 	}
 	for _, f := range files {
 		src, err := os.ReadFile(f)

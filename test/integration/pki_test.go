@@ -23,6 +23,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -302,7 +303,7 @@ func testServerCertificateRotationUnderLoad(t *testing.T, c *testcluster.Cluster
 	require.Positive(t, seen[oldSerial], "new connections before the rotation saw the old certificate")
 	require.Positive(t, seen[newSerial], "new connections after the rotation saw the new certificate")
 	require.Equal(t, newSerial, serverSerial(t, s, fresh))
-	require.GreaterOrEqual(t, reloads(t, s, broker.ConfigServerCertificate, "success"), 1.0)
+	require.GreaterOrEqual(t, reloads(t, s, metrics.ConfigServerCertificate, "success"), 1.0)
 }
 
 // serverSerial returns the serial of the certificate a new connection sees.
@@ -373,7 +374,7 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	status, err = whoami(newClient)
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, status)
-	require.GreaterOrEqual(t, reloads(t, s, broker.ConfigClientCA, "success"), 2.0)
+	require.GreaterOrEqual(t, reloads(t, s, metrics.ConfigClientCA, "success"), 2.0)
 	// The previous-CA file is looked at when a join token is verified, at
 	// most every reloadInterval: probe with throwaway tokens of the old CA
 	// until one is refused, then the token kept for this check must be too.
@@ -393,7 +394,7 @@ func testCARotation(t *testing.T, c *testcluster.Cluster) {
 	require.Eventually(t, func() bool {
 		_, _ = whoami(newClient) // handshakes look at the file
 		_, _ = whoami(s.clientFrom(t, newCA, "north", roots))
-		return reloads(t, s, broker.ConfigClientCA, "failure") >= 1
+		return reloads(t, s, metrics.ConfigClientCA, "failure") >= 1
 	}, 5*time.Second, 50*time.Millisecond)
 	status, err = whoami(s.clientFrom(t, newCA, "north", roots))
 	require.NoError(t, err)
@@ -426,15 +427,15 @@ func testSigningCARotation(t *testing.T, s *stack, oldCA, newCA *pki.CA, client 
 	// scrape looks at the files too, through the CA expiry metric; renewals
 	// are rate-limited, so the test polls the metrics.)
 	writeFileAtomic(t, s.caCertFile, []byte("not a CA"))
-	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigCA, "failure") >= 1 },
+	require.Eventually(t, func() bool { return reloads(t, s, metrics.ConfigCA, "failure") >= 1 },
 		5*time.Second, 10*time.Millisecond, "a broken CA file is refused and counted")
 	require.True(t, signedBy(renew(), oldCA))
-	require.NotEmpty(t, s.logs.FilterMessage("reload refused; keeping the previous one").FilterField(zap.String("config", broker.ConfigCA)).All())
+	require.NotEmpty(t, s.logs.FilterMessage("reload refused; keeping the previous one").FilterField(zap.String("config", metrics.ConfigCA)).All())
 
 	// The new CA's files: picked up at the next look.
 	start := time.Now()
 	require.NoError(t, newCA.ReplaceFiles(s.caCertFile, s.caKeyFile))
-	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigCA, "success") >= 1 },
+	require.Eventually(t, func() bool { return reloads(t, s, metrics.ConfigCA, "success") >= 1 },
 		5*time.Second, 10*time.Millisecond, "the new CA is taken without a restart")
 	t.Logf("new signing CA in service %s after its files were written", time.Since(start).Round(time.Millisecond))
 	require.True(t, signedBy(renew(), newCA), "renewals are signed by the new CA; a certificate of the old CA renews while it is named the previous CA")
@@ -456,7 +457,7 @@ func testSigningCARotation(t *testing.T, s *stack, oldCA, newCA *pki.CA, client 
 		require.NoError(t, err)
 		require.Equal(t, http.StatusOK, status, name)
 	}
-	expiry := counterOrGauge(t, s.reg, "tokenbroker_certificate_expiry_timestamp_seconds", map[string]string{"certificate": broker.CertificateCA})
+	expiry := counterOrGauge(t, s.reg, "tokenbroker_certificate_expiry_timestamp_seconds", map[string]string{"certificate": metrics.CertificateCA})
 	require.Equal(t, float64(newCA.Certificate().NotAfter.Unix()), expiry, "the CA expiry metric follows the reload")
 }
 
@@ -480,7 +481,7 @@ func testPolicyReload(t *testing.T, c *testcluster.Cluster) {
 	require.Equal(t, http.StatusForbidden, status)
 
 	writeFileAtomic(t, s.policyFile, []byte("peers: [\n"))
-	require.Eventually(t, func() bool { return reloads(t, s, broker.ConfigPolicy, "failure") == 1 },
+	require.Eventually(t, func() bool { return reloads(t, s, metrics.ConfigPolicy, "failure") == 1 },
 		5*time.Second, 50*time.Millisecond, "the bad file is refused and counted")
 	issue(t, s, west, req) // the old policy is still in force
 	require.Equal(t, 1, s.logs.FilterMessage("policy reload refused; keeping the policy in force").Len())
@@ -496,8 +497,8 @@ func testPolicyReload(t *testing.T, c *testcluster.Cluster) {
 		status, _, err := tryDo(south, http.MethodPost, s.url+"/v1/kubeconfigs", "", req, nil)
 		return err == nil && status == http.StatusCreated
 	}, 5*time.Second, 50*time.Millisecond, "the good file is picked up")
-	require.Equal(t, 1.0, reloads(t, s, broker.ConfigPolicy, "success"))
-	require.Equal(t, 1.0, reloads(t, s, broker.ConfigPolicy, "failure"))
+	require.Equal(t, 1.0, reloads(t, s, metrics.ConfigPolicy, "success"))
+	require.Equal(t, 1.0, reloads(t, s, metrics.ConfigPolicy, "failure"))
 }
 
 func TestRevocationIsEnforcedWithin10sOnKeptAliveConnections(t *testing.T) {

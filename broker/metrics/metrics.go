@@ -1,4 +1,4 @@
-package broker
+package metrics
 
 import (
 	"slices"
@@ -133,8 +133,8 @@ const (
 	ConfigPreviousCA        = "previous-ca"
 )
 
-// NewMetrics creates the broker metrics and registers them with reg.
-func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+// New creates the broker metrics and registers them with reg.
+func New(reg prometheus.Registerer) (*Metrics, error) {
 	buckets := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
 	m := &Metrics{
 		issuances: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -278,7 +278,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 // TokenRequest minimum) to a day and more.
 var ttlBuckets = []float64{600, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 3600, 24 * 3600, 48 * 3600, 7 * 24 * 3600}
 
-func (m *Metrics) observeIssue(outcome string, total, own time.Duration) {
+func (m *Metrics) ObserveIssue(outcome string, total, own time.Duration) {
 	if m == nil {
 		return
 	}
@@ -287,49 +287,49 @@ func (m *Metrics) observeIssue(outcome string, total, own time.Duration) {
 	m.issueOwn.WithLabelValues(outcome).Observe(own.Seconds())
 }
 
-func (m *Metrics) observeLimited(peer, reason string) {
+func (m *Metrics) ObserveLimited(peer, reason string) {
 	if m == nil {
 		return
 	}
 	m.limited.WithLabelValues(peer, reason).Inc()
 }
 
-func (m *Metrics) observeAPI(call string, d time.Duration) {
+func (m *Metrics) ObserveAPI(call string, d time.Duration) {
 	if m == nil {
 		return
 	}
 	m.apiCall.WithLabelValues(call).Observe(d.Seconds())
 }
 
-func (m *Metrics) leaseDeleted(reason string, n int) {
+func (m *Metrics) LeaseDeleted(reason string, n int) {
 	if m == nil || n == 0 {
 		return
 	}
 	m.deleted.WithLabelValues(reason).Add(float64(n))
 }
 
-func (m *Metrics) observePoolPath(path string) {
+func (m *Metrics) ObservePoolPath(path string) {
 	if m == nil {
 		return
 	}
 	m.poolIssued.WithLabelValues(path).Inc()
 }
 
-func (m *Metrics) setPoolReady(n int) {
+func (m *Metrics) SetPoolReady(n int) {
 	if m == nil {
 		return
 	}
 	m.poolReady.Set(float64(n))
 }
 
-func (m *Metrics) setPendingDeletions(n int) {
+func (m *Metrics) SetPendingDeletions(n int) {
 	if m == nil {
 		return
 	}
 	m.pendingDel.Set(float64(n))
 }
 
-func (m *Metrics) observeCertificate(operation, outcome string) {
+func (m *Metrics) ObserveCertificate(operation, outcome string) {
 	if m == nil {
 		return
 	}
@@ -351,7 +351,7 @@ func (m *Metrics) ObserveReload(config string, err error) {
 	m.reloads.WithLabelValues(config, result).Inc()
 }
 
-func (m *Metrics) setRevocations(identities, serials int) {
+func (m *Metrics) SetRevocations(identities, serials int) {
 	if m == nil {
 		return
 	}
@@ -359,7 +359,7 @@ func (m *Metrics) setRevocations(identities, serials int) {
 	m.revocations.WithLabelValues("serial").Set(float64(serials))
 }
 
-func (m *Metrics) observeIssuer(issuer string, d time.Duration, err error) {
+func (m *Metrics) ObserveIssuer(issuer string, d time.Duration, err error) {
 	if m == nil {
 		return
 	}
@@ -372,7 +372,7 @@ func (m *Metrics) observeIssuer(issuer string, d time.Duration, err error) {
 
 // observeGrant records a credential handed out: who got it, and how its
 // TTL compares with what was asked.
-func (m *Metrics) observeGrant(peer, namespace, serviceAccount, credential string, requested, granted time.Duration, clampedBy string) {
+func (m *Metrics) ObserveGrant(peer, namespace, serviceAccount, credential string, requested, granted time.Duration, clampedBy string) {
 	if m == nil {
 		return
 	}
@@ -386,7 +386,7 @@ func (m *Metrics) observeGrant(peer, namespace, serviceAccount, credential strin
 	}
 }
 
-func (m *Metrics) observeDenial(action, reason string) {
+func (m *Metrics) ObserveDenial(action, reason string) {
 	if m == nil {
 		return
 	}
@@ -395,7 +395,7 @@ func (m *Metrics) observeDenial(action, reason string) {
 
 // observeGC records one garbage collection pass; active is the number of
 // unexpired leases it saw, meaningful only when err is nil.
-func (m *Metrics) observeGC(d time.Duration, active int, end time.Time, err error) {
+func (m *Metrics) ObserveGC(d time.Duration, active int, end time.Time, err error) {
 	if m == nil {
 		return
 	}
@@ -458,14 +458,14 @@ func (m *Metrics) SetBuildInfo(version, revision, goVersion string) {
 	m.buildInfo.WithLabelValues(version, revision, goVersion).Set(1)
 }
 
-func (m *Metrics) observeAPIError(call, reason string) {
+func (m *Metrics) ObserveAPIError(call, reason string) {
 	if m == nil {
 		return
 	}
 	m.apiErrors.WithLabelValues(call, reason).Inc()
 }
 
-func (m *Metrics) observeAudit(action, decision string, writeErr error) {
+func (m *Metrics) ObserveAudit(action, decision string, writeErr error) {
 	if m == nil {
 		return
 	}
@@ -478,7 +478,7 @@ func (m *Metrics) observeAudit(action, decision string, writeErr error) {
 
 // observeUnmatched counts one lease revoked because its namespace stopped
 // being covered, and deleted as lease reason "unmatched".
-func (m *Metrics) observeUnmatched(reason string) {
+func (m *Metrics) ObserveUnmatched(reason string) {
 	if m == nil {
 		return
 	}
@@ -486,14 +486,17 @@ func (m *Metrics) observeUnmatched(reason string) {
 	m.deleted.WithLabelValues("unmatched").Inc()
 }
 
+// PeerGrant names one grant of one peer, as a label pair.
+type PeerGrant struct{ Peer, Grant string }
+
 // setSelectorNamespaces replaces the per-grant counts of matching
 // namespaces.
-func (m *Metrics) setSelectorNamespaces(counts map[selectorGrant]int) {
+func (m *Metrics) SetSelectorNamespaces(counts map[PeerGrant]int) {
 	if m == nil {
 		return
 	}
 	m.selectorNS.Reset()
 	for k, n := range counts {
-		m.selectorNS.WithLabelValues(k.peer, k.grant).Set(float64(n))
+		m.selectorNS.WithLabelValues(k.Peer, k.Grant).Set(float64(n))
 	}
 }
