@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -38,7 +39,7 @@ func TestAnUnlistedAudienceIsRefusedBeforeAnythingIsCreatedAndAuditedAsSuch(t *t
 	evs := rec.all()
 	require.Len(t, evs, 2)
 	for _, ev := range evs {
-		require.Equal(t, DecisionDeny, ev.Decision)
+		require.Equal(t, audit.DecisionDeny, ev.Decision)
 		require.Equal(t, "a grant covers the request but does not list all the audiences it names", ev.Reason)
 	}
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(`

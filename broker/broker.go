@@ -24,6 +24,7 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -141,8 +142,8 @@ type Config struct {
 	// Revocations is the deny list; nil means nothing is revoked. While it
 	// is not synced the broker is not ready.
 	Revocations *RevocationList
-	// Auditor receives one AuditEvent per decision; nil writes none.
-	Auditor Auditor
+	// Auditor receives one audit.Event per decision; nil writes none.
+	Auditor audit.Auditor
 	// Leases counts the live leases for the quotas; nil enforces none
 	// (tests of other things). MaxLiveLeases bounds all peers' leases
 	// together whatever the policy says; 0 means DefaultMaxLiveLeasesTotal.
@@ -249,8 +250,8 @@ func (b *Broker) policy() (*Policy, error) {
 func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	start := b.cfg.Clock.Now()
 	wait := new(apiWait)
-	a := &pendingAudit{ev: AuditEvent{
-		Action:         ActionIssue,
+	a := &pendingAudit{ev: audit.Event{
+		Action:         audit.ActionIssue,
 		Identity:       c.Identity,
 		CertSHA256:     c.CertSHA256,
 		Namespace:      req.Namespace,
@@ -274,7 +275,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 
 // pendingAudit is what one request learns for its audit event as it goes.
 type pendingAudit struct {
-	ev AuditEvent
+	ev audit.Event
 	// denial is the reason code of a refusal for
 	// tokenbroker_denials_total, when the outcome alone does not tell it.
 	denial string
@@ -305,19 +306,19 @@ const (
 func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome string, err error) {
 	switch outcome {
 	case outcomeGranted:
-		b.conclude(ctx, a, DecisionAllow, "", "")
+		b.conclude(ctx, a, audit.DecisionAllow, "", "")
 	case outcomeDenied:
-		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyNotGranted)
+		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyNotGranted)
 	case outcomeNotFound:
-		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyNotFound)
+		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyNotFound)
 	case outcomeInvalid, outcomeUnprocessable:
-		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyInvalid)
+		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyInvalid)
 	case outcomeLimited:
-		b.conclude(ctx, a, DecisionDeny, errDetail(err), "")
+		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), "")
 	case outcomeUnavailable:
-		b.conclude(ctx, a, DecisionError, "the Kubernetes API server is unavailable", "")
+		b.conclude(ctx, a, audit.DecisionError, "the Kubernetes API server is unavailable", "")
 	default:
-		b.conclude(ctx, a, DecisionError, "internal error", "")
+		b.conclude(ctx, a, audit.DecisionError, "internal error", "")
 	}
 }
 
@@ -325,7 +326,7 @@ func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome s
 // if set) and counts a denial under a.denial, else under denial.
 func (b *Broker) conclude(ctx context.Context, a *pendingAudit, decision, reason, denial string) {
 	a.ev.Decision, a.ev.Reason = decision, orDefault(a.reason, reason)
-	if decision == DecisionDeny {
+	if decision == audit.DecisionDeny {
 		b.cfg.Metrics.ObserveDenial(a.ev.Action, orDefault(a.denial, denial))
 	}
 	b.audit(ctx, a.ev)

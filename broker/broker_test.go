@@ -24,6 +24,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
@@ -180,8 +181,8 @@ func TestATTLUnderTheIssuersMinimumIsGrantedAsAskedAndTheLeaseRevokedAtItsExpiry
 func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	var audit bytes.Buffer
-	e.b.cfg.Auditor = NewAuditLog(&audit)
+	var auditBuf bytes.Buffer
+	e.b.cfg.Auditor = audit.NewLog(&auditBuf)
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "kube client CA"})
 	require.NoError(t, err)
 	id, err := pki.ClusterIdentity("oc.example", "runner")
@@ -204,13 +205,13 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	require.Equal(t, kp.CertPEM, rc.CertData)
 	require.Equal(t, kp.KeyPEM, rc.KeyData)
 	require.Empty(t, rc.BearerToken)
-	require.Contains(t, audit.String(), `"certificate_serial":"`+leaf[0].SerialNumber.Text(16)+`"`)
-	require.NotContains(t, audit.String(), "token_jti")
+	require.Contains(t, auditBuf.String(), `"certificate_serial":"`+leaf[0].SerialNumber.Text(16)+`"`)
+	require.NotContains(t, auditBuf.String(), "token_jti")
 	// The API server's x509 authenticator logs sha256 of the leaf's DER
 	// as the credential id; the audit event and the lease carry the same.
 	sum := sha256.Sum256(leaf[0].Raw)
 	want := "X509SHA256=" + hex.EncodeToString(sum[:])
-	require.Contains(t, audit.String(), `"credential_id":"`+want+`"`)
+	require.Contains(t, auditBuf.String(), `"credential_id":"`+want+`"`)
 	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)

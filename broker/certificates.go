@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -201,7 +202,7 @@ func UsedJoinTokenSecretName(jti string) string {
 // same token only one issues a certificate. KindUnavailable (API server
 // unreachable, token not used up) is retryable.
 func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	a := &pendingAudit{ev: AuditEvent{Action: ActionEnroll}}
+	a := &pendingAudit{ev: audit.Event{Action: audit.ActionEnroll}}
 	resp, outcome, err := b.enroll(ctx, token, req, a)
 	b.cfg.Metrics.ObserveCertificate(opEnroll, outcome)
 	b.auditCertificate(ctx, a, outcome, resp, err)
@@ -214,13 +215,13 @@ func (b *Broker) auditCertificate(ctx context.Context, a *pendingAudit, outcome 
 	case certIssued:
 		a.ev.Serial = resp.SerialNumber
 		a.ev.NotAfter = resp.NotAfter.UTC().Format(time.RFC3339)
-		b.conclude(ctx, a, DecisionAllow, "", "")
+		b.conclude(ctx, a, audit.DecisionAllow, "", "")
 	case certUnavailable:
-		b.conclude(ctx, a, DecisionError, "the Kubernetes API server is unavailable", "")
+		b.conclude(ctx, a, audit.DecisionError, "the Kubernetes API server is unavailable", "")
 	case certError:
-		b.conclude(ctx, a, DecisionError, errDetail(err), "")
+		b.conclude(ctx, a, audit.DecisionError, errDetail(err), "")
 	default:
-		b.conclude(ctx, a, DecisionDeny, errDetail(err), denyInvalid)
+		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyInvalid)
 	}
 }
 
@@ -284,7 +285,7 @@ func (b *Broker) signLogged(csr *x509.CertificateRequest, identity string, log *
 // in the policy and a CSR for another identity are KindForbidden; a CSR
 // that does not parse is KindInvalid.
 func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	a := &pendingAudit{ev: AuditEvent{Action: ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	a := &pendingAudit{ev: audit.Event{Action: audit.ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, outcome, err := b.renew(c, req, a)
 	b.cfg.Metrics.ObserveCertificate(opRenew, outcome)
 	b.auditCertificate(ctx, a, outcome, resp, err)

@@ -30,15 +30,6 @@
 //
 // # Audit trail
 //
-// Every decision ends in exactly one AuditEvent handed to Config.Auditor:
-// a kubeconfig issued or refused (ActionIssue), a lease revoked or a
-// revocation refused (ActionRevoke), a certificate enrolled or renewed or
-// refused (ActionEnroll, ActionRenew). The decision is DecisionAllow,
-// DecisionDeny (the policy or the request said no) or DecisionError (the
-// API server or the CA failed). An event names the caller (identity,
-// certificate fingerprint, the transport's request id from WithRequestID)
-// and what was handed out (lease id, the token's jti, the certificate's
-// serial), never a token, a join token, a kubeconfig or a key. AuditLog
-// writes events as JSON lines; the composition root points it at stdout,
-// stderr or a file.
+// Every decision ends in exactly one audit.Event handed to Config.Auditor;
+// broker/audit defines the events and the JSON-lines log.
 package broker

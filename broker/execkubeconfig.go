@@ -9,6 +9,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 )
 
 // pluginInstallHint is what client-go prints when the exec kubeconfig's
@@ -26,8 +27,8 @@ TOKENBROKER_IDENTITY_DIR to your identity directory (tls.crt, tls.key, ca.crt).`
 // caller at once whether the policy grants the request, rather than at its
 // first kubectl. Every call ends in one audit event (ActionExecKubeconfig).
 func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
-	a := &pendingAudit{ev: AuditEvent{
-		Action:         ActionExecKubeconfig,
+	a := &pendingAudit{ev: audit.Event{
+		Action:         audit.ActionExecKubeconfig,
 		Identity:       c.Identity,
 		CertSHA256:     c.CertSHA256,
 		Namespace:      req.Namespace,
@@ -53,7 +54,7 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 	if err != nil {
 		return nil, outcomeError, err
 	}
-	log.Info("decision", zap.Bool("allowed", true), zap.String("peer", dec.Peer), zap.String("action", ActionExecKubeconfig))
+	log.Info("decision", zap.Bool("allowed", true), zap.String("peer", dec.Peer), zap.String("action", audit.ActionExecKubeconfig))
 	return kc, outcomeGranted, nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -39,8 +40,8 @@ func TestAnExecKubeconfigIsDecidedButIssuesNothing(t *testing.T) {
 	require.Equal(t, "argo/admiralty-source@east", cfg.CurrentContext)
 	evs := rec.all()
 	require.Len(t, evs, 1)
-	require.Equal(t, ActionExecKubeconfig, evs[0].Action)
-	require.Equal(t, DecisionAllow, evs[0].Decision)
+	require.Equal(t, audit.ActionExecKubeconfig, evs[0].Action)
+	require.Equal(t, audit.DecisionAllow, evs[0].Decision)
 	require.Equal(t, "west", evs[0].Peer)
 	require.Empty(t, evs[0].LeaseID)
 }

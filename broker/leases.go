@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -127,7 +128,7 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // then says so). A retried DELETE is harmless: it finds the lease or gets
 // KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
-	a := &pendingAudit{ev: AuditEvent{Action: ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
+	a := &pendingAudit{ev: audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
 	done, err := b.admitLeaseRead(c, a)
 	if err == nil {
 		defer done()
@@ -148,7 +149,7 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 	return err
 }
 
-func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *AuditEvent) error {
+func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit.Event) error {
 	s, err := b.findLease(ctx, c, id, true)
 	if err != nil {
 		return err

@@ -13,6 +13,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -62,7 +63,7 @@ func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *tes
 	require.Contains(t, err.Error(), "peer west is over its limit of 2 issuances a minute (burst 2); retry in 30s")
 	require.Equal(t, 2, e.leaseCount(t), "nothing created")
 	evs := rec.all()
-	require.Equal(t, DecisionDeny, evs[len(evs)-1].Decision, "the refusal is audited")
+	require.Equal(t, audit.DecisionDeny, evs[len(evs)-1].Decision, "the refusal is audited")
 
 	south := Caller{Identity: "spiffe://oc.example/cluster/south"}
 	for range 5 {

@@ -19,6 +19,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -182,10 +183,10 @@ func TestANilMetricsRecordsNothing(t *testing.T) {
 	// calls every method on nil: each must be a no-op, not a panic.
 	for name, call := range map[string]func(){
 		"observeGrant":           func() { m.ObserveGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant) },
-		"observeDenial":          func() { m.ObserveDenial(ActionIssue, denyInvalid) },
+		"observeDenial":          func() { m.ObserveDenial(audit.ActionIssue, denyInvalid) },
 		"observeGC":              func() { m.ObserveGC(time.Second, 1, time.Now(), nil) },
 		"observeAPIError":        func() { m.ObserveAPIError("x", "other") },
-		"observeAudit":           func() { m.ObserveAudit(ActionIssue, DecisionAllow, nil) },
+		"observeAudit":           func() { m.ObserveAudit(audit.ActionIssue, audit.DecisionAllow, nil) },
 		"observeIssuer":          func() { m.ObserveIssuer("token", time.Second, nil) },
 		"WatchCertificateExpiry": func() { m.WatchCertificateExpiry(metrics.CertificateCA, time.Now) },
 		"SetBuildInfo":           func() { m.SetBuildInfo("v", "r", "g") },

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -167,11 +168,11 @@ func (b *Broker) retryDeletion(d *pendingDeletion) error {
 	if d.secret == nil {
 		// A revocation: look the lease up again as its caller, so that
 		// only the caller's own lease is deleted.
-		ev := AuditEvent{Action: ActionRevoke, Identity: d.caller.Identity, CertSHA256: d.caller.CertSHA256, LeaseID: d.id}
+		ev := audit.Event{Action: audit.ActionRevoke, Identity: d.caller.Identity, CertSHA256: d.caller.CertSHA256, LeaseID: d.id}
 		err := b.revokeLease(ctx, d.caller, d.id, &ev)
 		switch {
 		case err == nil:
-			ev.Decision, ev.Reason = DecisionAllow, "revoked after the API server was unavailable"
+			ev.Decision, ev.Reason = audit.DecisionAllow, "revoked after the API server was unavailable"
 			b.audit(ctx, ev)
 			return nil
 		case problem.KindOf(err) == problem.KindNotFound:

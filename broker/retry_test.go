@@ -14,6 +14,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -106,7 +107,7 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			require.Equal(t, 1, e.leaseCount(t), "nothing is deleted")
 			require.Equal(t, 0.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "revoked"), "nothing is claimed")
 			events := rec.all()
-			require.Equal(t, DecisionError, events[len(events)-1].Decision)
+			require.Equal(t, audit.DecisionError, events[len(events)-1].Decision)
 			require.Equal(t, 1, e.b.PendingDeletions())
 			require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_lease_deletions_pending"))
 
@@ -120,8 +121,8 @@ func TestARevocationDuringAnOutageIsA503ThatClaimsNothingAndIsCarriedOutWhenTheA
 			require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_leases_deleted_total", "reason", "revoked"))
 			require.Zero(t, metricValue(t, reg, "tokenbroker_lease_deletions_pending"))
 			last := rec.all()[len(rec.all())-1]
-			require.Equal(t, ActionRevoke, last.Action)
-			require.Equal(t, DecisionAllow, last.Decision)
+			require.Equal(t, audit.ActionRevoke, last.Action)
+			require.Equal(t, audit.DecisionAllow, last.Decision)
 			require.Equal(t, resp.LeaseID, last.LeaseID)
 			require.Equal(t, "revoked after the API server was unavailable", last.Reason)
 

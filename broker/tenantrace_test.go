@@ -22,6 +22,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -203,8 +204,8 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 			require.Empty(t, e.leases(t, "oil-dev"), "the lease, and the credential bound to it, are gone")
 			evs := e.audit.all()
 			last := evs[len(evs)-1]
-			require.Equal(t, ActionIssue, last.Action)
-			require.Equal(t, DecisionDeny, last.Decision)
+			require.Equal(t, audit.ActionIssue, last.Action)
+			require.Equal(t, audit.DecisionDeny, last.Decision)
 			require.Contains(t, last.Reason, "unmatched_during_issue")
 		})
 	}

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
@@ -502,9 +503,9 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 		zap.String("namespace", s.Namespace),
 		zap.String("service_account", s.Annotations[AnnotationSA]),
 		zap.String("reason", item.reason))
-	b.audit(ctx, AuditEvent{
-		Action:         ActionRevoke,
-		Decision:       DecisionAllow,
+	b.audit(ctx, audit.Event{
+		Action:         audit.ActionRevoke,
+		Decision:       audit.DecisionAllow,
 		Reason:         reason,
 		Identity:       s.Annotations[AnnotationIdentity],
 		Peer:           item.peer,

@@ -19,6 +19,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -308,9 +309,9 @@ func TestANamespaceThatLeavesASelectorGrantLosesItsLeases(t *testing.T) {
 # TYPE tokenbroker_unmatched_revocations_total counter
 tokenbroker_unmatched_revocations_total{reason="label_changed"} 1
 `), "tokenbroker_unmatched_revocations_total"))
-	var revoked []AuditEvent
+	var revoked []audit.Event
 	for _, ev := range e.audit.all() {
-		if ev.Action == ActionRevoke {
+		if ev.Action == audit.ActionRevoke {
 			revoked = append(revoked, ev)
 		}
 	}

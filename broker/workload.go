@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -75,13 +76,13 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 		if errors.As(err, &be) {
 			reason = be.Reason
 		}
-		a := &pendingAudit{ev: AuditEvent{Action: ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: TokenFingerprint(token)}}
+		a := &pendingAudit{ev: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: TokenFingerprint(token)}}
 		if p := b.cfg.Policy.Load(); p != nil {
 			if peer := p.peer(c.Identity); peer != nil {
 				a.ev.Peer = peer.Name
 			}
 		}
-		b.conclude(ctx, a, DecisionDeny, "workload token refused: "+reason, denyWorkloadToken)
+		b.conclude(ctx, a, audit.DecisionDeny, "workload token refused: "+reason, denyWorkloadToken)
 		b.cfg.Logger.Info("workload token refused", zap.String("identity", c.Identity),
 			zap.String("reason", reason), zap.String("token_sha256", TokenFingerprint(token)), zap.Error(err))
 		return c, err
@@ -142,7 +143,7 @@ func (b *Broker) verifyWorkload(c Caller, token string) (*Workload, error) {
 // that is not a usable set is KindInvalid. Uploading the set in force
 // again changes nothing.
 func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.PeerJWKS, error) {
-	a := &pendingAudit{ev: AuditEvent{Action: ActionUploadJWKS, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	a := &pendingAudit{ev: audit.Event{Action: audit.ActionUploadJWKS, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, err := b.putPeerJWKS(ctx, c, doc, a)
 	outcome := outcomeGranted
 	if err != nil {

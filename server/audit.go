@@ -9,7 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 )
 
 // The Options.AuditLog values that are not file paths.
@@ -22,12 +22,12 @@ const (
 // AuditStderr or a file path); the returned function closes a file sink. A
 // file sink is created 0600, appended to, and reopened on SIGHUP until it
 // is closed, so that logrotate's rename-and-signal rotation loses no event.
-func OpenAuditLog(dest string, log *zap.Logger) (broker.Auditor, func(), error) {
+func OpenAuditLog(dest string, log *zap.Logger) (audit.Auditor, func(), error) {
 	switch dest {
 	case AuditStdout:
-		return broker.NewAuditLog(os.Stdout), func() {}, nil
+		return audit.NewLog(os.Stdout), func() {}, nil
 	case AuditStderr:
-		return broker.NewAuditLog(os.Stderr), func() {}, nil
+		return audit.NewLog(os.Stderr), func() {}, nil
 	case "":
 		return nil, nil, fmt.Errorf("audit log: %q, %q or a file path is required", AuditStdout, AuditStderr)
 	}
@@ -53,7 +53,7 @@ func OpenAuditLog(dest string, log *zap.Logger) (broker.Auditor, func(), error) 
 			}
 		}
 	}()
-	return broker.NewAuditLog(f), func() {
+	return audit.NewLog(f), func() {
 		signal.Stop(hup)
 		close(stop)
 		<-done

@@ -25,6 +25,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -404,7 +405,7 @@ func TestAClientWhoseCAWasRemovedFromTheBundleIsRefused(t *testing.T) {
 	// The refusal is audited with what is known of the caller.
 	refused := b.refused()
 	require.Len(t, refused, 1)
-	require.Equal(t, broker.RefusedUntrustedCA, refused[0].code)
+	require.Equal(t, audit.RefusedUntrustedCA, refused[0].code)
 	require.Equal(t, testIdentity, refused[0].caller.Identity)
 	require.Equal(t, pki.Fingerprint(h.pki.client.Cert), refused[0].caller.CertSHA256)
 	require.Equal(t, p.RequestID, refused[0].requestID)
@@ -422,7 +423,7 @@ func TestARevokedCallerIsAuditedAndAnAcceptedOneIsNot(t *testing.T) {
 	requireProblem(t, h.do(request{method: http.MethodGet, path: "/v1/whoami"}), 401, "unauthenticated")
 	refused := b.refused()
 	require.Len(t, refused, 1)
-	require.Equal(t, broker.RefusedRevoked, refused[0].code)
+	require.Equal(t, audit.RefusedRevoked, refused[0].code)
 	require.Equal(t, testIdentity, refused[0].caller.Identity)
 }
 

@@ -15,6 +15,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -624,7 +625,7 @@ func TestTheBrokerSeesTheRequestIDForItsAuditEvents(t *testing.T) {
 	t.Parallel()
 	var seen string
 	b := &fakeBroker{issue: func(ctx context.Context, _ broker.Caller, _ apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
-		seen = broker.RequestID(ctx)
+		seen = audit.RequestID(ctx)
 		return testResponse(), nil
 	}}
 	h := newHarness(t, b)

@@ -29,6 +29,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -217,7 +218,7 @@ type refusal struct {
 func (f *fakeBroker) RefuseCaller(ctx context.Context, c broker.Caller, code, reason string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.refusals = append(f.refusals, refusal{c, code, reason, broker.RequestID(ctx)})
+	f.refusals = append(f.refusals, refusal{c, code, reason, audit.RequestID(ctx)})
 }
 
 func (f *fakeBroker) refused() []refusal {

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -82,7 +83,7 @@ func (s *Server) requestID(listener string) func(http.Handler) http.Handler {
 			w.Header().Set(headerRequestID, id)
 			info := &requestInfo{id: id, listener: listener, log: s.log.With(zap.String("request_id", id))}
 			// The broker learns the id too, for its audit events.
-			ctx := broker.WithRequestID(withRequestInfo(r.Context(), info), id)
+			ctx := audit.WithRequestID(withRequestInfo(r.Context(), info), id)
 			next.ServeHTTP(w, r.WithContext(ctx))
 		})
 	}
@@ -211,32 +212,32 @@ func refuse(code string, err error) *authError { return &authError{code: code, e
 func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 	st := r.TLS
 	if st == nil {
-		return peer{}, refuse(broker.RefusedNoCertificate, errors.New("not a TLS connection"))
+		return peer{}, refuse(audit.RefusedNoCertificate, errors.New("not a TLS connection"))
 	}
 	// VerifiedChains is set only when the TLS stack verified the chain; a
 	// configuration that merely requests a certificate leaves it empty.
 	if len(st.VerifiedChains) == 0 || len(st.PeerCertificates) == 0 {
-		return peer{}, refuse(broker.RefusedNoCertificate, errors.New("no verified client certificate"))
+		return peer{}, refuse(audit.RefusedNoCertificate, errors.New("no verified client certificate"))
 	}
 	cert := st.PeerCertificates[0]
 	known := peer{caller: broker.Caller{CertSHA256: pki.Fingerprint(cert), Certificate: cert}, cert: cert}
 	// A keep-alive connection can outlive the certificate it was opened
 	// with.
 	if now := s.cfg.Now(); now.Before(cert.NotBefore) || now.After(cert.NotAfter) {
-		return known, refuse(broker.RefusedExpired, fmt.Errorf("client certificate is not valid at %s (valid %s to %s)",
+		return known, refuse(audit.RefusedExpired, fmt.Errorf("client certificate is not valid at %s (valid %s to %s)",
 			now.UTC().Format("2006-01-02T15:04:05Z"), cert.NotBefore.UTC().Format("2006-01-02T15:04:05Z"),
 			cert.NotAfter.UTC().Format("2006-01-02T15:04:05Z")))
 	}
 	id, err := pki.IdentityFromCert(cert)
 	if err != nil {
-		return known, refuse(broker.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))
+		return known, refuse(audit.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))
 	}
 	known.caller.Identity = id
 	// A keep-alive connection can also outlive the trust in its CA (removed
 	// from the bundle at the end of a CA rotation) and the certificate's
 	// good standing (revoked).
 	if s.cfg.ClientCAs != nil && !anchoredIn(st.VerifiedChains, s.cfg.ClientCAs.Certificates()) {
-		return known, refuse(broker.RefusedUntrustedCA, errors.New("client certificate's CA is no longer in the client CA bundle"))
+		return known, refuse(audit.RefusedUntrustedCA, errors.New("client certificate's CA is no longer in the client CA bundle"))
 	}
 	if s.revocations != nil {
 		// Every verified chain, not only the first: a client certificate
@@ -244,7 +245,7 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		// cross-signed one, a CA kept in the bundle during a rotation)
 		// is refused whichever chain the TLS stack listed first.
 		if s.revocations.Revoked(id, chainSerials(st.VerifiedChains)...) {
-			return known, refuse(broker.RefusedRevoked, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id))
+			return known, refuse(audit.RefusedRevoked, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id))
 		}
 	}
 	return known, nil

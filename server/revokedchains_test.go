@@ -9,7 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -53,7 +53,7 @@ func TestADeniedCertificateInAnyVerifiedChainRefusesTheCaller(t *testing.T) {
 			if tc.wantCode == http.StatusUnauthorized {
 				refused := b.refused()
 				require.Len(t, refused, 1)
-				require.Equal(t, broker.RefusedRevoked, refused[0].code)
+				require.Equal(t, audit.RefusedRevoked, refused[0].code)
 			}
 		})
 	}

@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	"k8s.io/client-go/rest"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 )
 
 func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
@@ -22,7 +22,7 @@ func TestAnAuditLogFileIsAppendedToAndPrivate(t *testing.T) {
 	require.NoError(t, os.WriteFile(path, []byte("{\"earlier\":true}\n"), 0o600))
 	a, closeFn, err := OpenAuditLog(path, zap.NewNop())
 	require.NoError(t, err)
-	require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow}))
+	require.NoError(t, a.Audit(audit.Event{Audit: audit.Schema, Action: audit.ActionIssue, Decision: audit.DecisionAllow}))
 	closeFn()
 	b, err := os.ReadFile(path)
 	require.NoError(t, err)
@@ -50,7 +50,7 @@ func TestTheAuditLogFileIsReopenedOnSIGHUPForLogrotate(t *testing.T) {
 	require.NoError(t, err)
 	defer closeFn()
 	event := func(id string) {
-		require.NoError(t, a.Audit(broker.AuditEvent{Audit: broker.AuditSchema, Action: broker.ActionIssue, RequestID: id}))
+		require.NoError(t, a.Audit(audit.Event{Audit: audit.Schema, Action: audit.ActionIssue, RequestID: id}))
 	}
 	event("before")
 	require.NoError(t, os.Rename(path, path+".1")) // what logrotate does first

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	rbacv1 "k8s.io/api/rbac/v1"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
 )
 
@@ -227,7 +227,7 @@ func TestUnusedMatchesRulesAsRBACDoes(t *testing.T) {
 }
 
 // TestBrokerEventNamesTheBrokersFields holds BrokerEvent to the JSON names
-// broker.AuditEvent writes: a renamed field there must fail here.
+// audit.Event writes: a renamed field there must fail here.
 func TestBrokerEventNamesTheBrokersFields(t *testing.T) {
 	t.Parallel()
 	tags := func(typ reflect.Type) map[string]bool {
@@ -238,18 +238,18 @@ func TestBrokerEventNamesTheBrokersFields(t *testing.T) {
 		}
 		return m
 	}
-	want := tags(reflect.TypeFor[broker.AuditEvent]())
+	want := tags(reflect.TypeFor[audit.Event]())
 	for name := range tags(reflect.TypeFor[auditjoin.BrokerEvent]()) {
-		require.True(t, want[name], "broker.AuditEvent has no field %q", name)
+		require.True(t, want[name], "audit.Event has no field %q", name)
 	}
 	var buf bytes.Buffer
-	require.NoError(t, broker.NewAuditLog(&buf).Audit(broker.AuditEvent{
-		Audit: broker.AuditSchema, Action: broker.ActionIssue, Decision: broker.DecisionAllow, LeaseID: tokenLease, CredentialID: tokenCred,
+	require.NoError(t, audit.NewLog(&buf).Audit(audit.Event{
+		Audit: audit.Schema, Action: audit.ActionIssue, Decision: audit.DecisionAllow, LeaseID: tokenLease, CredentialID: tokenCred,
 	}))
 	ev, err := auditjoin.ParseBrokerEvent(bytes.TrimSpace(buf.Bytes()))
 	require.NoError(t, err)
 	require.Equal(t, tokenCred, ev.CredentialID)
-	require.Equal(t, broker.AuditSchema, auditjoin.BrokerAuditSchema)
+	require.Equal(t, audit.Schema, auditjoin.BrokerAuditSchema)
 }
 
 func TestOldBrokerEventsJoinByTheTokensJTI(t *testing.T) {

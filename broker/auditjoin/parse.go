@@ -195,7 +195,7 @@ func ParseAPIEvent(line []byte) (APIEvent, error) {
 }
 
 // BrokerEvent is what the join needs of a broker audit event
-// (broker.AuditEvent, the same JSON names).
+// (audit.Event, the same JSON names).
 type BrokerEvent struct {
 	Time              time.Time `json:"time"`
 	Audit             string    `json:"audit"`

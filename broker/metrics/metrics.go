@@ -61,7 +61,7 @@ import (
 //	tokenbroker_apiserver_call_errors_total{call,reason}   failed API server calls by call and reason
 //	                                                       (unavailable, forbidden, not_found,
 //	                                                       conflict, invalid, other)
-//	tokenbroker_audit_events_total{action,decision}        audit events written (see AuditEvent)
+//	tokenbroker_audit_events_total{action,decision}        audit events written (see audit.Event)
 //	tokenbroker_audit_write_errors_total                   audit events that could not be written
 //	tokenbroker_build_info{version,revision,goversion}     1, labelled with the build
 //	tokenbroker_limited_total{peer,reason}                 requests refused with 429 by a limit, by peer

@@ -1,4 +1,4 @@
-package broker
+package audit
 
 import (
 	"context"
@@ -6,14 +6,12 @@ import (
 	"io"
 	"sync"
 	"time"
-
-	"go.uber.org/zap"
 )
 
-// AuditSchema is the value of every audit event's "audit" field: it tells
+// Schema is the value of every audit event's "audit" field: it tells
 // audit events apart from operational log lines in a shared stream and
 // versions their shape.
-const AuditSchema = "tokenbroker.io/v1"
+const Schema = "tokenbroker.io/v1"
 
 // Audit actions and decisions.
 const (
@@ -39,7 +37,7 @@ const (
 	DecisionError = "error"
 )
 
-// AuditEvent is one decision of the broker: a kubeconfig issued or refused,
+// Event is one decision of the broker: a kubeconfig issued or refused,
 // a lease revoked, a certificate enrolled or renewed. It names who asked
 // (identity, certificate fingerprint, request id) and what they got (lease
 // id, the token's jti, the certificate's serial), never a credential. Its
@@ -48,7 +46,7 @@ const (
 // "authentication.kubernetes.io/credential-id": "JTI=<jti>" or
 // "X509SHA256=<fingerprint>"), so the two logs join on it
 // ("tokenbroker audit", broker/auditjoin).
-type AuditEvent struct {
+type Event struct {
 	Time     time.Time `json:"time"`
 	Audit    string    `json:"audit"`
 	Action   string    `json:"action"`
@@ -102,22 +100,22 @@ type AuditEvent struct {
 // Auditor receives the broker's audit events. Audit must be safe for
 // concurrent use and must not block for long: it runs on the request path.
 type Auditor interface {
-	Audit(AuditEvent) error
+	Audit(Event) error
 }
 
-// AuditLog writes audit events as JSON lines to w, one Write per event so
+// Log writes audit events as JSON lines to w, one Write per event so
 // that concurrent events never interleave.
-type AuditLog struct {
+type Log struct {
 	mu  sync.Mutex
 	w   io.Writer
 	buf []byte
 }
 
-// NewAuditLog returns an Auditor writing to w.
-func NewAuditLog(w io.Writer) *AuditLog { return &AuditLog{w: w} }
+// NewLog returns an Auditor writing to w.
+func NewLog(w io.Writer) *Log { return &Log{w: w} }
 
 // Audit writes one event.
-func (l *AuditLog) Audit(ev AuditEvent) error {
+func (l *Log) Audit(ev Event) error {
 	line, err := json.Marshal(ev)
 	if err != nil {
 		return err
@@ -139,15 +137,6 @@ const (
 	RefusedRevoked       = "revoked"
 )
 
-// RefuseCaller records a caller the transport refused (401) in the audit
-// trail and the denial metrics: c holds what is known of it (identity and
-// certificate fingerprint, either may be empty), code is one of the
-// Refused* constants and reason says why.
-func (b *Broker) RefuseCaller(ctx context.Context, c Caller, code, reason string) {
-	a := &pendingAudit{ev: AuditEvent{Action: ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256}}
-	b.conclude(ctx, a, DecisionDeny, reason, code)
-}
-
 type requestIDKey struct{}
 
 // WithRequestID returns a context carrying the transport's request id, for
@@ -160,25 +149,4 @@ func WithRequestID(ctx context.Context, id string) context.Context {
 func RequestID(ctx context.Context) string {
 	id, _ := ctx.Value(requestIDKey{}).(string)
 	return id
-}
-
-// audit completes ev and hands it to the configured Auditor; a failed
-// write is logged and counted but does not fail the request, whose
-// decision the operational log also records.
-func (b *Broker) audit(ctx context.Context, ev AuditEvent) {
-	ev.Audit = AuditSchema
-	ev.Time = b.cfg.Clock.Now().UTC()
-	if ev.RequestID == "" {
-		ev.RequestID = RequestID(ctx)
-	}
-	if b.cfg.Auditor == nil {
-		return
-	}
-	err := b.cfg.Auditor.Audit(ev)
-	b.cfg.Metrics.ObserveAudit(ev.Action, ev.Decision, err)
-	if err != nil {
-		b.cfg.Logger.Error("audit event not written",
-			zap.Error(err), zap.String("action", ev.Action), zap.String("decision", ev.Decision),
-			zap.String("request_id", ev.RequestID))
-	}
 }
