@@ -20,6 +20,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -93,7 +94,7 @@ func TestEveryKubeconfigDecisionIsAuditedOnceWithWhoAndWhat(t *testing.T) {
 	require.Equal(t, "JTI=jti-42", allow.CredentialID, "the id the API server logs for the token")
 	require.Equal(t, "48h", allow.RequestedTTL)
 	require.Equal(t, "12h0m0s", allow.GrantedTTL)
-	require.Equal(t, ClampedByGrant, allow.ClampedBy)
+	require.Equal(t, policy.ClampedByGrant, allow.ClampedBy)
 	require.NotEmpty(t, allow.ExpiresAt)
 
 	require.Equal(t, audit.DecisionDeny, evs[1].Decision)
@@ -259,7 +260,7 @@ func BenchmarkAuditLog(b *testing.B) {
 		Time: time.Now(), Audit: audit.Schema, Action: audit.ActionIssue, Decision: audit.DecisionAllow, RequestID: "8f3c0a9d2b7e4c1f",
 		Identity: "spiffe://oc.example/cluster/west", Peer: "west", CertSHA256: "sha256:" + strings.Repeat("ab", 32),
 		Namespace: "argo", ServiceAccount: "admiralty-source", Credential: "token", LeaseID: "q3fcxb7kumyz4pa2m6dxx5jnle",
-		TokenJTI: "6a1c0a8e-1b1e-4bb4-9d7b-1d1e2f3a4b5c", RequestedTTL: "2h", GrantedTTL: "1h0m0s", ClampedBy: ClampedByGrant,
+		TokenJTI: "6a1c0a8e-1b1e-4bb4-9d7b-1d1e2f3a4b5c", RequestedTTL: "2h", GrantedTTL: "1h0m0s", ClampedBy: policy.ClampedByGrant,
 		ExpiresAt: "2026-11-22T07:00:00Z",
 	}
 	b.ReportAllocs()

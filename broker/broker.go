@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -93,7 +94,7 @@ type Config struct {
 	// Issuers by credential kind (apiv1.CredentialToken, ...). A kind
 	// missing here is refused even if the policy grants it.
 	Issuers map[string]Issuer
-	Policy  *PolicyStore
+	Policy  *policy.Store
 	Logger  *zap.Logger
 	// APIServerReady reports whether the API server answers; used by Ready.
 	APIServerReady func(ctx context.Context) error
@@ -202,8 +203,8 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.CertificateTTL == 0 {
 		cfg.CertificateTTL = pki.DefaultClientLifetime
 	}
-	if cfg.CertificateTTL < MinCertificateTTL || cfg.CertificateTTL > MaxCertificateTTL {
-		return nil, fmt.Errorf("broker: CertificateTTL must be between %s and %s", MinCertificateTTL, MaxCertificateTTL)
+	if cfg.CertificateTTL < policy.MinCertificateTTL || cfg.CertificateTTL > policy.MaxCertificateTTL {
+		return nil, fmt.Errorf("broker: CertificateTTL must be between %s and %s", policy.MinCertificateTTL, policy.MaxCertificateTTL)
 	}
 	if cfg.Clock == nil {
 		cfg.Clock = clock.RealClock{}
@@ -234,7 +235,7 @@ func New(cfg Config) (*Broker, error) {
 	return b, nil
 }
 
-func (b *Broker) policy() (*Policy, error) {
+func (b *Broker) policy() (*policy.Policy, error) {
 	p := b.cfg.Policy.Load()
 	if p == nil {
 		return nil, problem.Errorf(problem.KindUnavailable, "no policy is loaded")
@@ -256,7 +257,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 		CertSHA256:     c.CertSHA256,
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
-		Credential:     orDefault(req.Credential, apiv1.CredentialToken),
+		Credential:     policy.OrDefault(req.Credential, apiv1.CredentialToken),
 		RequestedTTL:   req.TTL,
 	}}
 	if w := c.Workload; w != nil {
@@ -325,9 +326,9 @@ func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome s
 // conclude writes a's audit event with its decision and reason (a.reason
 // if set) and counts a denial under a.denial, else under denial.
 func (b *Broker) conclude(ctx context.Context, a *pendingAudit, decision, reason, denial string) {
-	a.ev.Decision, a.ev.Reason = decision, orDefault(a.reason, reason)
+	a.ev.Decision, a.ev.Reason = decision, policy.OrDefault(a.reason, reason)
 	if decision == audit.DecisionDeny {
-		b.cfg.Metrics.ObserveDenial(a.ev.Action, orDefault(a.denial, denial))
+		b.cfg.Metrics.ObserveDenial(a.ev.Action, policy.OrDefault(a.denial, denial))
 	}
 	b.audit(ctx, a.ev)
 }
@@ -356,8 +357,8 @@ func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err 
 // decided is what decide found: the policy it read, its decision, the
 // issuer of the decided credential kind, and the minTTL asked for.
 type decided struct {
-	Decision
-	policy    *Policy
+	policy.Decision
+	policy    *policy.Policy
 	issuer    Issuer
 	requested time.Duration // the TTL asked for, 0 for the default
 	minTTL    time.Duration
@@ -378,11 +379,11 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	}
 	d, err := p.DecideAudiences(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, req.Audiences, requested, minTTL)
 	if err != nil {
-		if errors.Is(err, ErrAudienceNotGranted) {
+		if errors.Is(err, policy.ErrAudienceNotGranted) {
 			// The caller is told only "forbidden"; the audit says why.
-			a.denial, a.reason = denyAudience, ErrAudienceNotGranted.Error()
+			a.denial, a.reason = policy.DenyAudience, policy.ErrAudienceNotGranted.Error()
 		}
-		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", orDefault(a.reason, errDetail(err))))
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", policy.OrDefault(a.reason, errDetail(err))))
 		if problem.KindOf(err) == problem.KindForbidden {
 			return decided{}, outcomeDenied, err
 		}
@@ -569,9 +570,9 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		if left > granted {
 			granted += time.Second
 		}
-		clampedBy = ClampedByAPIServer
+		clampedBy = policy.ClampedByAPIServer
 		if cert != nil {
-			clampedBy = ClampedBySigner
+			clampedBy = policy.ClampedBySigner
 		}
 	}
 	if minTTL > 0 && granted < minTTL {
@@ -587,7 +588,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// answer, with the credential's id; otherwise the id follows the
 	// answer (credentialid.go).
 	idRecorded := false
-	if clampedBy == ClampedByAPIServer || clampedBy == ClampedBySigner {
+	if clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner {
 		if err := b.recordCredential(ctx, created, ref.apiID, &cred.ExpiresAt); err != nil {
 			return fail(created, outcomeFor(err), err)
 		}
@@ -680,7 +681,7 @@ func (b *Broker) newLeaseID() (string, error) {
 	return leaseIDEncoding.EncodeToString(buf[:]), nil
 }
 
-func (b *Broker) leaseSecret(id string, c Caller, d Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
+func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
 	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:      leaseSecretPrefix + id,
@@ -810,14 +811,14 @@ func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
 
 // describeTenantGrant adds to out what whoami shows of a grant's name and
 // selector: the namespaces it matches now, from the index.
-func (b *Broker) describeTenantGrant(peer string, g *GrantSpec, out *apiv1.Grant) {
+func (b *Broker) describeTenantGrant(peer string, g *policy.GrantSpec, out *apiv1.Grant) {
 	out.Name = g.Name
 	if g.NamespaceSelector == nil {
 		return
 	}
-	out.NamespaceSelector = apiSelector(g.NamespaceSelector)
-	out.NamespaceOwner = g.NamespaceOwner.api()
-	keep := g.keptTrue()
+	out.NamespaceSelector = policy.APISelector(g.NamespaceSelector)
+	out.NamespaceOwner = g.NamespaceOwner.API()
+	keep := g.KeptTrue()
 	out.RevokeOnUnmatch = &keep
 	out.RevokeDelay = time.Duration(g.RevokeDelay).String()
 	if b.tenants != nil {
@@ -827,7 +828,7 @@ func (b *Broker) describeTenantGrant(peer string, g *GrantSpec, out *apiv1.Grant
 
 // namespaceLabels is what selector grants are decided from: the namespace
 // cache, or nothing.
-func (b *Broker) namespaceLabels() NamespaceLabels {
+func (b *Broker) namespaceLabels() policy.NamespaceLabels {
 	if b.tenants == nil {
 		return nil
 	}

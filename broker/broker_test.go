@@ -25,6 +25,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/issuers/tokenrequest"
@@ -92,7 +93,7 @@ func newEnv(t *testing.T) *env {
 	b, err := New(Config{
 		Secrets: client.CoreV1(),
 		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
-		Policy:  NewPolicyStore(mustPolicy(t, testPolicy)),
+		Policy:  policy.NewStore(mustPolicy(t, testPolicy)),
 		Logger:  zap.New(core),
 	})
 	require.NoError(t, err)
@@ -259,7 +260,7 @@ func TestAShortenedGrantIsReportedAndRecorded(t *testing.T) {
 		Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "2h",
 	})
 	require.NoError(t, err)
-	require.Equal(t, ClampedByAPIServer, resp.ClampedBy)
+	require.Equal(t, policy.ClampedByAPIServer, resp.ClampedBy)
 	require.Equal(t, "1h0m0s", resp.GrantedTTL)
 	l, err := e.b.GetLease(context.Background(), west, resp.LeaseID)
 	require.NoError(t, err)

@@ -1,6 +1,9 @@
 package broker
 
-import "crypto/x509"
+import (
+	"crypto/x509"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
+)
 
 // Caller is the authenticated peer making a request, as the transport layer
 // established it from a verified client certificate.
@@ -36,11 +39,11 @@ type Workload struct {
 }
 
 // Ref is the workload's namespace and ServiceAccount, as grants name it.
-func (w *Workload) Ref() *WorkloadRef {
+func (w *Workload) Ref() *policy.WorkloadRef {
 	if w == nil {
 		return nil
 	}
-	return &WorkloadRef{Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+	return &policy.WorkloadRef{Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
 }
 
 // String is "namespace/serviceAccount", as leases record it.

@@ -18,6 +18,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -433,7 +434,7 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 	if p := b.cfg.Policy.Load(); p != nil {
 		ttl = p.CertificateTTL(identity, ttl)
 	}
-	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Clock.Now()) - caExpirySlack; ttl > left && left >= MinCertificateTTL {
+	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Clock.Now()) - caExpirySlack; ttl > left && left >= policy.MinCertificateTTL {
 		log.Warn("certificate lifetime shortened: the signing CA expires sooner; rotate the CA",
 			zap.Duration("ttl", ttl), zap.Duration("granted", left.Truncate(time.Second)),
 			zap.Time("ca_not_after", b.cfg.CA.Certificate().NotAfter))

@@ -21,6 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -50,7 +51,7 @@ type certEnv struct {
 	revoked *DenyList
 }
 
-func newCertEnv(t *testing.T, policy string, deny ...RevocationEntry) *certEnv {
+func newCertEnv(t *testing.T, pol string, deny ...RevocationEntry) *certEnv {
 	t.Helper()
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker test CA", Lifetime: 365 * 24 * time.Hour})
 	require.NoError(t, err)
@@ -59,7 +60,7 @@ func newCertEnv(t *testing.T, policy string, deny ...RevocationEntry) *certEnv {
 	d := NewDenyList(deny)
 	b, err := New(Config{
 		Secrets:     client.CoreV1(),
-		Policy:      NewPolicyStore(mustPolicy(t, policy)),
+		Policy:      policy.NewStore(mustPolicy(t, pol)),
 		Logger:      zap.New(core),
 		Namespace:   brokerNS,
 		CA:          ca,
@@ -287,7 +288,7 @@ func TestRenewal(t *testing.T) {
 
 func TestWithoutACAThereAreNoCertificates(t *testing.T) {
 	t.Parallel()
-	b, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
+	b, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
 	require.NoError(t, err)
 	_, err = b.Enroll(context.Background(), "x", apiv1.CertificateRequest{CSR: "x"})
 	require.Equal(t, problem.KindNotFound, problem.KindOf(err))
@@ -310,7 +311,7 @@ func TestBadConfigsAreRefused(t *testing.T) {
 	t.Parallel()
 	ca, err := pki.NewCA(pki.CAOptions{})
 	require.NoError(t, err)
-	base := Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(nil), Logger: zap.NewNop()}
+	base := Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(nil), Logger: zap.NewNop()}
 	noNS := base
 	noNS.CA = ca
 	_, err = New(noNS)
@@ -430,7 +431,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	trust.set(oldCA, partner)
 	previous.set()
 	b, err := New(Config{
-		Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
+		Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
 		Namespace: brokerNS, CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: StaticRevocationList(NewDenyList(nil)),
 	})
 	require.NoError(t, err)

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
@@ -39,7 +40,7 @@ func (c *certRequest) userName() string {
 // its subject must be exactly CertificateUser(peer, key), so that one key
 // is one user, and its key must back no live lease of the peer, so that
 // revoking a lease revokes everything its certificate can do.
-func (b *Broker) certificateRequest(ctx context.Context, p *Policy, d Decision, req apiv1.KubeconfigRequest) (*certRequest, error) {
+func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d policy.Decision, req apiv1.KubeconfigRequest) (*certRequest, error) {
 	if req.CSR == "" {
 		csrPEM, keyPEM, user, err := pki.NewUserCSR(func(pub crypto.PublicKey) (string, error) {
 			return apiv1.CertificateUser(d.Peer, pub)

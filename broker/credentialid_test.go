@@ -12,6 +12,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
 // credentialIDOf reads the credential-id annotation of a lease.
@@ -82,7 +83,7 @@ func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswe
 	e.iss.shorten = 40 * time.Minute // the API server grants 20m of the asked hour
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
-	require.Equal(t, ClampedByAPIServer, resp.ClampedBy)
+	require.Equal(t, policy.ClampedByAPIServer, resp.ClampedBy)
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID))
 }
 

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	"k8s.io/client-go/kubernetes/fake"
@@ -99,9 +100,9 @@ func BenchmarkEnrollmentJunkTokens(b *testing.B) {
 	for _, keys := range []int{1_000, 10_000, 100_000} {
 		b.Run(fmt.Sprintf("keys=%d", keys), func(b *testing.B) {
 			clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-			p, err := ParsePolicy([]byte(oneEnrollmentPolicy))
+			p, err := policy.Parse([]byte(oneEnrollmentPolicy))
 			require.NoError(b, err)
-			bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(p), Logger: zap.NewNop(), Clock: clk})
+			bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(p), Logger: zap.NewNop(), Clock: clk})
 			require.NoError(b, err)
 			for i := range keys {
 				_ = bk.admitEnrollment(junkAddr(i), fmt.Sprintf("junk-%d", i), nil)

@@ -10,6 +10,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
 // pluginInstallHint is what client-go prints when the exec kubeconfig's
@@ -33,7 +34,7 @@ func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.Kubecon
 		CertSHA256:     c.CertSHA256,
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
-		Credential:     orDefault(req.Credential, apiv1.CredentialToken),
+		Credential:     policy.OrDefault(req.Credential, apiv1.CredentialToken),
 		RequestedTTL:   req.TTL,
 	}}
 	kc, outcome, err := b.execKubeconfig(c, req, brokerURL, a)
@@ -62,7 +63,7 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 // with a credential: the user <serviceAccount>@<cluster> (for a client
 // certificate, whose user is new at every lease, client-certificate@<cluster>)
 // and the context <namespace>/<user>.
-func execKubeconfig(cluster ClusterSpec, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
+func execKubeconfig(cluster policy.ClusterSpec, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
 	subject := req.ServiceAccount
 	if req.Credential == apiv1.CredentialClientCertificate {
 		subject = "client-certificate"

@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
@@ -23,7 +24,7 @@ import (
 // (writeQuoted), so no value can break the document or change on the way;
 // TestKubeconfigMatchesClientcmd checks the result against client-go's own
 // types.
-func buildKubeconfig(cluster ClusterSpec, namespace, subject string, cred issuers.Credential) ([]byte, error) {
+func buildKubeconfig(cluster policy.ClusterSpec, namespace, subject string, cred issuers.Credential) ([]byte, error) {
 	user := subject + "@" + cluster.Name
 	ctxName := namespace + "/" + subject + "@" + cluster.Name
 	var b bytes.Buffer

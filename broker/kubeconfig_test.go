@@ -13,6 +13,7 @@ import (
 	clientcmdlatest "k8s.io/client-go/tools/clientcmd/api/latest"
 	clientcmdv1 "k8s.io/client-go/tools/clientcmd/api/v1"
 
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
@@ -24,16 +25,16 @@ func TestKubeconfigMatchesClientcmd(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
 		name    string
-		cluster ClusterSpec
+		cluster policy.ClusterSpec
 		ns, sa  string
 		token   string
 	}{
-		{name: "a typical kubeconfig", cluster: ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, ns: "argo", sa: "runner", token: secretToken},
-		{name: "a TLS server name and an HTTP proxy are written when set", cluster: ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
-		{name: "a socks5 proxy behind a path-serving API server is written as given", cluster: ClusterSpec{Name: "east", Server: "https://rancher.example.com/k8s/clusters/c-m-abc123", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
-		{name: "values that YAML would otherwise misread stay strings", cluster: ClusterSpec{Name: "yes", Server: "https://[::1]:6443/path?q=1#x", TLSServerName: "null", ProxyURL: "http://p:1/#: &a *b", CAData: "x"}, ns: "null", sa: "true", token: "1e3: # &a *b {c} \"d\" 'e' \\ \n\t"},
-		{name: "non-ASCII and control characters survive", cluster: ClusterSpec{Name: "ö", Server: "https://\u00e9.example/a\u0085b", TLSServerName: "\u0085\u2029", ProxyURL: "http://\u2028\ufeff", CAData: "\x00\xff"}, ns: "a\u202eb", sa: "c\x01d", token: "\u2028"},
-		{name: "characters YAML refuses or folds when raw are escaped", cluster: ClusterSpec{Name: "e\x7f", Server: "https://e/\u0080\u009f", TLSServerName: "\ufffe", ProxyURL: "http://\uffff", CAData: "x"}, ns: "\u0085", sa: "\x7f\u0085\U0001F600", token: "a\u0085\u0085b"},
+		{name: "a typical kubeconfig", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, ns: "argo", sa: "runner", token: secretToken},
+		{name: "a TLS server name and an HTTP proxy are written when set", cluster: policy.ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
+		{name: "a socks5 proxy behind a path-serving API server is written as given", cluster: policy.ClusterSpec{Name: "east", Server: "https://rancher.example.com/k8s/clusters/c-m-abc123", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
+		{name: "values that YAML would otherwise misread stay strings", cluster: policy.ClusterSpec{Name: "yes", Server: "https://[::1]:6443/path?q=1#x", TLSServerName: "null", ProxyURL: "http://p:1/#: &a *b", CAData: "x"}, ns: "null", sa: "true", token: "1e3: # &a *b {c} \"d\" 'e' \\ \n\t"},
+		{name: "non-ASCII and control characters survive", cluster: policy.ClusterSpec{Name: "ö", Server: "https://\u00e9.example/a\u0085b", TLSServerName: "\u0085\u2029", ProxyURL: "http://\u2028\ufeff", CAData: "\x00\xff"}, ns: "a\u202eb", sa: "c\x01d", token: "\u2028"},
+		{name: "characters YAML refuses or folds when raw are escaped", cluster: policy.ClusterSpec{Name: "e\x7f", Server: "https://e/\u0080\u009f", TLSServerName: "\ufffe", ProxyURL: "http://\uffff", CAData: "x"}, ns: "\u0085", sa: "\x7f\u0085\U0001F600", token: "a\u0085\u0085b"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -72,12 +73,12 @@ func TestClientGoConnectsWithTheServerNameAndProxyOfTheKubeconfig(t *testing.T) 
 	t.Parallel()
 	tests := []struct {
 		name    string
-		cluster ClusterSpec
+		cluster policy.ClusterSpec
 	}{
-		{name: "without a server name or proxy, client-go uses the server's host and the environment's proxy", cluster: ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "x"}},
-		{name: "an SNI router's name and an HTTP proxy are used", cluster: ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}},
-		{name: "an HTTPS proxy is used", cluster: ClusterSpec{Name: "east", Server: "https://east.example.com:6443", ProxyURL: "https://proxy.example.com", CAData: "x"}},
-		{name: "a socks5 proxy is used", cluster: ClusterSpec{Name: "east", Server: "https://east.example.com:6443", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}},
+		{name: "without a server name or proxy, client-go uses the server's host and the environment's proxy", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "x"}},
+		{name: "an SNI router's name and an HTTP proxy are used", cluster: policy.ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}},
+		{name: "an HTTPS proxy is used", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", ProxyURL: "https://proxy.example.com", CAData: "x"}},
+		{name: "a socks5 proxy is used", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -111,13 +112,13 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 		caPEM = "-----BEGIN CERTIFICATE-----\nMIIBdGVzdCBjYQ==\n-----END CERTIFICATE-----\n"
 		token = "eyJhbGciOiJSUzI1NiJ9.eyJpYXQiOjE4OTM1NTk0NDV9.c2ln"
 	)
-	east := ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: caPEM}
+	east := policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: caPEM}
 	sniProxy := east
 	sniProxy.TLSServerName, sniProxy.ProxyURL = "east.internal", "http://proxy.example.com:3128"
 	tests := []struct {
 		name    string
 		file    string
-		cluster ClusterSpec
+		cluster policy.ClusterSpec
 	}{
 		{name: "a plain kubeconfig", file: "kubeconfig.golden", cluster: east},
 		{name: "a kubeconfig with a TLS server name and a proxy", file: "kubeconfig-sni-proxy.golden", cluster: sniProxy},
@@ -150,8 +151,34 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 }
 
 func BenchmarkBuildKubeconfig(b *testing.B) {
-	c := ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: string(make([]byte, 600))}
+	c := policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: string(make([]byte, 600))}
 	for b.Loop() {
 		_, _ = buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: secretToken})
 	}
+}
+
+// FuzzAValidPolicysClusterReadsBackFromItsKubeconfig: whatever cluster
+// section a policy accepts, the kubeconfig written from it loads with
+// clientcmd and names the same server, TLS server name and proxy.
+func FuzzAValidPolicysClusterReadsBackFromItsKubeconfig(f *testing.F) {
+	f.Add([]byte(testPolicy))
+	f.Add([]byte("cluster: {name: east, server: \"https://east.example.com:6443/a\u0085b\", caData: x}\n"))
+	f.Add([]byte(`cluster: {name: east, server: "https://10.0.0.1:6443/k8s", tlsServerName: east.internal, proxyURL: "socks5://proxy:1080", caData: x}` + "\n"))
+	f.Add([]byte(`cluster: {name: "e a", server: "https://[::1]:6443", proxyURL: "http://u:p@proxy:3128", caData: x}` + "\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		p, err := policy.Parse(data)
+		if err != nil {
+			return
+		}
+		c := p.Cluster
+		kc, err := buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: "t"})
+		require.NoError(t, err)
+		cfg, err := clientcmd.Load(kc)
+		require.NoError(t, err, string(kc))
+		got := cfg.Clusters[c.Name]
+		require.NotNil(t, got, string(kc))
+		require.Equal(t, c.Server, got.Server)
+		require.Equal(t, c.TLSServerName, got.TLSServerName)
+		require.Equal(t, c.ProxyURL, got.ProxyURL)
+	})
 }

@@ -18,6 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metadatafake "k8s.io/client-go/metadata/fake"
 	clocktesting "k8s.io/utils/clock/testing"
@@ -104,11 +105,11 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 	nss.synced = true
 	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
 	lc := NewLeaseCounter(nil, clk, zap.NewNop())
-	b, err := New(Config{Secrets: client.CoreV1(), Policy: NewPolicyStore(mustPolicy(t, tenantPolicy)), Logger: zap.NewNop(),
+	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, tenantPolicy)), Logger: zap.NewNop(),
 		Clock: clk, Namespaces: nss, Leases: lc, Pool: PoolConfig{PerNamespace: -1}})
 	require.NoError(t, err)
 	t.Cleanup(b.tenants.queue.ShutDown)
-	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, clk.Now().Add(time.Hour))
 	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
 	_, err = client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})

@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -42,7 +43,7 @@ func newForgeryEnv(t *testing.T) *forgeryEnv {
 	b, err := New(Config{
 		Secrets: client.CoreV1(),
 		Issuers: map[string]Issuer{apiv1.CredentialToken: &fakeIssuer{}},
-		Policy:  NewPolicyStore(mustPolicy(t, forgeryPolicy)),
+		Policy:  policy.NewStore(mustPolicy(t, forgeryPolicy)),
 		Logger:  zap.NewNop(),
 		Clock:   clk,
 		Leases:  lc,
@@ -270,7 +271,7 @@ func TestARevocationDeletesOnlyARoleBindingTheLeaseOwns(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			client := fake.NewClientset()
-			b, err := New(Config{Secrets: client.CoreV1(), RoleBindings: client.RbacV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
+			b, err := New(Config{Secrets: client.CoreV1(), RoleBindings: client.RbacV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
 			require.NoError(t, err)
 			ctx := context.Background()
 			leaseFixture(t, client, id, "", apiv1.CredentialClientCertificate)

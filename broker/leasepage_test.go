@@ -18,6 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -256,7 +257,7 @@ func TestListLeasesHoldsNoMoreThanOnePage(t *testing.T) {
 				}
 			}
 			b, err := New(Config{Secrets: client.CoreV1(), Issuers: map[string]Issuer{apiv1.CredentialToken: &fakeIssuer{}},
-				Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
+				Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop()})
 			require.NoError(t, err)
 			fetched, asked := apiServerPaging(t, client, tc.maxAnswer)
 

@@ -50,11 +50,11 @@ func (b *Broker) admitLeaseRead(c Caller, a *pendingAudit) (done func(), err err
 	if err != nil {
 		return nil, err
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil {
 		return func() {}, nil
 	}
-	lim := p.limitsFor(peer)
+	lim := p.LimitsFor(peer)
 	if !b.reads.acquire(c.Identity, lim.LeaseReadsInFlight) {
 		return nil, b.refuseLimited(a, peer.Name, limitLeaseReads, limited(leaseReadsRetry,
 			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, retrySeconds(leaseReadsRetry)))

@@ -1,6 +1,9 @@
 package broker
 
-import "time"
+import (
+	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"time"
+)
 
 // leaseRules say which lease Secrets are verifiably the broker's, from the
 // policy in force: only those count against a quota or are found by id. A
@@ -46,7 +49,7 @@ const leaseAgeSlack = poolDeadline
 // leaseRulesCache is the rules built for one policy and one generation of
 // the namespaces selector grants match.
 type leaseRulesCache struct {
-	policy *Policy
+	policy *policy.Policy
 	gen    uint64
 	rules  *leaseRules
 }

@@ -20,6 +20,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -51,7 +52,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	if err != nil {
 		return nil, err
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil {
 		return out, nil
 	}
@@ -224,7 +225,7 @@ func (b *Broker) deleteLeaseBinding(ctx context.Context, s *corev1.Secret, kind 
 // is one the broker made for caller c: the lease type (a Secret of another
 // type with the lease labels is anyone's), the peer's label, the caller's
 // identity and, when the caller comes with a workload, that workload.
-func ownLease(s *corev1.Secret, c Caller, peer *PeerSpec) bool {
+func ownLease(s *corev1.Secret, c Caller, peer *policy.PeerSpec) bool {
 	if s.Type != SecretTypeLease || s.Labels[LabelPeer] != peer.Name || s.Annotations[AnnotationIdentity] != c.Identity {
 		return false
 	}
@@ -246,7 +247,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) 
 	if err != nil {
 		return nil, err
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil {
 		return nil, notFound
 	}
@@ -288,7 +289,7 @@ const leaseLookupWait = time.Second
 // has not seen is not found at once: a GET of an unknown id costs neither
 // an API call nor a wait. A DELETE waits, for its 404 tells the caller
 // there is nothing to revoke.
-func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *PeerSpec, id string, wait bool) ([]string, error) {
+func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *policy.PeerSpec, id string, wait bool) ([]string, error) {
 	all := b.peerNamespaces(peer)
 	lc := b.cfg.Leases
 	if lc == nil || !lc.Synced() {
@@ -694,8 +695,8 @@ func (b *Broker) LeaseNamespaces() []string {
 // peerNamespaces returns the namespaces where the peer may hold leases:
 // those its grants name and those its selector grants match now, sorted,
 // each once.
-func (b *Broker) peerNamespaces(peer *PeerSpec) []string {
-	ns := peer.namespaces()
+func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
+	ns := peer.Namespaces()
 	if b.tenants == nil {
 		return ns
 	}

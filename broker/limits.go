@@ -12,136 +12,14 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
-// Built-in limits, in force when the policy says nothing. Every issuance
-// writes a Secret to etcd, so they are on by default: an agent asks a few
-// times an hour per target, a person's kubectl plugin once per refresh
-// point; 60 a minute with a burst of 30 is far above either and still
-// caps a peer in a loop at 3,600 Secrets an hour, of which at most
-// DefaultMaxLiveLeases live at once.
-const (
-	DefaultIssuancesPerMinute   = 60
-	DefaultIssuanceBurst        = 30
-	DefaultRenewalsPerMinute    = 6
-	DefaultMaxLiveLeases        = 1000
-	DefaultEnrollmentsPerMinute = 10
-	// DefaultLeaseReadsPerMinute bounds GET /v1/leases (a page), GET and
-	// DELETE /v1/leases/{id} of one identity, each an API server list at
-	// most: an agent revokes once per refresh, a person pages a listing;
-	// 120 a minute (burst the same) is far above either.
-	DefaultLeaseReadsPerMinute = 120
-	// DefaultLeaseReadsInFlight is how many of those one identity may have
-	// waiting on the API server at once.
-	DefaultLeaseReadsInFlight = 4
-	// DefaultMaxLiveLeasesTotal bounds the leases of all peers together
-	// (serve --max-live-leases): 20,000 lease Secrets are about 20 MB of
-	// etcd's default 2 GiB quota.
-	DefaultMaxLiveLeasesTotal = 20000
-)
-
-// LimitsSpec bounds what one peer can make the broker do. In the policy's
-// top level it sets the defaults of every peer (enrollmentsPerMinute only
-// there); in peers[].limits it overrides them for one peer. A field left
-// out inherits; every value given must be at least 1.
-type LimitsSpec struct {
-	// IssuancesPerMinute and Burst are the token bucket of POST
-	// /v1/kubeconfigs (with or without format=exec): a peer may ask Burst
-	// times at once, then IssuancesPerMinute a minute.
-	IssuancesPerMinute *int `json:"issuancesPerMinute,omitempty"`
-	Burst              *int `json:"burst,omitempty"`
-	// RenewalsPerMinute is the bucket (burst: the same figure) of
-	// certificate renewals.
-	RenewalsPerMinute *int `json:"renewalsPerMinute,omitempty"`
-	// MaxLiveLeases is how many unexpired leases the peer may hold.
-	MaxLiveLeases *int `json:"maxLiveLeases,omitempty"`
-	// EnrollmentsPerMinute is the bucket (burst: the same figure) of
-	// enrollments per source address and per join token; top level only.
-	EnrollmentsPerMinute *int `json:"enrollmentsPerMinute,omitempty"`
-	// LeaseReadsPerMinute is the bucket (burst: the same figure) of GET
-	// /v1/leases, GET and DELETE /v1/leases/{id} per identity, and
-	// LeaseReadsInFlight how many of them may wait on the API server at
-	// once.
-	LeaseReadsPerMinute *int `json:"leaseReadsPerMinute,omitempty"`
-	LeaseReadsInFlight  *int `json:"leaseReadsInFlight,omitempty"`
-}
-
-// Limits are the limits in force for one peer, all filled in.
-type Limits struct {
-	IssuancesPerMinute int
-	Burst              int
-	RenewalsPerMinute  int
-	MaxLiveLeases      int
-	// LeaseReadsPerMinute and LeaseReadsInFlight bound lease reads.
-	LeaseReadsPerMinute int
-	LeaseReadsInFlight  int
-}
-
-func pick(vals ...*int) int {
-	for _, v := range vals {
-		if v != nil {
-			return *v
-		}
-	}
-	return 0
-}
-
-func ptr(v int) *int { return &v }
-
-// limitsFor is what applies to peer: its own limits, else the policy's,
-// else the built-in ones.
-func (p *Policy) limitsFor(peer *PeerSpec) Limits {
-	var own, top LimitsSpec
-	if peer != nil && peer.Limits != nil {
-		own = *peer.Limits
-	}
-	if p.Limits != nil {
-		top = *p.Limits
-	}
-	return Limits{
-		IssuancesPerMinute:  pick(own.IssuancesPerMinute, top.IssuancesPerMinute, ptr(DefaultIssuancesPerMinute)),
-		Burst:               pick(own.Burst, top.Burst, ptr(DefaultIssuanceBurst)),
-		RenewalsPerMinute:   pick(own.RenewalsPerMinute, top.RenewalsPerMinute, ptr(DefaultRenewalsPerMinute)),
-		MaxLiveLeases:       pick(own.MaxLiveLeases, top.MaxLiveLeases, ptr(DefaultMaxLiveLeases)),
-		LeaseReadsPerMinute: pick(own.LeaseReadsPerMinute, top.LeaseReadsPerMinute, ptr(DefaultLeaseReadsPerMinute)),
-		LeaseReadsInFlight:  pick(own.LeaseReadsInFlight, top.LeaseReadsInFlight, ptr(DefaultLeaseReadsInFlight)),
-	}
-}
-
-// enrollmentsPerMinute is the enrollment bucket of the policy.
-func (p *Policy) enrollmentsPerMinute() int {
-	if p.Limits != nil && p.Limits.EnrollmentsPerMinute != nil {
-		return *p.Limits.EnrollmentsPerMinute
-	}
-	return DefaultEnrollmentsPerMinute
-}
-
-// maxLimit bounds every figure: a million a minute is no limit at all,
-// and keeps the arithmetic far from overflow.
-const maxLimit = 1_000_000
-
-// validateLimits adds the problems of one limits section at path.
-func validateLimits(add func(field, format string, args ...any), path string, l *LimitsSpec, top bool) {
-	if l == nil {
-		return
-	}
-	for _, f := range []struct {
-		name string
-		v    *int
-	}{
-		{"issuancesPerMinute", l.IssuancesPerMinute}, {"burst", l.Burst}, {"renewalsPerMinute", l.RenewalsPerMinute},
-		{"maxLiveLeases", l.MaxLiveLeases}, {"enrollmentsPerMinute", l.EnrollmentsPerMinute},
-		{"leaseReadsPerMinute", l.LeaseReadsPerMinute}, {"leaseReadsInFlight", l.LeaseReadsInFlight},
-	} {
-		if f.v != nil && (*f.v < 1 || *f.v > maxLimit) {
-			add(path+"."+f.name, "must be between 1 and %d", maxLimit)
-		}
-	}
-	if !top && l.EnrollmentsPerMinute != nil {
-		add(path+".enrollmentsPerMinute", "is a top-level limit: an enrolling cluster is no peer yet")
-	}
-}
+// DefaultMaxLiveLeasesTotal bounds the leases of all peers together
+// (serve --max-live-leases): 20,000 lease Secrets are about 20 MB of etcd's
+// default 2 GiB quota.
+const DefaultMaxLiveLeasesTotal = 20000
 
 // limiter holds the token buckets of issuance and renewal, keyed by
 // verified identity, so bounded by the identities the CA has certified;
@@ -229,7 +107,7 @@ func joinTokenKey(token string) string {
 }
 
 // limitsOf is the wire form of a peer's limits and usage for whoami.
-func limitsOf(l Limits, live int) *apiv1.PeerLimits {
+func limitsOf(l policy.Limits, live int) *apiv1.PeerLimits {
 	return &apiv1.PeerLimits{
 		IssuancesPerMinute: l.IssuancesPerMinute, Burst: l.Burst, RenewalsPerMinute: l.RenewalsPerMinute,
 		MaxLiveLeases: l.MaxLiveLeases, LiveLeases: live,
@@ -256,8 +134,8 @@ const quotaRetry = time.Minute
 // success it holds a place in the quota (nil without a LeaseCounter),
 // which the caller commits once the lease Secret exists or releases.
 // Refusals are counted and set a's denial.
-func (b *Broker) admitLease(p *Policy, identity, peer string, a *pendingAudit) (*place, error) {
-	lim := p.limitsFor(p.peer(identity))
+func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingAudit) (*place, error) {
+	lim := p.LimitsFor(p.Peer(identity))
 	var pl *place
 	if b.cfg.Leases != nil {
 		// The quota first: a request it refuses takes no token of the
@@ -283,13 +161,13 @@ func (b *Broker) admitLease(p *Policy, identity, peer string, a *pendingAudit) (
 }
 
 // admitIssuance applies the peer's issuance bucket.
-func (b *Broker) admitIssuance(p *Policy, identity, peer string, a *pendingAudit) error {
-	return b.takeIssuance(identity, peer, p.limitsFor(p.peer(identity)), a)
+func (b *Broker) admitIssuance(p *policy.Policy, identity, peer string, a *pendingAudit) error {
+	return b.takeIssuance(identity, peer, p.LimitsFor(p.Peer(identity)), a)
 }
 
 // takeIssuance takes a token of the peer's issuance bucket, whose figures
 // are lim.
-func (b *Broker) takeIssuance(identity, peer string, lim Limits, a *pendingAudit) error {
+func (b *Broker) takeIssuance(identity, peer string, lim policy.Limits, a *pendingAudit) error {
 	if ok, wait := b.limits.take("issue:"+identity, lim.IssuancesPerMinute, lim.Burst); !ok {
 		return b.refuseLimited(a, peer, limitIssuanceRate, limited(wait,
 			"peer %s is over its limit of %d issuances a minute (burst %d); retry in %ds", peer, lim.IssuancesPerMinute, lim.Burst, retrySeconds(wait)))
@@ -313,7 +191,7 @@ func (b *Broker) Limits(c Caller) *apiv1.PeerLimits {
 	if p == nil {
 		return nil
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil {
 		return nil
 	}
@@ -321,7 +199,7 @@ func (b *Broker) Limits(c Caller) *apiv1.PeerLimits {
 	if b.cfg.Leases != nil {
 		live, _ = b.cfg.Leases.Live(peer.Name)
 	}
-	return limitsOf(p.limitsFor(peer), live)
+	return limitsOf(p.LimitsFor(peer), live)
 }
 
 // admitRenewal applies the peer's renewal bucket.
@@ -330,12 +208,12 @@ func (b *Broker) admitRenewal(identity string, a *pendingAudit) error {
 	if err != nil {
 		return err
 	}
-	peer := p.peer(identity)
+	peer := p.Peer(identity)
 	name := ""
 	if peer != nil {
 		name = peer.Name
 	}
-	lim := p.limitsFor(peer)
+	lim := p.LimitsFor(peer)
 	if ok, wait := b.limits.take("renew:"+identity, lim.RenewalsPerMinute, lim.RenewalsPerMinute); !ok {
 		return b.refuseLimited(a, name, limitRenewalRate, limited(wait,
 			"over the limit of %d renewals a minute; retry in %ds", lim.RenewalsPerMinute, retrySeconds(wait)))
@@ -353,7 +231,7 @@ func (b *Broker) admitEnrollment(addr, token string, a *pendingAudit) error {
 	if err != nil {
 		return err
 	}
-	n := p.enrollmentsPerMinute()
+	n := p.EnrollmentsPerMinute()
 	keys := make([]string, 0, 2)
 	if addr != "" {
 		keys = append(keys, enrollSourceKey(addr))

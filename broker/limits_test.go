@@ -14,23 +14,11 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
-const limitsPolicy = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-limits: {issuancesPerMinute: 2, burst: 2}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
-  - name: south
-    identity: spiffe://oc.example/cluster/south
-    limits: {issuancesPerMinute: 60, burst: 5}
-    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
-`
-
-func newLimitsEnv(t *testing.T, policy string) (*env, *clocktesting.FakeClock) {
+func newLimitsEnv(t *testing.T, pol string) (*env, *clocktesting.FakeClock) {
 	t.Helper()
 	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
 	client := fake.NewClientset()
@@ -38,7 +26,7 @@ func newLimitsEnv(t *testing.T, policy string) (*env, *clocktesting.FakeClock) {
 	b, err := New(Config{
 		Secrets: client.CoreV1(),
 		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
-		Policy:  NewPolicyStore(mustPolicy(t, policy)),
+		Policy:  policy.NewStore(mustPolicy(t, pol)),
 		Logger:  zap.NewNop(),
 		Clock:   clk,
 	})
@@ -136,7 +124,7 @@ func TestAnExpiredLeaseStopsCountingEvenIfNobodyDeletesIt(t *testing.T) {
 
 func TestLimitsAreValidatedWithTheirPaths(t *testing.T) {
 	t.Parallel()
-	_, err := ParsePolicy([]byte(`
+	_, err := policy.Parse([]byte(`
 cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
 limits: {issuancesPerMinute: 0, maxLiveLeases: 2000000}
 peers:
@@ -207,15 +195,15 @@ func TestTheCounterIsItsReflectorsStore(t *testing.T) {
 // counted. Compare it with an issuance's milliseconds (make bench).
 func BenchmarkAdmitLease(b *testing.B) {
 	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-	p, err := ParsePolicy([]byte(limitsPolicy + "\n"))
+	p, err := policy.Parse([]byte(limitsPolicy + "\n"))
 	require.NoError(b, err)
 	lim := 1000000
-	p.Limits = &LimitsSpec{IssuancesPerMinute: &lim, Burst: &lim, MaxLiveLeases: &lim}
+	p.Limits = &policy.LimitsSpec{IssuancesPerMinute: &lim, Burst: &lim, MaxLiveLeases: &lim}
 	lc := NewLeaseCounter(nil, clk, zap.NewNop())
 	for i := range 1000 {
 		lc.add(leaseMeta("argo", fmt.Sprintf("tokenbroker-lease-%d", i), "west", clk.Now().Add(time.Hour)))
 	}
-	bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: NewPolicyStore(p), Logger: zap.NewNop(), Clock: clk, Leases: lc, MaxLiveLeases: lim})
+	bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(p), Logger: zap.NewNop(), Clock: clk, Leases: lc, MaxLiveLeases: lim})
 	require.NoError(b, err)
 	b.ReportAllocs()
 	for b.Loop() {

@@ -21,6 +21,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -182,7 +183,7 @@ func TestANilMetricsRecordsNothing(t *testing.T) {
 	// A broker built without metrics (the tests' and the GC replica's)
 	// calls every method on nil: each must be a no-op, not a panic.
 	for name, call := range map[string]func(){
-		"observeGrant":           func() { m.ObserveGrant("p", "ns", "sa", "token", time.Hour, time.Hour, ClampedByGrant) },
+		"observeGrant":           func() { m.ObserveGrant("p", "ns", "sa", "token", time.Hour, time.Hour, policy.ClampedByGrant) },
 		"observeDenial":          func() { m.ObserveDenial(audit.ActionIssue, denyInvalid) },
 		"observeGC":              func() { m.ObserveGC(time.Second, 1, time.Now(), nil) },
 		"observeAPIError":        func() { m.ObserveAPIError("x", "other") },

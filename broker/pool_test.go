@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -38,7 +39,7 @@ func newPoolEnv(t *testing.T, cfg PoolConfig) *poolEnv {
 	b, err := New(Config{
 		Secrets: client.CoreV1(),
 		Issuers: map[string]Issuer{apiv1.CredentialToken: iss},
-		Policy:  NewPolicyStore(mustPolicy(t, testPolicy)),
+		Policy:  policy.NewStore(mustPolicy(t, testPolicy)),
 		Logger:  zap.NewNop(),
 		Clock:   clk,
 		Pool:    cfg,
@@ -278,7 +279,7 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	e.b.cfg.Leases = lc
 	resp, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "flux", ServiceAccount: "reader"})
 	require.NoError(t, err)
-	peer := e.b.cfg.Policy.Load().peer(west.Identity)
+	peer := e.b.cfg.Policy.Load().Peer(west.Identity)
 
 	ns, err := e.b.leaseLookupNamespaces(ctx, peer, resp.LeaseID, true)
 	require.NoError(t, err)

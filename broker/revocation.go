@@ -11,6 +11,7 @@ import (
 	"unicode"
 
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -346,7 +347,7 @@ func revocationKey(kind, value string) (key, normalized string, err error) {
 	value = strings.TrimSpace(value)
 	switch kind {
 	case RevokeIdentity:
-		if err := validSPIFFEID(value); err != nil {
+		if err := policy.ValidSPIFFEID(value); err != nil {
 			return "", "", fmt.Errorf("identity: %w", err)
 		}
 		return RevocationKeyIdentities, value, nil

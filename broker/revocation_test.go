@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -166,7 +167,7 @@ func TestAnUnsyncedRevocationListMakesTheBrokerUnready(t *testing.T) {
 	t.Parallel()
 	client := fake.NewClientset()
 	l := NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), nil)
-	b, err := New(Config{Secrets: client.CoreV1(), Policy: NewPolicyStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(), Revocations: l})
+	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(), Revocations: l})
 	require.NoError(t, err)
 	require.ErrorContains(t, b.Ready(context.Background()), "revocation")
 	require.True(t, b.Revoked(westID))

@@ -10,18 +10,13 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // Grants whose namespaces must also be owned by a named object
 // (namespaceOwner); test/integration/tenants_test.go relabels a namespace
 // as a user who does not own it against a real kube-apiserver.
-
-const tenantUID = "6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10"
-
-// ownedPolicy is tenantPolicy whose "oil" grant also needs the Tenant.
-var ownedPolicy = strings.Replace(tenantPolicy, "        namespaces: [oil-system]\n",
-	"        namespaceOwner: {apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil, uid: "+tenantUID+"}\n        namespaces: [oil-system]\n", 1)
 
 func tenantRef(apiVersion, uid string) metav1.OwnerReference {
 	return metav1.OwnerReference{APIVersion: apiVersion, Kind: "Tenant", Name: "oil", UID: types.UID(uid)}
@@ -75,7 +70,7 @@ func TestNamespaceOwnerIsValidatedWithFieldPaths(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			_, err := ParsePolicy([]byte(head + "  - {" + sel + ", namespaceOwner: " + tt.owner + "}\n"))
+			_, err := policy.Parse([]byte(head + "  - {" + sel + ", namespaceOwner: " + tt.owner + "}\n"))
 			if tt.want == "" {
 				require.NoError(t, err)
 				return
@@ -85,7 +80,7 @@ func TestNamespaceOwnerIsValidatedWithFieldPaths(t *testing.T) {
 	}
 	t.Run("a grant by name only has no owner: its namespaces are granted by name", func(t *testing.T) {
 		t.Parallel()
-		_, err := ParsePolicy([]byte(head + "  - {namespaces: [a], serviceAccounts: [sa], namespaceOwner: {apiVersion: v1, kind: Namespace, name: p, uid: " + tenantUID + "}}\n"))
+		_, err := policy.Parse([]byte(head + "  - {namespaces: [a], serviceAccounts: [sa], namespaceOwner: {apiVersion: v1, kind: Namespace, name: p, uid: " + tenantUID + "}}\n"))
 		require.ErrorContains(t, err, "peers[0].grants[0].namespaceOwner: only a grant with namespaceSelector has one")
 	})
 }

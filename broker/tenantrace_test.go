@@ -24,6 +24,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
@@ -67,7 +68,7 @@ type raceEnv struct {
 	b      *Broker
 	client *fake.Clientset
 	nss    *fakeNamespaces
-	store  *PolicyStore
+	store  *policy.Store
 	clock  *clocktesting.FakeClock
 	reg    *prometheus.Registry
 	audit  *auditRecorder
@@ -76,7 +77,7 @@ type raceEnv struct {
 	hook func(verb, namespace, name string)
 }
 
-func newRaceEnv(t *testing.T, policy string, namespaces map[string]map[string]string, pool bool) *raceEnv {
+func newRaceEnv(t *testing.T, pol string, namespaces map[string]map[string]string, pool bool) *raceEnv {
 	t.Helper()
 	nss := newFakeNamespaces()
 	for name, l := range namespaces {
@@ -87,7 +88,7 @@ func newRaceEnv(t *testing.T, policy string, namespaces map[string]map[string]st
 	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e := &raceEnv{
-		client: fake.NewClientset(), nss: nss, store: NewPolicyStore(mustPolicy(t, policy)),
+		client: fake.NewClientset(), nss: nss, store: policy.NewStore(mustPolicy(t, pol)),
 		clock: clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)),
 		reg:   reg, audit: newAuditRecorder(),
 	}
@@ -226,7 +227,7 @@ func (e *raceEnv) stepToRecheck(t *testing.T, queued bool) {
 // issued before the broker stopped.
 func (e *raceEnv) leftLease(t *testing.T, ns, id string, mark *string) {
 	t.Helper()
-	s := e.b.leaseSecret(id, west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+	s := e.b.leaseSecret(id, west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: ns, ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour))
 	if mark != nil {
 		s.Annotations["tokenbroker.io/revoke-on-unmatch"] = *mark
@@ -258,7 +259,7 @@ func TestAGCPassRevokesLeasesTheirGrantNoLongerCovers(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			e := newRaceEnv(t, tt.policy, map[string]map[string]string{"oil-dev": tt.labels}, false)
-			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 				apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour))
 			if tt.mark != nil {
 				s.Annotations["tokenbroker.io/revoke-on-unmatch"] = *tt.mark
@@ -363,7 +364,7 @@ func TestAStaleReplicaRevokesOnlyWhatItCanJudge(t *testing.T) {
 					&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "oil-dev", Labels: tt.live}}, metav1.CreateOptions{})
 				require.NoError(t, err)
 			}
-			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 				apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
 			s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
 			s.CreationTimestamp = metav1.NewTime(e.clock.Now().Add(tt.created))
@@ -389,7 +390,7 @@ func TestALeaseIssuedBeforeTheReloadThatRemovedItsGrantIsRevoked(t *testing.T) {
 	withoutOil := strings.Replace(tenantPolicy, "      - name: oil\n", "      - name: oil-renamed\n", 1)
 	e := newRaceEnv(t, tenantPolicy, map[string]map[string]string{"oil-dev": oil}, false)
 	e.clock.Step(time.Minute)
-	s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+	s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
 	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
 	s.CreationTimestamp = metav1.NewTime(e.clock.Now())

@@ -11,6 +11,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -109,17 +110,17 @@ type tenants struct {
 	policyAt time.Time
 	// grants are the selector grants of the policy the index was built
 	// for, and matching the namespaces each matches now.
-	grants   map[selectorGrant]*GrantSpec
-	matching map[selectorGrant]map[string]struct{}
+	grants   map[policy.SelectorGrant]*policy.GrantSpec
+	matching map[policy.SelectorGrant]map[string]struct{}
 	// gone are selector grants that a reload removed while they kept
 	// their grants true: their pending revocations still apply.
-	gone map[selectorGrant]bool
+	gone map[policy.SelectorGrant]bool
 	// gen changes whenever matching does, so that what is derived from
 	// it (leaseRules) is rebuilt only then.
 	gen atomic.Uint64
 }
 
-func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*tenants, error) {
+func newTenants(informer NamespaceInformer, store *policy.Store, cfg Config) (*tenants, error) {
 	t := &tenants{
 		informer: informer,
 		queue: workqueue.NewTypedDelayingQueueWithConfig(workqueue.TypedDelayingQueueConfig[unmatch]{
@@ -130,14 +131,14 @@ func newTenants(informer NamespaceInformer, store *PolicyStore, cfg Config) (*te
 		clock:    cfg.Clock,
 		live:     cfg.LiveNamespaces,
 		policyAt: cfg.Clock.Now(),
-		gone:     map[selectorGrant]bool{},
-		matching: map[selectorGrant]map[string]struct{}{},
+		gone:     map[policy.SelectorGrant]bool{},
+		matching: map[policy.SelectorGrant]map[string]struct{}{},
 	}
-	t.grants = store.Load().selectorGrants()
+	t.grants = store.Load().SelectorGrants()
 	for k := range t.grants {
 		t.matching[k] = map[string]struct{}{}
 	}
-	store.OnChange(func(_, p *Policy) { t.setPolicy(p) })
+	store.OnChange(func(_, p *policy.Policy) { t.setPolicy(p) })
 	_, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { t.observe(obj) },
 		UpdateFunc: func(_, obj any) { t.observe(obj) },
@@ -205,7 +206,7 @@ func (t *tenants) update(name string, set labels.Set, owners []metav1.OwnerRefer
 	for key, g := range t.grants {
 		m := t.matching[key]
 		_, was := m[name]
-		now := live && g.selects(set, owners)
+		now := live && g.Selects(set, owners)
 		switch {
 		case now && !was:
 			m[name] = struct{}{}
@@ -226,9 +227,9 @@ func (t *tenants) update(name string, set labels.Set, owners []metav1.OwnerRefer
 
 // setPolicy rebuilds the index for a new policy and queues the
 // revocations of every namespace a selector grant no longer covers.
-func (t *tenants) setPolicy(p *Policy) {
-	grants := p.selectorGrants()
-	matching := make(map[selectorGrant]map[string]struct{}, len(grants))
+func (t *tenants) setPolicy(p *policy.Policy) {
+	grants := p.SelectorGrants()
+	matching := make(map[policy.SelectorGrant]map[string]struct{}, len(grants))
 	for k := range grants {
 		matching[k] = map[string]struct{}{}
 	}
@@ -240,7 +241,7 @@ func (t *tenants) setPolicy(p *Policy) {
 			}
 			set, owners := labels.Set(m.GetLabels()), m.GetOwnerReferences()
 			for k, g := range grants {
-				if g.selects(set, owners) {
+				if g.Selects(set, owners) {
 					matching[k][m.GetName()] = struct{}{}
 				}
 			}
@@ -259,7 +260,7 @@ func (t *tenants) setPolicy(p *Policy) {
 			}
 			if g == nil {
 				g = old
-				if old.keptTrue() {
+				if old.KeptTrue() {
 					t.gone[key] = true
 				}
 			}
@@ -278,13 +279,13 @@ func hasKey(m map[string]struct{}, k string) bool { _, ok := m[k]; return ok }
 
 // unmatchedLocked queues the revocation of the leases of grant g in
 // namespace, after the grant's delay, or logs why they are kept.
-func (t *tenants) unmatchedLocked(key selectorGrant, g *GrantSpec, namespace, reason string) {
-	fields := []zap.Field{zap.String("peer", key.peer), zap.String("grant", key.grant), zap.String("namespace", namespace), zap.String("reason", reason)}
-	if !g.keptTrue() {
+func (t *tenants) unmatchedLocked(key policy.SelectorGrant, g *policy.GrantSpec, namespace, reason string) {
+	fields := []zap.Field{zap.String("peer", key.Peer), zap.String("grant", key.Grant), zap.String("namespace", namespace), zap.String("reason", reason)}
+	if !g.KeptTrue() {
 		t.log.Info("namespace no longer covered by a grant; its leases are kept (revokeOnUnmatch: false)", fields...)
 		return
 	}
-	t.queueLocked(unmatch{peer: key.peer, grant: key.grant, namespace: namespace, reason: reason}, time.Duration(g.RevokeDelay))
+	t.queueLocked(unmatch{peer: key.Peer, grant: key.Grant, namespace: namespace, reason: reason}, time.Duration(g.RevokeDelay))
 }
 
 // queueLocked queues the revocation of item's leases after delay; the
@@ -302,7 +303,7 @@ func (t *tenants) reportLocked() {
 	}
 	counts := make(map[metrics.PeerGrant]int, len(t.matching))
 	for k, m := range t.matching {
-		counts[metrics.PeerGrant{Peer: k.peer, Grant: k.grant}] = len(m)
+		counts[metrics.PeerGrant{Peer: k.Peer, Grant: k.Grant}] = len(m)
 	}
 	t.metrics.SetSelectorNamespaces(counts)
 }
@@ -312,7 +313,7 @@ func (t *tenants) reportLocked() {
 func (t *tenants) matchingNamespaces(peer, grant string) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	out := slices.Collect(maps.Keys(t.matching[selectorGrant{peer, grant}]))
+	out := slices.Collect(maps.Keys(t.matching[policy.SelectorGrant{Peer: peer, Grant: grant}]))
 	slices.Sort(out)
 	return out
 }
@@ -324,7 +325,7 @@ func (t *tenants) namespaces(peer string) []string {
 	defer t.mu.Unlock()
 	var out []string
 	for k, m := range t.matching {
-		if peer == "" || k.peer == peer {
+		if peer == "" || k.Peer == peer {
 			for ns := range m {
 				out = append(out, ns)
 			}
@@ -335,7 +336,7 @@ func (t *tenants) namespaces(peer string) []string {
 
 // wasGone reports whether a reload removed the grant while it kept its
 // grants true.
-func (t *tenants) wasGone(key selectorGrant) bool {
+func (t *tenants) wasGone(key policy.SelectorGrant) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.gone[key]
@@ -381,19 +382,19 @@ func (b *Broker) RunTenants(ctx context.Context) {
 // the grant no longer revokes.
 func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 	t := b.tenants
-	key := selectorGrant{item.peer, item.grant}
-	var g *GrantSpec
+	key := policy.SelectorGrant{Peer: item.peer, Grant: item.grant}
+	var g *policy.GrantSpec
 	if p := b.cfg.Policy.Load(); p != nil {
-		if peer := p.peerNamed(item.peer); peer != nil {
-			g = peer.grantNamed(item.grant)
+		if peer := p.PeerNamed(item.peer); peer != nil {
+			g = peer.GrantNamed(item.grant)
 		}
 	}
 	switch {
-	case g != nil && g.covers(t, item.namespace):
+	case g != nil && g.Covers(t, item.namespace):
 		b.cfg.Logger.Info("namespace covered by its grant again; its leases are kept",
 			zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace))
 		return nil
-	case g != nil && !g.keptTrue():
+	case g != nil && !g.KeptTrue():
 		return nil
 	}
 	if g != nil {
@@ -459,8 +460,8 @@ func issuedAfter(s *corev1.Secret, t time.Time) bool {
 // list permission on namespaces allows), not as the cache has it. Without
 // a live client it reports false: the cache decided. An error is
 // retryable.
-func (t *tenants) coveredLive(ctx context.Context, g *GrantSpec, namespace string) (bool, error) {
-	if t.live == nil || g.selector == nil {
+func (t *tenants) coveredLive(ctx context.Context, g *policy.GrantSpec, namespace string) (bool, error) {
+	if t.live == nil || g.Selector == nil {
 		return false, nil
 	}
 	list, err := t.live.Namespaces().List(ctx, metav1.ListOptions{
@@ -472,7 +473,7 @@ func (t *tenants) coveredLive(ctx context.Context, g *GrantSpec, namespace strin
 	for i := range list.Items {
 		ns := &list.Items[i]
 		if ns.Name == namespace && ns.DeletionTimestamp == nil {
-			return g.selects(labels.Set(ns.Labels), ns.OwnerReferences), nil
+			return g.Selects(labels.Set(ns.Labels), ns.OwnerReferences), nil
 		}
 	}
 	return false, nil
@@ -578,7 +579,7 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 	}
 	switch {
 	case err == nil || ctx.Err() != nil:
-	case len(p.selectorGrants()) == 0:
+	case len(p.SelectorGrants()) == 0:
 		b.cfg.Logger.Debug("cannot list lease Secrets in every namespace; leases of removed selector grants are revoked where the GC looks", zap.Error(err))
 	default:
 		b.cfg.Logger.Warn("cannot list lease Secrets in every namespace: leases in namespaces that left their grant while no broker of this process watched them (before it started) are not found; revoke them by hand if any (docs/operations.md)",
@@ -607,13 +608,13 @@ func leaseRefOf(s *corev1.Secret) leaseRef {
 // revokeUnmatched does; a grant (or peer) the policy no longer has revokes
 // the leases that recorded it revoked on unmatch, after the delay they
 // recorded (bounded by ttl.max).
-func uncovered(p *Policy, nss NamespaceLabels, l leaseRef) (time.Duration, bool) {
-	var g *GrantSpec
-	if peer := p.peerNamed(l.peer); peer != nil {
-		g = peer.grantNamed(l.grant)
+func uncovered(p *policy.Policy, nss policy.NamespaceLabels, l leaseRef) (time.Duration, bool) {
+	var g *policy.GrantSpec
+	if peer := p.PeerNamed(l.peer); peer != nil {
+		g = peer.GrantNamed(l.grant)
 	}
 	if g != nil {
-		return time.Duration(g.RevokeDelay), g.keptTrue() && !g.covers(nss, l.namespace)
+		return time.Duration(g.RevokeDelay), g.KeptTrue() && !g.Covers(nss, l.namespace)
 	}
 	if !l.marked {
 		return 0, false
@@ -627,20 +628,20 @@ func uncovered(p *Policy, nss NamespaceLabels, l leaseRef) (time.Duration, bool)
 
 // markRevokeOnUnmatch records on a new lease that its grant g revokes on
 // unmatch, and after what delay (AnnotationRevokeOnUnmatch).
-func markRevokeOnUnmatch(lease *corev1.Secret, g *GrantSpec) {
-	if g != nil && g.keptTrue() {
+func markRevokeOnUnmatch(lease *corev1.Secret, g *policy.GrantSpec) {
+	if g != nil && g.KeptTrue() {
 		lease.Annotations[AnnotationRevokeOnUnmatch] = time.Duration(g.RevokeDelay).String()
 	}
 }
 
 // decidedGrant returns the grant d was decided under in p, or nil.
-func decidedGrant(p *Policy, d Decision) *GrantSpec {
-	peer := p.peerNamed(d.Peer)
+func decidedGrant(p *policy.Policy, d policy.Decision) *policy.GrantSpec {
+	peer := p.PeerNamed(d.Peer)
 	if peer == nil {
 		return nil
 	}
 	for i := range peer.Grants {
-		if peer.grantRef(&peer.Grants[i]) == d.Grant {
+		if peer.GrantRef(&peer.Grants[i]) == d.Grant {
 			return &peer.Grants[i]
 		}
 	}
@@ -658,8 +659,8 @@ func decidedGrant(p *Policy, d Decision) *GrantSpec {
 // on unmatch) no longer covers the namespace, the lease is deleted, which
 // revokes the credential nobody has seen, and the request is refused as
 // any request there is now.
-func (b *Broker) recheckCoverage(ctx context.Context, g *GrantSpec, d Decision, created *corev1.Secret, a *pendingAudit, log *zap.Logger) error {
-	if g == nil || !g.keptTrue() || b.tenants == nil {
+func (b *Broker) recheckCoverage(ctx context.Context, g *policy.GrantSpec, d policy.Decision, created *corev1.Secret, a *pendingAudit, log *zap.Logger) error {
+	if g == nil || !g.KeptTrue() || b.tenants == nil {
 		return nil
 	}
 	p := b.cfg.Policy.Load()

@@ -21,33 +21,9 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
-
-const tenantPolicy = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants:
-      - name: oil
-        namespaceSelector:
-          matchLabels: {capsule.clastix.io/tenant: oil}
-        namespaces: [oil-system]
-        serviceAccounts: [gitops-reconciler]
-        maxTTL: 4h
-      - namespaces: [argo]
-        serviceAccounts: [gitops-reconciler]
-  - name: north
-    identity: spiffe://oc.example/cluster/north
-    grants:
-      - name: oil-north
-        namespaceSelector:
-          matchLabels: {capsule.clastix.io/tenant: oil}
-        serviceAccounts: [gitops-reconciler]
-        revokeOnUnmatch: false
-`
 
 func TestNamespaceSelectorGrantsAreValidatedWithFieldPaths(t *testing.T) {
 	t.Parallel()
@@ -79,7 +55,7 @@ func TestNamespaceSelectorGrantsAreValidatedWithFieldPaths(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			_, err := ParsePolicy([]byte(head + tt.grants))
+			_, err := policy.Parse([]byte(head + tt.grants))
 			if tt.want == "" {
 				require.NoError(t, err)
 				return
@@ -224,7 +200,7 @@ type tenantEnv struct {
 	b       *Broker
 	client  *fake.Clientset
 	nss     *fakeNamespaces
-	store   *PolicyStore
+	store   *policy.Store
 	clock   *clocktesting.FakeClock
 	reg     *prometheus.Registry
 	audit   *auditRecorder
@@ -232,7 +208,7 @@ type tenantEnv struct {
 	stopped chan struct{}
 }
 
-func newTenantEnv(t *testing.T, policy string, namespaces map[string]map[string]string) *tenantEnv {
+func newTenantEnv(t *testing.T, pol string, namespaces map[string]map[string]string) *tenantEnv {
 	t.Helper()
 	nss := newFakeNamespaces()
 	for name, l := range namespaces {
@@ -243,7 +219,7 @@ func newTenantEnv(t *testing.T, policy string, namespaces map[string]map[string]
 	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	e := &tenantEnv{
-		client: fake.NewClientset(), nss: nss, store: NewPolicyStore(mustPolicy(t, policy)),
+		client: fake.NewClientset(), nss: nss, store: policy.NewStore(mustPolicy(t, pol)),
 		clock: clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)),
 		reg:   reg, audit: newAuditRecorder(), stopped: make(chan struct{}),
 	}
@@ -345,8 +321,8 @@ func TestAnUnchangedNamespaceSeenAgainRevokesNothing(t *testing.T) {
 
 func TestTheDelayRidesOutARelabel(t *testing.T) {
 	t.Parallel()
-	policy := strings.Replace(tenantPolicy, "        maxTTL: 4h\n", "        maxTTL: 4h\n        revokeDelay: 30s\n", 1)
-	e := newTenantEnv(t, policy, map[string]map[string]string{"oil-dev": oil, "oil-prod": oil})
+	pol := strings.Replace(tenantPolicy, "        maxTTL: 4h\n", "        maxTTL: 4h\n        revokeDelay: 30s\n", 1)
+	e := newTenantEnv(t, pol, map[string]map[string]string{"oil-dev": oil, "oil-prod": oil})
 	dev, prod := e.issue(t, west, "oil-dev"), e.issue(t, west, "oil-prod")
 
 	e.nss.set("oil-dev", nil)
@@ -419,7 +395,7 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 	// broker watched.
 	e := newTenantEnv(t, tenantPolicy, map[string]map[string]string{"oil-dev": nil})
 	_, err := e.client.CoreV1().Secrets("oil-dev").Create(context.Background(), e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west,
-		Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
+		policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour)), metav1.CreateOptions{})
 	require.NoError(t, err)
 	e.b.sweepUnmatched(context.Background())
@@ -438,9 +414,9 @@ func BenchmarkDecideWithManyNamespaces(b *testing.B) {
 			for i := range n {
 				nss.set(fmt.Sprintf("oil-%d", i), oil)
 			}
-			p, err := ParsePolicy([]byte(tenantPolicy))
+			p, err := policy.Parse([]byte(tenantPolicy))
 			require.NoError(b, err)
-			tn, err := newTenants(nss, NewPolicyStore(p), Config{Logger: zap.NewNop(), Clock: clocktesting.NewFakeClock(time.Now())})
+			tn, err := newTenants(nss, policy.NewStore(p), Config{Logger: zap.NewNop(), Clock: clocktesting.NewFakeClock(time.Now())})
 			require.NoError(b, err)
 			b.ResetTimer()
 			for i := range b.N {

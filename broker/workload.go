@@ -78,7 +78,7 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 		}
 		a := &pendingAudit{ev: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: TokenFingerprint(token)}}
 		if p := b.cfg.Policy.Load(); p != nil {
-			if peer := p.peer(c.Identity); peer != nil {
+			if peer := p.Peer(c.Identity); peer != nil {
 				a.ev.Peer = peer.Name
 			}
 		}
@@ -99,7 +99,7 @@ func (b *Broker) verifyWorkload(c Caller, token string) (*Workload, error) {
 	if err != nil {
 		return nil, err
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil || peer.WorkloadIdentity == nil {
 		return nil, BadWorkloadToken(TokenNoTrust, errors.New("the peer's policy has no workloadIdentity"))
 	}
@@ -158,7 +158,7 @@ func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *pendi
 	if err != nil {
 		return nil, err
 	}
-	peer := p.peer(c.Identity)
+	peer := p.Peer(c.Identity)
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.JWKSFromPeer {
 		return nil, problem.Errorf(problem.KindForbidden, "the policy does not let this peer upload its key set")
 	}

@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -48,10 +49,10 @@ func TestAJoinTokenEnrollsOnlyAtTheBrokersItNames(t *testing.T) {
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "shared CA", Lifetime: 48 * time.Hour})
 	require.NoError(t, err)
 	brokerNamed := func(name string) *harness {
-		policy, err := broker.ParsePolicy([]byte("cluster: {name: " + name + ", server: 'https://" + name + ".example.com', caData: x}\n"))
+		pol, err := policy.Parse([]byte("cluster: {name: " + name + ", server: 'https://" + name + ".example.com', caData: x}\n"))
 		require.NoError(t, err)
 		b, err := broker.New(broker.Config{
-			Secrets: fake.NewClientset().CoreV1(), Policy: broker.NewPolicyStore(policy), Logger: zap.NewNop(),
+			Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(pol), Logger: zap.NewNop(),
 			Namespace: "tokenbroker", CA: ca, Revocations: broker.StaticRevocationList(broker.NewDenyList(nil)),
 		})
 		require.NoError(t, err)

@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -214,11 +215,11 @@ func newRealBroker(t *testing.T) *realBrokerEnv {
 	t.Helper()
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "enrollment test CA", Lifetime: 48 * time.Hour})
 	require.NoError(t, err)
-	policy, err := broker.ParsePolicy([]byte("cluster: {name: east, server: 'https://east.example.com', caData: x}\nlimits: {enrollmentsPerMinute: 1000}\n"))
+	pol, err := policy.Parse([]byte("cluster: {name: east, server: 'https://east.example.com', caData: x}\nlimits: {enrollmentsPerMinute: 1000}\n"))
 	require.NoError(t, err)
 	b, err := broker.New(broker.Config{
 		Secrets:   fake.NewClientset().CoreV1(),
-		Policy:    broker.NewPolicyStore(policy),
+		Policy:    policy.NewStore(pol),
 		Logger:    zap.NewNop(),
 		Namespace: "tokenbroker",
 		CA:        ca,

@@ -91,7 +91,7 @@ func writeDevPolicy(path, server string, clusterCA []byte) error {
 	if err := os.WriteFile(caFile, clusterCA, 0o644); err != nil {
 		return err
 	}
-	policy := fmt.Sprintf(`# Demo policy written by "tokenbroker dev"; see docs/policy.md.
+	pol := fmt.Sprintf(`# Demo policy written by "tokenbroker dev"; see docs/policy.md.
 cluster:
   name: dev
   server: %s
@@ -111,7 +111,7 @@ peers:
         role: %s
         maxTTL: 2h
 `, server, DevPeer, DevTrustDomain, DevPeer, DevNamespace, DevServiceAccount, DevRole, DevNamespace, DevRole)
-	return os.WriteFile(path, []byte(policy), 0o644)
+	return os.WriteFile(path, []byte(pol), 0o644)
 }
 
 // devObjects creates the demo namespace, ServiceAccount, a read-only

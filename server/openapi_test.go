@@ -23,6 +23,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
 // specFile is the wire contract these tests hold the server to.
@@ -331,7 +332,7 @@ func TestOpenAPISchemasMatchTheWireTypes(t *testing.T) {
 		require.ElementsMatch(t, creds, s["Lease"].Properties["credential"].Enum)
 		require.ElementsMatch(t, creds, s["Grant"].Properties["credential"].Enum)
 		require.ElementsMatch(t,
-			[]string{broker.ClampedByGrant, broker.ClampedByPolicy, broker.ClampedByLeaseMinimum, broker.ClampedByAPIServer, broker.ClampedBySigner},
+			[]string{policy.ClampedByGrant, policy.ClampedByPolicy, broker.ClampedByLeaseMinimum, policy.ClampedByAPIServer, policy.ClampedBySigner},
 			s["KubeconfigResponse"].Properties["clampedBy"].Enum)
 	})
 

@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -43,7 +44,7 @@ func TestOnlyTheSigningCAsPeersRenewAndOnlyItsJoinTokensEnroll(t *testing.T) {
 	require.NoError(t, err)
 	partner, err := pki.NewCA(pki.CAOptions{CommonName: "partner CA in the trust bundle", Lifetime: 48 * time.Hour})
 	require.NoError(t, err)
-	policy, err := broker.ParsePolicy([]byte(`cluster: {name: east, server: 'https://east.example.com', caData: x}
+	pol, err := policy.Parse([]byte(`cluster: {name: east, server: 'https://east.example.com', caData: x}
 peers:
   - name: west
     identity: ` + testIdentity + `
@@ -52,7 +53,7 @@ peers:
 	require.NoError(t, err)
 	b, err := broker.New(broker.Config{
 		Secrets:     fake.NewClientset().CoreV1(),
-		Policy:      broker.NewPolicyStore(policy),
+		Policy:      policy.NewStore(pol),
 		Logger:      zap.NewNop(),
 		Namespace:   "tokenbroker",
 		CA:          signing,

@@ -26,6 +26,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -217,8 +218,8 @@ func (o Options) Validate() error {
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
 	}
-	if o.ClientCertTTL < broker.MinCertificateTTL || o.ClientCertTTL > broker.MaxCertificateTTL {
-		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", broker.MinCertificateTTL, broker.MaxCertificateTTL))
+	if o.ClientCertTTL < policy.MinCertificateTTL || o.ClientCertTTL > policy.MaxCertificateTTL {
+		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", policy.MinCertificateTTL, policy.MaxCertificateTTL))
 	}
 	if o.PublishClusterTrustBundle != "" {
 		if err := pki.ValidSignerName(o.PublishClusterTrustBundle); err != nil {
@@ -255,7 +256,7 @@ func Run(ctx context.Context, opts Options) error {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	policy, err := broker.LoadPolicyFile(opts.PolicyFile)
+	pol, err := policy.LoadFile(opts.PolicyFile)
 	if err != nil {
 		return err
 	}
@@ -347,14 +348,14 @@ func Run(ctx context.Context, opts Options) error {
 
 	var ctb *broker.ClusterTrustBundlePublisher
 	if opts.PublishClusterTrustBundle != "" {
-		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, policy.Cluster.Name, client,
+		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, pol.Cluster.Name, client,
 			publishSources(certs, clientCAs, ca, previousCA), reg, log); err != nil {
 			return err
 		}
 	}
 
-	store := broker.NewPolicyStore(policy)
-	policyWatcher, err := broker.NewPolicyWatcher(opts.PolicyFile, store, log.Named("policy"), mets, opts.ReloadInterval)
+	store := policy.NewStore(pol)
+	policyWatcher, err := policy.NewWatcher(opts.PolicyFile, store, log.Named("policy"), mets, opts.ReloadInterval)
 	if err != nil {
 		return err
 	}
@@ -456,8 +457,8 @@ func Run(ctx context.Context, opts Options) error {
 			fields := []zap.Field{
 				zap.String("api", srv.Addr().String()),
 				zap.String("ops", srv.OpsAddr().String()),
-				zap.String("cluster", policy.Cluster.Name),
-				zap.Int("peers", len(policy.Peers)),
+				zap.String("cluster", pol.Cluster.Name),
+				zap.Int("peers", len(pol.Peers)),
 				zap.String("namespace", opts.Namespace),
 			}
 			if a := srv.EnrollAddr(); a != nil {

@@ -15,7 +15,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -103,9 +103,9 @@ the API server does (exit status 1). See docs/security.md.`,
 				if err != nil {
 					return fmt.Errorf("Kubernetes client: %w", err)
 				}
-				clients := broker.PersistenceClients{Reviews: cs.AuthorizationV1().SubjectAccessReviews(), RBAC: cs.RbacV1()}
-				persistence = func(p *broker.Policy) ([]apiv1.FieldError, error) {
-					return broker.CheckPersistence(cmd.Context(), p, clients)
+				clients := policy.PersistenceClients{Reviews: cs.AuthorizationV1().SubjectAccessReviews(), RBAC: cs.RbacV1()}
+				persistence = func(p *policy.Policy) ([]apiv1.FieldError, error) {
+					return policy.CheckPersistence(cmd.Context(), p, clients)
 				}
 			}
 			return runConfigValidate(files, kind, persistence, cmd.OutOrStdout(), cmd.ErrOrStderr())
@@ -123,7 +123,7 @@ the API server does (exit status 1). See docs/security.md.`,
 
 // persistenceCheck warns of a valid policy's grants whose holders could
 // outlive their leases (broker.CheckPersistence); nil checks nothing.
-type persistenceCheck func(*broker.Policy) ([]apiv1.FieldError, error)
+type persistenceCheck func(*policy.Policy) ([]apiv1.FieldError, error)
 
 // runConfigValidate validates every file, prints its problems to out and
 // its notes and warnings to errOut, and fails if any file has a problem,
@@ -170,7 +170,7 @@ func printPersistence(file string, check persistenceCheck, errOut io.Writer) err
 	if err != nil {
 		return fmt.Errorf("read config: %w", err)
 	}
-	p, err := broker.ParsePolicy(data)
+	p, err := policy.Parse(data)
 	if err != nil {
 		return fmt.Errorf("%s: %w", file, err)
 	}
@@ -203,7 +203,7 @@ func plural(n int, word string) string {
 // that tell them apart and their owners' checks.
 func configKindsChecked() []schema.Kind {
 	return []schema.Kind{
-		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[broker.Policy]()), Check: broker.CheckPolicyDocument},
+		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[policy.Policy]()), Check: policy.CheckDocument},
 		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[agent.Config]()),
 			Check: func(path string, doc any) ([]apiv1.FieldError, []apiv1.FieldError) {
 				return agent.CheckConfigDocument(path, doc), agent.ConfigNotes(doc)

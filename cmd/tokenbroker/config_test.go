@@ -243,19 +243,19 @@ func TestConfigValidateChecksACAFileThatExistsHere(t *testing.T) {
 	dir := t.TempDir()
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "good.crt"), ca.CertPEM(), 0o600))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "bad.crt"), []byte("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"), 0o600))
-	policy := func(name, caFile string) string {
+	pol := func(name, caFile string) string {
 		p := filepath.Join(dir, name)
 		require.NoError(t, os.WriteFile(p, []byte("cluster: {name: east, server: 'https://east.example.com', caFile: "+caFile+"}\n"), 0o600))
 		return p
 	}
 
-	good := policy("good.yaml", "good.crt")
+	good := pol("good.yaml", "good.crt")
 	stdout, stderr, failed := validateArgs(t, good)
 	require.False(t, failed, stdout+stderr)
 	require.Equal(t, good+": valid policy config\n", stdout)
 	require.Empty(t, stderr)
 
-	bad := policy("bad.yaml", "bad.crt")
+	bad := pol("bad.yaml", "bad.crt")
 	stdout, _, failed = validateArgs(t, bad)
 	require.True(t, failed)
 	require.Contains(t, stdout, bad+`: cluster.caFile: `+filepath.Join(dir, "bad.crt")+`: unexpected PEM block "PRIVATE KEY" in CA bundle`)
@@ -371,7 +371,7 @@ targets:
 	})
 	t.Run("a policy's audiences that cannot work are problems that say why", func(t *testing.T) {
 		t.Parallel()
-		policy := writeTemp(t, "policy.yaml", `cluster: {name: east, server: 'https://east.example.com', caData: x}
+		pol := writeTemp(t, "policy.yaml", `cluster: {name: east, server: 'https://east.example.com', caData: x}
 peers:
   - name: west
     identity: spiffe://oc.example/cluster/west
@@ -379,9 +379,9 @@ peers:
       - {namespaces: [argo], serviceAccounts: [runner], audiences: ["*"]}
       - {namespaces: [flux], credential: clientCertificate, clusterRole: view, audiences: [vault.example]}
 `)
-		stdout, _, failed := validateArgs(t, policy)
+		stdout, _, failed := validateArgs(t, pol)
 		require.True(t, failed)
-		require.Contains(t, stdout, policy+": peers[0].grants[0].audiences[0]: is not a wildcard: audiences are compared exactly, so list each one a peer may ask for")
-		require.Contains(t, stdout, policy+": peers[0].grants[1].audiences: only a token grant lists audiences: a client certificate has none")
+		require.Contains(t, stdout, pol+": peers[0].grants[0].audiences[0]: is not a wildcard: audiences are compared exactly, so list each one a peer may ask for")
+		require.Contains(t, stdout, pol+": peers[0].grants[1].audiences: only a token grant lists audiences: a client certificate has none")
 	})
 }

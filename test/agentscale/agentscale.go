@@ -169,8 +169,8 @@ func Total(calls map[string]int) int {
 // (metadata only, once per request) and nothing else, and returns the
 // kube-apiserver arguments that use it and the log file they name.
 func AuditArgs(dir string) (args []string, logFile string, err error) {
-	policy := filepath.Join(dir, "audit-policy.yaml")
-	if err := os.WriteFile(policy, []byte(`apiVersion: audit.k8s.io/v1
+	pol := filepath.Join(dir, "audit-policy.yaml")
+	if err := os.WriteFile(pol, []byte(`apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
@@ -181,7 +181,7 @@ rules:
 		return nil, "", err
 	}
 	logFile = filepath.Join(dir, "audit.log")
-	return []string{"--audit-policy-file=" + policy, "--audit-log-path=" + logFile}, logFile, nil
+	return []string{"--audit-policy-file=" + pol, "--audit-log-path=" + logFile}, logFile, nil
 }
 
 // Run sets up the brokers and the agent's targets, starts the agent, waits
@@ -505,7 +505,7 @@ func startBrokers(ctx context.Context, o Options, names []string, ports []int) (
 	if err := os.WriteFile(f("cluster-ca.crt"), o.Cluster.CAData, 0o644); err != nil {
 		return nil, err
 	}
-	policy := fmt.Sprintf(`cluster: {name: target, server: %q, caFile: cluster-ca.crt}
+	pol := fmt.Sprintf(`cluster: {name: target, server: %q, caFile: cluster-ca.crt}
 ttl: {default: 10m, max: 1h}
 limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}
 peers:
@@ -515,7 +515,7 @@ peers:
       - namespaces: [%s]
         serviceAccounts: [%s]
 `, o.Cluster.URL, id, TargetNamespace, strings.Join(names, ", "))
-	if err := os.WriteFile(f("policy.yaml"), []byte(policy), 0o644); err != nil {
+	if err := os.WriteFile(f("policy.yaml"), []byte(pol), 0o644); err != nil {
 		return nil, err
 	}
 

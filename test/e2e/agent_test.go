@@ -87,7 +87,7 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 	e := newBrokerEnv(t, east)
 	pkiDir := filepath.Join(e.dir, "pki")
 	enrollAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	policy := replaceAll(t, fencedBlock(t, guide, "yaml", "cluster:"),
+	pol := replaceAll(t, fencedBlock(t, guide, "yaml", "cluster:"),
 		"https://east.example.com:6443", east.URL,
 		"/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", "cluster-ca.crt",
 		"spiffe://oc.example/cluster/west", "spiffe://e2e.example/cluster/west",
@@ -103,7 +103,7 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
       - namespaces: [argo]
         serviceAccounts: [admiralty-source]
 `
-	writeFile(t, e.policy, policy)
+	writeFile(t, e.policy, pol)
 	e.args = append(e.args, "--enroll-address", enrollAddr, "--namespace", "default",
 		"--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"))
 	e.launch(t)

@@ -152,7 +152,7 @@ func newBrokerEnv(t *testing.T, c *testcluster.Cluster, extra ...string) *broker
 		"--out-cert", filepath.Join(dir, "impostor.crt"), "--out-key", filepath.Join(dir, "impostor.key"))
 
 	writeFile(t, filepath.Join(dir, "cluster-ca.crt"), string(c.CAData))
-	policy := writeFile(t, filepath.Join(dir, "policy.yaml"), fmt.Sprintf(`cluster:
+	pol := writeFile(t, filepath.Join(dir, "policy.yaml"), fmt.Sprintf(`cluster:
   name: east
   server: %s
   caFile: cluster-ca.crt
@@ -171,10 +171,10 @@ peers:
 		ops:    fmt.Sprintf("127.0.0.1:%d", freePort(t)),
 		ca:     filepath.Join(pkiDir, "ca.crt"),
 		bin:    bin,
-		policy: policy,
+		policy: pol,
 		args: append([]string{
 			"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
-			"--client-ca-file", filepath.Join(pkiDir, "ca.crt"), "--policy-file", policy, "--kubeconfig", c.KubeconfigPath,
+			"--client-ca-file", filepath.Join(pkiDir, "ca.crt"), "--policy-file", pol, "--kubeconfig", c.KubeconfigPath,
 		}, extra...),
 	}
 	return e

@@ -29,7 +29,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -207,7 +207,7 @@ func TestDeployBase(t *testing.T) {
 	t.Run("the placeholder policy is a valid policy that denies everything", func(t *testing.T) {
 		var cm corev1.ConfigMap
 		require.NoError(t, yaml.Unmarshal(policyCM.raw, &cm))
-		p, err := broker.ParsePolicy([]byte(cm.Data["policy.yaml"]))
+		p, err := policy.Parse([]byte(cm.Data["policy.yaml"]))
 		require.NoError(t, err)
 		require.Empty(t, p.Peers)
 	})
@@ -329,7 +329,7 @@ func issueListRevoke(t *testing.T, e *brokerEnv, client string) {
 	require.Equal(t, 201, status, body)
 	var resp apiv1.KubeconfigResponse
 	require.NoError(t, json.Unmarshal([]byte(body), &resp))
-	require.Equal(t, broker.ClampedByAPIServer, resp.ClampedBy, "the cluster caps tokens at 1h")
+	require.Equal(t, policy.ClampedByAPIServer, resp.ClampedBy, "the cluster caps tokens at 1h")
 
 	status, body, err := e.curl(t, client, "https://"+e.api+"/v1/leases")
 	require.NoError(t, err)

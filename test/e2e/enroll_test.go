@@ -33,7 +33,7 @@ func TestANewClusterJoinsWithOneTokenAndTwoCommands(t *testing.T) {
 	run(t, bin, "pki", "init", "--dir", pkiDir, "--intermediate")
 	run(t, bin, "pki", "issue", "server", "--ca-dir", pkiDir, "--ip", "127.0.0.1", "--dns", "localhost")
 	writeFile(t, filepath.Join(dir, "cluster-ca.crt"), string(c.CAData))
-	policy := writeFile(t, filepath.Join(dir, "policy.yaml"), fmt.Sprintf(`cluster: {name: east, server: %s, caFile: cluster-ca.crt}
+	pol := writeFile(t, filepath.Join(dir, "policy.yaml"), fmt.Sprintf(`cluster: {name: east, server: %s, caFile: cluster-ca.crt}
 peers:
   - name: north
     identity: spiffe://e2e.example/cluster/north
@@ -45,7 +45,7 @@ peers:
 		"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
 		"--client-ca-file", filepath.Join(pkiDir, "bundle.crt"),
 		"--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"),
-		"--policy-file", policy, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
+		"--policy-file", pol, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
 	waitReady(t, proc, "http://"+ops+"/readyz")
 
 	// Command 1, on the CA side.

@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -507,10 +508,10 @@ func TestHelmChartRenders(t *testing.T) {
 
 	t.Run("the default policy is deploy/base's: valid, and it denies everything", func(t *testing.T) {
 		cm := decode[corev1.ConfigMap](t, findManifest(t, defaults, "ConfigMap", "tokenbroker-policy"))
-		chartPolicy, err := broker.ParsePolicy([]byte(cm.Data["policy.yaml"]))
+		chartPolicy, err := policy.Parse([]byte(cm.Data["policy.yaml"]))
 		require.NoError(t, err)
 		require.Empty(t, chartPolicy.Peers)
-		basePolicy, err := broker.ParsePolicy([]byte(decode[corev1.ConfigMap](t, findManifest(t, base, "ConfigMap", "")).Data["policy.yaml"]))
+		basePolicy, err := policy.Parse([]byte(decode[corev1.ConfigMap](t, findManifest(t, base, "ConfigMap", "")).Data["policy.yaml"]))
 		require.NoError(t, err)
 		require.Equal(t, basePolicy, chartPolicy)
 		requireValidPolicyFile(t, writeFile(t, filepath.Join(t.TempDir(), "policy.yaml"), cm.Data["policy.yaml"]))
@@ -519,7 +520,7 @@ func TestHelmChartRenders(t *testing.T) {
 	t.Run("the policy value round-trips into a policy file the broker accepts", func(t *testing.T) {
 		cm := decode[corev1.ConfigMap](t, findManifest(t, everything, "ConfigMap", "tokenbroker-policy"))
 		data := cm.Data["policy.yaml"]
-		p, err := broker.ParsePolicy([]byte(data))
+		p, err := policy.Parse([]byte(data))
 		require.NoError(t, err)
 		require.Equal(t, "east", p.Cluster.Name)
 		require.Empty(t, p.Cluster.CAFile, "caFile: null removes the default")
@@ -529,7 +530,7 @@ func TestHelmChartRenders(t *testing.T) {
 
 		// The file as the broker loads it, caData's certificates included.
 		file := writeFile(t, filepath.Join(t.TempDir(), "policy.yaml"), data)
-		_, err = broker.LoadPolicyFile(file)
+		_, err = policy.LoadFile(file)
 		require.NoError(t, err)
 		requireValidPolicyFile(t, file)
 	})
@@ -551,7 +552,7 @@ func TestHelmChartRenders(t *testing.T) {
 		svc := decode[corev1.Service](t, findManifest(t, docs, "Service", "tokenbroker"))
 		require.Equal(t, corev1.ServiceTypeLoadBalancer, svc.Spec.Type)
 		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "tokenbroker-policy"))
-		p, err := broker.ParsePolicy([]byte(cm.Data["policy.yaml"]))
+		p, err := policy.Parse([]byte(cm.Data["policy.yaml"]))
 		require.NoError(t, err)
 		require.Equal(t, "west", p.Peers[0].Name)
 		requireValidPolicyFile(t, writeFile(t, filepath.Join(t.TempDir(), "policy.yaml"), cm.Data["policy.yaml"]))
@@ -806,7 +807,7 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 		h.run(t, append(admin, "upgrade", "tokenbroker", h.chart, "-n", "tokenbroker", "-f", h.values("everything"), "--set", "policy.ttl.max=6h")...)
 		cm, err := c.Client.CoreV1().ConfigMaps("tokenbroker").Get(ctx, "tokenbroker-policy", metav1.GetOptions{})
 		require.NoError(t, err)
-		p, err := broker.ParsePolicy([]byte(cm.Data["policy.yaml"]))
+		p, err := policy.Parse([]byte(cm.Data["policy.yaml"]))
 		require.NoError(t, err)
 		require.Equal(t, 6*time.Hour, time.Duration(p.TTL.Max))
 		after, err := c.Client.AppsV1().Deployments("tokenbroker").Get(ctx, "tokenbroker", metav1.GetOptions{})

@@ -240,7 +240,7 @@ func testMultiKueue(t *testing.T, viaProfile bool) {
 	// east's audit log records every request of the brokered
 	// ServiceAccount with the jti of its token.
 	auditDir := t.TempDir()
-	policy := writeFile(t, filepath.Join(auditDir, "policy.yaml"), `apiVersion: audit.k8s.io/v1
+	pol := writeFile(t, filepath.Join(auditDir, "policy.yaml"), `apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
@@ -252,7 +252,7 @@ rules:
 	var east, west *testcluster.Cluster
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		east = testcluster.Start(t, testcluster.WithAPIServerArgs("--audit-policy-file="+policy, "--audit-log-path="+auditLog))
+		east = testcluster.Start(t, testcluster.WithAPIServerArgs("--audit-policy-file="+pol, "--audit-log-path="+auditLog))
 	})
 	wg.Go(func() { west = testcluster.Start(t) })
 	wg.Wait()

@@ -24,6 +24,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -53,9 +54,9 @@ func runLoad(t *testing.T, e *brokerEnv, client *http.Client, conc, n int, stop 
 func startLoadBroker(t *testing.T, c *testcluster.Cluster, extra ...string) *brokerEnv {
 	t.Helper()
 	e := newBrokerEnv(t, c, extra...)
-	policy, err := os.ReadFile(e.policy)
+	pol, err := os.ReadFile(e.policy)
 	require.NoError(t, err)
-	writeFile(t, e.policy, string(policy)+"limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}\n")
+	writeFile(t, e.policy, string(pol)+"limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}\n")
 	e.launch(t)
 	return e
 }
@@ -171,11 +172,11 @@ func rssMB(t *testing.T, pid int) float64 {
 // how many leases it deleted.
 func collectLater(t *testing.T, c *testcluster.Cluster, e *brokerEnv) int {
 	t.Helper()
-	p, err := broker.LoadPolicyFile(e.policy)
+	p, err := policy.LoadFile(e.policy)
 	require.NoError(t, err)
 	later, err := broker.New(broker.Config{
 		Secrets: c.Client.CoreV1(),
-		Policy:  broker.NewPolicyStore(p),
+		Policy:  policy.NewStore(p),
 		Logger:  zap.NewNop(),
 		Clock:   clocktesting.NewFakeClock(time.Now().Add(11 * time.Minute)),
 	})

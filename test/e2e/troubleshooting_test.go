@@ -119,9 +119,9 @@ func TestTroubleshootingRecipesWorkAsWritten(t *testing.T) {
 	})
 
 	t.Run("a granted ServiceAccount that does not exist is the 404 the page shows", func(t *testing.T) {
-		policy, err := os.ReadFile(e.policy)
+		pol, err := os.ReadFile(e.policy)
 		require.NoError(t, err)
-		writeFile(t, e.policy, replaceAll(t, string(policy), "serviceAccounts: [runner]", "serviceAccounts: [runner, ghost]"))
+		writeFile(t, e.policy, replaceAll(t, string(pol), "serviceAccounts: [runner]", "serviceAccounts: [runner, ghost]"))
 		require.Eventually(t, func() bool {
 			status, body, err := e.curl(t, filepath.Join(e.dir, "west"), "https://"+e.api+"/v1/whoami")
 			return err == nil && status == 200 && strings.Contains(body, "ghost")

@@ -22,6 +22,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -99,7 +100,7 @@ func TestAgainstARealAPIServer(t *testing.T) {
 	t.Run("a TTL over the grant is clamped and says so", func(t *testing.T) {
 		resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "48h"})
 		require.Equal(t, "12h0m0s", resp.GrantedTTL)
-		require.Equal(t, broker.ClampedByGrant, resp.ClampedBy)
+		require.Equal(t, policy.ClampedByGrant, resp.ClampedBy)
 		exp := time.Unix(int64(jwtClaims(t, resp.Token)["exp"].(float64)), 0)
 		require.WithinDuration(t, time.Now().Add(12*time.Hour), exp, 10*time.Second)
 	})
@@ -164,11 +165,11 @@ func TestAgainstARealAPIServer(t *testing.T) {
 		resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "10m"})
 		// A replica eleven minutes later, with the same policy: the GC looks
 		// in the namespaces the policy grants.
-		p, err := broker.LoadPolicyFile(s.policyFile)
+		p, err := policy.LoadFile(s.policyFile)
 		require.NoError(t, err)
 		later, err := broker.New(broker.Config{
 			Secrets: s.cluster.Client.CoreV1(),
-			Policy:  broker.NewPolicyStore(p),
+			Policy:  policy.NewStore(p),
 			Logger:  zapNop(),
 			Clock:   clocktesting.NewFakeClock(time.Now().Add(11 * time.Minute)),
 		})
@@ -206,7 +207,7 @@ func TestTheAPIServerMayShortenTheToken(t *testing.T) {
 	s, west := setUp(t, testcluster.WithMaxTokenExpiration(time.Hour))
 
 	resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "3h"})
-	require.Equal(t, broker.ClampedByAPIServer, resp.ClampedBy)
+	require.Equal(t, policy.ClampedByAPIServer, resp.ClampedBy)
 	require.Equal(t, "1h0m0s", resp.GrantedTTL)
 	require.WithinDuration(t, time.Now().Add(time.Hour), resp.ExpiresAt, 10*time.Second)
 	var lease apiv1.Lease

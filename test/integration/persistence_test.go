@@ -13,7 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -87,9 +87,9 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 		return err == nil && len(cr.Rules) > 0
 	}, 30*time.Second, 100*time.Millisecond)
 
-	p, err := broker.ParsePolicy([]byte(persistencePolicy))
+	p, err := policy.Parse([]byte(persistencePolicy))
 	require.NoError(t, err)
-	warnings, err := broker.CheckPersistence(ctx, p, broker.PersistenceClients{Reviews: c.Client.AuthorizationV1().SubjectAccessReviews(), RBAC: rbac})
+	warnings, err := policy.CheckPersistence(ctx, p, policy.PersistenceClients{Reviews: c.Client.AuthorizationV1().SubjectAccessReviews(), RBAC: rbac})
 	require.NoError(t, err)
 	byGrant := map[string][]string{}
 	for _, w := range warnings {
@@ -146,7 +146,7 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 		require.NoError(t, err)
 		cs, err := kubernetes.NewForConfig(c.TokenConfig(tr.Status.Token))
 		require.NoError(t, err)
-		_, err = broker.CheckPersistence(ctx, p, broker.PersistenceClients{Reviews: cs.AuthorizationV1().SubjectAccessReviews(), RBAC: cs.RbacV1()})
+		_, err = policy.CheckPersistence(ctx, p, policy.PersistenceClients{Reviews: cs.AuthorizationV1().SubjectAccessReviews(), RBAC: cs.RbacV1()})
 		require.ErrorContains(t, err, "forbidden")
 	})
 }

@@ -136,9 +136,9 @@ func TestPKILifecycle(t *testing.T) {
 func testJoinTokenAcrossReplicas(t *testing.T, c *testcluster.Cluster) {
 	// The races below enroll 23 times from one address, over the default
 	// enrollment bucket (10 a minute), which is not what they test.
-	policy := grants + "limits: {enrollmentsPerMinute: 100}\n"
-	s1 := startStack(t, c, policy)
-	s2 := startStack(t, c, policy, withCA(s1.ca))
+	pol := grants + "limits: {enrollmentsPerMinute: 100}\n"
+	s1 := startStack(t, c, pol)
+	s2 := startStack(t, c, pol, withCA(s1.ca))
 	roots := s1.ca.CertPool()
 	west := identity(t, "west")
 

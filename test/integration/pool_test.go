@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
 // The lease pool (broker/pool.go) against a real kube-apiserver: a token
@@ -77,11 +78,11 @@ func TestPooledLeasesAgainstARealAPIServer(t *testing.T) {
 		require.True(t, review(t, s.cluster.Client, tr.Status.Token).Authenticated)
 
 		// Any replica's GC, once the deadline has passed.
-		p, err := broker.LoadPolicyFile(s.policyFile)
+		p, err := policy.LoadFile(s.policyFile)
 		require.NoError(t, err)
 		later, err := broker.New(broker.Config{
 			Secrets: s.cluster.Client.CoreV1(),
-			Policy:  broker.NewPolicyStore(p),
+			Policy:  policy.NewStore(p),
 			Logger:  zapNop(),
 			Clock:   clocktesting.NewFakeClock(time.Now().Add(11 * time.Minute)),
 		})

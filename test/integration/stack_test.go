@@ -103,7 +103,7 @@ func withKube(kube *rest.Config) stackOption { return func(c *stackConfig) { c.k
 // two replicas of one broker.
 func withCA(ca *pki.CA) stackOption { return func(c *stackConfig) { c.ca = ca } }
 
-func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...stackOption) *stack {
+func startStack(t *testing.T, c *testcluster.Cluster, pol string, opts ...stackOption) *stack {
 	t.Helper()
 	var sc stackConfig
 	for _, o := range opts {
@@ -128,7 +128,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, policy string, opts ...sta
 
 	caFile := filepath.Join(dir, "cluster-ca.crt")
 	require.NoError(t, os.WriteFile(caFile, c.CAData, 0o644))
-	s.writePolicy(t, policy)
+	s.writePolicy(t, pol)
 	ensureNamespace(t, c, brokerNamespace)
 	caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
 	require.NoError(t, ca.WriteFiles(caCert, caKey))

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -38,7 +39,7 @@ func TestALaggingNamespaceCacheRevokesNothingTheAPIServerStillCovers(t *testing.
 	tenantNamespace(t, c, "oil-dev", map[string]string{"tenant": "oil"})
 	tenantNamespace(t, c, "oil-other", map[string]string{"tenant": "oil"}) // a namespace the live read must not take for oil-dev
 
-	p, err := broker.ParsePolicy([]byte(`
+	p, err := policy.Parse([]byte(`
 cluster: {name: east, server: "https://east.example.com:6443", caData: x}
 peers:
   - name: west
@@ -52,7 +53,7 @@ peers:
 	stale := cache.NewStore(cache.MetaNamespaceKeyFunc)
 	require.NoError(t, stale.Add(&metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: "oil-dev"}})) // no tenant label
 	b, err := broker.New(broker.Config{
-		Secrets: c.Client.CoreV1(), Policy: broker.NewPolicyStore(p), Logger: zap.NewNop(),
+		Secrets: c.Client.CoreV1(), Policy: policy.NewStore(p), Logger: zap.NewNop(),
 		Namespaces: frozenNamespaces{store: stale}, LiveNamespaces: c.Client.CoreV1(),
 	})
 	require.NoError(t, err)

@@ -143,7 +143,7 @@ func TestANamespaceRelabelledByAUserWhoDoesNotOwnItGetsNoCredential(t *testing.T
 	mallory, err := kubernetes.NewForConfig(cfg)
 	require.NoError(t, err)
 
-	policy := `
+	pol := `
 peers:
   - name: west
     identity: spiffe://it.tokenbroker.test/cluster/west
@@ -161,7 +161,7 @@ peers:
         namespaceSelector: {matchLabels: {tenant: oil}}
         serviceAccounts: [gitops]
 `
-	s := startStack(t, c, policy)
+	s := startStack(t, c, pol)
 	west, north := s.client(t, "west"), s.client(t, "north")
 	require.Eventually(t, func() bool { return slices.Equal(matching(t, s, west, "oil"), []string{"oil-dev"}) }, 10*time.Second, 50*time.Millisecond)
 

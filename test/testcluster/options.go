@@ -140,8 +140,8 @@ func WithAPIServerArgs(args ...string) Option {
 // --audit-policy-file, and the events go as JSON lines to AuditLogPath, in
 // the blocking mode (the default, named here): an event is on disk before
 // its response is sent, so a test reads every request it has made.
-func WithAuditPolicy(policy string) Option {
-	return func(o *options) { o.auditPolicy = policy }
+func WithAuditPolicy(pol string) Option {
+	return func(o *options) { o.auditPolicy = pol }
 }
 
 // WithStartTimeout bounds how long Run waits for the cluster to become ready

@@ -598,7 +598,7 @@ func startBroker(ctx context.Context, c *testcluster.Cluster, binDir string, ppr
 	}
 	// The limits out of the way: the bench measures issuance, and makes
 	// more leases than the defaults allow a peer.
-	policy := fmt.Sprintf(`cluster: {name: bench, server: %q, caFile: cluster-ca.crt}
+	pol := fmt.Sprintf(`cluster: {name: bench, server: %q, caFile: cluster-ca.crt}
 limits: {issuancesPerMinute: 1000000, burst: 1000000, maxLiveLeases: 1000000, leaseReadsPerMinute: 1000000, leaseReadsInFlight: 1000000}
 peers:
   - name: west
@@ -610,7 +610,7 @@ peers:
       - {namespaces: [bench], credential: clientCertificate, role: bench-view}
       - {name: tenant, namespaceSelector: {matchLabels: {%s: bench}}, serviceAccounts: [tenant-runner]}
 `, c.URL, id, c.ServiceAccountIssuer, benchAudience, tenantLabel)
-	if err := os.WriteFile(f("policy.yaml"), []byte(policy), 0o644); err != nil {
+	if err := os.WriteFile(f("policy.yaml"), []byte(pol), 0o644); err != nil {
 		return fail(err)
 	}
 	api, ops := freeAddr(), freeAddr()

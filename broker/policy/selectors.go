@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"fmt"
@@ -51,7 +51,7 @@ type NamespaceOwner struct {
 }
 
 // api is o as GET /v1/whoami shows it (nil for nil).
-func (o *NamespaceOwner) api() *apiv1.NamespaceOwner {
+func (o *NamespaceOwner) API() *apiv1.NamespaceOwner {
 	if o == nil {
 		return nil
 	}
@@ -81,8 +81,8 @@ func apiGroup(apiVersion string) string {
 
 // selects reports whether the grant's selector, and its namespaceOwner if
 // it has one, take a namespace with these labels and owner references.
-func (g *GrantSpec) selects(set labels.Set, owners []metav1.OwnerReference) bool {
-	return g.selector != nil && g.selector.Matches(set) && (g.NamespaceOwner == nil || g.NamespaceOwner.owns(owners))
+func (g *GrantSpec) Selects(set labels.Set, owners []metav1.OwnerReference) bool {
+	return g.Selector != nil && g.Selector.Matches(set) && (g.NamespaceOwner == nil || g.NamespaceOwner.owns(owners))
 }
 
 // Decide is DecideIn without namespaces: grants by namespaceSelector match
@@ -93,7 +93,7 @@ func (p *Policy) Decide(identity, namespace, serviceAccount, credential string, 
 
 // covers reports whether the grant covers namespace: it is listed by name,
 // or the grant's selector matches the namespace's labels now.
-func (g *GrantSpec) covers(nss NamespaceLabels, namespace string) bool {
+func (g *GrantSpec) Covers(nss NamespaceLabels, namespace string) bool {
 	if slices.Contains(g.Namespaces, namespace) {
 		return true
 	}
@@ -103,7 +103,7 @@ func (g *GrantSpec) covers(nss NamespaceLabels, namespace string) bool {
 // selectorMatches reports whether the grant's selector matches namespace
 // (false for a grant without one, or a namespace nss does not know).
 func (g *GrantSpec) selectorMatches(nss NamespaceLabels, namespace string) bool {
-	if g.selector == nil || nss == nil {
+	if g.Selector == nil || nss == nil {
 		return false
 	}
 	set, ok := nss.NamespaceLabels(namespace)
@@ -118,19 +118,19 @@ func (g *GrantSpec) selectorMatches(nss NamespaceLabels, namespace string) bool 
 		}
 		owners = no.NamespaceOwners(namespace)
 	}
-	return g.selects(set, owners)
+	return g.Selects(set, owners)
 }
 
 // keptTrue reports whether leases issued under the grant are revoked when
 // their namespace stops being covered: selector grants, unless they say
 // revokeOnUnmatch: false.
-func (g *GrantSpec) keptTrue() bool {
+func (g *GrantSpec) KeptTrue() bool {
 	return g.NamespaceSelector != nil && (g.RevokeOnUnmatch == nil || *g.RevokeOnUnmatch)
 }
 
 // grantRef names g, one of ps's grants, as a lease records it: its name,
 // or its position for an unnamed grant.
-func (ps *PeerSpec) grantRef(g *GrantSpec) string {
+func (ps *PeerSpec) GrantRef(g *GrantSpec) string {
 	if g.Name != "" {
 		return g.Name
 	}
@@ -143,7 +143,7 @@ func (ps *PeerSpec) grantRef(g *GrantSpec) string {
 }
 
 // grantNamed returns the peer's grant with the given name, or nil.
-func (ps *PeerSpec) grantNamed(name string) *GrantSpec {
+func (ps *PeerSpec) GrantNamed(name string) *GrantSpec {
 	if name == "" {
 		return nil
 	}
@@ -156,7 +156,7 @@ func (ps *PeerSpec) grantNamed(name string) *GrantSpec {
 }
 
 // peerNamed returns the peer with the given policy name, or nil.
-func (p *Policy) peerNamed(name string) *PeerSpec {
+func (p *Policy) PeerNamed(name string) *PeerSpec {
 	for i := range p.Peers {
 		if p.Peers[i].Name == name {
 			return &p.Peers[i]
@@ -171,7 +171,7 @@ const maxRevokeDelayNote = "must be between 0 and ttl.max (%s): a longer delay o
 // validateTenantGrant checks the fields of a grant by namespace selector
 // and compiles its selector into g. names collects the peer's grant names.
 func validateTenantGrant(g *GrantSpec, gpath string, maxTTL time.Duration, names map[string]bool, add func(field, format string, args ...any)) {
-	g.selector = nil
+	g.Selector = nil
 	if g.Name != "" {
 		if errs := validation.IsDNS1123Label(g.Name); len(errs) > 0 {
 			add(gpath+".name", "%s", strings.Join(errs, "; "))
@@ -222,7 +222,7 @@ func validateTenantGrant(g *GrantSpec, gpath string, maxTTL time.Duration, names
 		add(spath, "%v", err)
 		return
 	}
-	g.selector = s
+	g.Selector = s
 }
 
 // maxKindLen bounds a namespaceOwner's kind (a Kubernetes kind is a
@@ -256,14 +256,14 @@ func validateNamespaceOwner(o *NamespaceOwner, path string, add func(field, form
 	}
 	if o.UID == "" {
 		add(path+".uid", "is required: the owner's metadata.uid (kubectl get <kind> <name> -o jsonpath='{.metadata.uid}'), which no object created later can have")
-	} else if !uidText(string(o.UID)) {
+	} else if !uIDText(string(o.UID)) {
 		add(path+".uid", "must be a UID as Kubernetes writes it (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
 	}
 }
 
-// uidText reports whether s is a UUID as Kubernetes writes a UID: 36
+// uIDText reports whether s is a UUID as Kubernetes writes a UID: 36
 // characters, hexadecimal digits in groups of 8, 4, 4, 4 and 12.
-func uidText(s string) bool {
+func uIDText(s string) bool {
 	if len(s) != 36 {
 		return false
 	}
@@ -296,27 +296,27 @@ func kindName(s string) bool {
 }
 
 // selectorGrant is one grant by namespace selector, by peer and grant name.
-type selectorGrant struct{ peer, grant string }
+type SelectorGrant struct{ Peer, Grant string }
 
 // selectorGrants returns the policy's grants by namespace selector.
-func (p *Policy) selectorGrants() map[selectorGrant]*GrantSpec {
-	out := map[selectorGrant]*GrantSpec{}
+func (p *Policy) SelectorGrants() map[SelectorGrant]*GrantSpec {
+	out := map[SelectorGrant]*GrantSpec{}
 	if p == nil {
 		return out
 	}
 	for i := range p.Peers {
 		for j := range p.Peers[i].Grants {
 			g := &p.Peers[i].Grants[j]
-			if g.selector != nil {
-				out[selectorGrant{p.Peers[i].Name, g.Name}] = g
+			if g.Selector != nil {
+				out[SelectorGrant{p.Peers[i].Name, g.Name}] = g
 			}
 		}
 	}
 	return out
 }
 
-// apiSelector is a selector as GET /v1/whoami shows it.
-func apiSelector(s *metav1.LabelSelector) *apiv1.LabelSelector {
+// aPISelector is a selector as GET /v1/whoami shows it.
+func APISelector(s *metav1.LabelSelector) *apiv1.LabelSelector {
 	if s == nil {
 		return nil
 	}

@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"encoding/pem"
@@ -11,14 +11,14 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// LoadPolicyFile reads, parses and validates the policy at path and the CA
+// LoadFile reads, parses and validates the policy at path and the CA
 // bundle it names. A relative caFile is taken relative to the policy file.
-func LoadPolicyFile(path string) (*Policy, error) {
+func LoadFile(path string) (*Policy, error) {
 	data, err := pki.ReadFileLimit(path, maxPolicyBytes)
 	if err != nil {
 		return nil, fmt.Errorf("read policy: %w", err)
 	}
-	p, err := ParsePolicy(data)
+	p, err := Parse(data)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
@@ -82,11 +82,11 @@ func setJWKSFiles(path string, p *Policy, files [][]byte) error {
 	return nil
 }
 
-// policyFromFiles is LoadPolicyFile on content already read: the policy,
+// policyFromFiles is LoadFile on content already read: the policy,
 // the CA file it names (nil when it names none or could not be read) and
 // the jwksFiles of its peers (see readJWKSFiles).
 func policyFromFiles(path string, data, ca []byte, jwks [][]byte) (*Policy, error) {
-	p, err := ParsePolicy(data)
+	p, err := Parse(data)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
@@ -133,13 +133,13 @@ func checkCABundle(data []byte) error {
 }
 
 // CheckCABundle reports whether data holds at least one PEM certificate
-// and nothing else, as LoadPolicyFile requires of cluster.caFile and
+// and nothing else, as LoadFile requires of cluster.caFile and
 // cluster.caData; "tokenbroker config validate" checks a policy with it.
 func CheckCABundle(data []byte) error { return checkCABundle(data) }
 
-// PolicyStore holds the policy in force. Readers never block; a reload
+// Store holds the policy in force. Readers never block; a reload
 // swaps the whole policy at once.
-type PolicyStore struct {
+type Store struct {
 	p atomic.Pointer[Policy]
 
 	mu       sync.Mutex // serialises Store and guards onChange
@@ -149,16 +149,16 @@ type PolicyStore struct {
 // OnChange registers f to be called after every Store with the policy
 // replaced and the new one, in the order of the stores. f must not block
 // for long: the reload waits for it.
-func (s *PolicyStore) OnChange(f func(old, new *Policy)) {
+func (s *Store) OnChange(f func(old, new *Policy)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.onChange = append(s.onChange, f)
 }
 
-// NewPolicyStore returns a store holding p (which may be nil: then every
+// NewStore returns a store holding p (which may be nil: then every
 // request is denied and the broker is not ready).
-func NewPolicyStore(p *Policy) *PolicyStore {
-	s := &PolicyStore{}
+func NewStore(p *Policy) *Store {
+	s := &Store{}
 	if p != nil {
 		s.p.Store(p)
 	}
@@ -166,10 +166,10 @@ func NewPolicyStore(p *Policy) *PolicyStore {
 }
 
 // Load returns the policy in force, or nil.
-func (s *PolicyStore) Load() *Policy { return s.p.Load() }
+func (s *Store) Load() *Policy { return s.p.Load() }
 
 // Store replaces the policy in force. p must be valid.
-func (s *PolicyStore) Store(p *Policy) {
+func (s *Store) Store(p *Policy) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	old := s.p.Swap(p)
@@ -180,7 +180,7 @@ func (s *PolicyStore) Store(p *Policy) {
 
 // Namespaces are the namespaces the policy in force grants by name; none
 // before a policy is loaded.
-func (s *PolicyStore) Namespaces() []string {
+func (s *Store) Namespaces() []string {
 	if p := s.Load(); p != nil {
 		return p.Namespaces()
 	}

@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"context"
@@ -13,37 +13,37 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// DefaultPolicyReloadInterval is how often a PolicyWatcher looks at the
+// DefaultReloadInterval is how often a Watcher looks at the
 // policy file.
-const DefaultPolicyReloadInterval = time.Second
+const DefaultReloadInterval = time.Second
 
-// PolicyWatcher keeps a PolicyStore in step with a policy file: it reads
+// Watcher keeps a Store in step with a policy file: it reads
 // the file (and the cluster CA file it names) every interval and, when
-// their content changed, loads them as LoadPolicyFile does. A valid new
+// their content changed, loads them as LoadFile does. A valid new
 // policy replaces the old one at once; an invalid one is refused and the
 // old one stays in force. Both outcomes are logged and counted in
 // tokenbroker_config_reloads_total{config="policy"}, once per distinct
 // content. It is a pki.FileReloader, the same digest-and-swap as the
 // certificate reloaders. Polling, unlike inotify, also follows Kubernetes
 // ConfigMap volumes, which swap files through a symlink.
-type PolicyWatcher struct {
+type Watcher struct {
 	files    *pki.FileReloader[Policy]
-	store    *PolicyStore
+	store    *Store
 	interval time.Duration
 	// inForce is the reloader's policy last put into the store.
 	inForce *Policy
 }
 
-// NewPolicyWatcher returns a watcher of the policy file at path that
+// NewWatcher returns a watcher of the policy file at path that
 // updates store. The content of the file now is taken as in force (the
-// caller loaded it with LoadPolicyFile before); an error means it no longer
-// loads. interval zero means DefaultPolicyReloadInterval; metrics may be
+// caller loaded it with LoadFile before); an error means it no longer
+// loads. interval zero means DefaultReloadInterval; metrics may be
 // nil.
-func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, m *metrics.Metrics, interval time.Duration) (*PolicyWatcher, error) {
+func NewWatcher(path string, store *Store, log *zap.Logger, m *metrics.Metrics, interval time.Duration) (*Watcher, error) {
 	if interval <= 0 {
-		interval = DefaultPolicyReloadInterval
+		interval = DefaultReloadInterval
 	}
-	w := &PolicyWatcher{store: store, interval: interval}
+	w := &Watcher{store: store, interval: interval}
 	report := func(err error) {
 		m.ObserveReload(metrics.ConfigPolicy, err)
 		if err != nil {
@@ -67,13 +67,13 @@ func NewPolicyWatcher(path string, store *PolicyStore, log *zap.Logger, m *metri
 }
 
 // Run polls until ctx is done.
-func (w *PolicyWatcher) Run(ctx context.Context) {
+func (w *Watcher) Run(ctx context.Context) {
 	wait.UntilWithContext(ctx, func(context.Context) { _ = w.Check() }, w.interval)
 }
 
 // Check looks at the files once and reloads them if they changed. It
 // returns the outcome of the reload, or nil when nothing changed.
-func (w *PolicyWatcher) Check() error {
+func (w *Watcher) Check() error {
 	err := w.files.Reload()
 	if p := w.files.Current(); p != w.inForce {
 		w.store.Store(p)
@@ -93,7 +93,7 @@ func readPolicyFiles(path string) ([][]byte, error) {
 	}
 	var ca []byte
 	var jwks [][]byte
-	if p, err := ParsePolicy(data); err == nil {
+	if p, err := Parse(data); err == nil {
 		if p.Cluster.CAFile != "" {
 			// A missing CA file is read as nothing and refused by
 			// policyFromFiles; its later arrival changes the content.

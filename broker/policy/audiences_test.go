@@ -1,7 +1,8 @@
-package broker
+package policy
 
 import (
 	"fmt"
+	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
 	"strings"
 	"testing"
 	"time"
@@ -12,28 +13,9 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
-const audiencePolicy = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants:
-      - namespaces: [argo]
-        serviceAccounts: [runner]
-        maxTTL: 2h
-      - namespaces: [vault]
-        serviceAccounts: [runner]
-        maxTTL: 1h
-        audiences: [vault.example, "https://kubernetes.default.svc"]
-      - namespaces: [vault]
-        serviceAccounts: [runner]
-        maxTTL: 12h
-`
-
 func TestAudiencesAreThePolicysNotThePeers(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, audiencePolicy)
+	p := parsed(t, policytest.Audiences)
 	const west = "spiffe://oc.example/cluster/west"
 	tests := []struct {
 		name      string
@@ -64,7 +46,7 @@ func TestAudiencesAreThePolicysNotThePeers(t *testing.T) {
 			case tc.wantAudienceRefusal:
 				require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 				require.ErrorIs(t, err, ErrAudienceNotGranted)
-				require.Equal(t, "no grant allows this request", errDetail(err), "the caller is told no more than for any refusal")
+				require.Equal(t, "no grant allows this request", problemDetail(err), "the caller is told no more than for any refusal")
 			case tc.wantForbidden:
 				require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 				require.NotErrorIs(t, err, ErrAudienceNotGranted)
@@ -115,7 +97,7 @@ peers:
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			_, err := ParsePolicy([]byte(tc.doc))
+			_, err := Parse([]byte(tc.doc))
 			var ve *apiv1.ValidationError
 			require.ErrorAs(t, err, &ve)
 			found := false
@@ -129,13 +111,13 @@ peers:
 	}
 	t.Run("a grant's audiences are shown by whoami", func(t *testing.T) {
 		t.Parallel()
-		_, gs := mustPolicy(t, audiencePolicy).Grants("spiffe://oc.example/cluster/west")
+		_, gs := parsed(t, policytest.Audiences).Grants("spiffe://oc.example/cluster/west")
 		require.Empty(t, gs[0].Audiences)
 		require.Equal(t, []string{"vault.example", "https://kubernetes.default.svc"}, gs[1].Audiences)
 	})
 }
 
-// FuzzDecideAudiences asks audiencePolicy for hostile audiences: a request
+// FuzzDecideAudiences asks policytest.Audiences for hostile audiences: a request
 // is allowed only if the grant that decided lists every audience it names,
 // byte for byte.
 func FuzzDecideAudiences(f *testing.F) {
@@ -145,7 +127,7 @@ func FuzzDecideAudiences(f *testing.F) {
 	f.Add("vault", "Vault.example", "vault.example\x00")
 	f.Add("vault", "*", "vault.example ")
 	f.Add("vault", "st\u0455.amazonaws.com", "")
-	p, err := ParsePolicy([]byte(audiencePolicy))
+	p, err := Parse([]byte(policytest.Audiences))
 	require.NoError(f, err)
 	const west = "spiffe://oc.example/cluster/west"
 	peer := p.Peer(west)
@@ -163,7 +145,7 @@ func FuzzDecideAudiences(f *testing.F) {
 		}
 		var grant *GrantSpec
 		for i := range peer.Grants {
-			if peer.grantRef(&peer.Grants[i]) == d.Grant {
+			if peer.GrantRef(&peer.Grants[i]) == d.Grant {
 				grant = &peer.Grants[i]
 			}
 		}

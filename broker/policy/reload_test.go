@@ -1,6 +1,7 @@
-package broker
+package policy
 
 import (
+	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,21 +27,21 @@ func TestThePolicyWatcherSwapsGoodPoliciesAndRefusesBadOnes(t *testing.T) {
 		doc = strings.Replace(doc, `caData: "x"`, "caFile: ca.crt", 1)
 		require.NoError(t, os.WriteFile(file, []byte(doc), 0o600))
 	}
-	write(testPolicy)
-	p, err := LoadPolicyFile(file)
+	write(policytest.Basic)
+	p, err := LoadFile(file)
 	require.NoError(t, err)
-	store := NewPolicyStore(p)
+	store := NewStore(p)
 	reg := prometheus.NewRegistry()
 	m, err := metrics.New(reg)
 	require.NoError(t, err)
 	core, logs := observer.New(zap.InfoLevel)
-	w, err := NewPolicyWatcher(file, store, zap.New(core), m, 0)
+	w, err := NewWatcher(file, store, zap.New(core), m, 0)
 	require.NoError(t, err)
 
 	require.NoError(t, w.Check(), "unchanged content is not reloaded")
 	require.Same(t, p, store.Load())
 
-	write(strings.Replace(testPolicy, "name: north", "name: north2", 1))
+	write(strings.Replace(policytest.Basic, "name: north", "name: north2", 1))
 	require.NoError(t, w.Check())
 	require.NotSame(t, p, store.Load())
 	require.Equal(t, "north2", store.Load().Peers[1].Name)
@@ -56,7 +57,7 @@ func TestThePolicyWatcherSwapsGoodPoliciesAndRefusesBadOnes(t *testing.T) {
 	require.NoError(t, w.Check())
 	require.Same(t, good, store.Load())
 
-	write(testPolicy)
+	write(policytest.Basic)
 	require.NoError(t, w.Check())
 	require.Equal(t, "north", store.Load().Peers[1].Name)
 
@@ -78,10 +79,10 @@ func TestThePolicyWatcherNoticesAChangedClusterCAFile(t *testing.T) {
 	caFile := filepath.Join(dir, "ca.crt")
 	require.NoError(t, os.WriteFile(caFile, []byte(testCAPEM(t)), 0o600))
 	require.NoError(t, os.WriteFile(file, []byte("cluster: {name: east, server: 'https://east.example.com', caFile: ca.crt}\n"), 0o600))
-	p, err := LoadPolicyFile(file)
+	p, err := LoadFile(file)
 	require.NoError(t, err)
-	store := NewPolicyStore(p)
-	w, err := NewPolicyWatcher(file, store, zap.NewNop(), nil, 0)
+	store := NewStore(p)
+	w, err := NewWatcher(file, store, zap.NewNop(), nil, 0)
 	require.NoError(t, err)
 
 	require.NoError(t, os.WriteFile(caFile, []byte("not PEM"), 0o600))
@@ -95,9 +96,9 @@ func TestThePolicyWatcherNoticesAChangedClusterCAFile(t *testing.T) {
 func TestPeerCertificateTTLIsValidated(t *testing.T) {
 	t.Parallel()
 	for ttl, ok := range map[string]bool{"1h": true, "720h": true, "10m": true, "721h": false, "5m": false} {
-		doc := strings.Replace(testPolicy, "    identity: spiffe://oc.example/cluster/west\n",
+		doc := strings.Replace(policytest.Basic, "    identity: spiffe://oc.example/cluster/west\n",
 			"    identity: spiffe://oc.example/cluster/west\n    certificateTTL: "+ttl+"\n", 1)
-		_, err := ParsePolicy([]byte(doc))
+		_, err := Parse([]byte(doc))
 		if ok {
 			require.NoError(t, err, ttl)
 			continue

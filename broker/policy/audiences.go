@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"errors"
@@ -29,7 +29,7 @@ var ErrAudienceNotGranted = errors.New("a grant covers the request but does not 
 
 // denyAudience is the tokenbroker_denials_total reason of a refusal for
 // ErrAudienceNotGranted.
-const denyAudience = "audience_not_granted"
+const DenyAudience = "audience_not_granted"
 
 // maxGrantAudiences bounds a grant's audiences, as apiv1.MaxAudiences
 // bounds a request's.

@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"crypto"
@@ -37,7 +37,7 @@ peers:
 
 func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, workloadPolicy)
+	p := parsed(t, workloadPolicy)
 	const west = "spiffe://oc.example/cluster/west"
 	runner := &WorkloadRef{Namespace: "argo", ServiceAccount: "runner"}
 	other := &WorkloadRef{Namespace: "argo", ServiceAccount: "other"}
@@ -96,7 +96,7 @@ peers:
         serviceAccounts: [runner]
         workloads: [{namespace: argo, serviceAccount: runner}]
 `
-	_, err := ParsePolicy([]byte(doc))
+	_, err := Parse([]byte(doc))
 	var ve *apiv1.ValidationError
 	require.ErrorAs(t, err, &ve)
 	fields := map[string]bool{}
@@ -135,12 +135,12 @@ peers:
     identity: spiffe://oc.example/cluster/west
     workloadIdentity: {issuer: "https://west", audiences: [tokenbroker.east], jwksFile: west.jwks}
 `), 0o600))
-	p, err := LoadPolicyFile(path)
+	p, err := LoadFile(path)
 	require.NoError(t, err)
 	require.Equal(t, []string{kid}, p.Peers[0].WorkloadIdentity.StaticKeys().KeyIDs())
 
-	store := NewPolicyStore(p)
-	w, err := NewPolicyWatcher(path, store, zap.NewNop(), nil, time.Hour)
+	store := NewStore(p)
+	w, err := NewWatcher(path, store, zap.NewNop(), nil, time.Hour)
 	require.NoError(t, err)
 	kid2 := writeKeys()
 	require.NoError(t, w.Check())

@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"encoding/json"
@@ -13,12 +13,12 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// CheckPolicyDocument checks a policy document (YAML decoded into any)
+// CheckDocument checks a policy document (YAML decoded into any)
 // read from path, as "tokenbroker config validate" does: its shape, every
 // rule of ParsePolicy and the CA bundle it names, all problems at once.
 // Notes are what could not be checked here (a caFile that exists only
-// where the broker runs). No problem means LoadPolicyFile accepts the file.
-func CheckPolicyDocument(path string, doc any) (problems, notes []apiv1.FieldError) {
+// where the broker runs). No problem means LoadFile accepts the file.
+func CheckDocument(path string, doc any) (problems, notes []apiv1.FieldError) {
 	var sc schema.Checker
 	clean := sc.Check("", doc, reflect.TypeFor[Policy]())
 	problems = sc.Problems
@@ -26,10 +26,10 @@ func CheckPolicyDocument(path string, doc any) (problems, notes []apiv1.FieldErr
 	if err != nil {
 		return append(problems, apiv1.FieldError{Detail: err.Error()}), nil
 	}
-	_, err = ParsePolicy(js)
+	_, err = Parse(js)
 	problems = append(problems, sc.Without(schema.LoaderProblems(err))...)
 
-	// The CA bundle, as LoadPolicyFile reads it. (Lenient decoding: the
+	// The CA bundle, as LoadFile reads it. (Lenient decoding: the
 	// shape problems are reported above.)
 	var p Policy
 	_ = json.Unmarshal(js, &p)
@@ -61,7 +61,7 @@ func CheckPolicyDocument(path string, doc any) (problems, notes []apiv1.FieldErr
 	// The broker's own loader has the last word, so that "valid" means
 	// "serve would load it".
 	if len(problems) == 0 && caChecked {
-		if _, err := LoadPolicyFile(path); err != nil {
+		if _, err := LoadFile(path); err != nil {
 			problems = append(problems, apiv1.FieldError{Detail: err.Error()})
 		}
 	}

@@ -1,4 +1,4 @@
-package broker
+package policy
 
 import (
 	"bytes"
@@ -207,7 +207,7 @@ type GrantSpec struct {
 	RevokeDelay apiv1.Duration `json:"revokeDelay,omitempty"`
 
 	// selector is NamespaceSelector compiled by Validate; nil without one.
-	selector labels.Selector
+	Selector labels.Selector `json:"-"`
 	// Workloads, if set, limits the grant to requests whose verified
 	// workload token names one of these ServiceAccounts of the peer's
 	// cluster. Absent: any workload of the peer (the certificate alone).
@@ -232,7 +232,7 @@ func (g *GrantSpec) roleRef() issuers.RoleRef {
 // ParsePolicy decodes and validates a policy document (YAML or JSON).
 // Unknown fields are errors, so that a misspelt key never silently widens
 // or narrows what is granted. CAFile is not read here.
-func ParsePolicy(data []byte) (*Policy, error) {
+func Parse(data []byte) (*Policy, error) {
 	if len(data) > maxPolicyBytes {
 		return nil, fmt.Errorf("policy is %d bytes, over the limit of %d", len(data), maxPolicyBytes)
 	}
@@ -323,7 +323,7 @@ func (p *Policy) Validate() error {
 			add(path+".name", "duplicate peer name %q", peer.Name)
 		}
 		names[peer.Name] = true
-		if err := validSPIFFEID(peer.Identity); err != nil {
+		if err := ValidSPIFFEID(peer.Identity); err != nil {
 			add(path+".identity", "%v", err)
 		} else if ids[peer.Identity] {
 			add(path+".identity", "duplicate identity %q", peer.Identity)
@@ -475,7 +475,7 @@ func printableASCII(s string) bool {
 // validSPIFFEID checks that id is a cluster identity,
 // spiffe://<trust-domain>/cluster/<name>: the only form a client
 // certificate can carry, so any other could never match a caller.
-func validSPIFFEID(id string) error {
+func ValidSPIFFEID(id string) error {
 	if id == "" {
 		return errors.New("is required")
 	}
@@ -486,10 +486,7 @@ func validSPIFFEID(id string) error {
 }
 
 // Peer returns the policy of the peer with the given identity, or nil.
-func (p *Policy) Peer(identity string) *PeerSpec { return p.peer(identity) }
-
-// peer returns the peer with the given identity, or nil.
-func (p *Policy) peer(identity string) *PeerSpec {
+func (p *Policy) Peer(identity string) *PeerSpec {
 	for i := range p.Peers {
 		if p.Peers[i].Identity == identity {
 			return &p.Peers[i]
@@ -501,7 +498,7 @@ func (p *Policy) peer(identity string) *PeerSpec {
 // CertificateTTL returns the lifetime of a client certificate for
 // identity: the peer's certificateTTL if the policy names one, else def.
 func (p *Policy) CertificateTTL(identity string, def time.Duration) time.Duration {
-	if peer := p.peer(identity); peer != nil && peer.CertificateTTL != 0 {
+	if peer := p.Peer(identity); peer != nil && peer.CertificateTTL != 0 {
 		return time.Duration(peer.CertificateTTL)
 	}
 	return def
@@ -509,7 +506,7 @@ func (p *Policy) CertificateTTL(identity string, def time.Duration) time.Duratio
 
 // namespaces returns the namespaces the peer's grants name, sorted, each
 // once.
-func (ps *PeerSpec) namespaces() []string {
+func (ps *PeerSpec) Namespaces() []string {
 	var out []string
 	for _, g := range ps.Grants {
 		out = append(out, g.Namespaces...)
@@ -523,7 +520,7 @@ func (ps *PeerSpec) namespaces() []string {
 func (p *Policy) Namespaces() []string {
 	var out []string
 	for i := range p.Peers {
-		out = append(out, p.Peers[i].namespaces()...)
+		out = append(out, p.Peers[i].Namespaces()...)
 	}
 	slices.Sort(out)
 	return slices.Compact(out)
@@ -578,7 +575,7 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 	if credential == "" {
 		credential = apiv1.CredentialToken
 	}
-	peer := p.peer(identity)
+	peer := p.Peer(identity)
 	if peer == nil {
 		return Decision{}, problem.Errorf(problem.KindForbidden, "no grant allows this request")
 	}
@@ -588,7 +585,7 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 		g := &peer.Grants[i]
 		// A certificate grant names no ServiceAccount (the request none).
 		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
-		if g.Credential == credential && g.covers(nss, namespace) && saOK && g.admits(workload) {
+		if g.Credential == credential && g.Covers(nss, namespace) && saOK && g.admits(workload) {
 			if !g.allowsAudiences(audiences) {
 				audienceOnly = true
 				continue
@@ -607,14 +604,14 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 		return Decision{}, problem.Errorf(problem.KindForbidden, "no grant allows this request")
 	}
 	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested}
-	d.Grant = peer.grantRef(grant)
+	d.Grant = peer.GrantRef(grant)
 	if requested == 0 {
 		requested = time.Duration(p.TTL.Default)
 	}
 	d.TTL, d.ClampedBy = p.clamp(grant, requested)
 	if minTTL > 0 && d.TTL < minTTL {
 		return Decision{}, problem.Errorf(problem.KindUnprocessable,
-			"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, orDefault(d.ClampedBy, "requested ttl"))
+			"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, OrDefault(d.ClampedBy, "requested ttl"))
 	}
 	return d, nil
 }
@@ -628,7 +625,7 @@ func (g *GrantSpec) admits(w *WorkloadRef) bool {
 	return w != nil && slices.Contains(g.Workloads, *w)
 }
 
-func orDefault(s, def string) string {
+func OrDefault(s, def string) string {
 	if s == "" {
 		return def
 	}
@@ -667,7 +664,7 @@ func (p *Policy) Grants(identity string) (string, []apiv1.Grant) {
 // describe, if set, adds what the caller knows of each grant (the
 // namespaces a selector matches now).
 func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, describe func(peer string, g *GrantSpec, out *apiv1.Grant)) (string, []apiv1.Grant) {
-	peer := p.peer(identity)
+	peer := p.Peer(identity)
 	if peer == nil {
 		return "", []apiv1.Grant{}
 	}

@@ -1,52 +1,23 @@
-package broker
+package policy
 
 import (
 	"encoding/json"
+	"errors"
+	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
-	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-const testPolicy = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants:
-      - namespaces: [argo]
-        serviceAccounts: [admiralty-source]
-        maxTTL: 12h
-        audiences: [aud]
-      - namespaces: [argo, flux]
-        serviceAccounts: [reader]
-  - name: north
-    identity: spiffe://oc.example/cluster/north
-    grants:
-      - namespaces: [argo]
-        clusterRole: view
-        maxTTL: 30m
-        credential: clientCertificate
-`
-
-func mustPolicy(t *testing.T, doc string) *Policy {
-	t.Helper()
-	p, err := ParsePolicy([]byte(doc))
-	require.NoError(t, err)
-	return p
-}
-
 func TestDecide(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, testPolicy)
+	p := parsed(t, policytest.Basic)
 	const west, north = "spiffe://oc.example/cluster/west", "spiffe://oc.example/cluster/north"
 	tests := []struct {
 		name                   string
@@ -93,7 +64,7 @@ func TestDecide(t *testing.T) {
 
 func TestForbiddenErrorsDoNotTellWhy(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, testPolicy)
+	p := parsed(t, policytest.Basic)
 	_, e1 := p.Decide("spiffe://oc.example/cluster/south", "argo", "admiralty-source", "", 0, 0)
 	_, e2 := p.Decide("spiffe://oc.example/cluster/west", "kube-system", "admiralty-source", "", 0, 0)
 	require.Equal(t, e1.Error(), e2.Error())
@@ -116,7 +87,7 @@ peers:
     identity: spiffe://oc.example/cluster/west
     grants: []
 `
-	_, err := ParsePolicy([]byte(doc))
+	_, err := Parse([]byte(doc))
 	var ve *apiv1.ValidationError
 	require.ErrorAs(t, err, &ve)
 	fields := map[string]bool{}
@@ -198,7 +169,7 @@ func TestTheClusterIsReachedOnlyByURLsAndNamesEveryClientReadsAlike(t *testing.T
 				// And the same through the JSON names, as a policy file is read.
 				js, err := json.Marshal(p)
 				require.NoError(t, err)
-				parsed, err := ParsePolicy(js)
+				parsed, err := Parse(js)
 				require.NoError(t, err)
 				require.Equal(t, p.Cluster, parsed.Cluster)
 				return
@@ -224,7 +195,7 @@ func TestParsePolicyRejects(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			_, err := ParsePolicy([]byte(tc.doc))
+			_, err := Parse([]byte(tc.doc))
 			require.Error(t, err)
 		})
 	}
@@ -234,14 +205,14 @@ func TestAClusterNameThatIsTheUnboundJoinTokenAudienceIsRejected(t *testing.T) {
 	t.Parallel()
 	// Without --broker-name the broker answers to cluster.name in a join
 	// token's aud: this name would let it take every unbound token.
-	_, err := ParsePolicy([]byte("cluster: {name: " + pki.JoinTokenAudience + ", server: 'https://a', caData: x}\n"))
+	_, err := Parse([]byte("cluster: {name: " + pki.JoinTokenAudience + ", server: 'https://a', caData: x}\n"))
 	require.ErrorContains(t, err, "cluster.name")
 	require.ErrorContains(t, err, "is the audience of unbound join tokens")
 }
 
 func TestEmptyPolicyDeniesEverything(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, "cluster: {name: a, server: 'https://a', caData: x}\n")
+	p := parsed(t, "cluster: {name: a, server: 'https://a', caData: x}\n")
 	_, err := p.Decide("spiffe://a/cluster/w", "default", "default", "", 0, 0)
 	require.Equal(t, problem.KindForbidden, problem.KindOf(err))
 	peer, grants := p.Grants("spiffe://a/cluster/w")
@@ -252,7 +223,7 @@ func TestEmptyPolicyDeniesEverything(t *testing.T) {
 
 func TestGrantsListsEffectiveMaxTTL(t *testing.T) {
 	t.Parallel()
-	p := mustPolicy(t, testPolicy)
+	p := parsed(t, policytest.Basic)
 	peer, grants := p.Grants("spiffe://oc.example/cluster/west")
 	require.Equal(t, "west", peer)
 	require.Len(t, grants, 2)
@@ -262,7 +233,7 @@ func TestGrantsListsEffectiveMaxTTL(t *testing.T) {
 }
 
 func FuzzParsePolicy(f *testing.F) {
-	f.Add([]byte(testPolicy))
+	f.Add([]byte(policytest.Basic))
 	f.Add([]byte("cluster: {name: a}\n"))
 	f.Add([]byte("{}"))
 	// U+0085 (NEL) is a line break to YAML: escaped, raw and in JSON.
@@ -272,23 +243,23 @@ func FuzzParsePolicy(f *testing.F) {
 	f.Add([]byte(`cluster: {name: east, server: "https://10.0.0.1:6443/k8s", tlsServerName: east.internal, proxyURL: "socks5://proxy:1080", caData: x}` + "\n"))
 	// The namespace selector section: every operator, an empty selector,
 	// revocation settings.
-	f.Add([]byte(tenantPolicy))
+	f.Add([]byte(policytest.Tenants))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchExpressions: [{key: tenant, operator: In, values: [oil]}, {key: x, operator: NotIn, values: [y]}, {key: e, operator: Exists}, {key: d, operator: DoesNotExist}]}, serviceAccounts: [sa], revokeDelay: 30s}\n"))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {}, serviceAccounts: [sa]}\n"))
 	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"name":"t","namespaceSelector":{"matchLabels":{"a/b":"c"}},"serviceAccounts":["sa"],"revokeOnUnmatch":false}]}]}`))
 	// A grant's namespaceOwner: valid, without a UID, hostile values.
-	f.Add([]byte(ownedPolicy))
+	f.Add([]byte(policytest.Owned))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: capsule.clastix.io/v1beta2, kind: Tenant, name: oil}}\n"))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {name: t, namespaceSelector: {matchLabels: {a: b}}, serviceAccounts: [sa], namespaceOwner: {apiVersion: \"/\\u0085\", kind: \"T\\u0000\", name: \"..\", uid: \"6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a1\\u00e9\"}}\n"))
 	f.Add([]byte(`{"cluster":{"name":"a","server":"https://a","caData":"x"},"peers":[{"name":"w","identity":"spiffe://a/cluster/w","grants":[{"namespaces":["a"],"serviceAccounts":["sa"],"namespaceOwner":{"apiVersion":"v1","kind":"Namespace","name":"p","uid":"6f1f3c1e-2f0e-4a57-9d43-0c6b1f1d2a10"}}]}]}`))
 	// The limits section: top level and per peer, in and out of range.
-	f.Add([]byte(limitsPolicy))
+	f.Add([]byte(policytest.Limits))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\nlimits: {issuancesPerMinute: 0, burst: -1, maxLiveLeases: 1000001, enrollmentsPerMinute: 1}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  limits: {renewalsPerMinute: 1, enrollmentsPerMinute: 2}\n"))
 	// Grant audiences: listed, empty, a wildcard, on a certificate grant.
-	f.Add([]byte(audiencePolicy))
+	f.Add([]byte(policytest.Audiences))
 	f.Add([]byte("cluster: {name: a, server: 'https://a', caData: x}\npeers:\n- name: w\n  identity: spiffe://a/cluster/w\n  grants:\n  - {namespaces: [a], serviceAccounts: [s], audiences: ['*', '', 'sts.amazonaws.com', \"a\\u0085b\"]}\n  - {namespaces: [b], credential: clientCertificate, role: r, audiences: [vault]}\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
-		p, err := ParsePolicy(data)
+		p, err := Parse(data)
 		if err != nil {
 			return
 		}
@@ -320,8 +291,8 @@ func FuzzParsePolicy(f *testing.F) {
 			if i < len(p.Peers) {
 				peer = &p.Peers[i]
 			}
-			l := p.limitsFor(peer)
-			for _, v := range []int{l.IssuancesPerMinute, l.Burst, l.RenewalsPerMinute, l.MaxLiveLeases, p.enrollmentsPerMinute()} {
+			l := p.LimitsFor(peer)
+			for _, v := range []int{l.IssuancesPerMinute, l.Burst, l.RenewalsPerMinute, l.MaxLiveLeases, p.EnrollmentsPerMinute()} {
 				require.True(t, v >= 1 && v <= maxLimit, "limit %d", v)
 			}
 		}
@@ -330,12 +301,12 @@ func FuzzParsePolicy(f *testing.F) {
 		for _, peer := range p.Peers {
 			for _, g := range peer.Grants {
 				if g.NamespaceSelector == nil {
-					require.Nil(t, g.selector)
+					require.Nil(t, g.Selector)
 					continue
 				}
 				require.NotEmpty(t, g.Name)
-				require.NotNil(t, g.selector)
-				require.False(t, g.selector.Empty(), "%+v", g.NamespaceSelector)
+				require.NotNil(t, g.Selector)
+				require.False(t, g.Selector.Empty(), "%+v", g.NamespaceSelector)
 			}
 		}
 		// A valid namespaceOwner belongs to a selector grant, names its
@@ -347,7 +318,7 @@ func FuzzParsePolicy(f *testing.F) {
 					continue
 				}
 				require.NotNil(t, g.NamespaceSelector)
-				require.True(t, uidText(string(o.UID)), "%q", o.UID)
+				require.True(t, uIDText(string(o.UID)), "%q", o.UID)
 				require.True(t, kindName(o.Kind), "%q", o.Kind)
 				require.NotEmpty(t, o.Name)
 				ref := metav1.OwnerReference{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: o.UID}
@@ -365,15 +336,6 @@ func FuzzParsePolicy(f *testing.F) {
 				require.True(t, v[i] >= 0x21 && v[i] <= 0x7e, "cluster.%s %q has byte 0x%02x at offset %d", field, v, v[i], i)
 			}
 		}
-		kc, err := buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: "t"})
-		require.NoError(t, err)
-		cfg, err := clientcmd.Load(kc)
-		require.NoError(t, err, string(kc))
-		got := cfg.Clusters[c.Name]
-		require.NotNil(t, got, string(kc))
-		require.Equal(t, c.Server, got.Server)
-		require.Equal(t, c.TLSServerName, got.TLSServerName)
-		require.Equal(t, c.ProxyURL, got.ProxyURL)
 	})
 }
 
@@ -400,7 +362,7 @@ func TestAClientCertificateGrantBindsExactlyOneRoleAndNamesNoServiceAccount(t *t
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			p, err := ParsePolicy([]byte(head + tc.grants))
+			p, err := Parse([]byte(head + tc.grants))
 			if tc.want == "" {
 				require.NoError(t, err)
 				d, err := p.Decide("spiffe://a/cluster/w", "argo", "", apiv1.CredentialClientCertificate, 0, 0)
@@ -412,4 +374,13 @@ func TestAClientCertificateGrantBindsExactlyOneRoleAndNamesNoServiceAccount(t *t
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
+}
+
+// problemDetail is what the caller is told of err.
+func problemDetail(err error) string {
+	var pe *problem.Error
+	if errors.As(err, &pe) && pe.Detail != "" {
+		return pe.Detail
+	}
+	return err.Error()
 }
