@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -43,40 +44,6 @@ type Issuer interface {
 	// server are returned wrapped and unclassified.
 	Issue(ctx context.Context, req issuers.Request) (issuers.Credential, error)
 }
-
-// Labels, annotations and the Secret type of a lease Secret.
-const (
-	LabelManagedBy = "app.kubernetes.io/managed-by"
-	ManagedByValue = "tokenbroker"
-	// LabelKind tells the broker's objects apart: LeaseKind for lease
-	// Secrets, UsedJoinTokenKind for the records of used join tokens.
-	// Listings select on it, so one kind never shows up as another.
-	LabelKind           = "tokenbroker.io/kind"
-	LeaseKind           = "lease"
-	LabelLeaseID        = "tokenbroker.io/lease-id"
-	LabelPeer           = "tokenbroker.io/peer"
-	AnnotationExpiresAt = "tokenbroker.io/expires-at"
-	AnnotationIdentity  = "tokenbroker.io/identity"
-	AnnotationSA        = "tokenbroker.io/service-account"
-	AnnotationCred      = "tokenbroker.io/credential"
-	// AnnotationWorkload is the "namespace/serviceAccount" of the source
-	// cluster's workload that asked, when it proved itself with a token.
-	AnnotationWorkload = "tokenbroker.io/workload"
-	// AnnotationUser is the per-lease user of a client-certificate lease,
-	// and LabelKeyFingerprint its key's fingerprint (api/v1.KeyFingerprint):
-	// a key may back one live lease only.
-	AnnotationUser      = "tokenbroker.io/user"
-	LabelKeyFingerprint = "tokenbroker.io/key-fingerprint"
-	// AnnotationCredentialID is the lease's credential as the target's API
-	// server names it in its audit log (user.extra
-	// "authentication.kubernetes.io/credential-id"): "JTI=<jti>" for a
-	// token, "X509SHA256=<hex sha256 of the certificate's DER>" for a
-	// client certificate. Written once the credential exists, so that
-	// "tokenbroker audit --kubeconfig" joins live leases.
-	AnnotationCredentialID = "tokenbroker.io/credential-id"
-	SecretTypeLease        = corev1.SecretType("tokenbroker.io/lease")
-	leaseSecretPrefix      = "tokenbroker-lease-"
-)
 
 // leaseIDEncoding makes 26-character lowercase ids from 16 random bytes;
 // they are valid label values and Secret name suffixes.
@@ -478,8 +445,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	grant := decidedGrant(p, d)
 	markRevokeOnUnmatch(lease, grant)
 	if cert != nil {
-		lease.Annotations[AnnotationUser] = cert.user
-		lease.Labels[LabelKeyFingerprint] = cert.fingerprint
+		lease.Annotations[objects.AnnotationUser] = cert.user
+		lease.Labels[objects.LabelKeyFingerprint] = cert.fingerprint
 	}
 	ireq := issuers.Request{
 		Namespace:      req.Namespace,
@@ -684,26 +651,26 @@ func (b *Broker) newLeaseID() (string, error) {
 func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
 	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:      leaseSecretPrefix + id,
+			Name:      objects.LeaseSecretPrefix + id,
 			Namespace: req.Namespace,
 			Labels: map[string]string{
-				LabelManagedBy: ManagedByValue,
-				LabelKind:      LeaseKind,
-				LabelLeaseID:   id,
-				LabelPeer:      d.Peer,
+				objects.LabelManagedBy: objects.ManagedByValue,
+				objects.LabelKind:      objects.LeaseKind,
+				objects.LabelLeaseID:   id,
+				objects.LabelPeer:      d.Peer,
 			},
 			Annotations: map[string]string{
-				AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
-				AnnotationIdentity:  c.Identity,
-				AnnotationSA:        req.ServiceAccount,
-				AnnotationCred:      d.Credential,
-				AnnotationGrant:     d.Grant,
+				objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:  c.Identity,
+				objects.AnnotationSA:        req.ServiceAccount,
+				objects.AnnotationCred:      d.Credential,
+				objects.AnnotationGrant:     d.Grant,
 			},
 		},
-		Type: SecretTypeLease,
+		Type: objects.SecretTypeLease,
 	}
 	if c.Workload != nil {
-		s.Annotations[AnnotationWorkload] = c.Workload.String()
+		s.Annotations[objects.AnnotationWorkload] = c.Workload.String()
 	}
 	return s
 }
@@ -714,10 +681,10 @@ func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.K
 func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID string, expiresAt *time.Time) error {
 	ann := map[string]string{}
 	if apiID != "" {
-		ann[AnnotationCredentialID] = apiID
+		ann[objects.AnnotationCredentialID] = apiID
 	}
 	if expiresAt != nil {
-		ann[AnnotationExpiresAt] = expiresAt.UTC().Format(time.RFC3339)
+		ann[objects.AnnotationExpiresAt] = expiresAt.UTC().Format(time.RFC3339)
 	}
 	if len(ann) == 0 {
 		return nil

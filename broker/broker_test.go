@@ -25,6 +25,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -133,10 +134,10 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, "west", s.Labels[LabelPeer])
-	require.Equal(t, "JTI=jti-42", s.Annotations[AnnotationCredentialID], "the token's id as the API server logs it")
-	require.Equal(t, resp.LeaseID, s.Labels[LabelLeaseID])
-	require.NotEmpty(t, s.Annotations[AnnotationExpiresAt])
+	require.Equal(t, "west", s.Labels[objects.LabelPeer])
+	require.Equal(t, "JTI=jti-42", s.Annotations[objects.AnnotationCredentialID], "the token's id as the API server logs it")
+	require.Equal(t, resp.LeaseID, s.Labels[objects.LabelLeaseID])
+	require.NotEmpty(t, s.Annotations[objects.AnnotationExpiresAt])
 	require.Len(t, e.iss.got, 1)
 	require.Equal(t, "Secret", e.iss.got[0].Lease.Kind)
 	require.Equal(t, s.Name, e.iss.got[0].Lease.Name)
@@ -167,7 +168,7 @@ func TestATTLUnderTheIssuersMinimumIsGrantedAsAskedAndTheLeaseRevokedAtItsExpiry
 			require.Equal(t, expiry, resp.ExpiresAt, "the answer says the lease's expiry, not the token's")
 			secret, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 			require.NoError(t, err)
-			require.Equal(t, expiry.Format(time.RFC3339), secret.Annotations[AnnotationExpiresAt])
+			require.Equal(t, expiry.Format(time.RFC3339), secret.Annotations[objects.AnnotationExpiresAt])
 
 			require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond, "the lease's timer is set")
 			clk.Step(granted - time.Second)
@@ -216,7 +217,7 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, want, s.Annotations[AnnotationCredentialID])
+	require.Equal(t, want, s.Annotations[objects.AnnotationCredentialID])
 }
 
 func TestFailedIssuanceLeavesNoLease(t *testing.T) {

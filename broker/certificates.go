@@ -18,6 +18,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -134,8 +135,6 @@ func (b *Broker) issuedBySigningCA(cert *x509.Certificate) bool {
 // namespace, named after the token's jti, so that creating it is the
 // atomic "first use wins" that every replica agrees on.
 const (
-	UsedJoinTokenKind          = "used-join-token"
-	SecretTypeUsedJoinToken    = corev1.SecretType("tokenbroker.io/used-join-token")
 	AnnotationJoinTokenID      = "tokenbroker.io/jti"
 	usedJoinTokenPrefix        = "tokenbroker-jti-"
 	usedJoinTokenNameHexDigits = 40
@@ -400,16 +399,16 @@ func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims
 			Name:      UsedJoinTokenSecretName(claims.ID),
 			Namespace: b.cfg.Namespace,
 			Labels: map[string]string{
-				LabelManagedBy: ManagedByValue,
-				LabelKind:      UsedJoinTokenKind,
+				objects.LabelManagedBy: objects.ManagedByValue,
+				objects.LabelKind:      objects.UsedJoinTokenKind,
 			},
 			Annotations: map[string]string{
-				AnnotationExpiresAt:   claims.ExpiresAt.Add(usedJoinTokenMargin).UTC().Format(time.RFC3339),
-				AnnotationIdentity:    claims.Identity,
-				AnnotationJoinTokenID: claims.ID,
+				objects.AnnotationExpiresAt: claims.ExpiresAt.Add(usedJoinTokenMargin).UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:  claims.Identity,
+				AnnotationJoinTokenID:       claims.ID,
 			},
 		},
-		Type: SecretTypeUsedJoinToken,
+		Type: objects.SecretTypeUsedJoinToken,
 	}
 	t0 := b.cfg.Clock.Now()
 	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})

@@ -21,6 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -131,12 +132,12 @@ func TestEnrollmentIssuesACertificateForTheTokensIdentity(t *testing.T) {
 	// The jti is recorded in the broker's namespace, as a kind of its own.
 	s, err := e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, SecretTypeUsedJoinToken, s.Type)
-	require.Equal(t, UsedJoinTokenKind, s.Labels[LabelKind])
-	require.Equal(t, ManagedByValue, s.Labels[LabelManagedBy])
+	require.Equal(t, objects.SecretTypeUsedJoinToken, s.Type)
+	require.Equal(t, objects.UsedJoinTokenKind, s.Labels[objects.LabelKind])
+	require.Equal(t, objects.ManagedByValue, s.Labels[objects.LabelManagedBy])
 	require.Equal(t, claims.ID, s.Annotations[AnnotationJoinTokenID])
-	require.Equal(t, westID, s.Annotations[AnnotationIdentity])
-	exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+	require.Equal(t, westID, s.Annotations[objects.AnnotationIdentity])
+	exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 	require.NoError(t, err)
 	require.False(t, exp.Before(claims.ExpiresAt), "the record outlives the token")
 	require.Len(t, strings.TrimPrefix(s.Name, "tokenbroker-jti-"), 40)
@@ -357,9 +358,9 @@ func TestLeaseSecretsCarryTheLeaseKind(t *testing.T) {
 	e := newEnv(t)
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 	require.NoError(t, err)
-	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), leaseSecretPrefix+resp.LeaseID, metav1.GetOptions{})
+	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), objects.LeaseSecretPrefix+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, LeaseKind, s.Labels[LabelKind])
+	require.Equal(t, objects.LeaseKind, s.Labels[objects.LabelKind])
 }
 
 func TestACertificateNeverOutlivesItsCA(t *testing.T) {

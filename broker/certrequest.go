@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/issuers"
@@ -66,14 +67,14 @@ func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d pol
 		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})
 	}
 	fp := fingerprintOf(csr)
-	live, err := b.listLeaseSecrets(ctx, p.Namespaces(), labels.Set{LabelKeyFingerprint: fp})
+	live, err := b.listLeaseSecrets(ctx, p.Namespaces(), labels.Set{objects.LabelKeyFingerprint: fp})
 	if err != nil {
 		return nil, err
 	}
 	now := b.cfg.Clock.Now()
 	for i := range live {
 		if !leaseExpired(&live[i], now) {
-			return nil, problem.Errorf(problem.KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[LabelLeaseID])
+			return nil, problem.Errorf(problem.KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[objects.LabelLeaseID])
 		}
 	}
 	return &certRequest{csrPEM: []byte(req.CSR), user: cn, fingerprint: fp}, nil
@@ -102,6 +103,6 @@ func classifyIssuer(err error, req apiv1.KubeconfigRequest) error {
 // leaseExpired reports whether a lease's recorded expiry has passed; a
 // lease without one counts as live.
 func leaseExpired(s *corev1.Secret, now time.Time) bool {
-	exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+	exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 	return err == nil && !now.Before(exp)
 }

@@ -17,6 +17,7 @@ import (
 	certificatesv1client "k8s.io/client-go/kubernetes/typed/certificates/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -229,7 +230,7 @@ func (p *ClusterTrustBundlePublisher) write(ctx context.Context, want []byte) er
 	switch {
 	case apierrors.IsNotFound(err):
 		_, err = p.cfg.Client.Create(ctx, &certificatesv1.ClusterTrustBundle{
-			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: map[string]string{LabelManagedBy: ManagedByValue},
+			ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue},
 				Annotations: map[string]string{AnnotationBroker: p.cfg.Owner}},
 			Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: p.cfg.SignerName, TrustBundle: string(want)},
 		}, metav1.CreateOptions{FieldManager: fieldManager})
@@ -244,11 +245,11 @@ func (p *ClusterTrustBundlePublisher) write(ctx context.Context, want []byte) er
 	// The label says a broker made it, the annotation which one: a second
 	// broker given the same signer must not take over the first one's
 	// bundle, nor a bundle without the annotation.
-	if cur.Labels[LabelManagedBy] != ManagedByValue || cur.Spec.SignerName != p.cfg.SignerName ||
+	if cur.Labels[objects.LabelManagedBy] != objects.ManagedByValue || cur.Spec.SignerName != p.cfg.SignerName ||
 		cur.Annotations[AnnotationBroker] != p.cfg.Owner {
 		p.notOwned.Inc()
 		return fmt.Errorf("ClusterTrustBundle %s (signer %q, %s=%q, %s=%q): %w; give each broker its own signer, or delete the bundle",
-			p.name, cur.Spec.SignerName, LabelManagedBy, cur.Labels[LabelManagedBy], AnnotationBroker, cur.Annotations[AnnotationBroker], ErrBundleNotOwned)
+			p.name, cur.Spec.SignerName, objects.LabelManagedBy, cur.Labels[objects.LabelManagedBy], AnnotationBroker, cur.Annotations[AnnotationBroker], ErrBundleNotOwned)
 	}
 	if cur.Spec.TrustBundle == string(want) {
 		return nil

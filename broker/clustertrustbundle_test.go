@@ -17,6 +17,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -65,7 +66,7 @@ func TestClusterTrustBundlePublisher(t *testing.T) {
 		f.pub.step(ctx)
 		b := f.bundle(t)
 		require.Equal(t, testSigner, b.Spec.SignerName)
-		require.Equal(t, ManagedByValue, b.Labels[LabelManagedBy])
+		require.Equal(t, objects.ManagedByValue, b.Labels[objects.LabelManagedBy])
 		require.Equal(t, "east", b.Annotations[AnnotationBroker])
 		require.Equal(t, string(pki.EncodeCertificatesPEM(f.cas)), b.Spec.TrustBundle)
 		require.Equal(t, 1.0, testutil.ToFloat64(f.pub.inSync))
@@ -96,9 +97,9 @@ func TestClusterTrustBundlePublisher(t *testing.T) {
 		{"made by someone else (no label)", nil, map[string]string{AnnotationBroker: "east"}, testSigner},
 		// The label alone is not ownership: another broker given the
 		// same signer labels its bundle the same way.
-		{"made by another broker with the same signer", map[string]string{LabelManagedBy: ManagedByValue}, map[string]string{AnnotationBroker: "west"}, testSigner},
-		{"labelled but naming no broker", map[string]string{LabelManagedBy: ManagedByValue}, nil, testSigner},
-		{"labelled and ours but of another signer", map[string]string{LabelManagedBy: ManagedByValue}, map[string]string{AnnotationBroker: "east"}, ""},
+		{"made by another broker with the same signer", map[string]string{objects.LabelManagedBy: objects.ManagedByValue}, map[string]string{AnnotationBroker: "west"}, testSigner},
+		{"labelled but naming no broker", map[string]string{objects.LabelManagedBy: objects.ManagedByValue}, nil, testSigner},
+		{"labelled and ours but of another signer", map[string]string{objects.LabelManagedBy: objects.ManagedByValue}, map[string]string{AnnotationBroker: "east"}, ""},
 	} {
 		t.Run("a bundle "+tc.name+" is never overwritten", func(t *testing.T) {
 			t.Parallel()
@@ -119,7 +120,7 @@ func TestClusterTrustBundlePublisher(t *testing.T) {
 		t.Parallel()
 		mine := &certificatesv1.ClusterTrustBundle{
 			ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:east:trust-bundle",
-				Labels: map[string]string{LabelManagedBy: ManagedByValue}, Annotations: map[string]string{AnnotationBroker: "east"}},
+				Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue}, Annotations: map[string]string{AnnotationBroker: "east"}},
 			Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: testSigner, TrustBundle: "old"},
 		}
 		f := newCTBFixture(t, mine)

@@ -12,15 +12,16 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
 // credentialIDOf reads the credential-id annotation of a lease.
 func (e *env) credentialIDOf(t *testing.T, id string) string {
 	t.Helper()
-	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), leaseSecretPrefix+id, metav1.GetOptions{})
+	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), objects.LeaseSecretPrefix+id, metav1.GetOptions{})
 	require.NoError(t, err)
-	return s.Annotations[AnnotationCredentialID]
+	return s.Annotations[objects.AnnotationCredentialID]
 }
 
 // holdCredentialIDWrites makes the broker write credential ids in the

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -181,12 +182,12 @@ func (lc *LeaseCounter) until(c *counted) time.Time {
 
 // leaseSelector selects the broker's lease Secrets and its pooled ones
 // (the GC collects both from the counter).
-var leaseSelector = labels.Set{LabelManagedBy: ManagedByValue}.String() + "," + LabelKind + " in (" + LeaseKind + "," + PoolKind + ")"
+var leaseSelector = labels.Set{objects.LabelManagedBy: objects.ManagedByValue}.String() + "," + objects.LabelKind + " in (" + objects.LeaseKind + "," + objects.PoolKind + ")"
 
 // leaseTypeSelector selects Secrets of the lease type only: the API server
 // checks it, so a Secret of another type with the lease labels never
 // reaches the counter, which sees metadata only.
-var leaseTypeSelector = fields.OneTermEqualSelector("type", string(SecretTypeLease)).String()
+var leaseTypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretTypeLease)).String()
 
 // Run counts until ctx ends. If the broker may list Secrets in every
 // namespace (deploy/base binds its role cluster-wide), one informer
@@ -353,21 +354,21 @@ func (lc *LeaseCounter) add(obj any) {
 // counter reads is kept.
 func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
 	key := m.Namespace + "/" + m.Name
-	exp, err := time.Parse(time.RFC3339, m.Annotations[AnnotationExpiresAt])
+	exp, err := time.Parse(time.RFC3339, m.Annotations[objects.AnnotationExpiresAt])
 	if err != nil {
 		exp = time.Time{} // no readable expiry: counts until creation plus maxAge
 	}
 	if c, seen := lc.byKey[key]; seen {
 		lc.forget(key, c)
 	}
-	mark, marked := m.Annotations[AnnotationRevokeOnUnmatch]
+	mark, marked := m.Annotations[objects.AnnotationRevokeOnUnmatch]
 	// Anyone who may create Secrets can make one of the lease type (unless
 	// the lease admission policy is on): what is kept of it is bounded, so
 	// that large annotations cost the broker no memory. A value longer
 	// than the broker ever writes is kept as "", which verifies as nothing.
-	c := &counted{key: key, uid: m.UID, peer: m.Labels[LabelPeer], identity: bounded(m.Annotations[AnnotationIdentity], maxKeptIdentity), expires: exp,
-		pool: m.Labels[LabelKind] == PoolKind, created: m.CreationTimestamp.Time,
-		grant: bounded(m.Annotations[AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
+	c := &counted{key: key, uid: m.UID, peer: m.Labels[objects.LabelPeer], identity: bounded(m.Annotations[objects.AnnotationIdentity], maxKeptIdentity), expires: exp,
+		pool: m.Labels[objects.LabelKind] == objects.PoolKind, created: m.CreationTimestamp.Time,
+		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
 	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
 	lc.count(c)
 	return key

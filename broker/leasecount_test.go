@@ -18,6 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metadatafake "k8s.io/client-go/metadata/fake"
@@ -34,10 +35,10 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 	secret := func(ns, name string, marked bool) *metav1.PartialObjectMetadata {
 		m := leaseMeta(ns, name, "west", exp)
 		m.TypeMeta = metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"}
-		m.Labels[LabelManagedBy] = ManagedByValue
-		m.Annotations[AnnotationGrant] = "oil"
+		m.Labels[objects.LabelManagedBy] = objects.ManagedByValue
+		m.Annotations[objects.AnnotationGrant] = "oil"
 		if marked {
-			m.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+			m.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 		}
 		return m
 	}
@@ -111,7 +112,7 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 	t.Cleanup(b.tenants.queue.ShutDown)
 	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, clk.Now().Add(time.Hour))
-	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	s.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 	_, err = client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
 	require.NoError(t, err)
 	lc.add(&metav1.PartialObjectMetadata{ObjectMeta: s.ObjectMeta})

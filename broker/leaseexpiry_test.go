@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
 // A client certificate lives the CSR API's minimum of 10m at least; its
@@ -22,7 +23,7 @@ func TestAnExpiredCertificateLeaseLosesItsRoleBindingAndItsSecretAtItsExpiry(t *
 	e, clk := newLimitsEnv(t, testPolicy)
 	e.b.cfg.RoleBindings = e.client.RbacV1()
 	ctx := context.Background()
-	name := leaseSecretPrefix + "aaaaaaaaaaaaaaaaaaaaaaaaaa"
+	name := objects.LeaseSecretPrefix + "aaaaaaaaaaaaaaaaaaaaaaaaaa"
 	s, err := e.client.CoreV1().Secrets("argo").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "u1"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	// The lease owns its binding, as the clientcert issuer makes it.
@@ -51,7 +52,7 @@ func TestAnExpiredLeaseLeavesARoleBindingItDoesNotOwn(t *testing.T) {
 	e, clk := newLimitsEnv(t, testPolicy)
 	e.b.cfg.RoleBindings = e.client.RbacV1()
 	ctx := context.Background()
-	name := leaseSecretPrefix + "bbbbbbbbbbbbbbbbbbbbbbbbbb"
+	name := objects.LeaseSecretPrefix + "bbbbbbbbbbbbbbbbbbbbbbbbbb"
 	s, err := e.client.CoreV1().Secrets("argo").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "u2"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	_, err = e.client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name, UID: "rb2"}}, metav1.CreateOptions{})

@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -57,10 +58,10 @@ func forged(ns, name, peer, identity string, created, expires time.Time) *metav1
 	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
 		Namespace: ns, Name: name, UID: types.UID("uid-" + ns + "-" + name),
 		CreationTimestamp: metav1.NewTime(created),
-		Labels:            map[string]string{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind, LabelPeer: peer},
+		Labels:            map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind, objects.LabelPeer: peer},
 		Annotations: map[string]string{
-			AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
-			AnnotationIdentity:  identity,
+			objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+			objects.AnnotationIdentity:  identity,
 		},
 	}}
 }
@@ -159,9 +160,9 @@ func TestCopiesOfALeaseNeverHideItFromItsOwner(t *testing.T) {
 		namespace string
 		typ       corev1.SecretType
 	}{
-		{name: "a copy in a namespace granted only to another peer", namespace: "kueue", typ: SecretTypeLease},
-		{name: "a copy in a namespace no grant names", namespace: "kube-system", typ: SecretTypeLease},
-		{name: "a copy in another namespace of the same peer", namespace: "flux", typ: SecretTypeLease},
+		{name: "a copy in a namespace granted only to another peer", namespace: "kueue", typ: objects.SecretTypeLease},
+		{name: "a copy in a namespace no grant names", namespace: "kube-system", typ: objects.SecretTypeLease},
+		{name: "a copy in another namespace of the same peer", namespace: "flux", typ: objects.SecretTypeLease},
 		{name: "a copy of another type in another namespace of the same peer", namespace: "flux", typ: corev1.SecretTypeOpaque},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -170,7 +171,7 @@ func TestCopiesOfALeaseNeverHideItFromItsOwner(t *testing.T) {
 			ctx := context.Background()
 			resp, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source"})
 			require.NoError(t, err)
-			lease, err := e.client.CoreV1().Secrets("argo").Get(ctx, leaseSecretPrefix+resp.LeaseID, metav1.GetOptions{})
+			lease, err := e.client.CoreV1().Secrets("argo").Get(ctx, objects.LeaseSecretPrefix+resp.LeaseID, metav1.GetOptions{})
 			require.NoError(t, err)
 			lease.UID, lease.CreationTimestamp = "genuine", metav1.NewTime(e.clock.Now())
 			_, err = e.client.CoreV1().Secrets("argo").Update(ctx, lease, metav1.UpdateOptions{})
@@ -181,7 +182,7 @@ func TestCopiesOfALeaseNeverHideItFromItsOwner(t *testing.T) {
 			copied := forgedSecret(lease, tc.namespace, tc.typ, e.clock.Now())
 			_, err = e.client.CoreV1().Secrets(tc.namespace).Create(ctx, copied, metav1.CreateOptions{})
 			require.NoError(t, err)
-			if tc.typ == SecretTypeLease { // the API server's field selector keeps others from the counter
+			if tc.typ == objects.SecretTypeLease { // the API server's field selector keeps others from the counter
 				e.lc.add(metaOf(copied))
 			}
 
@@ -203,17 +204,17 @@ func leaseFixture(t *testing.T, client *fake.Clientset, id, workload, credential
 	t.Helper()
 	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: leaseSecretPrefix + id, Namespace: "argo", UID: types.UID("uid-" + id),
-			Labels: map[string]string{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind, LabelLeaseID: id, LabelPeer: "west"},
+			Name: objects.LeaseSecretPrefix + id, Namespace: "argo", UID: types.UID("uid-" + id),
+			Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind, objects.LabelLeaseID: id, objects.LabelPeer: "west"},
 			Annotations: map[string]string{
-				AnnotationExpiresAt: time.Now().Add(time.Hour).UTC().Format(time.RFC3339),
-				AnnotationIdentity:  west.Identity, AnnotationSA: "admiralty-source", AnnotationCred: credential,
+				objects.AnnotationExpiresAt: time.Now().Add(time.Hour).UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:  west.Identity, objects.AnnotationSA: "admiralty-source", objects.AnnotationCred: credential,
 			},
 		},
-		Type: SecretTypeLease,
+		Type: objects.SecretTypeLease,
 	}
 	if workload != "" {
-		s.Annotations[AnnotationWorkload] = workload
+		s.Annotations[objects.AnnotationWorkload] = workload
 	}
 	created, err := client.CoreV1().Secrets("argo").Create(context.Background(), s, metav1.CreateOptions{})
 	require.NoError(t, err)
@@ -264,9 +265,9 @@ func TestARevocationDeletesOnlyARoleBindingTheLeaseOwns(t *testing.T) {
 		owners  []metav1.OwnerReference
 		deleted bool
 	}{
-		{name: "the binding the lease owns goes", owners: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: leaseSecretPrefix + id, UID: "uid-" + id}}, deleted: true},
+		{name: "the binding the lease owns goes", owners: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: objects.LeaseSecretPrefix + id, UID: "uid-" + id}}, deleted: true},
 		{name: "a binding of the lease's name that someone else made stays"},
-		{name: "a binding owned by another object of the lease's name stays", owners: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: leaseSecretPrefix + id, UID: "uid-earlier"}}},
+		{name: "a binding owned by another object of the lease's name stays", owners: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: objects.LeaseSecretPrefix + id, UID: "uid-earlier"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -276,13 +277,13 @@ func TestARevocationDeletesOnlyARoleBindingTheLeaseOwns(t *testing.T) {
 			ctx := context.Background()
 			leaseFixture(t, client, id, "", apiv1.CredentialClientCertificate)
 			_, err = client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{
-				ObjectMeta: metav1.ObjectMeta{Name: leaseSecretPrefix + id, Namespace: "argo", UID: "rb-uid", OwnerReferences: tc.owners},
+				ObjectMeta: metav1.ObjectMeta{Name: objects.LeaseSecretPrefix + id, Namespace: "argo", UID: "rb-uid", OwnerReferences: tc.owners},
 				RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "admin"},
 			}, metav1.CreateOptions{})
 			require.NoError(t, err)
 
 			require.NoError(t, b.RevokeLease(ctx, west, id))
-			_, err = client.RbacV1().RoleBindings("argo").Get(ctx, leaseSecretPrefix+id, metav1.GetOptions{})
+			_, err = client.RbacV1().RoleBindings("argo").Get(ctx, objects.LeaseSecretPrefix+id, metav1.GetOptions{})
 			require.Equal(t, tc.deleted, problem.IsNotFound(err), "deleted: %v", err)
 		})
 	}
@@ -293,7 +294,7 @@ func TestTheGarbageCollectorLeavesSecretsOfAnotherTypeWithTheLeaseLabels(t *test
 	e := newEnv(t)
 	ctx := context.Background()
 	expired := leaseFixture(t, e.client, "cccccccccccccccccccccccccc", "", apiv1.CredentialToken)
-	expired.Annotations[AnnotationExpiresAt] = time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
+	expired.Annotations[objects.AnnotationExpiresAt] = time.Now().Add(-time.Minute).UTC().Format(time.RFC3339)
 	_, err := e.client.CoreV1().Secrets("argo").Update(ctx, expired, metav1.UpdateOptions{})
 	require.NoError(t, err)
 	other := forgedSecret(expired, "argo", corev1.SecretTypeOpaque, time.Now())
@@ -316,8 +317,8 @@ func TestTheCounterKeepsNothingOfOversizedLeaseAnnotations(t *testing.T) {
 	e := newForgeryEnv(t)
 	now := e.clock.Now()
 	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west/"+strings.Repeat("x", 200_000), now, now.Add(time.Hour))
-	m.Annotations[AnnotationGrant] = strings.Repeat("g", 50_000)
-	m.Annotations[AnnotationRevokeOnUnmatch] = strings.Repeat("1", 50_000)
+	m.Annotations[objects.AnnotationGrant] = strings.Repeat("g", 50_000)
+	m.Annotations[objects.AnnotationRevokeOnUnmatch] = strings.Repeat("1", 50_000)
 	e.lc.add(m)
 	e.lc.mu.Lock()
 	c := e.lc.byKey["argo/tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa"]
@@ -339,7 +340,7 @@ func TestAForgedMarkAgesOutWithTheCappedExpiry(t *testing.T) {
 	e := newForgeryEnv(t)
 	now := e.clock.Now()
 	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.AddDate(10, 0, 0))
-	m.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	m.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 	e.lc.add(m)
 	marked := func() bool {
 		e.lc.mu.Lock()

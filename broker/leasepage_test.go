@@ -18,6 +18,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -231,8 +232,8 @@ func TestListLeasesHoldsNoMoreThanOnePage(t *testing.T) {
 	require.NoError(t, err)
 	foreign := list.Items[0].DeepCopy()
 	foreign.Name, foreign.ResourceVersion, foreign.UID = foreign.Name+"-foreign", "", "foreign"
-	foreign.Labels[LabelLeaseID] = strings.Repeat("z", 26)
-	foreign.Annotations[AnnotationIdentity] = "spiffe://oc.example/cluster/old-west"
+	foreign.Labels[objects.LabelLeaseID] = strings.Repeat("z", 26)
+	foreign.Annotations[objects.AnnotationIdentity] = "spiffe://oc.example/cluster/old-west"
 	_, err = e.client.CoreV1().Secrets("argo").Create(ctx, foreign, metav1.CreateOptions{})
 	require.NoError(t, err)
 

@@ -20,6 +20,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -61,7 +62,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 	if i >= len(namespaces) || namespaces[i] != cur.Namespace {
 		cur.APIContinue = "" // its namespace left the peer's grants: the next one from its start
 	}
-	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind, LabelPeer: peer.Name}
+	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind, objects.LabelPeer: peer.Name}
 	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Continue: cur.APIContinue}
 	for remaining := limit; i < len(namespaces) && remaining > 0; {
 		// At most apiPageSize Secrets from the API server at a time, so
@@ -155,9 +156,9 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	if err != nil {
 		return err
 	}
-	ev.Peer, ev.Namespace = s.Labels[LabelPeer], s.Namespace
-	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[AnnotationSA], s.Annotations[AnnotationCred], s.Annotations[AnnotationUser]
-	b.deleteLeaseBinding(ctx, s, s.Annotations[AnnotationCred], b.cfg.Logger.With(zap.String("lease_id", id)))
+	ev.Peer, ev.Namespace = s.Labels[objects.LabelPeer], s.Namespace
+	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[objects.AnnotationSA], s.Annotations[objects.AnnotationCred], s.Annotations[objects.AnnotationUser]
+	b.deleteLeaseBinding(ctx, s, s.Annotations[objects.AnnotationCred], b.cfg.Logger.With(zap.String("lease_id", id)))
 	if err := b.deleteSecret(ctx, s); err != nil {
 		return problem.Classify(err, "revoke lease", "lease not found")
 	}
@@ -166,7 +167,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 		zap.String("identity", c.Identity),
 		zap.String("lease_id", id),
 		zap.String("namespace", s.Namespace),
-		zap.String("service_account", s.Annotations[AnnotationSA]))
+		zap.String("service_account", s.Annotations[objects.AnnotationSA]))
 	return nil
 }
 
@@ -226,11 +227,11 @@ func (b *Broker) deleteLeaseBinding(ctx context.Context, s *corev1.Secret, kind 
 // type with the lease labels is anyone's), the peer's label, the caller's
 // identity and, when the caller comes with a workload, that workload.
 func ownLease(s *corev1.Secret, c Caller, peer *policy.PeerSpec) bool {
-	if s.Type != SecretTypeLease || s.Labels[LabelPeer] != peer.Name || s.Annotations[AnnotationIdentity] != c.Identity {
+	if s.Type != objects.SecretTypeLease || s.Labels[objects.LabelPeer] != peer.Name || s.Annotations[objects.AnnotationIdentity] != c.Identity {
 		return false
 	}
 	// A workload sees only its own leases.
-	return c.Workload == nil || s.Annotations[AnnotationWorkload] == c.Workload.String()
+	return c.Workload == nil || s.Annotations[objects.AnnotationWorkload] == c.Workload.String()
 }
 
 // findLease returns the caller's lease id (ownLease), or KindNotFound. A
@@ -255,14 +256,14 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) 
 	if err != nil {
 		return nil, err
 	}
-	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{LabelLeaseID: id, LabelPeer: peer.Name})
+	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{objects.LabelLeaseID: id, objects.LabelPeer: peer.Name})
 	if err != nil {
 		return nil, err
 	}
 	var found *corev1.Secret
 	for i := range secrets {
 		s := &secrets[i]
-		if s.Name != leaseSecretPrefix+id || !ownLease(s, c, peer) {
+		if s.Name != objects.LeaseSecretPrefix+id || !ownLease(s, c, peer) {
 			continue
 		}
 		if found == nil || s.CreationTimestamp.Before(&found.CreationTimestamp) {
@@ -295,7 +296,7 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *policy.PeerSpe
 	if lc == nil || !lc.Synced() {
 		return all, nil
 	}
-	name := leaseSecretPrefix + id
+	name := objects.LeaseSecretPrefix + id
 	deadline := b.cfg.Clock.Now().Add(leaseLookupWait)
 	for {
 		if seen := lc.NamespacesOf(name); len(seen) > 0 {
@@ -322,12 +323,12 @@ func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *policy.PeerSpe
 // keeps used join token records out, the type Secrets of anyone else who
 // copied the labels) matching sel in the given namespaces.
 func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel labels.Set) ([]corev1.Secret, error) {
-	set := labels.Set{LabelKind: LeaseKind}
+	set := labels.Set{objects.LabelKind: objects.LeaseKind}
 	for k, v := range sel {
 		set[k] = v
 	}
 	list, err := b.listManagedSecrets(ctx, namespaces, set, "list_leases")
-	return slices.DeleteFunc(list, func(s corev1.Secret) bool { return s.Type != SecretTypeLease }), err
+	return slices.DeleteFunc(list, func(s corev1.Secret) bool { return s.Type != objects.SecretTypeLease }), err
 }
 
 // listManagedSecrets lists the broker's Secrets of every kind matching sel
@@ -338,7 +339,7 @@ func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, se
 	// watch cache: a lookup by lease id in a namespace of 20,000 Secrets
 	// took 10.9 s with a limit (read from etcd, filtered there) and takes
 	// milliseconds without.
-	set := labels.Set{LabelManagedBy: ManagedByValue}
+	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue}
 	for k, v := range sel {
 		set[k] = v
 	}
@@ -362,7 +363,7 @@ const gcPageSize = 500
 // eachManagedSecretPage is listManagedSecrets one page of at most
 // gcPageSize Secrets at a time, so that no more than a page is held.
 func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string, sel labels.Set, call string, fn func([]corev1.Secret) error) error {
-	set := labels.Set{LabelManagedBy: ManagedByValue}
+	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue}
 	for k, v := range sel {
 		set[k] = v
 	}
@@ -388,18 +389,18 @@ func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string,
 }
 
 func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
-	exp, _ := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+	exp, _ := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 	return apiv1.Lease{
-		ID:             s.Labels[LabelLeaseID],
-		Peer:           s.Labels[LabelPeer],
+		ID:             s.Labels[objects.LabelLeaseID],
+		Peer:           s.Labels[objects.LabelPeer],
 		Namespace:      s.Namespace,
-		ServiceAccount: s.Annotations[AnnotationSA],
-		User:           s.Annotations[AnnotationUser],
-		Workload:       s.Annotations[AnnotationWorkload],
-		Credential:     s.Annotations[AnnotationCred],
+		ServiceAccount: s.Annotations[objects.AnnotationSA],
+		User:           s.Annotations[objects.AnnotationUser],
+		Workload:       s.Annotations[objects.AnnotationWorkload],
+		Credential:     s.Annotations[objects.AnnotationCred],
 		CreatedAt:      s.CreationTimestamp.UTC(),
 		ExpiresAt:      exp.UTC(),
-		Grant:          s.Annotations[AnnotationGrant],
+		Grant:          s.Annotations[objects.AnnotationGrant],
 	}
 }
 
@@ -474,7 +475,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	var secrets []corev1.Secret
 	if b.cfg.Namespace != "" {
 		var err error
-		secrets, err = b.listManagedSecrets(ctx, []string{b.cfg.Namespace}, labels.Set{LabelKind: UsedJoinTokenKind}, "list_gc")
+		secrets, err = b.listManagedSecrets(ctx, []string{b.cfg.Namespace}, labels.Set{objects.LabelKind: objects.UsedJoinTokenKind}, "list_gc")
 		if err != nil {
 			return 0, 0, err
 		}
@@ -487,15 +488,15 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 		if !looked[e.Namespace] {
 			continue // not a namespace the GC looks in (see CollectGarbage)
 		}
-		kind := LeaseKind
+		kind := objects.LeaseKind
 		if e.Pool {
-			kind = PoolKind
+			kind = objects.PoolKind
 		}
 		secrets = append(secrets, corev1.Secret{ObjectMeta: metav1.ObjectMeta{
 			Namespace: e.Namespace, Name: e.Name, UID: e.UID,
-			Labels:      map[string]string{LabelKind: kind},
-			Annotations: map[string]string{AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
-		}, Type: SecretTypeLease}) // the counter sees that type only
+			Labels:      map[string]string{objects.LabelKind: kind},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
+		}, Type: objects.SecretTypeLease}) // the counter sees that type only
 	}
 	n, _, err := b.collect(ctx, secrets, now, maxTTL)
 	return n, b.cfg.Leases.Counted(), err
@@ -508,15 +509,15 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 	var errs []error
 	for i := range secrets {
 		s := &secrets[i]
-		kind := s.Labels[LabelKind]
-		if kind == PeerKeysKind {
+		kind := s.Labels[objects.LabelKind]
+		if kind == objects.PeerKeysKind {
 			continue // a peer's key set does not expire; it is replaced
 		}
-		if kind != UsedJoinTokenKind && s.Type != SecretTypeLease {
+		if kind != objects.UsedJoinTokenKind && s.Type != objects.SecretTypeLease {
 			continue // the lease labels on someone else's Secret: not the broker's to delete
 		}
-		usedToken := kind == UsedJoinTokenKind
-		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+		usedToken := kind == objects.UsedJoinTokenKind
+		exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 		switch {
 		case err == nil:
 		case usedToken:
@@ -525,7 +526,7 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 			exp = s.CreationTimestamp.Add(maxTTL)
 		}
 		if now.Before(exp) {
-			if !usedToken && kind != PoolKind {
+			if !usedToken && kind != objects.PoolKind {
 				active++
 			}
 			continue
@@ -538,7 +539,7 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 			b.queueSecretDeletion(s, deleteExpired)
 			continue
 		}
-		if usedToken || kind == PoolKind {
+		if usedToken || kind == objects.PoolKind {
 			others++
 		} else {
 			leases++
@@ -616,7 +617,7 @@ const LeaseSecretPageSize = 500
 // page in the API server's order (namespace, then Secret name), and no more
 // than one page is held. It stops at fn's first error and returns it.
 func EachLeaseSecretPage(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set, fn func([]corev1.Secret) error) error {
-	set := labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}
+	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}
 	for k, v := range extra {
 		set[k] = v
 	}
@@ -647,13 +648,13 @@ func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time)
 		r := LeaseRecord{
 			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User, Workload: l.Workload,
 			Credential: l.Credential, CreatedAt: l.CreatedAt,
-			Identity: s.Annotations[AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
-			CredentialID: s.Annotations[AnnotationCredentialID],
+			Identity: s.Annotations[objects.AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
+			CredentialID: s.Annotations[objects.AnnotationCredentialID],
 		}
 		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
 			continue
 		}
-		if exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt]); err == nil {
+		if exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt]); err == nil {
 			exp = exp.UTC()
 			r.ExpiresAt = &exp
 			r.Expired = !now.Before(exp)
@@ -713,7 +714,7 @@ func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
 // Secret fn gets has its ObjectMeta and Type set, nothing else.
 func EachLeaseSecretMetadataPage(ctx context.Context, client metadata.Interface, fn func([]corev1.Secret) error) error {
 	opts := metav1.ListOptions{
-		LabelSelector: labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: LeaseKind}).String(),
+		LabelSelector: labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}).String(),
 		FieldSelector: leaseTypeSelector,
 		Limit:         LeaseSecretPageSize,
 	}
@@ -724,7 +725,7 @@ func EachLeaseSecretMetadataPage(ctx context.Context, client metadata.Interface,
 		}
 		page := make([]corev1.Secret, len(list.Items))
 		for i := range list.Items {
-			page[i] = corev1.Secret{ObjectMeta: list.Items[i].ObjectMeta, Type: SecretTypeLease}
+			page[i] = corev1.Secret{ObjectMeta: list.Items[i].ObjectMeta, Type: objects.SecretTypeLease}
 		}
 		if err := fn(page); err != nil {
 			return err

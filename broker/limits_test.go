@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -161,8 +162,8 @@ limits: {enrollmentsPerMinute: 1}
 
 func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMetadata {
 	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
-		Namespace: ns, Name: name, Labels: map[string]string{LabelPeer: peer, LabelKind: LeaseKind},
-		Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
+		Namespace: ns, Name: name, Labels: map[string]string{objects.LabelPeer: peer, objects.LabelKind: objects.LeaseKind},
+		Annotations: map[string]string{objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
 	}}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -39,8 +41,6 @@ import (
 // A peer can make the broker write exactly this one Secret, of at most
 // twice pki.MaxJWKSBytes.
 const (
-	PeerKeysKind             = "jwks"
-	SecretTypePeerKeys       = corev1.SecretType("tokenbroker.io/jwks")
 	PeerKeysCurrentKey       = "jwks.json"
 	PeerKeysPreviousKey      = "previous.json"
 	AnnotationJWKSReplacedAt = "tokenbroker.io/replaced-at"
@@ -85,7 +85,7 @@ func (s *PeerKeyStore) Synced() bool { return s.synced.Load() }
 // done.
 func (s *PeerKeyStore) Run(ctx context.Context) {
 	secrets := s.secrets.Secrets(s.namespace)
-	sel := labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: PeerKeysKind}).String()
+	sel := labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PeerKeysKind}).String()
 	lw := &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			o.LabelSelector = sel
@@ -110,7 +110,7 @@ func (s *PeerKeyStore) Run(ctx context.Context) {
 				obj = d.Obj
 			}
 			if sec, ok := obj.(*corev1.Secret); ok {
-				s.set(sec.Labels[LabelPeer], nil)
+				s.set(sec.Labels[objects.LabelPeer], nil)
 			}
 		},
 	}) // fails only after the informer has stopped
@@ -124,12 +124,16 @@ func (s *PeerKeyStore) Run(ctx context.Context) {
 
 // WaitForSync waits until the Secrets have been read once, or ctx is done.
 func (s *PeerKeyStore) WaitForSync(ctx context.Context) error {
-	return waitSynced(ctx, s.Synced, "the peer key Secrets")
+	err := wait.PollUntilContextCancel(ctx, 20*time.Millisecond, true, func(context.Context) (bool, error) { return s.Synced(), nil })
+	if err != nil {
+		return fmt.Errorf("wait for the peer key Secrets: %w", err)
+	}
+	return nil
 }
 
 func (s *PeerKeyStore) observe(obj any) {
 	sec, ok := obj.(*corev1.Secret)
-	if !ok || sec.Labels[LabelPeer] == "" || sec.Name != PeerKeysSecretName(sec.Labels[LabelPeer]) {
+	if !ok || sec.Labels[objects.LabelPeer] == "" || sec.Name != PeerKeysSecretName(sec.Labels[objects.LabelPeer]) {
 		return
 	}
 	ks, err := keySetFromSecret(sec)
@@ -140,7 +144,7 @@ func (s *PeerKeyStore) observe(obj any) {
 			zap.String("secret", sec.Name), zap.Error(err))
 		ks = nil
 	}
-	s.set(sec.Labels[LabelPeer], ks)
+	s.set(sec.Labels[objects.LabelPeer], ks)
 }
 
 func (s *PeerKeyStore) set(peer string, ks *peerKeySet) {
@@ -164,7 +168,7 @@ func keySetFromSecret(sec *corev1.Secret) (*peerKeySet, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", PeerKeysCurrentKey, err)
 	}
-	ks := &peerKeySet{identity: sec.Annotations[AnnotationIdentity], current: cur}
+	ks := &peerKeySet{identity: sec.Annotations[objects.AnnotationIdentity], current: cur}
 	if prev := sec.Data[PeerKeysPreviousKey]; len(prev) > 0 {
 		if ks.previous, err = pki.ParseJWKS(prev); err != nil {
 			return nil, fmt.Errorf("%s: %w", PeerKeysPreviousKey, err)
@@ -263,7 +267,7 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 
 // read returns peer's key set Secret, or a NotFound error.
 func (s *PeerKeyStore) read(ctx context.Context, peer string) (*corev1.Secret, error) {
-	sel := labels.SelectorFromSet(labels.Set{LabelManagedBy: ManagedByValue, LabelKind: PeerKeysKind, LabelPeer: peer}).String()
+	sel := labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PeerKeysKind, objects.LabelPeer: peer}).String()
 	list, err := s.secrets.Secrets(s.namespace).List(ctx, metav1.ListOptions{LabelSelector: sel})
 	if err != nil {
 		return nil, err
@@ -281,13 +285,13 @@ func newPeerKeysSecret(peer, identity string, raw []byte) *corev1.Secret {
 		ObjectMeta: metav1.ObjectMeta{
 			Name: PeerKeysSecretName(peer),
 			Labels: map[string]string{
-				LabelManagedBy: ManagedByValue,
-				LabelKind:      PeerKeysKind,
-				LabelPeer:      peer,
+				objects.LabelManagedBy: objects.ManagedByValue,
+				objects.LabelKind:      objects.PeerKeysKind,
+				objects.LabelPeer:      peer,
 			},
-			Annotations: map[string]string{AnnotationIdentity: identity},
+			Annotations: map[string]string{objects.AnnotationIdentity: identity},
 		},
-		Type: SecretTypePeerKeys,
+		Type: objects.SecretTypePeerKeys,
 		Data: map[string][]byte{PeerKeysCurrentKey: raw},
 	}
 }

@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/issuers"
 )
 
@@ -46,9 +47,6 @@ import (
 // once no issuance has been in flight on the replica for poolQuiet; under
 // back-to-back load it empties and issuances take the sequential path, so
 // a busy API server gets no extra writes.
-
-// PoolKind is the kind label of a pre-created, unclaimed lease Secret.
-const PoolKind = "lease-pool"
 
 // Defaults of PoolConfig.
 const (
@@ -339,14 +337,14 @@ func (b *Broker) createPooled(ctx context.Context, namespace string) (*pooled, e
 	now := b.cfg.Clock.Now()
 	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:      leaseSecretPrefix + id,
+			Name:      objects.LeaseSecretPrefix + id,
 			Namespace: namespace,
-			Labels:    map[string]string{LabelManagedBy: ManagedByValue, LabelKind: PoolKind},
+			Labels:    map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PoolKind},
 			// The claim deadline: the GC deletes the Secret past it
 			// unless a claim recorded the lease's expiry instead.
-			Annotations: map[string]string{AnnotationExpiresAt: now.Add(poolDeadline).UTC().Format(time.RFC3339)},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: now.Add(poolDeadline).UTC().Format(time.RFC3339)},
 		},
-		Type: SecretTypeLease,
+		Type: objects.SecretTypeLease,
 	}
 	t0 := b.cfg.Clock.Now()
 	created, err := b.cfg.Secrets.Secrets(namespace).Create(ctx, s, metav1.CreateOptions{})

@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -54,7 +55,7 @@ func newPoolEnv(t *testing.T, cfg PoolConfig) *poolEnv {
 func (e *poolEnv) secrets(t *testing.T, kind string) []corev1.Secret {
 	t.Helper()
 	l, err := e.client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
-		LabelSelector: labels.Set{LabelKind: kind}.String()})
+		LabelSelector: labels.Set{objects.LabelKind: kind}.String()})
 	require.NoError(t, err)
 	return l.Items
 }
@@ -68,18 +69,18 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 
 	first, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
-	require.Empty(t, e.secrets(t, PoolKind), "the first issuance in a namespace is sequential")
+	require.Empty(t, e.secrets(t, objects.PoolKind), "the first issuance in a namespace is sequential")
 
 	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
-	pooled := e.secrets(t, PoolKind)
+	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 3, "the namespace asked for a pool")
 	for _, s := range pooled {
 		require.Equal(t, "argo", s.Namespace)
-		exp, err := time.Parse(time.RFC3339, s.Annotations[AnnotationExpiresAt])
+		exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 		require.NoError(t, err)
 		require.WithinDuration(t, e.clock.Now().Add(poolDeadline), exp, time.Second, "a claim deadline the GC enforces")
-		require.Empty(t, s.Labels[LabelLeaseID])
+		require.Empty(t, s.Labels[objects.LabelLeaseID])
 	}
 	page, err := e.b.ListLeases(ctx, west, LeasePageRequest{})
 	require.NoError(t, err)
@@ -87,32 +88,32 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 
 	second, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
-	require.Len(t, e.secrets(t, PoolKind), 2, "one was claimed")
+	require.Len(t, e.secrets(t, objects.PoolKind), 2, "one was claimed")
 	got := e.iss.got[len(e.iss.got)-1]
-	require.Equal(t, leaseSecretPrefix+second.LeaseID, got.Lease.Name, "the token is bound to the claimed Secret")
+	require.Equal(t, objects.LeaseSecretPrefix+second.LeaseID, got.Lease.Name, "the token is bound to the claimed Secret")
 	var claimedFromPool bool
 	for _, s := range pooled {
 		claimedFromPool = claimedFromPool || s.Name == got.Lease.Name
 	}
 	require.True(t, claimedFromPool)
 
-	leases := e.secrets(t, LeaseKind)
+	leases := e.secrets(t, objects.LeaseKind)
 	require.Len(t, leases, 2)
 	for _, s := range leases {
-		if s.Labels[LabelLeaseID] != second.LeaseID {
+		if s.Labels[objects.LabelLeaseID] != second.LeaseID {
 			continue
 		}
-		require.Equal(t, "west", s.Labels[LabelPeer])
-		require.Equal(t, west.Identity, s.Annotations[AnnotationIdentity])
-		require.Equal(t, "admiralty-source", s.Annotations[AnnotationSA])
-		require.Equal(t, second.ExpiresAt.UTC().Format(time.RFC3339), s.Annotations[AnnotationExpiresAt])
+		require.Equal(t, "west", s.Labels[objects.LabelPeer])
+		require.Equal(t, west.Identity, s.Annotations[objects.AnnotationIdentity])
+		require.Equal(t, "admiralty-source", s.Annotations[objects.AnnotationSA])
+		require.Equal(t, second.ExpiresAt.UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt])
 	}
 	page, err = e.b.ListLeases(ctx, west, LeasePageRequest{})
 	require.NoError(t, err)
 	require.Len(t, page.Items, 2)
 	require.NoError(t, e.b.RevokeLease(ctx, west, second.LeaseID))
 	require.NoError(t, e.b.RevokeLease(ctx, west, first.LeaseID))
-	require.Empty(t, e.secrets(t, LeaseKind))
+	require.Empty(t, e.secrets(t, objects.LeaseKind))
 }
 
 func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
@@ -123,13 +124,13 @@ func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
 	require.NoError(t, err)
 	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
-	require.Len(t, e.secrets(t, PoolKind), 1)
+	require.Len(t, e.secrets(t, objects.PoolKind), 1)
 
 	e.iss.err = errors.New("the API server refused the TokenRequest")
 	_, err = e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.Error(t, err)
-	require.Empty(t, e.secrets(t, PoolKind), "the pooled Secret is gone")
-	require.Len(t, e.secrets(t, LeaseKind), 1, "only the first lease is left")
+	require.Empty(t, e.secrets(t, objects.PoolKind), "the pooled Secret is gone")
+	require.Len(t, e.secrets(t, objects.LeaseKind), 1, "only the first lease is left")
 }
 
 func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
@@ -140,15 +141,15 @@ func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
 	require.NoError(t, err)
 	e.clock.Step(poolQuiet)
 	e.b.tendPool(ctx)
-	pooled := e.secrets(t, PoolKind)
+	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 1)
 	// Another replica's GC, its clock ahead, deleted it.
 	require.NoError(t, e.client.CoreV1().Secrets("argo").Delete(ctx, pooled[0].Name, metav1.DeleteOptions{}))
 
 	resp, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
-	require.Len(t, e.secrets(t, LeaseKind), 2)
-	require.Equal(t, leaseSecretPrefix+resp.LeaseID, e.iss.got[len(e.iss.got)-1].Lease.Name,
+	require.Len(t, e.secrets(t, objects.LeaseKind), 2)
+	require.Equal(t, objects.LeaseSecretPrefix+resp.LeaseID, e.iss.got[len(e.iss.got)-1].Lease.Name,
 		"the token is bound to the Secret created on the sequential path")
 }
 
@@ -162,16 +163,16 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 
 	p.start()
 	require.Equal(t, poolQuiet, e.b.tendPool(ctx), "look again once quiet")
-	require.Empty(t, e.secrets(t, PoolKind), "busy: issuances take the sequential path, no extra writes")
+	require.Empty(t, e.secrets(t, objects.PoolKind), "busy: issuances take the sequential path, no extra writes")
 	p.done(e.clock.Now())
 	require.Equal(t, poolQuiet, e.b.tendPool(ctx))
 	e.clock.Step(poolQuiet / 2)
 	require.Equal(t, poolQuiet/2, e.b.tendPool(ctx))
-	require.Empty(t, e.secrets(t, PoolKind), "an issuance just ended: another may follow at once")
+	require.Empty(t, e.secrets(t, objects.PoolKind), "an issuance just ended: another may follow at once")
 
 	e.clock.Step(poolQuiet / 2)
 	require.Zero(t, e.b.tendPool(ctx))
-	pooled := e.secrets(t, PoolKind)
+	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 5, "Max bounds the pool over all namespaces")
 	per := map[string]int{}
 	for _, s := range pooled {
@@ -183,15 +184,15 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	e.clock.Step(poolHandout)
 	p.take("argo", e.clock.Now())
 	e.b.tendPool(ctx)
-	for _, s := range e.secrets(t, PoolKind) {
+	for _, s := range e.secrets(t, objects.PoolKind) {
 		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
-		require.Equal(t, e.clock.Now().Add(poolDeadline).UTC().Format(time.RFC3339), s.Annotations[AnnotationExpiresAt], "only new ones")
+		require.Equal(t, e.clock.Now().Add(poolDeadline).UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt], "only new ones")
 	}
-	require.Len(t, e.secrets(t, PoolKind), 4)
+	require.Len(t, e.secrets(t, objects.PoolKind), 4)
 
 	e.clock.Step(poolIdle)
 	e.b.tendPool(ctx)
-	require.Empty(t, e.secrets(t, PoolKind), "no token issued in argo for poolIdle: its pool is deleted")
+	require.Empty(t, e.secrets(t, objects.PoolKind), "no token issued in argo for poolIdle: its pool is deleted")
 }
 
 func TestStoppingThePoolDeletesItsSecrets(t *testing.T) {
@@ -205,10 +206,10 @@ func TestStoppingThePoolDeletesItsSecrets(t *testing.T) {
 	require.Eventually(t, func() bool { return e.b.pool.running.Load() }, 10*time.Second, time.Millisecond)
 	e.b.pool.take("argo", e.clock.Now())
 	e.b.pool.wake() // as the end of an issuance does
-	require.Eventually(t, func() bool { return len(e.secrets(t, PoolKind)) == 2 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return len(e.secrets(t, objects.PoolKind)) == 2 }, 10*time.Second, time.Millisecond)
 	cancel()
 	<-done
-	require.Empty(t, e.secrets(t, PoolKind))
+	require.Empty(t, e.secrets(t, objects.PoolKind))
 	require.Nil(t, e.b.pool.take("argo", e.clock.Now()), "a stopped pool hands out nothing")
 }
 
@@ -221,18 +222,18 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	now := e.clock.Now()
 	mk := func(name, kind string, expires time.Time) {
 		s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: name,
-			Labels:      map[string]string{LabelManagedBy: ManagedByValue, LabelKind: kind, LabelPeer: "west"},
-			Annotations: map[string]string{AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)}}}
+			Labels:      map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: kind, objects.LabelPeer: "west"},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)}}}
 		_, err := e.client.CoreV1().Secrets("argo").Create(ctx, s, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
-	mk("tokenbroker-lease-seen", LeaseKind, now.Add(time.Minute))
-	mk("tokenbroker-lease-pool", PoolKind, now.Add(time.Minute))
-	mk("tokenbroker-lease-live", LeaseKind, now.Add(time.Hour))
-	mk("tokenbroker-lease-unseen", LeaseKind, now.Add(time.Minute))
+	mk("tokenbroker-lease-seen", objects.LeaseKind, now.Add(time.Minute))
+	mk("tokenbroker-lease-pool", objects.PoolKind, now.Add(time.Minute))
+	mk("tokenbroker-lease-live", objects.LeaseKind, now.Add(time.Hour))
+	mk("tokenbroker-lease-unseen", objects.LeaseKind, now.Add(time.Minute))
 	lc.add(leaseMeta("argo", "tokenbroker-lease-seen", "west", now.Add(time.Minute)))
 	pm := leaseMeta("argo", "tokenbroker-lease-pool", "", now.Add(time.Minute))
-	pm.Labels[LabelKind] = PoolKind
+	pm.Labels[objects.LabelKind] = objects.PoolKind
 	lc.add(pm)
 	lc.add(leaseMeta("argo", "tokenbroker-lease-live", "west", now.Add(time.Hour)))
 	own, total := lc.Live("west")
@@ -248,7 +249,7 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, n, "the expired lease and the pooled Secret past its deadline")
 	left := map[string]bool{}
-	for _, s := range append(e.secrets(t, LeaseKind), e.secrets(t, PoolKind)...) {
+	for _, s := range append(e.secrets(t, objects.LeaseKind), e.secrets(t, objects.PoolKind)...) {
 		left[s.Name] = true
 	}
 	require.Equal(t, map[string]bool{"tokenbroker-lease-live": true, "tokenbroker-lease-unseen": true}, left,

@@ -11,6 +11,7 @@ import (
 	"unicode"
 
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -296,7 +297,7 @@ func AddRevocation(ctx context.Context, cms corev1client.ConfigMapInterface, kin
 		if apierrors.IsNotFound(err) {
 			cm = &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{
 				Name:   RevocationConfigMap,
-				Labels: map[string]string{LabelManagedBy: ManagedByValue},
+				Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue},
 			}}
 		} else if err != nil {
 			return fmt.Errorf("get revocation ConfigMap: %w", err)

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -77,7 +78,7 @@ func TestAddRevocationCreatesThenAppendsAndIsIdempotent(t *testing.T) {
 
 	cm, err := cms.Get(ctx, RevocationConfigMap, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, ManagedByValue, cm.Labels[LabelManagedBy])
+	require.Equal(t, objects.ManagedByValue, cm.Labels[objects.LabelManagedBy])
 	require.Equal(t, westID+"  # 2030-01-02T03:04:05Z key leaked\n", cm.Data[RevocationKeyIdentities])
 	require.Equal(t, "abcd  # 2030-01-02T03:04:05Z\n", cm.Data[RevocationKeySerials])
 

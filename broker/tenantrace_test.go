@@ -24,6 +24,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -136,7 +137,7 @@ func (e *raceEnv) runQueue(t *testing.T) {
 
 func (e *raceEnv) leases(t *testing.T, ns string) []corev1.Secret {
 	t.Helper()
-	l, err := e.client.CoreV1().Secrets(ns).List(context.Background(), metav1.ListOptions{LabelSelector: labels.Set{LabelKind: LeaseKind}.String()})
+	l, err := e.client.CoreV1().Secrets(ns).List(context.Background(), metav1.ListOptions{LabelSelector: labels.Set{objects.LabelKind: objects.LeaseKind}.String()})
 	require.NoError(t, err)
 	return l.Items
 }
@@ -366,7 +367,7 @@ func TestAStaleReplicaRevokesOnlyWhatItCanJudge(t *testing.T) {
 			}
 			s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 				apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
-			s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+			s.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 			s.CreationTimestamp = metav1.NewTime(e.clock.Now().Add(tt.created))
 			_, err := e.client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
 			require.NoError(t, err)
@@ -392,7 +393,7 @@ func TestALeaseIssuedBeforeTheReloadThatRemovedItsGrantIsRevoked(t *testing.T) {
 	e.clock.Step(time.Minute)
 	s := e.b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(2*time.Hour))
-	s.Annotations[AnnotationRevokeOnUnmatch] = "0s"
+	s.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 	s.CreationTimestamp = metav1.NewTime(e.clock.Now())
 	_, err := e.client.CoreV1().Secrets("oil-dev").Create(context.Background(), s, metav1.CreateOptions{})
 	require.NoError(t, err)

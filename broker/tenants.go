@@ -11,6 +11,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
@@ -25,19 +26,6 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/clock"
 )
-
-// AnnotationGrant records on a lease the grant it was issued under (the
-// grant's name, or "grants[i]" for an unnamed one), so that a namespace
-// leaving a selector grant revokes exactly that grant's leases.
-const AnnotationGrant = "tokenbroker.io/grant"
-
-// AnnotationRevokeOnUnmatch marks a lease issued under a grant that revokes
-// on unmatch (a selector grant without revokeOnUnmatch: false); its value
-// is the grant's revokeDelay then ("0s", "30s"). It makes revocation
-// durable: any replica's GC pass can tell, from the lease alone, that it
-// is to be revoked once its grant no longer covers it, even after a reload
-// removed the grant (or its peer) while no broker ran.
-const AnnotationRevokeOnUnmatch = "tokenbroker.io/revoke-on-unmatch"
 
 // Reasons of a revocation because a namespace stopped being covered
 // (tokenbroker_unmatched_revocations_total, the audit event's reason).
@@ -418,16 +406,16 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 	t.mu.Lock()
 	policyAt := t.policyAt
 	t.mu.Unlock()
-	secrets, err := b.listLeaseSecrets(ctx, []string{item.namespace}, labels.Set{LabelPeer: item.peer})
+	secrets, err := b.listLeaseSecrets(ctx, []string{item.namespace}, labels.Set{objects.LabelPeer: item.peer})
 	if err != nil {
 		return err
 	}
 	for i := range secrets {
 		s := &secrets[i]
-		if s.Annotations[AnnotationGrant] != item.grant {
+		if s.Annotations[objects.AnnotationGrant] != item.grant {
 			continue
 		}
-		if _, marked := s.Annotations[AnnotationRevokeOnUnmatch]; g == nil && !gone && !marked {
+		if _, marked := s.Annotations[objects.AnnotationRevokeOnUnmatch]; g == nil && !gone && !marked {
 			continue
 		}
 		if g == nil && issuedAfter(s, policyAt) {
@@ -437,7 +425,7 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item unmatch) error {
 			// the lease judges it.
 			b.cfg.Logger.Debug("lease of a grant this replica's policy does not know is newer than that policy; kept",
 				zap.String("peer", item.peer), zap.String("grant", item.grant), zap.String("namespace", item.namespace),
-				zap.String("lease_id", s.Labels[LabelLeaseID]), zap.Time("created", s.CreationTimestamp.Time), zap.Time("policy_taken", policyAt))
+				zap.String("lease_id", s.Labels[objects.LabelLeaseID]), zap.Time("created", s.CreationTimestamp.Time), zap.Time("policy_taken", policyAt))
 			continue
 		}
 		if err := b.revokeUnmatchedLease(ctx, s, item); err != nil {
@@ -493,26 +481,26 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 	if err != nil {
 		return problem.Classify(err, "revoke lease of a namespace that left its grant", "lease not found")
 	}
-	id := s.Labels[LabelLeaseID]
+	id := s.Labels[objects.LabelLeaseID]
 	reason := "namespace " + item.namespace + " is no longer covered by grant " + item.grant + " (" + item.reason + ")"
 	b.cfg.Metrics.ObserveUnmatched(item.reason)
 	b.cfg.Logger.Info("lease revoked",
-		zap.String("identity", s.Annotations[AnnotationIdentity]),
+		zap.String("identity", s.Annotations[objects.AnnotationIdentity]),
 		zap.String("peer", item.peer),
 		zap.String("grant", item.grant),
 		zap.String("lease_id", id),
 		zap.String("namespace", s.Namespace),
-		zap.String("service_account", s.Annotations[AnnotationSA]),
+		zap.String("service_account", s.Annotations[objects.AnnotationSA]),
 		zap.String("reason", item.reason))
 	b.audit(ctx, audit.Event{
 		Action:         audit.ActionRevoke,
 		Decision:       audit.DecisionAllow,
 		Reason:         reason,
-		Identity:       s.Annotations[AnnotationIdentity],
+		Identity:       s.Annotations[objects.AnnotationIdentity],
 		Peer:           item.peer,
 		Namespace:      s.Namespace,
-		ServiceAccount: s.Annotations[AnnotationSA],
-		Credential:     s.Annotations[AnnotationCred],
+		ServiceAccount: s.Annotations[objects.AnnotationSA],
+		Credential:     s.Annotations[objects.AnnotationCred],
 		LeaseID:        id,
 		Grant:          item.grant,
 	})
@@ -597,8 +585,8 @@ type leaseRef struct {
 }
 
 func leaseRefOf(s *corev1.Secret) leaseRef {
-	mark, marked := s.Annotations[AnnotationRevokeOnUnmatch]
-	return leaseRef{namespace: s.Namespace, peer: s.Labels[LabelPeer], grant: s.Annotations[AnnotationGrant],
+	mark, marked := s.Annotations[objects.AnnotationRevokeOnUnmatch]
+	return leaseRef{namespace: s.Namespace, peer: s.Labels[objects.LabelPeer], grant: s.Annotations[objects.AnnotationGrant],
 		mark: mark, marked: marked}
 }
 
@@ -630,7 +618,7 @@ func uncovered(p *policy.Policy, nss policy.NamespaceLabels, l leaseRef) (time.D
 // unmatch, and after what delay (AnnotationRevokeOnUnmatch).
 func markRevokeOnUnmatch(lease *corev1.Secret, g *policy.GrantSpec) {
 	if g != nil && g.KeptTrue() {
-		lease.Annotations[AnnotationRevokeOnUnmatch] = time.Duration(g.RevokeDelay).String()
+		lease.Annotations[objects.AnnotationRevokeOnUnmatch] = time.Duration(g.RevokeDelay).String()
 	}
 }
 

@@ -21,6 +21,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -246,7 +247,7 @@ func (e *tenantEnv) issue(t *testing.T, c Caller, ns string) string {
 
 func (e *tenantEnv) live(t *testing.T, ns, id string) bool {
 	t.Helper()
-	_, err := e.client.CoreV1().Secrets(ns).Get(context.Background(), leaseSecretPrefix+id, metav1.GetOptions{})
+	_, err := e.client.CoreV1().Secrets(ns).Get(context.Background(), objects.LeaseSecretPrefix+id, metav1.GetOptions{})
 	return err == nil
 }
 
@@ -267,9 +268,9 @@ func TestANamespaceThatLeavesASelectorGrantLosesItsLeases(t *testing.T) {
 	byName := e.issue(t, west, "argo")
 	kept := e.issue(t, north, "oil-dev")
 
-	s, err := e.client.CoreV1().Secrets("oil-dev").Get(context.Background(), leaseSecretPrefix+dev, metav1.GetOptions{})
+	s, err := e.client.CoreV1().Secrets("oil-dev").Get(context.Background(), objects.LeaseSecretPrefix+dev, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, "oil", s.Annotations[AnnotationGrant], "the lease records its grant")
+	require.Equal(t, "oil", s.Annotations[objects.AnnotationGrant], "the lease records its grant")
 
 	e.nss.set("oil-dev", map[string]string{"capsule.clastix.io/tenant": "gas"})
 	e.requireRevoked(t, "oil-dev", dev)

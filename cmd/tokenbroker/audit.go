@@ -21,6 +21,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/rbacrights"
 )
 
@@ -56,7 +57,7 @@ The API server names the credential of every authenticated request in
 user.extra["authentication.kubernetes.io/credential-id"] ("JTI=<jti>" for a
 token, "X509SHA256=<fingerprint>" for a client certificate). The broker records
 the same id as credential_id in its audit events and on each lease Secret
-(annotation ` + broker.AnnotationCredentialID + `). Give the broker's audit
+(annotation ` + objects.AnnotationCredentialID + `). Give the broker's audit
 events with --broker-audit-log (its standard output or --audit-log file;
 operational log lines are skipped; repeat the flag for several replicas or
 days), or read the live lease Secrets with --kubeconfig (leases are deleted

@@ -15,7 +15,7 @@ import (
 	metadatafake "k8s.io/client-go/metadata/fake"
 	clienttesting "k8s.io/client-go/testing"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
 func TestAuditOptionsAreCheckedWithMessagesThatSayWhatToGive(t *testing.T) {
@@ -82,8 +82,8 @@ func TestAuditFromLeaseSecretsListsTheirMetadataOfTheLeaseTypeAndMarksTheirSourc
 	secret := &metav1.PartialObjectMetadata{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
 		ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "tokenbroker-lease-" + lease, CreationTimestamp: metav1.NewTime(time.Date(2030, 1, 1, 10, 0, 0, 0, time.UTC)),
-			Labels:      map[string]string{broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind, broker.LabelLeaseID: lease, broker.LabelPeer: "west"},
-			Annotations: map[string]string{broker.AnnotationSA: "runner", broker.AnnotationCred: "token", broker.AnnotationCredentialID: "JTI=j1"}},
+			Labels:      map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind, objects.LabelLeaseID: lease, objects.LabelPeer: "west"},
+			Annotations: map[string]string{objects.AnnotationSA: "runner", objects.AnnotationCred: "token", objects.AnnotationCredentialID: "JTI=j1"}},
 	}
 	meta := metadatafake.NewSimpleMetadataClient(scheme, secret)
 	var fieldSelector string

@@ -22,6 +22,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
 // leasesOptions is the typed configuration of "tokenbroker leases" and
@@ -49,7 +50,7 @@ func newLeasesCommand() *cobra.Command {
 Kubernetes credentials: every credential the broker issued that has not been
 collected yet, with the peer that holds it and since when.
 
-A lease is a Secret labelled ` + broker.LabelKind + `=` + broker.LeaseKind + ` in the namespace of the
+A lease is a Secret labelled ` + objects.LabelKind + `=` + objects.LeaseKind + ` in the namespace of the
 ServiceAccount; the token issued with it is bound to it, so it lives no longer
 than the Secret (see "tokenbroker leases revoke"). ISSUED is the Secret's
 creation time, EXPIRES the credential's expiry; a lease that has expired but
@@ -189,7 +190,7 @@ func explainAPIError(err error, verb, namespace string) error {
 func runLeases(ctx context.Context, secrets corev1client.SecretsGetter, o leasesOptions, out, errOut io.Writer, now time.Time) error {
 	var sel labels.Set
 	if o.Peer != "" {
-		sel = labels.Set{broker.LabelPeer: o.Peer}
+		sel = labels.Set{objects.LabelPeer: o.Peer}
 	}
 	p := newLeasePrinter(out, o.Output, now)
 	err := broker.EachLeaseSecretPage(ctx, secrets, o.Namespace, sel, func(page []corev1.Secret) error {
@@ -392,7 +393,7 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
-		list, err := broker.ListLeaseSecrets(ctx, secrets, namespace, labels.Set{broker.LabelLeaseID: id})
+		list, err := broker.ListLeaseSecrets(ctx, secrets, namespace, labels.Set{objects.LabelLeaseID: id})
 		if err != nil {
 			return errors.Join(append(errs, explainAPIError(err, "list", namespace))...)
 		}

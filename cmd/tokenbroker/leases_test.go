@@ -22,6 +22,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
 var leasesNow = time.Date(2030, 5, 6, 12, 0, 0, 0, time.UTC)
@@ -33,17 +34,17 @@ func leaseSecret(ns, id, peer, sa string, issuedAgo, expiresIn time.Duration) *c
 			Name: "tokenbroker-lease-" + id, Namespace: ns, UID: types.UID("uid-" + id),
 			CreationTimestamp: metav1.NewTime(leasesNow.Add(-issuedAgo)),
 			Labels: map[string]string{
-				broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind,
-				broker.LabelLeaseID: id, broker.LabelPeer: peer,
+				objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind,
+				objects.LabelLeaseID: id, objects.LabelPeer: peer,
 			},
 			Annotations: map[string]string{
-				broker.AnnotationExpiresAt: leasesNow.Add(expiresIn).Format(time.RFC3339),
-				broker.AnnotationIdentity:  "spiffe://oc.example/cluster/" + peer,
-				broker.AnnotationSA:        sa,
-				broker.AnnotationCred:      "token",
+				objects.AnnotationExpiresAt: leasesNow.Add(expiresIn).Format(time.RFC3339),
+				objects.AnnotationIdentity:  "spiffe://oc.example/cluster/" + peer,
+				objects.AnnotationSA:        sa,
+				objects.AnnotationCred:      "token",
 			},
 		},
-		Type: broker.SecretTypeLease,
+		Type: objects.SecretTypeLease,
 	}
 }
 
@@ -58,7 +59,7 @@ const (
 
 func leasesClientset() *fake.Clientset {
 	noExpiry := leaseSecret("flux", idE, "west", "reconciler", 3*time.Hour, 0)
-	delete(noExpiry.Annotations, broker.AnnotationExpiresAt)
+	delete(noExpiry.Annotations, objects.AnnotationExpiresAt)
 	return fake.NewClientset(
 		leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute),
 		leaseSecret("argo", idA, "south", "admiralty-source", 2*time.Hour, -time.Minute),
@@ -67,7 +68,7 @@ func leasesClientset() *fake.Clientset {
 		noExpiry,
 		// Not leases: a used join token record and someone else's Secret.
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "used", Namespace: "tokenbroker", Labels: map[string]string{
-			broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.UsedJoinTokenKind}}},
+			objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.UsedJoinTokenKind}}},
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "db", Namespace: "argo"}},
 	)
 }
@@ -214,7 +215,7 @@ func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
 	require.Contains(t, out.String(), "revoked lease "+idD+": argocd/argocd-manager")
 
 	// The other leases are untouched.
-	list, err := cs.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: broker.LabelKind + "=" + broker.LeaseKind})
+	list, err := cs.CoreV1().Secrets("").List(ctx, metav1.ListOptions{LabelSelector: objects.LabelKind + "=" + objects.LeaseKind})
 	require.NoError(t, err)
 	require.Len(t, list.Items, 3)
 }

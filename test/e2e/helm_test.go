@@ -25,7 +25,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -822,7 +822,7 @@ func TestHelmChartAgainstAPIServer(t *testing.T) {
 	})
 
 	t.Run("helm uninstall removes the chart's objects and leaves lease Secrets, which the documented command deletes", func(t *testing.T) {
-		lease := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-lease-test", Namespace: "argo", Labels: map[string]string{broker.LabelKind: broker.LeaseKind}}}
+		lease := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-lease-test", Namespace: "argo", Labels: map[string]string{objects.LabelKind: objects.LeaseKind}}}
 		_, err := c.Client.CoreV1().Secrets("argo").Create(ctx, lease, metav1.CreateOptions{})
 		require.NoError(t, err)
 

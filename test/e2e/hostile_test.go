@@ -19,7 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -334,12 +334,12 @@ func mustPool(t *testing.T, file string) *x509.CertPool {
 func leaseSecretIDs(t *testing.T, c *testcluster.Cluster) map[string]bool {
 	t.Helper()
 	l, err := c.Client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "=" + broker.LeaseKind,
+		LabelSelector: objects.LabelManagedBy + "=" + objects.ManagedByValue + "," + objects.LabelKind + "=" + objects.LeaseKind,
 	})
 	require.NoError(t, err)
 	ids := map[string]bool{}
 	for _, s := range l.Items {
-		ids[s.Labels[broker.LabelLeaseID]] = true
+		ids[s.Labels[objects.LabelLeaseID]] = true
 	}
 	return ids
 }
@@ -361,7 +361,7 @@ func newLeases(t *testing.T, c *testcluster.Cluster, before map[string]bool) int
 func countLeases(t *testing.T, c *testcluster.Cluster) int {
 	t.Helper()
 	l, err := c.Client.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "!=" + broker.PoolKind,
+		LabelSelector: objects.LabelManagedBy + "=" + objects.ManagedByValue + "," + objects.LabelKind + "!=" + objects.PoolKind,
 	})
 	require.NoError(t, err)
 	return len(l.Items)

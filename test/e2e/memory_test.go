@@ -29,7 +29,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -347,7 +347,7 @@ func fillLeases(t *testing.T, e *brokerEnv, n, conc int) time.Duration {
 func cloneLeases(t *testing.T, c *testcluster.Cluster, template *corev1.Secret, n, conc int) {
 	t.Helper()
 	enc := base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
-	oldID := template.Labels[broker.LabelLeaseID]
+	oldID := template.Labels[objects.LabelLeaseID]
 	require.True(t, apiv1.ValidLeaseID(oldID))
 	require.True(t, strings.HasSuffix(template.Name, oldID))
 	var next atomic.Int64
@@ -368,7 +368,7 @@ func cloneLeases(t *testing.T, c *testcluster.Cluster, template *corev1.Secret, 
 					},
 					Type: template.Type, Data: template.Data,
 				}
-				s.Labels[broker.LabelLeaseID] = id
+				s.Labels[objects.LabelLeaseID] = id
 				if _, err := c.Client.CoreV1().Secrets(s.Namespace).Create(context.Background(), s, metav1.CreateOptions{}); err != nil {
 					errs <- err
 					return
@@ -385,7 +385,7 @@ func cloneLeases(t *testing.T, c *testcluster.Cluster, template *corev1.Secret, 
 func leaseSecrets(t *testing.T, c *testcluster.Cluster, namespace string) []corev1.Secret {
 	t.Helper()
 	l, err := c.Client.CoreV1().Secrets(namespace).List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelKind + "=" + broker.LeaseKind,
+		LabelSelector: objects.LabelKind + "=" + objects.LeaseKind,
 	})
 	require.NoError(t, err)
 	return l.Items

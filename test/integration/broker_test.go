@@ -22,6 +22,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -70,7 +71,7 @@ func review(t *testing.T, c kubernetes.Interface, token string) *authnv1.TokenRe
 func leaseSecrets(t *testing.T, c kubernetes.Interface) []corev1.Secret {
 	t.Helper()
 	l, err := c.CoreV1().Secrets("").List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelManagedBy + "=" + broker.ManagedByValue + "," + broker.LabelKind + "!=" + broker.PoolKind})
+		LabelSelector: objects.LabelManagedBy + "=" + objects.ManagedByValue + "," + objects.LabelKind + "!=" + objects.PoolKind})
 	require.NoError(t, err)
 	return l.Items
 }
@@ -178,7 +179,7 @@ func TestAgainstARealAPIServer(t *testing.T) {
 		require.NoError(t, err)
 		require.GreaterOrEqual(t, n, 1)
 		for _, sec := range leaseSecrets(t, s.cluster.Client) {
-			require.NotEqual(t, resp.LeaseID, sec.Labels[broker.LabelLeaseID])
+			require.NotEqual(t, resp.LeaseID, sec.Labels[objects.LabelLeaseID])
 		}
 		require.Eventually(t, func() bool {
 			return !review(t, s.cluster.Client, resp.Token).Authenticated
@@ -269,6 +270,6 @@ func TestAOneMinuteLeasesTokenWorksAt50sAndIsRefusedBy75s(t *testing.T) {
 	}, time.Until(start.Add(75*time.Second)), 250*time.Millisecond, "the token is refused by 75 s")
 	t.Logf("token refused %s after issuance", time.Since(start).Round(time.Millisecond))
 	for _, sec := range leaseSecrets(t, s.cluster.Client) {
-		require.NotEqual(t, resp.LeaseID, sec.Labels[broker.LabelLeaseID], "the lease Secret is gone")
+		require.NotEqual(t, resp.LeaseID, sec.Labels[objects.LabelLeaseID], "the lease Secret is gone")
 	}
 }

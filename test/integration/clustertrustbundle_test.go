@@ -31,6 +31,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/agent"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -82,7 +83,7 @@ func TestClusterTrustBundle(t *testing.T) {
 		b, err := bundles.Get(ctx, ctbName, metav1.GetOptions{})
 		require.NoError(t, err)
 		require.Equal(t, ctbSigner, b.Spec.SignerName)
-		require.Equal(t, broker.ManagedByValue, b.Labels[broker.LabelManagedBy])
+		require.Equal(t, objects.ManagedByValue, b.Labels[objects.LabelManagedBy])
 		require.Equal(t, "east", b.Annotations[broker.AnnotationBroker])
 
 		// A rotation names the other CA in --previous-ca-cert-file: it
@@ -182,9 +183,9 @@ func TestClusterTrustBundle(t *testing.T) {
 		// An admin can write anything; what matters is that the agent
 		// reads only bundles of its signer. Unsigned, and another signer's:
 		for _, b := range []*certificatesv1.ClusterTrustBundle{
-			{ObjectMeta: metav1.ObjectMeta{Name: "attacker-unsigned", Labels: map[string]string{broker.LabelManagedBy: broker.ManagedByValue}},
+			{ObjectMeta: metav1.ObjectMeta{Name: "attacker-unsigned", Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue}},
 				Spec: certificatesv1.ClusterTrustBundleSpec{TrustBundle: string(attacker.CertPEM())}},
-			{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:west:trust-bundle", Labels: map[string]string{broker.LabelManagedBy: broker.ManagedByValue}},
+			{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker.io:west:trust-bundle", Labels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue}},
 				Spec: certificatesv1.ClusterTrustBundleSpec{SignerName: "tokenbroker.io/west", TrustBundle: string(attacker.CertPEM())}},
 		} {
 			_, err := bundles.Create(ctx, b, metav1.CreateOptions{})
@@ -226,7 +227,7 @@ func TestClusterTrustBundle(t *testing.T) {
 		cfg := agent.Config{
 			Identity: agent.IdentityConfig{Dir: string(idDir), TrustBundleFrom: &agent.TrustBundleSource{
 				ClusterTrustBundle: &agent.ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Second),
-					LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{broker.LabelManagedBy: broker.ManagedByValue}}}}},
+					LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue}}}}},
 			Targets: []agent.TargetConfig{target("east", s.url), target("impostor", impostor.URL), target("partner", partnerImpostor.URL)},
 			Refresh: agent.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
 		}

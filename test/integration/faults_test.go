@@ -15,7 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 )
@@ -71,7 +71,7 @@ func TestARevocationDuringAnOutageIsA503AndTheLeaseIsGoneWhenTheAPIServerIsBack(
 	back := time.Now()
 	// Nobody retries the DELETE: the broker does.
 	require.Eventually(t, func() bool {
-		l, err := s.cluster.Client.CoreV1().Secrets("argo").List(ctx, metav1.ListOptions{LabelSelector: broker.LabelLeaseID + "=" + lease.LeaseID})
+		l, err := s.cluster.Client.CoreV1().Secrets("argo").List(ctx, metav1.ListOptions{LabelSelector: objects.LabelLeaseID + "=" + lease.LeaseID})
 		return err == nil && len(l.Items) == 0
 	}, time.Minute, 20*time.Millisecond, "the revoked lease must be deleted once the API server is back")
 	t.Logf("API server ready %s after its start; lease gone %s after it was ready", back.Sub(start).Round(time.Millisecond), time.Since(back).Round(time.Millisecond))

@@ -22,7 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -47,12 +47,12 @@ func forgedLease(namespace, id, peer, identity string, typ corev1.SecretType, ex
 		ObjectMeta: metav1.ObjectMeta{
 			Name: "tokenbroker-lease-" + id, Namespace: namespace,
 			Labels: map[string]string{
-				broker.LabelManagedBy: broker.ManagedByValue, broker.LabelKind: broker.LeaseKind,
-				broker.LabelLeaseID: id, broker.LabelPeer: peer,
+				objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind,
+				objects.LabelLeaseID: id, objects.LabelPeer: peer,
 			},
 			Annotations: map[string]string{
-				broker.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
-				broker.AnnotationIdentity:  identity, broker.AnnotationSA: "runner", broker.AnnotationCred: apiv1.CredentialToken,
+				objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:  identity, objects.AnnotationSA: "runner", objects.AnnotationCred: apiv1.CredentialToken,
 			},
 		},
 		Type: typ,
@@ -92,15 +92,15 @@ func TestForgedLeaseSecretsCountForNothingAndHideNoLease(t *testing.T) {
 		id := func(kind string) string { return fmt.Sprintf("%s%0*d", kind, 26-len(kind), i) }
 		forged = append(forged,
 			forgedLease("forge-a", id("opaque"), "west", westID, corev1.SecretTypeOpaque, soon),
-			forgedLease("forge-c", id("nogrant"), "west", westID, broker.SecretTypeLease, soon),
-			forgedLease("forge-b", id("otherpeer"), "west", westID, broker.SecretTypeLease, soon),
-			forgedLease("forge-a", id("otheridentity"), "west", southID, broker.SecretTypeLease, soon),
+			forgedLease("forge-c", id("nogrant"), "west", westID, objects.SecretTypeLease, soon),
+			forgedLease("forge-b", id("otherpeer"), "west", westID, objects.SecretTypeLease, soon),
+			forgedLease("forge-a", id("otheridentity"), "west", southID, objects.SecretTypeLease, soon),
 		)
 	}
 	// Copies of west's real lease, its id and all, in the other namespaces.
 	forged = append(forged,
-		forgedLease("forge-b", mine.LeaseID, "west", westID, broker.SecretTypeLease, soon),
-		forgedLease("forge-c", mine.LeaseID, "west", westID, broker.SecretTypeLease, soon),
+		forgedLease("forge-b", mine.LeaseID, "west", westID, objects.SecretTypeLease, soon),
+		forgedLease("forge-c", mine.LeaseID, "west", westID, objects.SecretTypeLease, soon),
 	)
 	for _, f := range forged {
 		_, err := secrets.Secrets(f.Namespace).Create(ctx, f, metav1.CreateOptions{})
@@ -108,7 +108,7 @@ func TestForgedLeaseSecretsCountForNothingAndHideNoLease(t *testing.T) {
 	}
 	// A last one south may hold: once the broker finds it by id, its
 	// cluster-wide watch has delivered every forgery before it.
-	sentinel := forgedLease("forge-b", "sentinelaaaaaaaaaaaaaaaaaa", "south", southID, broker.SecretTypeLease, soon)
+	sentinel := forgedLease("forge-b", "sentinelaaaaaaaaaaaaaaaaaa", "south", southID, objects.SecretTypeLease, soon)
 	_, err := secrets.Secrets("forge-b").Create(ctx, sentinel, metav1.CreateOptions{})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
@@ -238,9 +238,9 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 	})
 
 	t.Run("A tenant's Secret of another type with the lease labels is refused.", func(t *testing.T) {
-		for _, kind := range []string{broker.LeaseKind, broker.PoolKind} {
+		for _, kind := range []string{objects.LeaseKind, objects.PoolKind} {
 			s := forgedLease("tenant", "bylabel00000000000000000aa", "west", westID, corev1.SecretTypeOpaque, soon)
-			s.Labels[broker.LabelKind] = kind
+			s.Labels[objects.LabelKind] = kind
 			_, err := alice.CoreV1().Secrets("tenant").Create(ctx, s, metav1.CreateOptions{})
 			require.Error(t, err, kind)
 			require.Contains(t, err.Error(), "only tokenbroker's ServiceAccount may label a Secret tokenbroker.io/kind=lease")
@@ -250,7 +250,7 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 	t.Run("A tenant may not relabel its Secret into a lease.", func(t *testing.T) {
 		s, err := alice.CoreV1().Secrets("tenant").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "plain"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{})
 		require.NoError(t, err, "a tenant's ordinary Secret is its own business")
-		s.Labels = map[string]string{broker.LabelKind: broker.LeaseKind}
+		s.Labels = map[string]string{objects.LabelKind: objects.LeaseKind}
 		_, err = alice.CoreV1().Secrets("tenant").Update(ctx, s, metav1.UpdateOptions{})
 		require.Error(t, err)
 		require.Contains(t, err.Error(), "only tokenbroker's ServiceAccount may label a Secret tokenbroker.io/kind=lease")
@@ -260,16 +260,16 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		// Revocation on unmatch trusts these: a lease without them is
 		// skipped when its namespace leaves its selector grant.
 		_, brokerClient := as(t, c, brokerUser, "system:serviceaccounts", "system:serviceaccounts:tokenbroker")
-		l := forgedLease("tenant", "bybroker00000000000000000aa", "west", westID, broker.SecretTypeLease, soon)
-		l.Annotations[broker.AnnotationGrant] = "oil"
-		l.Annotations[broker.AnnotationRevokeOnUnmatch] = "0s"
+		l := forgedLease("tenant", "bybroker00000000000000000aa", "west", westID, objects.SecretTypeLease, soon)
+		l.Annotations[objects.AnnotationGrant] = "oil"
+		l.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
 		_, err := brokerClient.CoreV1().Secrets("tenant").Create(ctx, l, metav1.CreateOptions{})
 		require.NoError(t, err, "the broker's ServiceAccount writes its lease")
 		for _, patch := range []string{
 			`{"metadata":{"annotations":{"tokenbroker.io/grant":null}}}`,
 			`{"metadata":{"annotations":{"tokenbroker.io/revoke-on-unmatch":null}}}`,
-			`{"metadata":{"labels":{"` + broker.LabelPeer + `":null}}}`,
-			`{"metadata":{"labels":{"` + broker.LabelKind + `":"stripped"}}}`,
+			`{"metadata":{"labels":{"` + objects.LabelPeer + `":null}}}`,
+			`{"metadata":{"labels":{"` + objects.LabelKind + `":"stripped"}}}`,
 		} {
 			_, err := alice.CoreV1().Secrets("tenant").Patch(ctx, l.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
 			require.Error(t, err, patch)
@@ -277,14 +277,14 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		}
 		got, err := alice.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
 		require.NoError(t, err)
-		delete(got.Annotations, broker.AnnotationGrant)
+		delete(got.Annotations, objects.AnnotationGrant)
 		_, err = alice.CoreV1().Secrets("tenant").Update(ctx, got, metav1.UpdateOptions{})
 		require.Error(t, err, "an update is refused as a patch is")
 		got, err = c.Client.CoreV1().Secrets("tenant").Get(ctx, l.Name, metav1.GetOptions{})
 		require.NoError(t, err)
-		require.Equal(t, "oil", got.Annotations[broker.AnnotationGrant])
-		require.Equal(t, "0s", got.Annotations[broker.AnnotationRevokeOnUnmatch])
-		require.Equal(t, "west", got.Labels[broker.LabelPeer])
+		require.Equal(t, "oil", got.Annotations[objects.AnnotationGrant])
+		require.Equal(t, "0s", got.Annotations[objects.AnnotationRevokeOnUnmatch])
+		require.Equal(t, "west", got.Labels[objects.LabelPeer])
 		require.NoError(t, alice.CoreV1().Secrets("tenant").Delete(ctx, l.Name, metav1.DeleteOptions{}), "deleting stays the tenant's right")
 	})
 
@@ -292,7 +292,7 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		// Refusing that update would keep the lease, and the token bound
 		// to it, Terminating for good.
 		_, brokerClient := as(t, c, brokerUser, "system:serviceaccounts", "system:serviceaccounts:tokenbroker")
-		l := forgedLease("tenant", "byfinal000000000000000000aa", "west", westID, broker.SecretTypeLease, soon)
+		l := forgedLease("tenant", "byfinal000000000000000000aa", "west", westID, objects.SecretTypeLease, soon)
 		l.Finalizers = []string{"orphan"}
 		_, err := brokerClient.CoreV1().Secrets("tenant").Create(ctx, l, metav1.CreateOptions{})
 		require.NoError(t, err)
@@ -323,7 +323,7 @@ func TestTheLeaseAdmissionPolicyReservesLeaseSecretsForTheBroker(t *testing.T) {
 		require.Equal(t, http.StatusCreated, status, string(body))
 		lease, err := c.Client.CoreV1().Secrets("forge-a").Get(ctx, "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 		require.NoError(t, err)
-		require.Equal(t, broker.SecretTypeLease, lease.Type)
+		require.Equal(t, objects.SecretTypeLease, lease.Type)
 		status, body = do(t, west, http.MethodDelete, s.url+"/v1/leases/"+resp.LeaseID, nil, nil)
 		require.Equal(t, http.StatusNoContent, status, string(body))
 	})

@@ -24,6 +24,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -206,12 +207,12 @@ func testJoinTokenAcrossReplicas(t *testing.T, c *testcluster.Cluster) {
 
 	// Each used token is on record once in the broker's namespace.
 	secrets, err := c.Client.CoreV1().Secrets(brokerNamespace).List(context.Background(), metav1.ListOptions{
-		LabelSelector: broker.LabelKind + "=" + broker.UsedJoinTokenKind,
+		LabelSelector: objects.LabelKind + "=" + objects.UsedJoinTokenKind,
 	})
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, len(secrets.Items), 6)
 	for _, sec := range secrets.Items {
-		require.Equal(t, broker.SecretTypeUsedJoinToken, sec.Type)
+		require.Equal(t, objects.SecretTypeUsedJoinToken, sec.Type)
 	}
 }
 

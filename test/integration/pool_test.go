@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
@@ -29,7 +30,7 @@ func TestPooledLeasesAgainstARealAPIServer(t *testing.T) {
 	// The first token in argo is sequential and asks for a pool there.
 	first := issue(t, s, west, req)
 	pooled := func() []corev1.Secret {
-		l, err := s.cluster.Client.CoreV1().Secrets("argo").List(ctx, metav1.ListOptions{LabelSelector: broker.LabelKind + "=" + broker.PoolKind})
+		l, err := s.cluster.Client.CoreV1().Secrets("argo").List(ctx, metav1.ListOptions{LabelSelector: objects.LabelKind + "=" + objects.PoolKind})
 		require.NoError(t, err)
 		return l.Items
 	}
@@ -40,13 +41,13 @@ func TestPooledLeasesAgainstARealAPIServer(t *testing.T) {
 	require.True(t, review(t, s.cluster.Client, resp.Token).Authenticated)
 	var claimed *corev1.Secret
 	for _, sec := range leaseSecrets(t, s.cluster.Client) {
-		if sec.Labels[broker.LabelLeaseID] == resp.LeaseID {
+		if sec.Labels[objects.LabelLeaseID] == resp.LeaseID {
 			claimed = &sec
 		}
 	}
 	require.NotNil(t, claimed, "the claimed Secret is the lease")
-	require.Equal(t, broker.LeaseKind, claimed.Labels[broker.LabelKind])
-	require.Equal(t, resp.ExpiresAt.UTC().Format(time.RFC3339), claimed.Annotations[broker.AnnotationExpiresAt])
+	require.Equal(t, objects.LeaseKind, claimed.Labels[objects.LabelKind])
+	require.Equal(t, resp.ExpiresAt.UTC().Format(time.RFC3339), claimed.Annotations[objects.AnnotationExpiresAt])
 	claims := jwtClaims(t, resp.Token)
 	k8s := claims["kubernetes.io"].(map[string]any)
 	require.Equal(t, string(claimed.UID), k8s["secret"].(map[string]any)["uid"], "bound to the claimed Secret")

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -63,11 +64,11 @@ peers:
 	defer wg.Wait()
 	defer cancel()
 
-	l := forgedLease("oil-dev", "stalecache0000000000000aaa", "west", identity(t, "west"), broker.SecretTypeLease, time.Now().Add(time.Hour))
-	l.Labels[broker.LabelManagedBy] = broker.ManagedByValue
-	l.Annotations[broker.AnnotationGrant] = "oil"
-	l.Annotations[broker.AnnotationRevokeOnUnmatch] = "0s"
-	l.Annotations[broker.AnnotationSA] = "gitops"
+	l := forgedLease("oil-dev", "stalecache0000000000000aaa", "west", identity(t, "west"), objects.SecretTypeLease, time.Now().Add(time.Hour))
+	l.Labels[objects.LabelManagedBy] = objects.ManagedByValue
+	l.Annotations[objects.AnnotationGrant] = "oil"
+	l.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
+	l.Annotations[objects.AnnotationSA] = "gitops"
 	_, err = c.Client.CoreV1().Secrets("oil-dev").Create(ctx, l, metav1.CreateOptions{})
 	require.NoError(t, err)
 	present := func() bool {
