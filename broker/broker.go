@@ -25,10 +25,12 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -109,7 +111,7 @@ type Config struct {
 	CertificateTTL time.Duration
 	// Revocations is the deny list; nil means nothing is revoked. While it
 	// is not synced the broker is not ready.
-	Revocations *RevocationList
+	Revocations *enrollment.RevocationList
 	// Auditor receives one audit.Event per decision; nil writes none.
 	Auditor audit.Auditor
 	// Leases counts the live leases for the quotas; nil enforces none
@@ -133,7 +135,7 @@ type Config struct {
 	// PeerKeys holds the key sets peers upload (workloadIdentity
 	// jwksFromPeer); nil refuses uploads and those peers' workload tokens.
 	// While it is not synced the broker is not ready.
-	PeerKeys *PeerKeyStore
+	PeerKeys *workload.PeerKeyStore
 }
 
 // Broker is the domain core. It is safe for concurrent use.

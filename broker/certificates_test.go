@@ -21,6 +21,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -49,16 +50,16 @@ type certEnv struct {
 	ca      *pki.CA
 	client  *fake.Clientset
 	logs    *observer.ObservedLogs
-	revoked *DenyList
+	revoked *enrollment.DenyList
 }
 
-func newCertEnv(t *testing.T, pol string, deny ...RevocationEntry) *certEnv {
+func newCertEnv(t *testing.T, pol string, deny ...enrollment.RevocationEntry) *certEnv {
 	t.Helper()
 	ca, err := pki.NewCA(pki.CAOptions{CommonName: "broker test CA", Lifetime: 365 * 24 * time.Hour})
 	require.NoError(t, err)
 	core, logs := observer.New(zap.DebugLevel)
 	client := fake.NewClientset()
-	d := NewDenyList(deny)
+	d := enrollment.NewDenyList(deny)
 	b, err := New(Config{
 		Secrets:     client.CoreV1(),
 		Policy:      policy.NewStore(mustPolicy(t, pol)),
@@ -66,7 +67,7 @@ func newCertEnv(t *testing.T, pol string, deny ...RevocationEntry) *certEnv {
 		Namespace:   brokerNS,
 		CA:          ca,
 		Trust:       staticTrust{ca},
-		Revocations: StaticRevocationList(d),
+		Revocations: enrollment.StaticRevocationList(d),
 	})
 	require.NoError(t, err)
 	return &certEnv{b: b, ca: ca, client: client, logs: logs, revoked: d}
@@ -157,7 +158,7 @@ func TestEnrollmentIssuesACertificateForTheTokensIdentity(t *testing.T) {
 
 func TestEveryJoinTokenFailureIsTheSameUnauthenticatedError(t *testing.T) {
 	t.Parallel()
-	e := newCertEnv(t, testPolicy, RevocationEntry{Kind: RevokeIdentity, Value: northID})
+	e := newCertEnv(t, testPolicy, enrollment.RevocationEntry{Kind: enrollment.RevokeIdentity, Value: northID})
 	other, err := pki.NewCA(pki.CAOptions{CommonName: "someone else's CA"})
 	require.NoError(t, err)
 	foreign, _, err := other.IssueJoinToken(pki.JoinTokenOptions{Identity: westID, Audiences: []string{"east"}})
@@ -254,7 +255,7 @@ func TestThePolicyChoosesThePeersCertificateLifetime(t *testing.T) {
 
 func TestRenewal(t *testing.T) {
 	t.Parallel()
-	e := newCertEnv(t, testPolicy, RevocationEntry{Kind: RevokeIdentity, Value: northID})
+	e := newCertEnv(t, testPolicy, enrollment.RevocationEntry{Kind: enrollment.RevokeIdentity, Value: northID})
 	ctx := context.Background()
 
 	t.Run("a caller renews for its own identity with a new key", func(t *testing.T) {
@@ -433,7 +434,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	previous.set()
 	b, err := New(Config{
 		Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
-		Namespace: brokerNS, CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: StaticRevocationList(NewDenyList(nil)),
+		Namespace: brokerNS, CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
 	})
 	require.NoError(t, err)
 	enroll := func(ca *pki.CA) (*apiv1.CertificateResponse, error) {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -24,37 +25,37 @@ import (
 
 func TestParseRevocations(t *testing.T) {
 	t.Parallel()
-	entries, problems := ParseRevocations(map[string]string{
-		RevocationKeyIdentities: "spiffe://oc.example/cluster/west  # 2030-01-01T00:00:00Z leaked\n\n  # a comment line\nspiffe://oc.example/cluster/north\n",
-		RevocationKeySerials:    "3F:9A:0C\n00ff  # leading zeros\nnot-hex\n0x1b\n",
-		"unknown":               "ignored",
+	entries, problems := enrollment.ParseRevocations(map[string]string{
+		enrollment.RevocationKeyIdentities: "spiffe://oc.example/cluster/west  # 2030-01-01T00:00:00Z leaked\n\n  # a comment line\nspiffe://oc.example/cluster/north\n",
+		enrollment.RevocationKeySerials:    "3F:9A:0C\n00ff  # leading zeros\nnot-hex\n0x1b\n",
+		"unknown":                          "ignored",
 	})
-	require.Equal(t, []RevocationEntry{
-		{Kind: RevokeIdentity, Value: "spiffe://oc.example/cluster/west", Comment: "2030-01-01T00:00:00Z leaked"},
-		{Kind: RevokeIdentity, Value: "spiffe://oc.example/cluster/north"},
-		{Kind: RevokeSerial, Value: "3f9a0c"},
-		{Kind: RevokeSerial, Value: "ff", Comment: "leading zeros"},
-		{Kind: RevokeSerial, Value: "1b"},
+	require.Equal(t, []enrollment.RevocationEntry{
+		{Kind: enrollment.RevokeIdentity, Value: "spiffe://oc.example/cluster/west", Comment: "2030-01-01T00:00:00Z leaked"},
+		{Kind: enrollment.RevokeIdentity, Value: "spiffe://oc.example/cluster/north"},
+		{Kind: enrollment.RevokeSerial, Value: "3f9a0c"},
+		{Kind: enrollment.RevokeSerial, Value: "ff", Comment: "leading zeros"},
+		{Kind: enrollment.RevokeSerial, Value: "1b"},
 	}, entries)
 	require.Len(t, problems, 1)
 	require.Contains(t, problems[0], "serials line 3")
 
-	d := NewDenyList(entries)
+	d := enrollment.NewDenyList(entries)
 	require.True(t, d.Revoked("spiffe://oc.example/cluster/west"))
 	require.True(t, d.Revoked("spiffe://oc.example/cluster/south", "1", "ff"))
 	require.False(t, d.Revoked("spiffe://oc.example/cluster/south", "1", "fe"))
-	require.False(t, (&DenyList{}).Revoked("spiffe://oc.example/cluster/west", "ff"))
+	require.False(t, (&enrollment.DenyList{}).Revoked("spiffe://oc.example/cluster/west", "ff"))
 }
 
 func TestNormalizeSerial(t *testing.T) {
 	t.Parallel()
 	for in, want := range map[string]string{"ABCDEF": "abcdef", "00:01:ff": "1ff", " 0x10 ": "10", "0": "0"} {
-		got, err := NormalizeSerial(in)
+		got, err := enrollment.NormalizeSerial(in)
 		require.NoError(t, err, in)
 		require.Equal(t, want, got, in)
 	}
 	for _, in := range []string{"", "xyz", "-1", strings.Repeat("f", 65), "1 2"} {
-		_, err := NormalizeSerial(in)
+		_, err := enrollment.NormalizeSerial(in)
 		require.Error(t, err, in)
 	}
 }
@@ -66,32 +67,32 @@ func TestAddRevocationCreatesThenAppendsAndIsIdempotent(t *testing.T) {
 	ctx := context.Background()
 	at := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
 
-	added, err := AddRevocation(ctx, cms, RevokeIdentity, westID, "key\nleaked", at)
+	added, err := enrollment.AddRevocation(ctx, cms, enrollment.RevokeIdentity, westID, "key\nleaked", at)
 	require.NoError(t, err)
 	require.True(t, added)
-	added, err = AddRevocation(ctx, cms, RevokeSerial, "AB:CD", "", at)
+	added, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeSerial, "AB:CD", "", at)
 	require.NoError(t, err)
 	require.True(t, added)
-	added, err = AddRevocation(ctx, cms, RevokeIdentity, westID, "again", at)
+	added, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeIdentity, westID, "again", at)
 	require.NoError(t, err)
 	require.False(t, added, "an entry already listed is not added twice")
 
-	cm, err := cms.Get(ctx, RevocationConfigMap, metav1.GetOptions{})
+	cm, err := cms.Get(ctx, enrollment.RevocationConfigMap, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, objects.ManagedByValue, cm.Labels[objects.LabelManagedBy])
-	require.Equal(t, westID+"  # 2030-01-02T03:04:05Z key leaked\n", cm.Data[RevocationKeyIdentities])
-	require.Equal(t, "abcd  # 2030-01-02T03:04:05Z\n", cm.Data[RevocationKeySerials])
+	require.Equal(t, westID+"  # 2030-01-02T03:04:05Z key leaked\n", cm.Data[enrollment.RevocationKeyIdentities])
+	require.Equal(t, "abcd  # 2030-01-02T03:04:05Z\n", cm.Data[enrollment.RevocationKeySerials])
 
-	entries, problems, err := ReadRevocations(ctx, cms)
+	entries, problems, err := enrollment.ReadRevocations(ctx, cms)
 	require.NoError(t, err)
 	require.Empty(t, problems)
 	require.Len(t, entries, 2)
 
-	_, err = AddRevocation(ctx, cms, RevokeIdentity, "https://not-spiffe", "", at)
+	_, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeIdentity, "https://not-spiffe", "", at)
 	require.Error(t, err)
-	_, err = AddRevocation(ctx, cms, RevokeSerial, "zz", "", at)
+	_, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeSerial, "zz", "", at)
 	require.Error(t, err)
-	_, err = AddRevocation(ctx, cms, "fingerprint", "x", "", at)
+	_, err = enrollment.AddRevocation(ctx, cms, "fingerprint", "x", "", at)
 	require.Error(t, err)
 }
 
@@ -103,28 +104,28 @@ func TestAddRevocationRetriesWhenAnotherWriterGotThereFirst(t *testing.T) {
 		if creates.Add(1) == 1 {
 			// Another writer created it between our get and our create.
 			err := client.Tracker().Add(&corev1.ConfigMap{
-				ObjectMeta: metav1.ObjectMeta{Name: RevocationConfigMap, Namespace: brokerNS},
-				Data:       map[string]string{RevocationKeySerials: "ff\n"},
+				ObjectMeta: metav1.ObjectMeta{Name: enrollment.RevocationConfigMap, Namespace: brokerNS},
+				Data:       map[string]string{enrollment.RevocationKeySerials: "ff\n"},
 			})
 			if err != nil {
 				return true, nil, err
 			}
-			return true, nil, apierrors.NewAlreadyExists(schema.GroupResource{Resource: "configmaps"}, RevocationConfigMap)
+			return true, nil, apierrors.NewAlreadyExists(schema.GroupResource{Resource: "configmaps"}, enrollment.RevocationConfigMap)
 		}
 		return false, nil, nil
 	})
 	client.PrependReactor("update", "configmaps", func(k8stesting.Action) (bool, runtime.Object, error) {
 		if updates.Add(1) == 1 {
-			return true, nil, apierrors.NewConflict(schema.GroupResource{Resource: "configmaps"}, RevocationConfigMap, nil)
+			return true, nil, apierrors.NewConflict(schema.GroupResource{Resource: "configmaps"}, enrollment.RevocationConfigMap, nil)
 		}
 		return false, nil, nil
 	})
 	cms := client.CoreV1().ConfigMaps(brokerNS)
-	added, err := AddRevocation(context.Background(), cms, RevokeIdentity, westID, "", time.Now())
+	added, err := enrollment.AddRevocation(context.Background(), cms, enrollment.RevokeIdentity, westID, "", time.Now())
 	require.NoError(t, err)
 	require.True(t, added)
 	require.EqualValues(t, 2, updates.Load(), "a conflict is retried")
-	entries, _, err := ReadRevocations(context.Background(), cms)
+	entries, _, err := enrollment.ReadRevocations(context.Background(), cms)
 	require.NoError(t, err)
 	require.Len(t, entries, 2, "the other writer's entry is kept")
 }
@@ -135,7 +136,7 @@ func TestTheRevocationListFollowsTheConfigMap(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m, err := metrics.New(reg)
 	require.NoError(t, err)
-	l := NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), m)
+	l := enrollment.NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), m)
 
 	require.False(t, l.Synced())
 	require.True(t, l.Revoked(westID), "nothing is let in before the list is read")
@@ -147,27 +148,27 @@ func TestTheRevocationListFollowsTheConfigMap(t *testing.T) {
 	require.False(t, l.Revoked(westID), "no ConfigMap means nothing is revoked")
 
 	cms := client.CoreV1().ConfigMaps(brokerNS)
-	_, err = AddRevocation(ctx, cms, RevokeIdentity, westID, "", time.Now())
+	_, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeIdentity, westID, "", time.Now())
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return l.Revoked(westID) }, 5*time.Second, 10*time.Millisecond)
-	_, err = AddRevocation(ctx, cms, RevokeSerial, "1f", "", time.Now())
+	_, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeSerial, "1f", "", time.Now())
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return l.Revoked(northID, "1f") }, 5*time.Second, 10*time.Millisecond)
 	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_revocations", "kind", "serial"))
 
 	// A ConfigMap of the same name elsewhere is not the deny list.
-	_, err = AddRevocation(ctx, client.CoreV1().ConfigMaps("other"), RevokeIdentity, "spiffe://oc.example/cluster/south", "", time.Now())
+	_, err = enrollment.AddRevocation(ctx, client.CoreV1().ConfigMaps("other"), enrollment.RevokeIdentity, "spiffe://oc.example/cluster/south", "", time.Now())
 	require.NoError(t, err)
 	require.Never(t, func() bool { return l.Revoked("spiffe://oc.example/cluster/south") }, 200*time.Millisecond, 20*time.Millisecond)
 
-	require.NoError(t, cms.Delete(ctx, RevocationConfigMap, metav1.DeleteOptions{}))
+	require.NoError(t, cms.Delete(ctx, enrollment.RevocationConfigMap, metav1.DeleteOptions{}))
 	require.Eventually(t, func() bool { return !l.Revoked(westID) }, 5*time.Second, 10*time.Millisecond)
 }
 
 func TestAnUnsyncedRevocationListMakesTheBrokerUnready(t *testing.T) {
 	t.Parallel()
 	client := fake.NewClientset()
-	l := NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), nil)
+	l := enrollment.NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), nil)
 	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(), Revocations: l})
 	require.NoError(t, err)
 	require.ErrorContains(t, b.Ready(context.Background()), "revocation")
@@ -186,13 +187,13 @@ func FuzzParseRevocations(f *testing.F) {
 	f.Add("", "")
 	f.Add("#\n\n#", "0x\n::\n")
 	f.Fuzz(func(t *testing.T, identities, serials string) {
-		entries, _ := ParseRevocations(map[string]string{RevocationKeyIdentities: identities, RevocationKeySerials: serials})
-		d := NewDenyList(entries)
+		entries, _ := enrollment.ParseRevocations(map[string]string{enrollment.RevocationKeyIdentities: identities, enrollment.RevocationKeySerials: serials})
+		d := enrollment.NewDenyList(entries)
 		for _, e := range entries {
 			require.NotEmpty(t, e.Value)
 			require.NotContains(t, e.Value, "#")
-			if e.Kind == RevokeSerial {
-				n, err := NormalizeSerial(e.Value)
+			if e.Kind == enrollment.RevokeSerial {
+				n, err := enrollment.NormalizeSerial(e.Value)
 				require.NoError(t, err)
 				require.Equal(t, e.Value, n, "a normalised serial stays the same")
 				require.True(t, d.Revoked("", e.Value))

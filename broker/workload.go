@@ -12,6 +12,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -111,7 +112,7 @@ func (b *Broker) verifyWorkload(c Caller, token string) (*Workload, error) {
 		sets = b.cfg.PeerKeys.Keys(peer.Name, c.Identity, b.cfg.Clock.Now(), wi.EffectiveJWKSOverlap())
 	}
 	if len(sets) == 0 {
-		return nil, BadWorkloadToken(TokenNoKeys, errNoPeerKeys)
+		return nil, BadWorkloadToken(TokenNoKeys, workload.ErrNoPeerKeys)
 	}
 	claims, err := pki.VerifyWorkloadToken(token, sets, pki.WorkloadTokenOptions{
 		Issuer:            wi.Issuer,

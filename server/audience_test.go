@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -53,7 +54,7 @@ func TestAJoinTokenEnrollsOnlyAtTheBrokersItNames(t *testing.T) {
 		require.NoError(t, err)
 		b, err := broker.New(broker.Config{
 			Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(pol), Logger: zap.NewNop(),
-			Namespace: "tokenbroker", CA: ca, Revocations: broker.StaticRevocationList(broker.NewDenyList(nil)),
+			Namespace: "tokenbroker", CA: ca, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
 		})
 		require.NoError(t, err)
 		return newHarnessWith(t, b)

@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -223,8 +224,8 @@ func newRealBroker(t *testing.T) *realBrokerEnv {
 		Logger:    zap.NewNop(),
 		Namespace: "tokenbroker",
 		CA:        ca,
-		Revocations: broker.StaticRevocationList(broker.NewDenyList([]broker.RevocationEntry{
-			{Kind: broker.RevokeIdentity, Value: revokedIdentity},
+		Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList([]enrollment.RevocationEntry{
+			{Kind: enrollment.RevokeIdentity, Value: revokedIdentity},
 		})),
 	})
 	require.NoError(t, err)

@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -58,7 +59,7 @@ peers:
 		Namespace:   "tokenbroker",
 		CA:          signing,
 		Trust:       bundleOf{signing, partner},
-		Revocations: broker.StaticRevocationList(broker.NewDenyList(nil)),
+		Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
 	})
 	require.NoError(t, err)
 	h := newHarnessWith(t, b)

@@ -25,8 +25,10 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -359,13 +361,13 @@ func Run(ctx context.Context, opts Options) error {
 	if err != nil {
 		return err
 	}
-	revocations := broker.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), mets)
+	revocations := enrollment.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), mets)
 	leases := broker.NewLeaseCounter(metaClient, clock.RealClock{}, log.Named("leases"))
 	namespaces, err := namespaceInformer(ctx, metaClient, log)
 	if err != nil {
 		return err
 	}
-	peerKeys := broker.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
+	peerKeys := workload.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
 	b, err := broker.New(broker.Config{
 		Secrets:                 client.CoreV1(),
 		RoleBindings:            client.RbacV1(),

@@ -11,7 +11,7 @@ import (
 	"github.com/spf13/cobra"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 )
 
 // revokeOptions is the typed configuration of "tokenbroker pki revoke".
@@ -33,7 +33,7 @@ func newPKIRevokeCommand() *cobra.Command {
 		Use:   "revoke (--identity SPIFFE-ID | --serial HEX | --list)",
 		Short: "Revoke a cluster identity or a certificate serial at the brokers of this cluster",
 		Long: `Add a cluster identity or one certificate's serial number to the revocation
-deny list, the ConfigMap ` + broker.RevocationConfigMap + ` in the broker's namespace. Every
+deny list, the ConfigMap ` + enrollment.RevocationConfigMap + ` in the broker's namespace. Every
 broker replica watches it and refuses a revoked caller on its next request,
 keep-alive connections included, within a second or two; a revoked identity
 can no longer enroll or renew either.
@@ -102,7 +102,7 @@ func revocationConfigMaps(kubeconfig, namespace string) (corev1client.ConfigMapI
 // the deny list, and reports to out.
 func runPKIRevoke(ctx context.Context, cms corev1client.ConfigMapInterface, o revokeOptions, out io.Writer, now func() time.Time) error {
 	if o.List {
-		entries, problems, err := broker.ReadRevocations(ctx, cms)
+		entries, problems, err := enrollment.ReadRevocations(ctx, cms)
 		if err != nil {
 			return err
 		}
@@ -119,11 +119,11 @@ func runPKIRevoke(ctx context.Context, cms corev1client.ConfigMapInterface, o re
 		}
 		return nil
 	}
-	kind, value := broker.RevokeIdentity, o.Identity
+	kind, value := enrollment.RevokeIdentity, o.Identity
 	if o.Serial != "" {
-		kind, value = broker.RevokeSerial, o.Serial
+		kind, value = enrollment.RevokeSerial, o.Serial
 	}
-	added, err := broker.AddRevocation(ctx, cms, kind, value, o.Reason, now())
+	added, err := enrollment.AddRevocation(ctx, cms, kind, value, o.Reason, now())
 	if err != nil {
 		return err
 	}
@@ -131,6 +131,6 @@ func runPKIRevoke(ctx context.Context, cms corev1client.ConfigMapInterface, o re
 		_, err = fmt.Fprintf(out, "%s %s was already revoked\n", kind, value)
 		return err
 	}
-	_, err = fmt.Fprintf(out, "revoked %s %s (ConfigMap %s); brokers refuse it from their next request\n", kind, value, broker.RevocationConfigMap)
+	_, err = fmt.Fprintf(out, "revoked %s %s (ConfigMap %s); brokers refuse it from their next request\n", kind, value, enrollment.RevocationConfigMap)
 	return err
 }

@@ -11,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 )
 
 func TestPKIRevokeWritesAndListsTheDenyList(t *testing.T) {
@@ -31,10 +31,10 @@ func TestPKIRevokeWritesAndListsTheDenyList(t *testing.T) {
 	require.Contains(t, run(revokeOptions{Serial: "3F:9A"}), "revoked serial 3F:9A")
 	require.Contains(t, run(revokeOptions{Identity: "spiffe://oc.example/cluster/west"}), "already revoked")
 
-	cm, err := cms.Get(ctx, broker.RevocationConfigMap, metav1.GetOptions{})
+	cm, err := cms.Get(ctx, enrollment.RevocationConfigMap, metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, "spiffe://oc.example/cluster/west  # 2030-01-02T03:04:05Z key leaked\n", cm.Data[broker.RevocationKeyIdentities])
-	require.Equal(t, "3f9a  # 2030-01-02T03:04:05Z\n", cm.Data[broker.RevocationKeySerials])
+	require.Equal(t, "spiffe://oc.example/cluster/west  # 2030-01-02T03:04:05Z key leaked\n", cm.Data[enrollment.RevocationKeyIdentities])
+	require.Equal(t, "3f9a  # 2030-01-02T03:04:05Z\n", cm.Data[enrollment.RevocationKeySerials])
 
 	list := run(revokeOptions{List: true})
 	lines := strings.Split(strings.TrimSpace(list), "\n")

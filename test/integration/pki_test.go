@@ -22,7 +22,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -40,21 +40,21 @@ func prepareCluster(t *testing.T, c *testcluster.Cluster) {
 	}
 }
 
-// enrollment is what a joining cluster holds after enrolling.
-type enrollment struct {
+// enrolled is what a joining cluster holds after enrolling.
+type enrolled struct {
 	resp   apiv1.CertificateResponse
 	keyPEM []byte
 }
 
 // enroll sends a CSR for identity with token to the enrollment listener,
 // from a client with no certificate that verifies the broker with roots.
-func (s *stack) enroll(t *testing.T, token, identity string, roots *x509.CertPool) (int, *enrollment, error) {
+func (s *stack) enroll(t *testing.T, token, identity string, roots *x509.CertPool) (int, *enrolled, error) {
 	t.Helper()
 	csr, key, err := pki.NewCSR(identity, nil)
 	require.NoError(t, err)
 	c := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: pki.ClientTLSConfig(roots, nil)}}
 	defer c.CloseIdleConnections()
-	var e enrollment
+	var e enrolled
 	status, _, err := tryDo(c, http.MethodPost, s.enrollURL+"/v1/certificates", token, apiv1.CertificateRequest{CSR: string(csr)}, &e.resp)
 	e.keyPEM = key
 	return status, &e, err
@@ -527,7 +527,7 @@ func TestRevocationIsEnforcedWithin10sOnKeptAliveConnections(t *testing.T) {
 
 	// Written by the code behind "tokenbroker pki revoke --identity".
 	start := time.Now()
-	added, err := broker.AddRevocation(ctx, cms, broker.RevokeIdentity, west, "integration test", time.Now())
+	added, err := enrollment.AddRevocation(ctx, cms, enrollment.RevokeIdentity, west, "integration test", time.Now())
 	require.NoError(t, err)
 	require.True(t, added)
 	require.Eventually(t, func() bool { return whoami(client) == http.StatusUnauthorized }, 10*time.Second, 10*time.Millisecond)
@@ -551,7 +551,7 @@ func TestRevocationIsEnforcedWithin10sOnKeptAliveConnections(t *testing.T) {
 	st, _ := do(t, north1, http.MethodGet, s.url+"/v1/whoami", nil, &who)
 	require.Equal(t, http.StatusOK, st)
 	start = time.Now()
-	_, err = broker.AddRevocation(ctx, cms, broker.RevokeSerial, strings.ToUpper(who.Certificate.SerialNumber), "", time.Now())
+	_, err = enrollment.AddRevocation(ctx, cms, enrollment.RevokeSerial, strings.ToUpper(who.Certificate.SerialNumber), "", time.Now())
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return whoami(north1) == http.StatusUnauthorized }, 10*time.Second, 10*time.Millisecond)
 	t.Logf("revoked serial refused %s after the ConfigMap write", time.Since(start).Round(time.Millisecond))
@@ -570,6 +570,6 @@ func TestRevocationIsEnforcedWithin10sOnKeptAliveConnections(t *testing.T) {
 	}, 5*time.Second, 50*time.Millisecond)
 
 	// Deleting the deny list lifts it.
-	require.NoError(t, cms.Delete(ctx, broker.RevocationConfigMap, metav1.DeleteOptions{}))
+	require.NoError(t, cms.Delete(ctx, enrollment.RevocationConfigMap, metav1.DeleteOptions{}))
 	require.Eventually(t, func() bool { return whoami(client) == http.StatusOK }, 10*time.Second, 10*time.Millisecond)
 }

@@ -1,4 +1,4 @@
-package broker
+package workload
 
 import (
 	"context"
@@ -298,4 +298,4 @@ func newPeerKeysSecret(peer, identity string, raw []byte) *corev1.Secret {
 
 // errNoPeerKeys is the cause of a refusal of a jwksFromPeer peer that has
 // uploaded nothing (yet).
-var errNoPeerKeys = errors.New("the peer has not uploaded its key set (PUT /v1/peers/self/jwks)")
+var ErrNoPeerKeys = errors.New("the peer has not uploaded its key set (PUT /v1/peers/self/jwks)")
