@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -117,7 +118,7 @@ type Config struct {
 	// Leases counts the live leases for the quotas; nil enforces none
 	// (tests of other things). MaxLiveLeases bounds all peers' leases
 	// together whatever the policy says; 0 means DefaultMaxLiveLeasesTotal.
-	Leases        *LeaseCounter
+	Leases        *lease.Counter
 	MaxLiveLeases int
 	// Namespaces, if set, is a metadata-only informer of the cluster's
 	// namespaces, run by the caller: grants by namespaceSelector are
@@ -199,7 +200,7 @@ func New(cfg Config) (*Broker, error) {
 		b.tenants = t
 	}
 	if cfg.Leases != nil {
-		cfg.Leases.setRules(b.leaseRules)
+		cfg.Leases.SetRules(b.leaseRules)
 	}
 	return b, nil
 }
@@ -389,7 +390,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcomeLimited, err
 	}
 	if place != nil {
-		defer place.release() // a no-op once committed
+		defer place.Release() // a no-op once committed
 	}
 	// The lease lives what was asked (MinLeaseTTL at least); the
 	// credential asks the issuer for as much, raised to its minimum (the
@@ -598,7 +599,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		reqTTL = requested.String()
 	}
 	if place != nil {
-		place.commit(lease.Namespace, lease.Name, expiresAt)
+		place.Commit(lease.Namespace, lease.Name, expiresAt)
 	}
 	if cred.ExpiresAt.After(expiresAt.Add(time.Second)) {
 		// The credential outlives the lease: revoke it at the lease's

@@ -2,7 +2,6 @@ package broker
 
 import (
 	"context"
-	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +15,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -31,7 +31,7 @@ const forgeryPolicy = testPolicy + `
 
 type forgeryEnv struct {
 	b      *Broker
-	lc     *LeaseCounter
+	lc     *lease.Counter
 	client *fake.Clientset
 	clock  *clocktesting.FakeClock
 }
@@ -39,7 +39,7 @@ type forgeryEnv struct {
 func newForgeryEnv(t *testing.T) *forgeryEnv {
 	t.Helper()
 	clk := clocktesting.NewFakeClock(time.Now().Truncate(time.Second))
-	lc := NewLeaseCounter(nil, clk, zap.NewNop())
+	lc := lease.NewCounter(nil, clk, zap.NewNop())
 	client := fake.NewClientset()
 	b, err := New(Config{
 		Secrets: client.CoreV1(),
@@ -85,7 +85,7 @@ func TestOnlyLeaseSecretsThePolicyBearsOutCountAgainstAQuota(t *testing.T) {
 			t.Parallel()
 			e := newForgeryEnv(t)
 			now := e.clock.Now()
-			e.lc.add(forged(tc.ns, "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", tc.peer, tc.identity, now, now.Add(time.Hour)))
+			e.lc.Observe(forged(tc.ns, "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", tc.peer, tc.identity, now, now.Add(time.Hour)))
 			own, total := e.lc.Live("west")
 			require.Equal(t, tc.wantWest, own)
 			require.Equal(t, tc.wantWest+tc.wantSouth, total)
@@ -102,17 +102,17 @@ func TestAFarFutureExpiryCountsOnlyUntilCreationPlusTheLongestTTL(t *testing.T) 
 	t.Parallel()
 	e := newForgeryEnv(t)
 	now := e.clock.Now()
-	e.lc.add(forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.AddDate(10, 0, 0)))
+	e.lc.Observe(forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.AddDate(10, 0, 0)))
 	own, _ := e.lc.Live("west")
 	require.Equal(t, 1, own)
 
 	e.clock.Step(24*time.Hour + 10*time.Minute - time.Second) // leaseAgeSlack: 10m
-	e.lc.sweep()
+	e.lc.Sweep()
 	own, _ = e.lc.Live("west")
 	require.Equal(t, 1, own, "within ttl.max and the slack")
 
 	e.clock.Step(time.Second)
-	e.lc.sweep()
+	e.lc.Sweep()
 	own, total := e.lc.Live("west")
 	require.Zero(t, own)
 	require.Zero(t, total)
@@ -123,7 +123,7 @@ func TestAPolicyReloadStopsCountingLeasesInANamespaceNoLongerGranted(t *testing.
 	t.Parallel()
 	e := newForgeryEnv(t)
 	now := e.clock.Now()
-	e.lc.add(forged("flux", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.Add(time.Hour)))
+	e.lc.Observe(forged("flux", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.Add(time.Hour)))
 	own, _ := e.lc.Live("west")
 	require.Equal(t, 1, own)
 
@@ -135,7 +135,7 @@ peers:
     grants:
       - {namespaces: [argo], serviceAccounts: [admiralty-source]}
 `))
-	e.lc.sweep()
+	e.lc.Sweep()
 	own, _ = e.lc.Live("west")
 	require.Zero(t, own)
 }
@@ -176,14 +176,14 @@ func TestCopiesOfALeaseNeverHideItFromItsOwner(t *testing.T) {
 			lease.UID, lease.CreationTimestamp = "genuine", metav1.NewTime(e.clock.Now())
 			_, err = e.client.CoreV1().Secrets("argo").Update(ctx, lease, metav1.UpdateOptions{})
 			require.NoError(t, err)
-			e.lc.add(metaOf(lease))
+			e.lc.Observe(metaOf(lease))
 
 			e.clock.Step(time.Minute)
 			copied := forgedSecret(lease, tc.namespace, tc.typ, e.clock.Now())
 			_, err = e.client.CoreV1().Secrets(tc.namespace).Create(ctx, copied, metav1.CreateOptions{})
 			require.NoError(t, err)
 			if tc.typ == objects.SecretTypeLease { // the API server's field selector keeps others from the counter
-				e.lc.add(metaOf(copied))
+				e.lc.Observe(metaOf(copied))
 			}
 
 			got, err := e.b.GetLease(ctx, west, resp.LeaseID)
@@ -307,47 +307,4 @@ func TestTheGarbageCollectorLeavesSecretsOfAnotherTypeWithTheLeaseLabels(t *test
 	require.Equal(t, 1, n, "the expired lease")
 	_, err = e.client.CoreV1().Secrets("argo").Get(ctx, "someone-elses", metav1.GetOptions{})
 	require.NoError(t, err, "not the broker's to delete")
-}
-
-// A forged Secret of the lease type with large annotations costs the
-// counter no more than a small one: values longer than the broker ever
-// writes are not kept, and such a Secret verifies as nothing.
-func TestTheCounterKeepsNothingOfOversizedLeaseAnnotations(t *testing.T) {
-	t.Parallel()
-	e := newForgeryEnv(t)
-	now := e.clock.Now()
-	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west/"+strings.Repeat("x", 200_000), now, now.Add(time.Hour))
-	m.Annotations[objects.AnnotationGrant] = strings.Repeat("g", 50_000)
-	m.Annotations[objects.AnnotationRevokeOnUnmatch] = strings.Repeat("1", 50_000)
-	e.lc.add(m)
-	e.lc.mu.Lock()
-	c := e.lc.byKey["argo/tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa"]
-	e.lc.mu.Unlock()
-	require.NotNil(t, c)
-	require.Empty(t, c.identity)
-	require.Empty(t, c.grant)
-	require.Empty(t, c.mark)
-	own, total := e.lc.Live("west")
-	require.Zero(t, own, "an identity the broker never writes verifies as nothing")
-	require.Zero(t, total)
-}
-
-// A forged lease marked for revocation on unmatch, with an expiry years
-// away, keeps its namespace watched only until creation plus the longest
-// TTL and its slack, as it counts.
-func TestAForgedMarkAgesOutWithTheCappedExpiry(t *testing.T) {
-	t.Parallel()
-	e := newForgeryEnv(t)
-	now := e.clock.Now()
-	m := forged("argo", "tokenbroker-lease-aaaaaaaaaaaaaaaaaaaaaaaaaa", "west", "spiffe://oc.example/cluster/west", now, now.AddDate(10, 0, 0))
-	m.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
-	e.lc.add(m)
-	marked := func() bool {
-		e.lc.mu.Lock()
-		defer e.lc.mu.Unlock()
-		return e.lc.markedNamespacesLocked()["argo"]
-	}
-	require.True(t, marked())
-	e.clock.Step(24*time.Hour + 10*time.Minute)
-	require.False(t, marked(), "past creation + ttl.max + slack")
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -37,7 +38,7 @@ func TestLeaseReadsAreLimitedPerIdentity(t *testing.T) {
 		read func(e *env, c Caller) error
 	}{
 		{"A page of GET /v1/leases takes a token of the read bucket.", func(e *env, c Caller) error {
-			_, err := e.b.ListLeases(ctx, c, LeasePageRequest{})
+			_, err := e.b.ListLeases(ctx, c, lease.PageRequest{})
 			return err
 		}},
 		{"GET /v1/leases/{id} takes a token of the read bucket.", func(e *env, c Caller) error {
@@ -81,7 +82,7 @@ func TestLeaseReadsWaitingOnTheAPIServerAreCappedPerIdentity(t *testing.T) {
 	})
 	done := make(chan error)
 	go func() {
-		_, err := e.b.ListLeases(ctx, west, LeasePageRequest{})
+		_, err := e.b.ListLeases(ctx, west, lease.PageRequest{})
 		done <- err
 	}()
 	<-listing
@@ -91,14 +92,14 @@ func TestLeaseReadsWaitingOnTheAPIServerAreCappedPerIdentity(t *testing.T) {
 	require.Contains(t, err.Error(), "peer west has its leaseReadsInFlight of 1 lease reads waiting on the API server")
 	close(release)
 	require.NoError(t, <-done)
-	_, err = e.b.ListLeases(ctx, west, LeasePageRequest{})
+	_, err = e.b.ListLeases(ctx, west, lease.PageRequest{})
 	require.NoError(t, err, "the place is free again, and the refused read took no token")
 }
 
 func TestAnUnknownLeaseIDIsNotFoundAtOnceWithoutAnAPICallOnceTheCounterIsSynced(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t) // the wall clock: the old lookup waited a second on it
-	e.b.cfg.Leases = NewLeaseCounter(nil, clocktesting.NewFakePassiveClock(time.Now()), zap.NewNop())
+	e.b.cfg.Leases = lease.NewCounter(nil, clocktesting.NewFakePassiveClock(time.Now()), zap.NewNop())
 	require.True(t, e.b.cfg.Leases.Synced(), "no namespace to list: synced")
 	calls := len(e.client.Actions())
 	start := time.Now()

@@ -20,6 +20,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -38,8 +39,8 @@ import (
 //
 // An invalid request is KindInvalid, and so is a continue token the API
 // server no longer honours (expired: start again).
-func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest) (*apiv1.LeaseList, error) {
-	cur, limit, err := req.parse()
+func (b *Broker) ListLeases(ctx context.Context, c Caller, req lease.PageRequest) (*apiv1.LeaseList, error) {
+	cur, limit, err := req.Parse()
 	if err != nil {
 		return nil, err
 	}
@@ -87,7 +88,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 		if list.Continue != "" {
 			opts.Continue = list.Continue
 			if remaining <= 0 {
-				out.Continue = encodeLeaseContinue(leaseCursor{Namespace: namespaces[i], APIContinue: list.Continue})
+				out.Continue = lease.EncodeContinue(lease.Cursor{Namespace: namespaces[i], APIContinue: list.Continue})
 				return out, nil
 			}
 			continue // the API server answered fewer than asked; same namespace
@@ -95,7 +96,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req LeasePageRequest)
 		i, opts.Continue = i+1, ""
 	}
 	if i < len(namespaces) {
-		out.Continue = encodeLeaseContinue(leaseCursor{Namespace: namespaces[i]})
+		out.Continue = lease.EncodeContinue(lease.Cursor{Namespace: namespaces[i]})
 	}
 	return out, nil
 }
@@ -715,11 +716,11 @@ func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
 func EachLeaseSecretMetadataPage(ctx context.Context, client metadata.Interface, fn func([]corev1.Secret) error) error {
 	opts := metav1.ListOptions{
 		LabelSelector: labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}).String(),
-		FieldSelector: leaseTypeSelector,
+		FieldSelector: lease.TypeSelector,
 		Limit:         LeaseSecretPageSize,
 	}
 	for {
-		list, err := client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, opts)
+		list, err := client.Resource(lease.SecretsGVR).Namespace(metav1.NamespaceAll).List(ctx, opts)
 		if err != nil {
 			return err
 		}

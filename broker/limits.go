@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -134,26 +135,26 @@ const quotaRetry = time.Minute
 // success it holds a place in the quota (nil without a LeaseCounter),
 // which the caller commits once the lease Secret exists or releases.
 // Refusals are counted and set a's denial.
-func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingAudit) (*place, error) {
+func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingAudit) (*lease.Place, error) {
 	lim := p.LimitsFor(p.Peer(identity))
-	var pl *place
+	var pl *lease.Place
 	if b.cfg.Leases != nil {
 		// The quota first: a request it refuses takes no token of the
 		// rate bucket, so the peer can issue as soon as a place is free.
 		var full string
-		pl, full = b.cfg.Leases.reserve(peer, lim.MaxLiveLeases, b.cfg.MaxLiveLeases)
+		pl, full = b.cfg.Leases.Reserve(peer, lim.MaxLiveLeases, b.cfg.MaxLiveLeases)
 		switch full {
-		case quotaPeer:
+		case lease.QuotaPeer:
 			return nil, b.refuseLimited(a, peer, limitLiveLeases, limited(quotaRetry,
 				"peer %s holds its maxLiveLeases of %d live leases: revoke one (DELETE /v1/leases/{id}) or wait for one to expire", peer, lim.MaxLiveLeases))
-		case quotaTotal:
+		case lease.QuotaTotal:
 			return nil, b.refuseLimited(a, peer, limitLiveLeasesAll, limited(quotaRetry,
 				"the broker holds its --max-live-leases of %d live leases for all peers together; retry later", b.cfg.MaxLiveLeases))
 		}
 	}
 	if err := b.takeIssuance(identity, peer, lim, a); err != nil {
 		if pl != nil {
-			pl.release()
+			pl.Release()
 		}
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -69,60 +70,6 @@ func TestAPeerOverItsIssuanceRateGets429WithRetryAfterAndNothingIsCreated(t *tes
 	require.NoError(t, err, "after Retry-After")
 }
 
-func TestTheLeaseQuotaRefusesAPeerAtItsMaximumUntilAPlaceIsFree(t *testing.T) {
-	t.Parallel()
-	clk := clocktesting.NewFakePassiveClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-	lc := NewLeaseCounter(nil, clk, zap.NewNop())
-	first, full := lc.reserve("west", 2, 10)
-	require.Empty(t, full)
-	second, full := lc.reserve("west", 2, 10)
-	require.Empty(t, full, "two places for two requests in flight")
-	_, full = lc.reserve("west", 2, 10)
-	require.Equal(t, quotaPeer, full, "a third concurrent request would exceed the quota")
-
-	exp := clk.Now().Add(time.Hour)
-	lc.add(leaseMeta("argo", "tokenbroker-lease-a", "west", exp)) // the informer sees the first lease before its request ends
-	first.commit("argo", "tokenbroker-lease-a", exp)
-	first.release() // no-op after commit
-	own, total := lc.Live("west")
-	require.Equal(t, 2, own, "one lease (counted once) and one place")
-	require.Equal(t, 2, total)
-	_, full = lc.reserve("south", 5, 2)
-	require.Equal(t, quotaTotal, full, "the global quota counts every peer")
-
-	second.release() // the second request created nothing
-	own, _ = lc.Live("west")
-	require.Equal(t, 1, own)
-	lc.remove(leaseMeta("argo", "tokenbroker-lease-a", "west", exp)) // revoked
-	own, total = lc.Live("west")
-	require.Zero(t, own)
-	require.Zero(t, total)
-}
-
-// A lease stops counting at its recorded expiry, whether or not GC ever
-// deletes its Secret (one left in a namespace the policy no longer
-// grants is never collected).
-func TestAnExpiredLeaseStopsCountingEvenIfNobodyDeletesIt(t *testing.T) {
-	t.Parallel()
-	clk := clocktesting.NewFakePassiveClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
-	lc := NewLeaseCounter(nil, clk, zap.NewNop())
-	lc.add(leaseMeta("old", "tokenbroker-lease-a", "west", clk.Now().Add(time.Minute)))
-	lc.add(leaseMeta("argo", "tokenbroker-lease-b", "west", clk.Now().Add(time.Hour)))
-	lc.add(leaseMeta("argo", "tokenbroker-lease-c", "west", clk.Now().Add(-time.Minute)))
-	own, total := lc.Live("west")
-	require.Equal(t, 2, own, "one already expired when seen")
-	require.Equal(t, 2, total)
-
-	clk.SetTime(clk.Now().Add(2 * time.Minute))
-	lc.sweep()
-	own, _ = lc.Live("west")
-	require.Equal(t, 1, own)
-	lc.remove(leaseMeta("old", "tokenbroker-lease-a", "west", time.Time{}))
-	own, total = lc.Live("west")
-	require.Equal(t, 1, own, "deleting an expired lease does not count it twice")
-	require.Equal(t, 1, total)
-}
-
 func TestLimitsAreValidatedWithTheirPaths(t *testing.T) {
 	t.Parallel()
 	_, err := policy.Parse([]byte(`
@@ -160,37 +107,6 @@ limits: {enrollmentsPerMinute: 1}
 	require.NoError(t, e.b.admitEnrollment("192.0.2.1", "token-b", nil))
 }
 
-func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMetadata {
-	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
-		Namespace: ns, Name: name, Labels: map[string]string{objects.LabelPeer: peer, objects.LabelKind: objects.LeaseKind},
-		Annotations: map[string]string{objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
-	}}
-}
-
-func TestTheCounterIsItsReflectorsStore(t *testing.T) {
-	t.Parallel()
-	exp := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
-	lc := NewLeaseCounter(nil, clocktesting.NewFakePassiveClock(exp.Add(-time.Hour)), zap.NewNop())
-	argo := &counterStore{lc: lc, ns: "argo", w: &nsWatch{}}
-	flux := &counterStore{lc: lc, ns: "flux", w: &nsWatch{}}
-	require.NoError(t, argo.Replace([]any{leaseMeta("argo", "a", "west", exp), leaseMeta("argo", "b", "west", exp)}, "1"))
-	require.NoError(t, flux.Replace([]any{leaseMeta("flux", "c", "west", exp)}, "1"))
-	require.True(t, argo.w.synced.Load())
-	own, _ := lc.Live("west")
-	require.Equal(t, 3, own)
-
-	// A relist of argo forgets what went meanwhile, and only in argo.
-	require.NoError(t, argo.Replace([]any{leaseMeta("argo", "b", "west", exp)}, "2"))
-	own, _ = lc.Live("west")
-	require.Equal(t, 2, own)
-	require.NoError(t, argo.Delete(leaseMeta("argo", "b", "west", exp)))
-	require.NoError(t, flux.Update(leaseMeta("flux", "c", "east", exp)))
-	own, _ = lc.Live("west")
-	require.Zero(t, own)
-	own, _ = lc.Live("east")
-	require.Equal(t, 1, own, "an update replaces what the counter knew")
-}
-
 // BenchmarkAdmitLease is the limits' cost on an issuance: the quota
 // reservation, the token bucket and the place's commit, with 1,000 leases
 // counted. Compare it with an issuance's milliseconds (make bench).
@@ -200,9 +116,9 @@ func BenchmarkAdmitLease(b *testing.B) {
 	require.NoError(b, err)
 	lim := 1000000
 	p.Limits = &policy.LimitsSpec{IssuancesPerMinute: &lim, Burst: &lim, MaxLiveLeases: &lim}
-	lc := NewLeaseCounter(nil, clk, zap.NewNop())
+	lc := lease.NewCounter(nil, clk, zap.NewNop())
 	for i := range 1000 {
-		lc.add(leaseMeta("argo", fmt.Sprintf("tokenbroker-lease-%d", i), "west", clk.Now().Add(time.Hour)))
+		lc.Observe(leaseMeta("argo", fmt.Sprintf("tokenbroker-lease-%d", i), "west", clk.Now().Add(time.Hour)))
 	}
 	bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(p), Logger: zap.NewNop(), Clock: clk, Leases: lc, MaxLiveLeases: lim})
 	require.NoError(b, err)
@@ -213,6 +129,14 @@ func BenchmarkAdmitLease(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		pl.release()
+		pl.Release()
 	}
+}
+
+// leaseMeta is a lease Secret's metadata as the counter's watch sees it.
+func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMetadata {
+	return &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
+		Namespace: ns, Name: name, Labels: map[string]string{objects.LabelPeer: peer, objects.LabelKind: objects.LeaseKind},
+		Annotations: map[string]string{objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
+	}}
 }

@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/issuers"
 )
@@ -58,9 +59,6 @@ const (
 	// poolHandout is the age past which a replica no longer hands out a
 	// pooled Secret (it deletes it instead).
 	poolHandout = 5 * time.Minute
-	// poolDeadline is a pooled Secret's recorded expiry, counted from its
-	// creation: past it the GC deletes it.
-	poolDeadline = 10 * time.Minute
 	// poolIdle is how long a namespace keeps its pool after its last token
 	// issuance.
 	poolIdle = 5 * time.Minute
@@ -342,7 +340,7 @@ func (b *Broker) createPooled(ctx context.Context, namespace string) (*pooled, e
 			Labels:    map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PoolKind},
 			// The claim deadline: the GC deletes the Secret past it
 			// unless a claim recorded the lease's expiry instead.
-			Annotations: map[string]string{objects.AnnotationExpiresAt: now.Add(poolDeadline).UTC().Format(time.RFC3339)},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: now.Add(lease.PoolDeadline).UTC().Format(time.RFC3339)},
 		},
 		Type: objects.SecretTypeLease,
 	}

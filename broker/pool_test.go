@@ -16,6 +16,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -79,10 +80,10 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 		require.Equal(t, "argo", s.Namespace)
 		exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 		require.NoError(t, err)
-		require.WithinDuration(t, e.clock.Now().Add(poolDeadline), exp, time.Second, "a claim deadline the GC enforces")
+		require.WithinDuration(t, e.clock.Now().Add(lease.PoolDeadline), exp, time.Second, "a claim deadline the GC enforces")
 		require.Empty(t, s.Labels[objects.LabelLeaseID])
 	}
-	page, err := e.b.ListLeases(ctx, west, LeasePageRequest{})
+	page, err := e.b.ListLeases(ctx, west, lease.PageRequest{})
 	require.NoError(t, err)
 	require.Len(t, page.Items, 1, "pooled Secrets are no leases")
 
@@ -108,7 +109,7 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 		require.Equal(t, "admiralty-source", s.Annotations[objects.AnnotationSA])
 		require.Equal(t, second.ExpiresAt.UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt])
 	}
-	page, err = e.b.ListLeases(ctx, west, LeasePageRequest{})
+	page, err = e.b.ListLeases(ctx, west, lease.PageRequest{})
 	require.NoError(t, err)
 	require.Len(t, page.Items, 2)
 	require.NoError(t, e.b.RevokeLease(ctx, west, second.LeaseID))
@@ -186,7 +187,7 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	e.b.tendPool(ctx)
 	for _, s := range e.secrets(t, objects.PoolKind) {
 		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
-		require.Equal(t, e.clock.Now().Add(poolDeadline).UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt], "only new ones")
+		require.Equal(t, e.clock.Now().Add(lease.PoolDeadline).UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt], "only new ones")
 	}
 	require.Len(t, e.secrets(t, objects.PoolKind), 4)
 
@@ -217,7 +218,7 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	t.Parallel()
 	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
 	ctx := context.Background()
-	lc := NewLeaseCounter(nil, e.clock, zap.NewNop())
+	lc := lease.NewCounter(nil, e.clock, zap.NewNop())
 	e.b.cfg.Leases = lc // no informers: synced, fed by hand below
 	now := e.clock.Now()
 	mk := func(name, kind string, expires time.Time) {
@@ -231,11 +232,11 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	mk("tokenbroker-lease-pool", objects.PoolKind, now.Add(time.Minute))
 	mk("tokenbroker-lease-live", objects.LeaseKind, now.Add(time.Hour))
 	mk("tokenbroker-lease-unseen", objects.LeaseKind, now.Add(time.Minute))
-	lc.add(leaseMeta("argo", "tokenbroker-lease-seen", "west", now.Add(time.Minute)))
+	lc.Observe(leaseMeta("argo", "tokenbroker-lease-seen", "west", now.Add(time.Minute)))
 	pm := leaseMeta("argo", "tokenbroker-lease-pool", "", now.Add(time.Minute))
 	pm.Labels[objects.LabelKind] = objects.PoolKind
-	lc.add(pm)
-	lc.add(leaseMeta("argo", "tokenbroker-lease-live", "west", now.Add(time.Hour)))
+	lc.Observe(pm)
+	lc.Observe(leaseMeta("argo", "tokenbroker-lease-live", "west", now.Add(time.Hour)))
 	own, total := lc.Live("west")
 	require.Equal(t, 2, own, "a pooled Secret holds no place")
 	require.Equal(t, 2, total)
@@ -258,25 +259,11 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	require.Equal(t, 1, own)
 }
 
-func TestTheCounterSweepsOnlyWhatExpired(t *testing.T) {
-	t.Parallel()
-	clk := clocktesting.NewFakeClock(time.Now())
-	lc := NewLeaseCounter(nil, clk, zap.NewNop())
-	for i := range 1000 {
-		lc.add(leaseMeta("argo", "l"+string(rune('a'+i%26))+time.Duration(i).String(), "west", clk.Now().Add(time.Duration(i+1)*time.Second)))
-	}
-	clk.Step(10 * time.Second)
-	require.Len(t, lc.Expired(100), 10)
-	require.Len(t, lc.expiring, 990, "the heap gave up the ten that expired, no more")
-	own, _ := lc.Live("west")
-	require.Equal(t, 990, own)
-}
-
 func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	t.Parallel()
 	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
 	ctx := context.Background()
-	lc := NewLeaseCounter(nil, e.clock, zap.NewNop())
+	lc := lease.NewCounter(nil, e.clock, zap.NewNop())
 	e.b.cfg.Leases = lc
 	resp, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "flux", ServiceAccount: "reader"})
 	require.NoError(t, err)

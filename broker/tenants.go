@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -531,12 +532,12 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		return
 	}
 	seen := map[unmatch]bool{}
-	consider := func(l leaseRef) {
-		if l.grant == "" {
+	consider := func(l lease.Ref) {
+		if l.Grant == "" {
 			return
 		}
 		delay, revoke := uncovered(p, t, l)
-		item := unmatch{peer: l.peer, grant: l.grant, namespace: l.namespace, reason: reason}
+		item := unmatch{peer: l.Peer, grant: l.Grant, namespace: l.Namespace, reason: reason}
 		if !revoke || seen[item] {
 			return
 		}
@@ -546,7 +547,7 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		t.mu.Unlock()
 	}
 	if lc := b.cfg.Leases; fromCounter && lc != nil && lc.Synced() {
-		for _, l := range lc.leaseRefs() {
+		for _, l := range lc.LeaseRefs() {
 			consider(l)
 		}
 		return
@@ -554,14 +555,14 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 	// Page by page: the whole cluster's leases need not fit in memory.
 	err := EachLeaseSecretPage(ctx, b.cfg.Secrets, "", nil, func(secrets []corev1.Secret) error {
 		for i := range secrets {
-			consider(leaseRefOf(&secrets[i]))
+			consider(lease.RefOf(&secrets[i]))
 		}
 		return nil
 	})
 	if lc := b.cfg.Leases; err != nil && ctx.Err() == nil && lc != nil && lc.Synced() {
 		// Per-namespace RBAC: the counter still watches the namespaces
 		// where it saw marked leases, also those that left their grant.
-		for _, l := range lc.leaseRefs() {
+		for _, l := range lc.LeaseRefs() {
 			consider(l)
 		}
 	}
@@ -576,38 +577,24 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 }
 
 // leaseRef is what a coverage check reads of a lease.
-type leaseRef struct {
-	namespace, peer, grant string
-	// mark is the lease's AnnotationRevokeOnUnmatch, marked whether it has
-	// one.
-	mark   string
-	marked bool
-}
-
-func leaseRefOf(s *corev1.Secret) leaseRef {
-	mark, marked := s.Annotations[objects.AnnotationRevokeOnUnmatch]
-	return leaseRef{namespace: s.Namespace, peer: s.Labels[objects.LabelPeer], grant: s.Annotations[objects.AnnotationGrant],
-		mark: mark, marked: marked}
-}
-
 // uncovered reports whether lease l is to be revoked because the grant it
 // was issued under no longer covers its namespace, and after what delay.
 // A grant of the policy decides by its selector and revokeOnUnmatch, as
 // revokeUnmatched does; a grant (or peer) the policy no longer has revokes
 // the leases that recorded it revoked on unmatch, after the delay they
 // recorded (bounded by ttl.max).
-func uncovered(p *policy.Policy, nss policy.NamespaceLabels, l leaseRef) (time.Duration, bool) {
+func uncovered(p *policy.Policy, nss policy.NamespaceLabels, l lease.Ref) (time.Duration, bool) {
 	var g *policy.GrantSpec
-	if peer := p.PeerNamed(l.peer); peer != nil {
-		g = peer.GrantNamed(l.grant)
+	if peer := p.PeerNamed(l.Peer); peer != nil {
+		g = peer.GrantNamed(l.Grant)
 	}
 	if g != nil {
-		return time.Duration(g.RevokeDelay), g.KeptTrue() && !g.Covers(nss, l.namespace)
+		return time.Duration(g.RevokeDelay), g.KeptTrue() && !g.Covers(nss, l.Namespace)
 	}
-	if !l.marked {
+	if !l.Marked {
 		return 0, false
 	}
-	d, err := time.ParseDuration(l.mark)
+	d, err := time.ParseDuration(l.Mark)
 	if err != nil || d < 0 {
 		d = 0
 	}
@@ -653,7 +640,7 @@ func (b *Broker) recheckCoverage(ctx context.Context, g *policy.GrantSpec, d pol
 	}
 	p := b.cfg.Policy.Load()
 	if p != nil {
-		if _, revoke := uncovered(p, b.tenants, leaseRefOf(created)); !revoke {
+		if _, revoke := uncovered(p, b.tenants, lease.RefOf(created)); !revoke {
 			return nil
 		}
 	}

@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -36,7 +37,7 @@ type Broker interface {
 	// ListLeases returns one page of the caller's own leases and the
 	// continue token of the next; an invalid limit or continue token is
 	// KindInvalid.
-	ListLeases(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error)
+	ListLeases(ctx context.Context, c broker.Caller, req lease.PageRequest) (*apiv1.LeaseList, error)
 	// GetLease returns one of the caller's leases. id has passed
 	// apiv1.ValidLeaseID; a lease that does not exist and one that is not
 	// the caller's must both be KindNotFound with the same detail.

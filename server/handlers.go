@@ -18,6 +18,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -253,7 +254,7 @@ func (s *Server) listLeases(w http.ResponseWriter, r *http.Request, p peer) {
 			return
 		}
 	}
-	req := broker.LeasePageRequest{Continue: q.Get("continue")}
+	req := lease.PageRequest{Continue: q.Get("continue")}
 	if v := q.Get("limit"); q.Has("limit") {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 1 {

@@ -16,6 +16,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -287,16 +288,16 @@ func TestLeases(t *testing.T) {
 
 	t.Run("Listing passes limit and continue to the broker and answers its continue token.", func(t *testing.T) {
 		t.Parallel()
-		var got broker.LeasePageRequest
+		var got lease.PageRequest
 		h := newHarness(t, &fakeBroker{
-			page: func(_ context.Context, _ broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
+			page: func(_ context.Context, _ broker.Caller, req lease.PageRequest) (*apiv1.LeaseList, error) {
 				got = req
 				return &apiv1.LeaseList{Items: []apiv1.Lease{testLease(), testLease()}, Continue: "bDEKZmx1eAo"}, nil
 			},
 		})
 		rec := h.do(request{method: http.MethodGet, path: "/v1/leases?limit=2&continue=bDEKYXJnbwo"})
 		require.Equal(t, http.StatusOK, rec.Code)
-		require.Equal(t, broker.LeasePageRequest{Limit: 2, Continue: "bDEKYXJnbwo"}, got)
+		require.Equal(t, lease.PageRequest{Limit: 2, Continue: "bDEKYXJnbwo"}, got)
 		require.Equal(t, apiv1.MediaTypeJSON, rec.Header().Get("Content-Type"))
 		requireSecurityHeaders(t, rec.Header())
 		var list apiv1.LeaseList
@@ -309,16 +310,16 @@ func TestLeases(t *testing.T) {
 
 	t.Run("Listing without limit asks the broker for its default page.", func(t *testing.T) {
 		t.Parallel()
-		var got broker.LeasePageRequest
+		var got lease.PageRequest
 		h := newHarness(t, &fakeBroker{
-			page: func(_ context.Context, _ broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
+			page: func(_ context.Context, _ broker.Caller, req lease.PageRequest) (*apiv1.LeaseList, error) {
 				got = req
 				return &apiv1.LeaseList{Items: []apiv1.Lease{}}, nil
 			},
 		})
 		rec := h.do(request{method: http.MethodGet, path: "/v1/leases"})
 		require.Equal(t, http.StatusOK, rec.Code)
-		require.Equal(t, broker.LeasePageRequest{}, got)
+		require.Equal(t, lease.PageRequest{}, got)
 		require.JSONEq(t, `{"items":[]}`, rec.Body.String(), "no continue on the last page")
 	})
 

@@ -30,6 +30,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -49,7 +50,7 @@ type fakeBroker struct {
 	exec  func(ctx context.Context, c broker.Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error)
 	list  func(ctx context.Context, c broker.Caller) ([]apiv1.Lease, error)
 	// page, if set, answers ListLeases instead of list.
-	page   func(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error)
+	page   func(ctx context.Context, c broker.Caller, req lease.PageRequest) (*apiv1.LeaseList, error)
 	get    func(ctx context.Context, c broker.Caller, id string) (*apiv1.Lease, error)
 	revoke func(ctx context.Context, c broker.Caller, id string) error
 	whoami func(c broker.Caller) (string, []apiv1.Grant)
@@ -127,7 +128,7 @@ func (f *fakeBroker) ExecKubeconfig(ctx context.Context, c broker.Caller, req ap
 	return []byte("apiVersion: v1\nkind: Config\n# exec " + brokerURL + "\n"), nil
 }
 
-func (f *fakeBroker) ListLeases(ctx context.Context, c broker.Caller, req broker.LeasePageRequest) (*apiv1.LeaseList, error) {
+func (f *fakeBroker) ListLeases(ctx context.Context, c broker.Caller, req lease.PageRequest) (*apiv1.LeaseList, error) {
 	f.record(c)
 	if f.page != nil {
 		return f.page(ctx, c, req)

@@ -26,6 +26,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
@@ -362,7 +363,7 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	revocations := enrollment.NewRevocationList(client.CoreV1(), opts.Namespace, log.Named("revocations"), mets)
-	leases := broker.NewLeaseCounter(metaClient, clock.RealClock{}, log.Named("leases"))
+	leases := lease.NewCounter(metaClient, clock.RealClock{}, log.Named("leases"))
 	namespaces, err := namespaceInformer(ctx, metaClient, log)
 	if err != nil {
 		return err

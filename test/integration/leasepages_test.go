@@ -14,7 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -121,8 +121,8 @@ func TestLeasePagesWalkEveryLeaseOnce(t *testing.T) {
 
 	t.Run("The default page is 500 and the walk gets every lease once.", func(t *testing.T) {
 		pages := walk(t, 0)
-		require.Len(t, pages[0].Items, broker.DefaultLeasePageSize, "a caller that ignores continue gets the first 500")
-		requireEveryLeaseOnce(t, pages, broker.DefaultLeasePageSize)
+		require.Len(t, pages[0].Items, lease.DefaultLeasePageSize, "a caller that ignores continue gets the first 500")
+		requireEveryLeaseOnce(t, pages, lease.DefaultLeasePageSize)
 	})
 
 	t.Run("A page size that does not divide the namespaces' leases crosses from one namespace to the next.", func(t *testing.T) {
@@ -138,8 +138,8 @@ func TestLeasePagesWalkEveryLeaseOnce(t *testing.T) {
 	})
 
 	t.Run("The largest page is 1000; more is 400.", func(t *testing.T) {
-		pages := walk(t, broker.MaxLeasePageSize)
-		requireEveryLeaseOnce(t, pages, broker.MaxLeasePageSize)
+		pages := walk(t, lease.MaxLeasePageSize)
+		requireEveryLeaseOnce(t, pages, lease.MaxLeasePageSize)
 		status, body := do(t, west, http.MethodGet, s.url+"/v1/leases?limit=1001", nil, nil)
 		require.Equal(t, http.StatusBadRequest, status, string(body))
 	})

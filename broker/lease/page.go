@@ -1,4 +1,4 @@
-package broker
+package lease
 
 import (
 	"bytes"
@@ -39,7 +39,7 @@ const (
 // The namespace is named, not numbered, so that a namespace added to or
 // removed from the peer's grants between two pages neither repeats nor
 // skips the leases of the others.
-type leaseCursor struct {
+type Cursor struct {
 	Namespace   string
 	APIContinue string
 }
@@ -51,7 +51,7 @@ var errBadContinue = errors.New("not a continue token of GET /v1/leases")
 // encodeLeaseContinue is the opaque token of cur: base64url (unpadded) of
 // the version, the namespace and the API server's token, separated by
 // newlines (which none of them contains).
-func encodeLeaseContinue(cur leaseCursor) string {
+func EncodeContinue(cur Cursor) string {
 	raw := leaseContinueVersion + "\n" + cur.Namespace + "\n" + cur.APIContinue
 	return base64.RawURLEncoding.EncodeToString([]byte(raw))
 }
@@ -61,26 +61,26 @@ func encodeLeaseContinue(cur leaseCursor) string {
 // a valid DNS label, and an API server token made only of the characters
 // the API server's own tokens use. Anything else is errBadContinue. The API
 // server still checks its own token; a forged one gets a 400 there too.
-func decodeLeaseContinue(token string) (leaseCursor, error) {
+func decodeLeaseContinue(token string) (Cursor, error) {
 	// The decoder skips CR and LF even when strict: refuse them, so that a
 	// token is accepted in its one canonical form only.
 	if token == "" || len(token) > MaxLeaseContinueBytes || strings.ContainsAny(token, "\r\n") {
-		return leaseCursor{}, errBadContinue
+		return Cursor{}, errBadContinue
 	}
 	raw, err := base64.RawURLEncoding.Strict().DecodeString(token)
 	if err != nil {
-		return leaseCursor{}, errBadContinue
+		return Cursor{}, errBadContinue
 	}
 	parts := bytes.Split(raw, []byte("\n"))
 	if len(parts) != 3 || string(parts[0]) != leaseContinueVersion {
-		return leaseCursor{}, errBadContinue
+		return Cursor{}, errBadContinue
 	}
-	cur := leaseCursor{Namespace: string(parts[1]), APIContinue: string(parts[2])}
+	cur := Cursor{Namespace: string(parts[1]), APIContinue: string(parts[2])}
 	if len(validation.IsDNS1123Label(cur.Namespace)) > 0 {
-		return leaseCursor{}, errBadContinue
+		return Cursor{}, errBadContinue
 	}
 	if strings.IndexFunc(cur.APIContinue, func(r rune) bool { return !isAPIContinueChar(r) }) >= 0 {
-		return leaseCursor{}, errBadContinue
+		return Cursor{}, errBadContinue
 	}
 	return cur, nil
 }
@@ -92,22 +92,22 @@ func isAPIContinueChar(r rune) bool {
 		r == '-' || r == '_' || r == '+' || r == '/' || r == '='
 }
 
-// LeasePageRequest is what GET /v1/leases asks for: at most Limit leases
+// PageRequest is what GET /v1/leases asks for: at most Limit leases
 // (0 means DefaultLeasePageSize), from Continue ("" for the first page).
-type LeasePageRequest struct {
+type PageRequest struct {
 	Limit    int
 	Continue string
 }
 
 // Validate checks the request as the caller sent it: a KindInvalid error
 // with field paths (400), or nil.
-func (r LeasePageRequest) Validate() error {
-	_, _, err := r.parse()
+func (r PageRequest) Validate() error {
+	_, _, err := r.Parse()
 	return err
 }
 
 // parse is Validate, also returning where to start and the page size.
-func (r LeasePageRequest) parse() (leaseCursor, int, error) {
+func (r PageRequest) Parse() (Cursor, int, error) {
 	var fields []apiv1.FieldError
 	limit := r.Limit
 	switch {
@@ -116,7 +116,7 @@ func (r LeasePageRequest) parse() (leaseCursor, int, error) {
 	case limit < 0 || limit > MaxLeasePageSize:
 		fields = append(fields, apiv1.FieldError{Field: "limit", Detail: "must be between 1 and 1000"})
 	}
-	var cur leaseCursor
+	var cur Cursor
 	if r.Continue != "" {
 		var err error
 		if cur, err = decodeLeaseContinue(r.Continue); err != nil {
@@ -124,7 +124,7 @@ func (r LeasePageRequest) parse() (leaseCursor, int, error) {
 		}
 	}
 	if len(fields) > 0 {
-		return leaseCursor{}, 0, problem.Invalid(fields...)
+		return Cursor{}, 0, problem.Invalid(fields...)
 	}
 	return cur, limit, nil
 }

@@ -1,4 +1,4 @@
-package broker
+package lease
 
 import (
 	"container/heap"
@@ -23,7 +23,7 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// LeaseCounter counts the lease Secrets of every peer from metadata-only
+// Counter counts the lease Secrets of every peer from metadata-only
 // reflectors (watches whose store is the counter itself, so that a lease
 // costs one small entry), one per namespace the policy grants (listing
 // across all namespaces would need the right to read every Secret of the
@@ -45,14 +45,14 @@ import (
 // annotation the policy does not bear out, or whose recorded expiry lies
 // past its creation plus the longest TTL, counts for nothing or only that
 // long. So a tenant who forges lease Secrets takes no place in any quota.
-type LeaseCounter struct {
+type Counter struct {
 	client metadata.Interface
 	clock  clock.PassiveClock
 	log    *zap.Logger
 	// rules, if set, are the broker's leaseRules of the moment; applied
 	// is what the counted entries were last verified with.
-	rules   func() *leaseRules
-	applied *leaseRules
+	rules   func() *Rules
+	applied *Rules
 
 	mu      sync.Mutex
 	watches map[string]*nsWatch // by namespace
@@ -119,9 +119,9 @@ type nsWatch struct {
 	synced atomic.Bool // the first list has been counted
 }
 
-// NewLeaseCounter makes a counter; Run starts it.
-func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap.Logger) *LeaseCounter {
-	return &LeaseCounter{
+// NewCounter makes a counter; Run starts it.
+func NewCounter(client metadata.Interface, clk clock.PassiveClock, log *zap.Logger) *Counter {
+	return &Counter{
 		client: client, clock: clk, log: log,
 		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
 		expired: map[string]*counted{}, byName: map[string]string{}, dupNames: map[string][]string{},
@@ -130,7 +130,7 @@ func NewLeaseCounter(client metadata.Interface, clk clock.PassiveClock, log *zap
 
 // setRules makes the counter count only what rules() verifies; the broker
 // sets it. Without it every lease Secret the counter sees counts.
-func (lc *LeaseCounter) setRules(rules func() *leaseRules) {
+func (lc *Counter) SetRules(rules func() *Rules) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	lc.rules = rules
@@ -138,7 +138,7 @@ func (lc *LeaseCounter) setRules(rules func() *leaseRules) {
 
 // currentRules returns the rules of the moment; lc.mu must not be held
 // (building them reads the policy and the namespace index).
-func (lc *LeaseCounter) currentRules() *leaseRules {
+func (lc *Counter) currentRules() *Rules {
 	lc.mu.Lock()
 	f := lc.rules
 	lc.mu.Unlock()
@@ -151,7 +151,7 @@ func (lc *LeaseCounter) currentRules() *leaseRules {
 // applyLocked re-verifies every counted Secret if r differs from the rules
 // they were verified with (a policy reload, a namespace that started or
 // stopped matching a selector grant); lc.mu is held.
-func (lc *LeaseCounter) applyLocked(r *leaseRules) {
+func (lc *Counter) applyLocked(r *Rules) {
 	if r == lc.applied {
 		return
 	}
@@ -170,10 +170,10 @@ func (lc *LeaseCounter) applyLocked(r *leaseRules) {
 
 // until is when c stops counting: its recorded expiry, capped at its
 // creation plus the rules' maxAge (zero: never); lc.mu is held.
-func (lc *LeaseCounter) until(c *counted) time.Time {
+func (lc *Counter) until(c *counted) time.Time {
 	u := c.expires
-	if lc.applied != nil && lc.applied.maxAge > 0 && !c.created.IsZero() {
-		if cap := c.created.Add(lc.applied.maxAge); u.IsZero() || cap.Before(u) {
+	if lc.applied != nil && lc.applied.MaxAge > 0 && !c.created.IsZero() {
+		if cap := c.created.Add(lc.applied.MaxAge); u.IsZero() || cap.Before(u) {
 			u = cap
 		}
 	}
@@ -187,7 +187,7 @@ var leaseSelector = labels.Set{objects.LabelManagedBy: objects.ManagedByValue}.S
 // leaseTypeSelector selects Secrets of the lease type only: the API server
 // checks it, so a Secret of another type with the lease labels never
 // reaches the counter, which sees metadata only.
-var leaseTypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretTypeLease)).String()
+var TypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretTypeLease)).String()
 
 // Run counts until ctx ends. If the broker may list Secrets in every
 // namespace (deploy/base binds its role cluster-wide), one informer
@@ -195,8 +195,8 @@ var leaseTypeSelector = fields.OneTermEqualSelector("type", string(objects.Secre
 // Otherwise (RBAC bound only in the granted namespaces) it keeps one
 // informer per namespace of namespaces(), which a policy reload or a
 // namespace label can change, checking every interval.
-func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
-	_, err := lc.client.Resource(secretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, FieldSelector: leaseTypeSelector, Limit: 1})
+func (lc *Counter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
+	_, err := lc.client.Resource(SecretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, FieldSelector: TypeSelector, Limit: 1})
 	if err == nil {
 		lc.log.Info("counting leases with one cluster-wide informer")
 		lc.watch([]string{metav1.NamespaceAll})
@@ -204,14 +204,14 @@ func (lc *LeaseCounter) Run(ctx context.Context, namespaces func() []string, int
 		lc.log.Info("counting leases with one informer per granted namespace", zap.String("cluster_wide_list", err.Error()))
 		go wait.UntilWithContext(ctx, func(context.Context) { lc.watch(namespaces()) }, interval)
 	}
-	wait.UntilWithContext(ctx, func(context.Context) { lc.sweep() }, leaseSweepInterval)
+	wait.UntilWithContext(ctx, func(context.Context) { lc.Sweep() }, leaseSweepInterval)
 	lc.stopWatches()
 }
 
 // leaseSweepInterval is how often expired leases stop counting.
 const leaseSweepInterval = 5 * time.Second
 
-var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
+var SecretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 
 // watch starts informers for new namespaces and stops those of dropped
 // ones, whose Secrets stop counting: the broker no longer looks there.
@@ -220,12 +220,12 @@ var secretsGVR = corev1.SchemeGroupVersion.WithResource("secrets")
 // removed) is watched until the last such lease is gone: the GC finds
 // what to revoke from the counter, and with per-namespace RBAC nothing
 // else would look there again.
-func (lc *LeaseCounter) watch(namespaces []string) { lc.setWatches(namespaces, true) }
+func (lc *Counter) watch(namespaces []string) { lc.setWatches(namespaces, true) }
 
 // stopWatches stops every informer.
-func (lc *LeaseCounter) stopWatches() { lc.setWatches(nil, false) }
+func (lc *Counter) stopWatches() { lc.setWatches(nil, false) }
 
-func (lc *LeaseCounter) setWatches(namespaces []string, keepMarked bool) {
+func (lc *Counter) setWatches(namespaces []string, keepMarked bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	var marked map[string]bool
@@ -254,12 +254,12 @@ func (lc *LeaseCounter) setWatches(namespaces []string, keepMarked bool) {
 		w := &nsWatch{stop: make(chan struct{})}
 		lw := &cache.ListWatch{
 			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				o.LabelSelector, o.FieldSelector = leaseSelector, leaseTypeSelector
-				return lc.client.Resource(secretsGVR).Namespace(ns).List(ctx, o)
+				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
+				return lc.client.Resource(SecretsGVR).Namespace(ns).List(ctx, o)
 			},
 			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-				o.LabelSelector, o.FieldSelector = leaseSelector, leaseTypeSelector
-				return lc.client.Resource(secretsGVR).Namespace(ns).Watch(ctx, o)
+				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
+				return lc.client.Resource(SecretsGVR).Namespace(ns).Watch(ctx, o)
 			},
 		}
 		r := cache.NewReflectorWithOptions(lw, &metav1.PartialObjectMetadata{}, &counterStore{lc: lc, ns: ns, w: w},
@@ -271,7 +271,7 @@ func (lc *LeaseCounter) setWatches(namespaces []string, keepMarked bool) {
 
 // markedNamespacesLocked are the namespaces where the counter knows an
 // unexpired lease marked AnnotationRevokeOnUnmatch; lc.mu is held.
-func (lc *LeaseCounter) markedNamespacesLocked() map[string]bool {
+func (lc *Counter) markedNamespacesLocked() map[string]bool {
 	out := map[string]bool{}
 	for key, c := range lc.byKey {
 		if lc.markedUnexpiredLocked(c) {
@@ -284,7 +284,7 @@ func (lc *LeaseCounter) markedNamespacesLocked() map[string]bool {
 // markedUnexpiredLocked reports whether c is a lease (not a pooled Secret)
 // marked AnnotationRevokeOnUnmatch whose recorded expiry has not passed,
 // counted or not; lc.mu is held.
-func (lc *LeaseCounter) markedUnexpiredLocked(c *counted) bool {
+func (lc *Counter) markedUnexpiredLocked(c *counted) bool {
 	if !c.marked || c.pool {
 		return false
 	}
@@ -299,13 +299,13 @@ func (lc *LeaseCounter) markedUnexpiredLocked(c *counted) bool {
 // lists and watches in namespace ns (metav1.NamespaceAll: every one) goes
 // straight into the counter, and nothing else is kept.
 type counterStore struct {
-	lc *LeaseCounter
+	lc *Counter
 	ns string
 	w  *nsWatch
 }
 
-func (s *counterStore) Add(obj any) error    { s.lc.add(obj); return nil }
-func (s *counterStore) Update(obj any) error { s.lc.add(obj); return nil }
+func (s *counterStore) Add(obj any) error    { s.lc.Observe(obj); return nil }
+func (s *counterStore) Update(obj any) error { s.lc.Observe(obj); return nil }
 func (s *counterStore) Delete(obj any) error { s.lc.remove(obj); return nil }
 func (s *counterStore) Resync() error        { return nil }
 
@@ -337,7 +337,7 @@ func keyNamespace(key string) string {
 	return ns
 }
 
-func (lc *LeaseCounter) add(obj any) {
+func (lc *Counter) Observe(obj any) {
 	m, ok := obj.(*metav1.PartialObjectMetadata)
 	if !ok {
 		return
@@ -352,7 +352,7 @@ func (lc *LeaseCounter) add(obj any) {
 // addLocked counts m, replacing what the counter knew under its key, and
 // returns the key; lc.mu is held, and applyLocked has run. Only what the
 // counter reads is kept.
-func (lc *LeaseCounter) addLocked(m *metav1.PartialObjectMetadata) string {
+func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 	key := m.Namespace + "/" + m.Name
 	exp, err := time.Parse(time.RFC3339, m.Annotations[objects.AnnotationExpiresAt])
 	if err != nil {
@@ -394,7 +394,7 @@ func bounded(s string, max int) string {
 
 // count starts counting c, unless it has expired, is not verified or is a
 // pooled Secret; lc.mu is held.
-func (lc *LeaseCounter) count(c *counted) {
+func (lc *Counter) count(c *counted) {
 	lc.byKey[c.key] = c
 	lc.index(c.key)
 	now := lc.clock.Now()
@@ -418,7 +418,7 @@ func (lc *LeaseCounter) count(c *counted) {
 }
 
 // schedule has the sweep look at c at c.due; lc.mu is held.
-func (lc *LeaseCounter) schedule(c *counted) {
+func (lc *Counter) schedule(c *counted) {
 	heap.Push(&lc.expiring, c)
 	if len(lc.expiring) > 2*len(lc.byKey)+64 {
 		lc.compact() // many deleted before they expired
@@ -427,7 +427,7 @@ func (lc *LeaseCounter) schedule(c *counted) {
 
 // index records key's namespace under its name; the first namespace seen
 // keeps byName, later ones go to dupNames. lc.mu is held.
-func (lc *LeaseCounter) index(key string) {
+func (lc *Counter) index(key string) {
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
 	first, ok := lc.byName[name]
 	switch {
@@ -439,7 +439,7 @@ func (lc *LeaseCounter) index(key string) {
 }
 
 // unindex removes key from the index; lc.mu is held.
-func (lc *LeaseCounter) unindex(key string) {
+func (lc *Counter) unindex(key string) {
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
 	dups := lc.dupNames[name]
 	if lc.byName[name] == ns {
@@ -458,7 +458,7 @@ func (lc *LeaseCounter) unindex(key string) {
 	}
 }
 
-func (lc *LeaseCounter) remove(obj any) {
+func (lc *Counter) remove(obj any) {
 	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
 	if err != nil {
 		return
@@ -470,14 +470,14 @@ func (lc *LeaseCounter) remove(obj any) {
 	}
 }
 
-func (lc *LeaseCounter) forget(key string, c *counted) {
+func (lc *Counter) forget(key string, c *counted) {
 	delete(lc.byKey, key)
 	lc.unindex(key)
 	delete(lc.expired, key)
 	lc.uncount(c)
 }
 
-func (lc *LeaseCounter) uncount(c *counted) {
+func (lc *Counter) uncount(c *counted) {
 	if !c.live {
 		return
 	}
@@ -491,7 +491,7 @@ func (lc *LeaseCounter) uncount(c *counted) {
 // sweep stops counting the leases that have expired since they were
 // counted and hands them to the GC; Run calls it every few seconds. It
 // touches only what expired (and, once each, entries replaced since).
-func (lc *LeaseCounter) sweep() {
+func (lc *Counter) Sweep() {
 	r := lc.currentRules()
 	now := lc.clock.Now()
 	lc.mu.Lock()
@@ -515,7 +515,7 @@ func (lc *LeaseCounter) sweep() {
 }
 
 // compact rebuilds the heap from the entries still current; lc.mu is held.
-func (lc *LeaseCounter) compact() {
+func (lc *Counter) compact() {
 	h := lc.expiring[:0]
 	for _, c := range lc.expiring {
 		if lc.byKey[c.key] == c {
@@ -539,8 +539,8 @@ type ExpiredSecret struct {
 
 // Expired returns, after a sweep, the Secrets whose recorded expiry has
 // passed and that the informers have not yet seen deleted, at most max.
-func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
-	lc.sweep()
+func (lc *Counter) Expired(max int) []ExpiredSecret {
+	lc.Sweep()
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	out := make([]ExpiredSecret, 0, min(max, len(lc.expired)))
@@ -561,16 +561,16 @@ func (lc *LeaseCounter) Expired(max int) []ExpiredSecret {
 // the grant or peer was removed) — exactly those the check is for. A
 // forged one costs nothing: the revocation deletes only Secrets of the
 // lease type in that namespace, which the forger could delete anyway.
-func (lc *LeaseCounter) leaseRefs() []leaseRef {
+func (lc *Counter) LeaseRefs() []Ref {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	var out []leaseRef
+	var out []Ref
 	for key, c := range lc.byKey {
 		if c.pool || c.grant == "" || !c.live && !lc.markedUnexpiredLocked(c) {
 			continue
 		}
-		out = append(out, leaseRef{namespace: keyNamespace(key), peer: c.peer, grant: c.grant,
-			mark: c.mark, marked: c.marked})
+		out = append(out, Ref{Namespace: keyNamespace(key), Peer: c.peer, Grant: c.grant,
+			Mark: c.mark, Marked: c.marked})
 	}
 	return out
 }
@@ -578,7 +578,7 @@ func (lc *LeaseCounter) leaseRefs() []leaseRef {
 // NamespacesOf returns the namespaces where the counter has seen a lease
 // Secret named name, the first seen first; nil if none. More than one
 // means someone copied a lease's name: the caller tells them apart.
-func (lc *LeaseCounter) NamespacesOf(name string) []string {
+func (lc *Counter) NamespacesOf(name string) []string {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	ns, ok := lc.byName[name]
@@ -590,7 +590,7 @@ func (lc *LeaseCounter) NamespacesOf(name string) []string {
 
 // Counted is how many unexpired leases the informers see, reserved places
 // left out.
-func (lc *LeaseCounter) Counted() int {
+func (lc *Counter) Counted() int {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	return lc.live
@@ -612,7 +612,7 @@ func (h *expiryHeap) Pop() any {
 }
 
 // Synced reports whether every informer has listed its namespace.
-func (lc *LeaseCounter) Synced() bool {
+func (lc *Counter) Synced() bool {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	for _, w := range lc.watches {
@@ -625,13 +625,13 @@ func (lc *LeaseCounter) Synced() bool {
 
 // Live is how many leases peer holds (reserved places included) and how
 // many all peers hold.
-func (lc *LeaseCounter) Live(peer string) (own, total int) {
+func (lc *Counter) Live(peer string) (own, total int) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	return lc.perPeer[peer] + len(lc.reserved[peer]), lc.totalLocked()
 }
 
-func (lc *LeaseCounter) totalLocked() int {
+func (lc *Counter) totalLocked() int {
 	n := lc.live
 	for _, rs := range lc.reserved {
 		n += len(rs)
@@ -639,7 +639,7 @@ func (lc *LeaseCounter) totalLocked() int {
 	return n
 }
 
-func (lc *LeaseCounter) setReserved(peer string, rs []*reservation) {
+func (lc *Counter) setReserved(peer string, rs []*reservation) {
 	if len(rs) == 0 {
 		delete(lc.reserved, peer)
 		return
@@ -651,30 +651,30 @@ func (lc *LeaseCounter) setReserved(peer string, rs []*reservation) {
 // perPeer and all hold fewer than total, or reports which quota is full.
 // The request then calls exactly one of the returned place's commit, once
 // its lease Secret exists, and release, when it created none.
-func (lc *LeaseCounter) reserve(peer string, perPeer, total int) (*place, string) {
+func (lc *Counter) Reserve(peer string, perPeer, total int) (*Place, string) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	switch {
 	case lc.totalLocked() >= total:
-		return nil, quotaTotal
+		return nil, QuotaTotal
 	case lc.perPeer[peer]+len(lc.reserved[peer]) >= perPeer:
-		return nil, quotaPeer
+		return nil, QuotaPeer
 	}
 	r := &reservation{}
 	lc.reserved[peer] = append(lc.reserved[peer], r)
-	return &place{lc: lc, peer: peer, r: r}, ""
+	return &Place{lc: lc, peer: peer, r: r}, ""
 }
 
 // place is a reserved place in the quota.
-type place struct {
-	lc   *LeaseCounter
+type Place struct {
+	lc   *Counter
 	peer string
 	r    *reservation
 }
 
 // commit counts the lease Secret namespace/name from now on, as the
 // informer will when it sees it.
-func (p *place) commit(namespace, name string, expires time.Time) {
+func (p *Place) Commit(namespace, name string, expires time.Time) {
 	lc := p.lc
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
@@ -693,14 +693,14 @@ func (p *place) commit(namespace, name string, expires time.Time) {
 }
 
 // release gives the place back; after commit it does nothing.
-func (p *place) release() {
+func (p *Place) Release() {
 	p.lc.mu.Lock()
 	defer p.lc.mu.Unlock()
 	p.drop()
 }
 
 // drop removes the reservation, once; lc.mu is held.
-func (p *place) drop() bool {
+func (p *Place) drop() bool {
 	if p.r.done {
 		return false
 	}
@@ -717,6 +717,21 @@ func (p *place) drop() bool {
 
 // The quotas reserve can find full.
 const (
-	quotaPeer  = "maxLiveLeases"
-	quotaTotal = "--max-live-leases"
+	QuotaPeer  = "maxLiveLeases"
+	QuotaTotal = "--max-live-leases"
 )
+
+// leaseRef is what the GC's coverage check needs of a lease.
+type Ref struct {
+	Namespace, Peer, Grant string
+	// mark is the lease's AnnotationRevokeOnUnmatch, marked whether it has
+	// one.
+	Mark   string
+	Marked bool
+}
+
+func RefOf(s *corev1.Secret) Ref {
+	mark, marked := s.Annotations[objects.AnnotationRevokeOnUnmatch]
+	return Ref{Namespace: s.Namespace, Peer: s.Labels[objects.LabelPeer], Grant: s.Annotations[objects.AnnotationGrant],
+		Mark: mark, Marked: marked}
+}
