@@ -349,7 +349,7 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	}
 
-	var ctb *broker.ClusterTrustBundlePublisher
+	var ctb *enrollment.ClusterTrustBundlePublisher
 	if opts.PublishClusterTrustBundle != "" {
 		if ctb, err = clusterTrustBundlePublisher(opts.PublishClusterTrustBundle, pol.Cluster.Name, client,
 			publishSources(certs, clientCAs, ca, previousCA), reg, log); err != nil {
@@ -482,9 +482,9 @@ func Run(ctx context.Context, opts Options) error {
 // the serving chain, the client-CA bundle, the signing CA and the
 // previous one. ca and previous may be nil.
 func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca broker.CertificateAuthority,
-	previous broker.CACertificates) func() broker.PublishSources {
-	return func() broker.PublishSources {
-		src := broker.PublishSources{ClientCAs: clientCAs.Certificates()}
+	previous broker.CACertificates) func() enrollment.PublishSources {
+	return func() enrollment.PublishSources {
+		src := enrollment.PublishSources{ClientCAs: clientCAs.Certificates()}
 		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {
 			for _, der := range tc.Certificate {
 				c, err := x509.ParseCertificate(der)
@@ -509,8 +509,8 @@ func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca bro
 // the CAs that anchor this broker's server certificate
 // (broker.PublishedCAs over sources, called at each check), under the
 // broker's name owner.
-func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interface, sources func() broker.PublishSources,
-	reg prometheus.Registerer, log *zap.Logger) (*broker.ClusterTrustBundlePublisher, error) {
+func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interface, sources func() enrollment.PublishSources,
+	reg prometheus.Registerer, log *zap.Logger) (*enrollment.ClusterTrustBundlePublisher, error) {
 	const gv = "certificates.k8s.io/v1"
 	res, err := client.Discovery().ServerResourcesForGroupVersion(gv)
 	served := false
@@ -527,7 +527,7 @@ func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interfa
 	}
 	var warned []byte
 	bundle := func() []*x509.Certificate {
-		cas, ok := broker.PublishedCAs(sources(), time.Now())
+		cas, ok := enrollment.PublishedCAs(sources(), time.Now())
 		if pem := pki.EncodeCertificatesPEM(cas); !ok && !bytes.Equal(pem, warned) {
 			warned = pem
 			log.Warn("the serving certificate does not verify to any of the operator's CAs (--client-ca-file, --ca-cert-file, --previous-ca-cert-file), so its issuer is not published in the ClusterTrustBundle; peers that trust only the bundle refuse this broker until it does",
@@ -537,7 +537,7 @@ func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interfa
 		}
 		return cas
 	}
-	p, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{
+	p, err := enrollment.NewClusterTrustBundlePublisher(enrollment.ClusterTrustBundleConfig{
 		Client:     client.CertificatesV1().ClusterTrustBundles(),
 		SignerName: signer,
 		Owner:      owner,

@@ -30,7 +30,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/agent"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
@@ -84,7 +84,7 @@ func TestClusterTrustBundle(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, ctbSigner, b.Spec.SignerName)
 		require.Equal(t, objects.ManagedByValue, b.Labels[objects.LabelManagedBy])
-		require.Equal(t, "east", b.Annotations[broker.AnnotationBroker])
+		require.Equal(t, "east", b.Annotations[enrollment.AnnotationBroker])
 
 		// A rotation names the other CA in --previous-ca-cert-file: it
 		// is published beside the signing CA. The partner CA added to
@@ -113,7 +113,7 @@ func TestClusterTrustBundle(t *testing.T) {
 			rbacv1.PolicyRule{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"signers"}, ResourceNames: []string{signer}, Verbs: []string{"attest"}})
 		as := impersonate(t, c, "ctb-broker").CertificatesV1().ClusterTrustBundles()
 		cas := []*x509.Certificate{s.ca.Certificate()}
-		pub, err := broker.NewClusterTrustBundlePublisher(broker.ClusterTrustBundleConfig{Client: as, SignerName: signer, Owner: "rbac",
+		pub, err := enrollment.NewClusterTrustBundlePublisher(enrollment.ClusterTrustBundleConfig{Client: as, SignerName: signer, Owner: "rbac",
 			Bundle: func() []*x509.Certificate { return cas }})
 		require.NoError(t, err)
 		require.Eventually(t, func() bool { return pub.Sync(ctx) == nil }, 10*time.Second, 100*time.Millisecond, "created with these rules")
@@ -303,7 +303,7 @@ func requireBundleStays(t *testing.T, bundles interface {
 	require.Never(t, func() bool {
 		b, err := bundles.Get(context.Background(), ctbName, metav1.GetOptions{})
 		return err != nil || b.Spec.TrustBundle != wantPEM
-	}, 3*broker.DefaultBundleCheckInterval, 100*time.Millisecond, "the ClusterTrustBundle holds exactly what anchors the broker")
+	}, 3*enrollment.DefaultBundleCheckInterval, 100*time.Millisecond, "the ClusterTrustBundle holds exactly what anchors the broker")
 }
 
 // waitForBundle polls until the broker's bundle holds exactly want.
