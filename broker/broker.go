@@ -27,6 +27,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -142,9 +143,9 @@ type Config struct {
 // Broker is the domain core. It is safe for concurrent use.
 type Broker struct {
 	cfg        Config
-	limits     *limiter
-	enrollLim  *enrollLimiter
-	reads      *inFlight // lease reads waiting on the API server, by identity
+	limits     *limits.Limiter
+	enrollLim  *limits.EnrollLimiter
+	reads      *limits.InFlight // lease reads waiting on the API server, by identity
 	joinTokens JoinTokenVerifier
 	retries    *retryQueue // failed lease deletions, retried until done
 	// expiries are the leases revoked at their expiry (leaseexpiry.go).
@@ -188,7 +189,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: newLimiter(cfg.Clock), enrollLim: newEnrollLimiter(cfg.Clock), reads: newInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, audiences: b.joinTokenAudiences, now: cfg.Clock.Now}
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
@@ -69,22 +70,22 @@ func TestTheEnrollmentLimiterNeverHoldsMoreThanItsBound(t *testing.T) {
 	// A source that used its one enrollment, then far more sources each
 	// with a junk token than the bound.
 	require.NoError(t, e.b.admitEnrollment("198.51.100.1", "first", nil))
-	for i := range 3 * maxEnrollBuckets / 2 {
+	for i := range 3 * limits.MaxEnrollBuckets / 2 {
 		require.NoError(t, e.b.admitEnrollment(junkAddr(i), fmt.Sprintf("junk-%d", i), nil))
-		require.LessOrEqual(t, e.b.enrollLim.len(), maxEnrollBuckets)
+		require.LessOrEqual(t, e.b.enrollLim.Len(), limits.MaxEnrollBuckets)
 	}
-	require.Equal(t, maxEnrollBuckets, e.b.enrollLim.len())
-	require.Positive(t, e.b.enrollLim.evicted, "nothing refilled: the oldest went")
+	require.Equal(t, limits.MaxEnrollBuckets, e.b.enrollLim.Len())
+	require.Positive(t, e.b.enrollLim.Evicted, "nothing refilled: the oldest went")
 
 	// Once buckets are full again they are dropped instead of evicting
 	// the limited ones.
 	clk.Step(time.Minute)
-	evicted := e.b.enrollLim.evicted
+	evicted := e.b.enrollLim.Evicted
 	for i := range 100 {
 		require.NoError(t, e.b.admitEnrollment(junkAddr(1_000_000+i), fmt.Sprintf("late-%d", i), nil))
 	}
-	require.Equal(t, evicted, e.b.enrollLim.evicted)
-	require.LessOrEqual(t, e.b.enrollLim.len(), maxEnrollBuckets)
+	require.Equal(t, evicted, e.b.enrollLim.Evicted)
+	require.LessOrEqual(t, e.b.enrollLim.Len(), limits.MaxEnrollBuckets)
 }
 
 // junkAddr is the i-th of 16M distinct IPv4 addresses.

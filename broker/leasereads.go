@@ -1,37 +1,9 @@
 package broker
 
 import (
-	"sync"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"time"
 )
-
-// inFlight counts, per identity, the lease reads waiting on the API
-// server; its map holds only identities with one in flight.
-type inFlight struct {
-	mu sync.Mutex
-	n  map[string]int
-}
-
-func newInFlight() *inFlight { return &inFlight{n: map[string]int{}} }
-
-// acquire takes one of max places of key, or reports false.
-func (f *inFlight) acquire(key string, max int) bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.n[key] >= max {
-		return false
-	}
-	f.n[key]++
-	return true
-}
-
-func (f *inFlight) release(key string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.n[key]--; f.n[key] <= 0 {
-		delete(f.n, key)
-	}
-}
 
 // leaseReadsRetry is the Retry-After of a refusal by the in-flight cap: a
 // lease read takes milliseconds, one lookup waits a second at most.
@@ -55,14 +27,14 @@ func (b *Broker) admitLeaseRead(c Caller, a *pendingAudit) (done func(), err err
 		return func() {}, nil
 	}
 	lim := p.LimitsFor(peer)
-	if !b.reads.acquire(c.Identity, lim.LeaseReadsInFlight) {
-		return nil, b.refuseLimited(a, peer.Name, limitLeaseReads, limited(leaseReadsRetry,
-			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, retrySeconds(leaseReadsRetry)))
+	if !b.reads.Acquire(c.Identity, lim.LeaseReadsInFlight) {
+		return nil, b.refuseLimited(a, peer.Name, limitLeaseReads, limits.Limited(leaseReadsRetry,
+			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, limits.RetrySeconds(leaseReadsRetry)))
 	}
-	if ok, wait := b.limits.take("read:"+c.Identity, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
-		b.reads.release(c.Identity)
-		return nil, b.refuseLimited(a, peer.Name, limitLeaseReadRate, limited(wait,
-			"peer %s is over its limit of %d lease reads a minute; retry in %ds", peer.Name, lim.LeaseReadsPerMinute, retrySeconds(wait)))
+	if ok, wait := b.limits.Take("read:"+c.Identity, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
+		b.reads.Release(c.Identity)
+		return nil, b.refuseLimited(a, peer.Name, limitLeaseReadRate, limits.Limited(wait,
+			"peer %s is over its limit of %d lease reads a minute; retry in %ds", peer.Name, lim.LeaseReadsPerMinute, limits.RetrySeconds(wait)))
 	}
-	return func() { b.reads.release(c.Identity) }, nil
+	return func() { b.reads.Release(c.Identity) }, nil
 }

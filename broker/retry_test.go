@@ -15,6 +15,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
@@ -66,7 +67,7 @@ func retryEnv(t *testing.T) (*env, *clocktesting.FakeClock, *prometheus.Registry
 	require.NoError(t, err)
 	rec := newAuditRecorder()
 	e.b.cfg.Clock, e.b.cfg.Metrics, e.b.cfg.Auditor = clock, m, rec
-	e.b.limits, e.b.enrollLim = newLimiter(clock), newEnrollLimiter(clock)
+	e.b.limits, e.b.enrollLim = limits.NewLimiter(clock), limits.NewEnrollLimiter(clock)
 	return e, clock, reg, rec
 }
 

@@ -1,4 +1,4 @@
-package broker
+package limits
 
 import (
 	"container/list"
@@ -14,7 +14,7 @@ import (
 // join tokens together), about 4 MB. Enrollment is unauthenticated, so
 // the keys are the caller's to choose; the bound keeps both the memory
 // and the cost of a request independent of how many it invents.
-const maxEnrollBuckets = 16384
+const MaxEnrollBuckets = 16384
 
 // enrollSweepBatch is how many of the oldest buckets one new bucket
 // looks at when the limiter is full: a sweep is spread over the requests
@@ -33,13 +33,13 @@ const enrollSweepBatch = 4
 // most maxEnrollBuckets new keys ago, which costs a caller who can make
 // that many keys (one per address) one more burst per eviction, and
 // nobody else anything.
-type enrollLimiter struct {
+type EnrollLimiter struct {
 	clock clock.PassiveClock
 	mu    sync.Mutex
 	byKey map[string]*list.Element // of *enrollBucket
 	order *list.List               // oldest first
 	// evicted counts buckets dropped before they were full, for tests.
-	evicted int
+	Evicted int
 }
 
 type enrollBucket struct {
@@ -48,14 +48,14 @@ type enrollBucket struct {
 	lim              *rate.Limiter
 }
 
-func newEnrollLimiter(c clock.PassiveClock) *enrollLimiter {
-	return &enrollLimiter{clock: c, byKey: map[string]*list.Element{}, order: list.New()}
+func NewEnrollLimiter(c clock.PassiveClock) *EnrollLimiter {
+	return &EnrollLimiter{clock: c, byKey: map[string]*list.Element{}, order: list.New()}
 }
 
 // take takes one token from the bucket key (perMinute, burst), or reports
 // how long until one is there. Its cost does not depend on how many
 // buckets there are.
-func (l *enrollLimiter) take(key string, perMinute, burst int) (ok bool, retryAfter time.Duration) {
+func (l *EnrollLimiter) Take(key string, perMinute, burst int) (ok bool, retryAfter time.Duration) {
 	now := l.clock.Now()
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -79,8 +79,8 @@ func (l *enrollLimiter) take(key string, perMinute, burst int) (ok bool, retryAf
 
 // makeRoom keeps the limiter below its bound for one more bucket; l.mu is
 // held.
-func (l *enrollLimiter) makeRoom(now time.Time) {
-	if len(l.byKey) < maxEnrollBuckets {
+func (l *EnrollLimiter) makeRoom(now time.Time) {
+	if len(l.byKey) < MaxEnrollBuckets {
 		return
 	}
 	freed := false
@@ -94,17 +94,17 @@ func (l *enrollLimiter) makeRoom(now time.Time) {
 	}
 	if !freed {
 		l.drop(l.order.Front())
-		l.evicted++
+		l.Evicted++
 	}
 }
 
-func (l *enrollLimiter) drop(e *list.Element) {
+func (l *EnrollLimiter) drop(e *list.Element) {
 	l.order.Remove(e)
 	delete(l.byKey, e.Value.(*enrollBucket).key)
 }
 
 // len is how many buckets the limiter holds.
-func (l *enrollLimiter) len() int {
+func (l *EnrollLimiter) Len() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.byKey)
@@ -115,7 +115,7 @@ func (l *enrollLimiter) len() int {
 // its /64, the smallest block a site is given, so that one host cannot
 // get a fresh bucket per address of its own subnet. An address that does
 // not parse is its own key.
-func enrollSourceKey(addr string) string {
+func EnrollSourceKey(addr string) string {
 	ip, err := netip.ParseAddr(addr)
 	if err != nil {
 		return "enroll-addr:" + addr
