@@ -26,6 +26,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
+	"github.com/tokenbroker/tokenbroker/broker/kubeconfig"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
@@ -577,7 +578,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if cert != nil {
 		subject = cert.user
 	}
-	kc, err := buildKubeconfig(p.Cluster, req.Namespace, subject, cred)
+	kc, err := kubeconfig.Build(p.Cluster, req.Namespace, subject, cred)
 	if err != nil {
 		return fail(created, outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}

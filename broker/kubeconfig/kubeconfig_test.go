@@ -1,4 +1,4 @@
-package broker
+package kubeconfig
 
 import (
 	"flag"
@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
 
 	"github.com/stretchr/testify/require"
 	"k8s.io/client-go/tools/clientcmd"
@@ -19,7 +21,10 @@ import (
 
 // update rewrites the golden files in testdata/ from what the code writes:
 // go test ./broker -run TestTheGoldenKubeconfig -update
-var update = flag.Bool("update", false, "rewrite testdata/*.golden from what buildKubeconfig writes")
+var update = flag.Bool("update", false, "rewrite testdata/*.golden from what Build writes")
+
+// goldenToken is the bearer token of the golden kubeconfigs.
+const goldenToken = "eyJhbGciOiJSUzI1NiJ9.eyJqdGkiOiJqdGktNDIifQ.c2lnbmF0dXJlLXRoYXQtbXVzdC1uZXZlci1iZS1sb2dnZWQ"
 
 func TestKubeconfigMatchesClientcmd(t *testing.T) {
 	t.Parallel()
@@ -29,9 +34,9 @@ func TestKubeconfigMatchesClientcmd(t *testing.T) {
 		ns, sa  string
 		token   string
 	}{
-		{name: "a typical kubeconfig", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, ns: "argo", sa: "runner", token: secretToken},
-		{name: "a TLS server name and an HTTP proxy are written when set", cluster: policy.ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
-		{name: "a socks5 proxy behind a path-serving API server is written as given", cluster: policy.ClusterSpec{Name: "east", Server: "https://rancher.example.com/k8s/clusters/c-m-abc123", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}, ns: "argo", sa: "runner", token: secretToken},
+		{name: "a typical kubeconfig", cluster: policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, ns: "argo", sa: "runner", token: goldenToken},
+		{name: "a TLS server name and an HTTP proxy are written when set", cluster: policy.ClusterSpec{Name: "east", Server: "https://10.0.0.1:6443", TLSServerName: "east.internal", ProxyURL: "http://proxy.example.com:3128", CAData: "x"}, ns: "argo", sa: "runner", token: goldenToken},
+		{name: "a socks5 proxy behind a path-serving API server is written as given", cluster: policy.ClusterSpec{Name: "east", Server: "https://rancher.example.com/k8s/clusters/c-m-abc123", ProxyURL: "socks5://127.0.0.1:1080", CAData: "x"}, ns: "argo", sa: "runner", token: goldenToken},
 		{name: "values that YAML would otherwise misread stay strings", cluster: policy.ClusterSpec{Name: "yes", Server: "https://[::1]:6443/path?q=1#x", TLSServerName: "null", ProxyURL: "http://p:1/#: &a *b", CAData: "x"}, ns: "null", sa: "true", token: "1e3: # &a *b {c} \"d\" 'e' \\ \n\t"},
 		{name: "non-ASCII and control characters survive", cluster: policy.ClusterSpec{Name: "ö", Server: "https://\u00e9.example/a\u0085b", TLSServerName: "\u0085\u2029", ProxyURL: "http://\u2028\ufeff", CAData: "\x00\xff"}, ns: "a\u202eb", sa: "c\x01d", token: "\u2028"},
 		{name: "characters YAML refuses or folds when raw are escaped", cluster: policy.ClusterSpec{Name: "e\x7f", Server: "https://e/\u0080\u009f", TLSServerName: "\ufffe", ProxyURL: "http://\uffff", CAData: "x"}, ns: "\u0085", sa: "\x7f\u0085\U0001F600", token: "a\u0085\u0085b"},
@@ -39,7 +44,7 @@ func TestKubeconfigMatchesClientcmd(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			got, err := buildKubeconfig(tc.cluster, tc.ns, tc.sa, issuers.Credential{Token: tc.token})
+			got, err := Build(tc.cluster, tc.ns, tc.sa, issuers.Credential{Token: tc.token})
 			require.NoError(t, err)
 
 			// What client-go's own types hold, converted as clientcmd.Load
@@ -83,7 +88,7 @@ func TestClientGoConnectsWithTheServerNameAndProxyOfTheKubeconfig(t *testing.T) 
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			kc, err := buildKubeconfig(tc.cluster, "argo", "runner", issuers.Credential{Token: secretToken})
+			kc, err := Build(tc.cluster, "argo", "runner", issuers.Credential{Token: goldenToken})
 			require.NoError(t, err)
 			rc, err := clientcmd.RESTConfigFromKubeConfig(kc)
 			require.NoError(t, err)
@@ -126,7 +131,7 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			got, err := buildKubeconfig(tc.cluster, "argo", "admiralty-source", issuers.Credential{Token: token})
+			got, err := Build(tc.cluster, "argo", "admiralty-source", issuers.Credential{Token: token})
 			require.NoError(t, err)
 			path := filepath.Join("testdata", tc.file)
 			if *update {
@@ -135,7 +140,7 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 			want, err := os.ReadFile(path)
 			require.NoError(t, err, "run: go test ./broker -run TestTheGoldenKubeconfig -update")
 			require.Equal(t, string(want), string(got),
-				"%s is not what buildKubeconfig writes; if the change is meant, run: go test ./broker -run TestTheGoldenKubeconfig -update", path)
+				"%s is not what Build writes; if the change is meant, run: go test ./broker -run TestTheGoldenKubeconfig -update", path)
 
 			cfg, err := clientcmd.Load(want)
 			require.NoError(t, err)
@@ -153,7 +158,7 @@ func TestTheGoldenKubeconfigIsWhatTheBrokerBuilds(t *testing.T) {
 func BenchmarkBuildKubeconfig(b *testing.B) {
 	c := policy.ClusterSpec{Name: "east", Server: "https://east.example.com:6443", CAData: string(make([]byte, 600))}
 	for b.Loop() {
-		_, _ = buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: secretToken})
+		_, _ = Build(c, "argo", "runner", issuers.Credential{Token: goldenToken})
 	}
 }
 
@@ -161,7 +166,7 @@ func BenchmarkBuildKubeconfig(b *testing.B) {
 // section a policy accepts, the kubeconfig written from it loads with
 // clientcmd and names the same server, TLS server name and proxy.
 func FuzzAValidPolicysClusterReadsBackFromItsKubeconfig(f *testing.F) {
-	f.Add([]byte(testPolicy))
+	f.Add([]byte(policytest.Basic))
 	f.Add([]byte("cluster: {name: east, server: \"https://east.example.com:6443/a\u0085b\", caData: x}\n"))
 	f.Add([]byte(`cluster: {name: east, server: "https://10.0.0.1:6443/k8s", tlsServerName: east.internal, proxyURL: "socks5://proxy:1080", caData: x}` + "\n"))
 	f.Add([]byte(`cluster: {name: "e a", server: "https://[::1]:6443", proxyURL: "http://u:p@proxy:3128", caData: x}` + "\n"))
@@ -171,7 +176,7 @@ func FuzzAValidPolicysClusterReadsBackFromItsKubeconfig(f *testing.F) {
 			return
 		}
 		c := p.Cluster
-		kc, err := buildKubeconfig(c, "argo", "runner", issuers.Credential{Token: "t"})
+		kc, err := Build(c, "argo", "runner", issuers.Credential{Token: "t"})
 		require.NoError(t, err)
 		cfg, err := clientcmd.Load(kc)
 		require.NoError(t, err, string(kc))

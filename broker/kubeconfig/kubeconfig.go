@@ -1,12 +1,18 @@
-package broker
+package kubeconfig
 
 import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
+
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/issuers"
+	"k8s.io/client-go/tools/clientcmd"
 )
 
 // buildKubeconfig returns a complete kubeconfig for subject (the
@@ -24,7 +30,7 @@ import (
 // (writeQuoted), so no value can break the document or change on the way;
 // TestKubeconfigMatchesClientcmd checks the result against client-go's own
 // types.
-func buildKubeconfig(cluster policy.ClusterSpec, namespace, subject string, cred issuers.Credential) ([]byte, error) {
+func Build(cluster policy.ClusterSpec, namespace, subject string, cred issuers.Credential) ([]byte, error) {
 	user := subject + "@" + cluster.Name
 	ctxName := namespace + "/" + subject + "@" + cluster.Name
 	var b bytes.Buffer
@@ -109,3 +115,43 @@ func writeQuoted(b *bytes.Buffer, s string) {
 func yamlMisreads(r rune) bool {
 	return r >= 0x7f && r <= 0x9f || r == 0xfffe || r == 0xffff
 }
+
+// execKubeconfig is the kubeconfig of Exec, named like the ones
+// with a credential: the user <serviceAccount>@<cluster> (for a client
+// certificate, whose user is new at every lease, client-certificate@<cluster>)
+// and the context <namespace>/<user>.
+func Exec(cluster policy.ClusterSpec, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
+	subject := req.ServiceAccount
+	if req.Credential == apiv1.CredentialClientCertificate {
+		subject = "client-certificate"
+	}
+	user := subject + "@" + cluster.Name
+	ctxName := req.Namespace + "/" + user
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[cluster.Name] = &clientcmdapi.Cluster{
+		Server:                   cluster.Server,
+		TLSServerName:            cluster.TLSServerName,
+		ProxyURL:                 cluster.ProxyURL,
+		CertificateAuthorityData: []byte(cluster.CAData),
+	}
+	cfg.AuthInfos[user] = &clientcmdapi.AuthInfo{Exec: &clientcmdapi.ExecConfig{
+		APIVersion:      "client.authentication.k8s.io/v1",
+		Command:         "tokenbroker",
+		Args:            apiv1.PluginArgs(brokerURL, "", req),
+		InstallHint:     pluginInstallHint,
+		InteractiveMode: clientcmdapi.NeverExecInteractiveMode,
+	}}
+	cfg.Contexts[ctxName] = &clientcmdapi.Context{Cluster: cluster.Name, AuthInfo: user, Namespace: req.Namespace}
+	cfg.CurrentContext = ctxName
+	kc, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, fmt.Errorf("write exec kubeconfig: %w", err)
+	}
+	return kc, nil
+}
+
+// pluginInstallHint is what client-go prints when the exec kubeconfig's
+// command is not on the PATH.
+const pluginInstallHint = `This kubeconfig runs "tokenbroker credential", the exec credential plugin of
+the tokenbroker binary: put tokenbroker on your PATH, and set
+TOKENBROKER_IDENTITY_DIR to your identity directory (tls.crt, tls.key, ca.crt).`
