@@ -15,7 +15,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 )
 
-// buildKubeconfig returns a complete kubeconfig for subject (the
+// Build returns a complete kubeconfig for subject (the
 // ServiceAccount of a token, the per-lease user of a certificate):
 // the cluster's external URL and CA bundle (and its tls-server-name and
 // proxy-url when the policy sets them), the credential as clientcmd's
@@ -116,7 +116,7 @@ func yamlMisreads(r rune) bool {
 	return r >= 0x7f && r <= 0x9f || r == 0xfffe || r == 0xffff
 }
 
-// execKubeconfig is the kubeconfig of Exec, named like the ones
+// Exec is the kubeconfig of an exec request, named like the ones
 // with a credential: the user <serviceAccount>@<cluster> (for a client
 // certificate, whose user is new at every lease, client-certificate@<cluster>)
 // and the context <namespace>/<user>.
