@@ -86,15 +86,15 @@ type Config struct {
 	Namespace string
 	// CA signs client certificates at enrollment and renewal; nil disables
 	// both (they answer KindNotFound).
-	CA CertificateAuthority
+	CA enrollment.CertificateAuthority
 	// JoinTokens verifies join tokens; nil means a pki.JoinTokenVerifier
 	// that trusts the keys of CA and PreviousCA only.
-	JoinTokens JoinTokenVerifier
+	JoinTokens enrollment.JoinTokenVerifier
 	// PreviousCA, if set, is the signing CA being replaced during a CA
 	// rotation: join tokens it signed still verify, and client
 	// certificates it issued may still renew. The other CAs of Trust
 	// authenticate peers but are never taken for signing CAs.
-	PreviousCA CACertificates
+	PreviousCA enrollment.CACertificates
 	// BrokerNames are the names this broker answers to in a join token's
 	// aud (pki join-token --audience); empty means the policy's
 	// cluster.name, read at every verification. A token that names none
@@ -107,7 +107,7 @@ type Config struct {
 	AcceptUnboundJoinTokens bool
 	// Trust is the CA bundle served by TrustBundle and returned with every
 	// issued certificate.
-	Trust TrustSource
+	Trust enrollment.TrustSource
 	// CertificateTTL is the lifetime of issued client certificates unless
 	// the policy sets one for the peer; zero means
 	// pki.DefaultClientLifetime.
@@ -147,7 +147,7 @@ type Broker struct {
 	limits     *limits.Limiter
 	enrollLim  *limits.EnrollLimiter
 	reads      *limits.InFlight // lease reads waiting on the API server, by identity
-	joinTokens JoinTokenVerifier
+	joinTokens enrollment.JoinTokenVerifier
 	retries    *retryQueue // failed lease deletions, retried until done
 	// expiries are the leases revoked at their expiry (leaseexpiry.go).
 	expiries *expiryQueue
@@ -192,7 +192,7 @@ func New(cfg Config) (*Broker, error) {
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: newRetryQueue(), expiries: newExpiryQueue(), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = caJoinTokens{ca: cfg.CA, previous: cfg.PreviousCA, audiences: b.joinTokenAudiences, now: cfg.Clock.Now}
+		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
 	if cfg.Namespaces != nil {
 		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)

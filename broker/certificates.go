@@ -3,9 +3,7 @@ package broker
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"crypto/x509"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -18,75 +16,12 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
-
-// CertificateAuthority signs client certificates for enrolled and renewing
-// clusters; *pki.CA is the implementation.
-type CertificateAuthority interface {
-	// SignClient issues a client certificate for identity with the CSR's
-	// public key. Errors wrapping pki.ErrInvalidCSR are the caller's fault;
-	// none is retryable.
-	SignClient(csr *x509.CertificateRequest, identity string, lifetime time.Duration) (*pki.KeyPair, error)
-	// Certificate is the signing CA's certificate; its key signs join
-	// tokens.
-	Certificate() *x509.Certificate
-}
-
-// TrustSource is the CA bundle in force, which peers use to verify brokers
-// and each other; *pki.PoolReloader (the client-CA bundle, which follows
-// its file) is the implementation.
-type TrustSource interface {
-	// PEM is the bundle as served by GET /v1/trust-bundle.
-	PEM() []byte
-	// Certificates are the bundle's certificates, in the same order.
-	Certificates() []*x509.Certificate
-}
-
-// JoinTokenVerifier checks a join token's signature and claims (not its
-// single use, which the broker records); *pki.JoinTokenVerifier is the
-// implementation.
-type JoinTokenVerifier interface {
-	Verify(token string) (pki.JoinTokenClaims, error)
-}
-
-var (
-	_ CertificateAuthority = (*pki.CA)(nil)
-	_ CertificateAuthority = (*pki.CAReloader)(nil)
-	_ TrustSource          = (*pki.PoolReloader)(nil)
-	_ JoinTokenVerifier    = (*pki.JoinTokenVerifier)(nil)
-	_ JoinTokenVerifier    = caJoinTokens{}
-	_ CACertificates       = (*pki.PoolReloader)(nil)
-)
-
-// CACertificates are CA certificates read at every use, so that they
-// follow a file that changes; *pki.PoolReloader is the implementation.
-type CACertificates interface {
-	Certificates() []*x509.Certificate
-}
-
-// caJoinTokens verifies join tokens with the key of the signing CA in
-// force and, during a rotation, of the previous signing CA named
-// explicitly, both read at every verification so that they follow a
-// signing CA that is replaced at run time. The other CAs of the trust
-// bundle are not asked: a bundle CA authenticates peers, it does not
-// admit new ones, and an operator who adds a partner's CA to the bundle
-// must not thereby let that partner mint join tokens for this broker.
-//
-// The token's aud must name this broker (see Config.BrokerNames).
-type caJoinTokens struct {
-	ca        CertificateAuthority
-	previous  CACertificates
-	audiences func() []string
-	now       func() time.Time
-}
-
-func (v caJoinTokens) Verify(token string) (pki.JoinTokenClaims, error) {
-	return pki.NewJoinTokenVerifierFor(signingCAs(v.ca, v.previous), v.audiences(), v.now).Verify(token)
-}
 
 // joinTokenAudiences are the aud values this broker accepts in a join
 // token: its names (Config.BrokerNames, else the policy's cluster.name),
@@ -106,24 +41,13 @@ func (b *Broker) joinTokenAudiences() []string {
 	return names
 }
 
-// signingCAs are the CAs whose keys may have signed join tokens and the
-// client certificates that renew: the signing CA in force and the
-// previous one.
-func signingCAs(ca CertificateAuthority, previous CACertificates) []*x509.Certificate {
-	out := []*x509.Certificate{ca.Certificate()}
-	if previous != nil {
-		out = append(out, previous.Certificates()...)
-	}
-	return out
-}
-
 // issuedBySigningCA reports whether cert was signed by the key of the
 // signing CA in force or of the previous one.
 func (b *Broker) issuedBySigningCA(cert *x509.Certificate) bool {
 	if cert == nil {
 		return false
 	}
-	for _, ca := range signingCAs(b.cfg.CA, b.cfg.PreviousCA) {
+	for _, ca := range enrollment.SigningCAs(b.cfg.CA, b.cfg.PreviousCA) {
 		if bytes.Equal(cert.RawIssuer, ca.RawSubject) && cert.CheckSignatureFrom(ca) == nil {
 			return true
 		}
@@ -131,24 +55,9 @@ func (b *Broker) issuedBySigningCA(cert *x509.Certificate) bool {
 	return false
 }
 
-// The record of a used join token: a Secret with no data in the broker's
-// namespace, named after the token's jti, so that creating it is the
-// atomic "first use wins" that every replica agrees on.
-const (
-	AnnotationJoinTokenID      = "tokenbroker.io/jti"
-	usedJoinTokenPrefix        = "tokenbroker-jti-"
-	usedJoinTokenNameHexDigits = 40
-	// usedJoinTokenMargin keeps a record past its token's exp, so that the
-	// GC never deletes it while the verifier's leeway (and clock skew
-	// between replicas) could still accept the token.
-	usedJoinTokenMargin = 10 * time.Minute
-	// usedJoinTokenFallbackRetention is how long the GC keeps a record
-	// whose expiry annotation cannot be read: beyond the longest join token.
-	usedJoinTokenFallbackRetention = pki.MaxJoinTokenTTL + usedJoinTokenMargin
-	// caExpirySlack keeps a shortened certificate's NotAfter clear of the
-	// CA's, whatever the clocks of broker and CA say.
-	caExpirySlack = time.Minute
-)
+// caExpirySlack keeps a shortened certificate's NotAfter clear of the
+// CA's, whatever the clocks of broker and CA say.
+const caExpirySlack = time.Minute
 
 // Operations and outcomes of tokenbroker_certificate_requests_total.
 const (
@@ -174,18 +83,6 @@ func errJoinToken(cause error) error {
 // errCertificatesDisabled answers enrollment and renewal on a broker that
 // has no signing CA.
 var errCertificatesDisabled = problem.Errorf(problem.KindNotFound, "this broker does not issue certificates")
-
-// errIdentityMismatch is the refusal of a CSR for another identity than the
-// one the join token or the client certificate vouches for.
-var errIdentityMismatch = problem.Errorf(problem.KindForbidden, "the CSR's identity is not the authenticated identity")
-
-// UsedJoinTokenSecretName returns the name of the record of a used join
-// token: a hash of the jti, so that the name is always valid whatever the
-// jti looks like.
-func UsedJoinTokenSecretName(jti string) string {
-	sum := sha256.Sum256([]byte(jti))
-	return usedJoinTokenPrefix + hex.EncodeToString(sum[:])[:usedJoinTokenNameHexDigits]
-}
 
 // Enroll issues a new cluster's first client certificate. token is the
 // join token the caller presented as its bearer token; it authorizes one
@@ -248,7 +145,7 @@ func (b *Broker) enroll(ctx context.Context, token string, req apiv1.Certificate
 		a.denial, a.reason = denyRevoked, "identity revoked"
 		return nil, certUnauthenticated, errJoinToken(errors.New("identity is revoked"))
 	}
-	csr, err := parseCSR(req.CSR, claims.Identity)
+	csr, err := enrollment.ParseCSR(req.CSR, claims.Identity)
 	if err != nil {
 		a.denial = csrDenial(err)
 		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
@@ -326,7 +223,7 @@ func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) 
 		log.Info("renewal refused", zap.String("reason", errDetail(err)))
 		return nil, certLimited, err
 	}
-	csr, err := parseCSR(req.CSR, c.Identity)
+	csr, err := enrollment.ParseCSR(req.CSR, c.Identity)
 	if err != nil {
 		a.denial = csrDenial(err)
 		log.Info("renewal refused", zap.String("reason", errDetail(err)), zap.Error(err))
@@ -361,51 +258,21 @@ func (b *Broker) Revoked(identity string, serials ...string) bool {
 
 func (b *Broker) revoked(identity string) bool { return b.Revoked(identity) }
 
-// parseCSR parses the CSR and checks that it asks for identity.
-func parseCSR(csrPEM, identity string) (*x509.CertificateRequest, error) {
-	csr, csrIdentity, err := pki.ParseCSRPEM([]byte(csrPEM))
-	if err != nil {
-		return nil, &problem.Error{
-			Kind:   problem.KindInvalid,
-			Detail: "the request is invalid",
-			Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}},
-			Err:    err,
-		}
-	}
-	if csrIdentity != identity {
-		return nil, &problem.Error{Kind: problem.KindForbidden, Detail: errIdentityMismatch.Detail,
-			Err: fmt.Errorf("CSR identity %q, authenticated identity %q", csrIdentity, identity)}
-	}
-	return csr, nil
-}
-
-// csrProblem is the caller-facing description of a refused CSR: pki's
-// messages describe the CSR and hold nothing secret, but are bounded here
-// all the same.
-func csrProblem(err error) string {
-	const maxLen = 300
-	msg := err.Error()
-	if len(msg) > maxLen {
-		msg = msg[:maxLen] + "…"
-	}
-	return "must be one PEM CERTIFICATE REQUEST with the cluster identity as its only URI SAN: " + msg
-}
-
 // recordJoinToken creates the used-token record, failing with the
 // uniform KindUnauthenticated error if it exists already.
 func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims) error {
 	s := &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{
-			Name:      UsedJoinTokenSecretName(claims.ID),
+			Name:      enrollment.UsedJoinTokenSecretName(claims.ID),
 			Namespace: b.cfg.Namespace,
 			Labels: map[string]string{
 				objects.LabelManagedBy: objects.ManagedByValue,
 				objects.LabelKind:      objects.UsedJoinTokenKind,
 			},
 			Annotations: map[string]string{
-				objects.AnnotationExpiresAt: claims.ExpiresAt.Add(usedJoinTokenMargin).UTC().Format(time.RFC3339),
-				objects.AnnotationIdentity:  claims.Identity,
-				AnnotationJoinTokenID:       claims.ID,
+				objects.AnnotationExpiresAt:      claims.ExpiresAt.Add(enrollment.UsedJoinTokenMargin).UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:       claims.Identity,
+				enrollment.AnnotationJoinTokenID: claims.ID,
 			},
 		},
 		Type: objects.SecretTypeUsedJoinToken,
@@ -445,7 +312,7 @@ func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Lo
 	if err != nil {
 		if errors.Is(err, pki.ErrInvalidCSR) {
 			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
-				Fields: []apiv1.FieldError{{Field: "csr", Detail: csrProblem(err)}}, Err: err}
+				Fields: []apiv1.FieldError{{Field: "csr", Detail: enrollment.CSRProblem(err)}}, Err: err}
 		}
 		return nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
 	}

@@ -131,12 +131,12 @@ func TestEnrollmentIssuesACertificateForTheTokensIdentity(t *testing.T) {
 	require.NoError(t, err)
 
 	// The jti is recorded in the broker's namespace, as a kind of its own.
-	s, err := e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	s, err := e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), enrollment.UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, objects.SecretTypeUsedJoinToken, s.Type)
 	require.Equal(t, objects.UsedJoinTokenKind, s.Labels[objects.LabelKind])
 	require.Equal(t, objects.ManagedByValue, s.Labels[objects.LabelManagedBy])
-	require.Equal(t, claims.ID, s.Annotations[AnnotationJoinTokenID])
+	require.Equal(t, claims.ID, s.Annotations[enrollment.AnnotationJoinTokenID])
 	require.Equal(t, westID, s.Annotations[objects.AnnotationIdentity])
 	exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 	require.NoError(t, err)
@@ -209,7 +209,7 @@ func TestACSRProblemIsReportedAndDoesNotUseTheTokenUp(t *testing.T) {
 	_, err = e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, northID)})
 	require.Equal(t, problem.KindForbidden, problem.KindOf(err), "a CSR for another identity than the token's subject")
 
-	_, err = e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	_, err = e.client.CoreV1().Secrets(brokerNS).Get(context.Background(), enrollment.UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
 	require.True(t, apierrors.IsNotFound(err), "refused requests do not use the token up")
 	_, err = e.b.Enroll(context.Background(), tok, apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
@@ -346,11 +346,11 @@ func TestUsedJoinTokenRecordsAreCollectedAfterExpiryAndNeverListedAsLeases(t *te
 	require.NoError(t, err)
 	require.Zero(t, n)
 
-	e.b.cfg.Clock = clocktesting.NewFakeClock(claims.ExpiresAt.Add(usedJoinTokenMargin + time.Second))
+	e.b.cfg.Clock = clocktesting.NewFakeClock(claims.ExpiresAt.Add(enrollment.UsedJoinTokenMargin + time.Second))
 	n, err = e.b.CollectGarbage(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	_, err = e.client.CoreV1().Secrets(brokerNS).Get(ctx, UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
+	_, err = e.client.CoreV1().Secrets(brokerNS).Get(ctx, enrollment.UsedJoinTokenSecretName(claims.ID), metav1.GetOptions{})
 	require.True(t, apierrors.IsNotFound(err))
 }
 

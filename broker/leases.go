@@ -20,6 +20,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -522,7 +523,7 @@ func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.
 		switch {
 		case err == nil:
 		case usedToken:
-			exp = s.CreationTimestamp.Add(usedJoinTokenFallbackRetention)
+			exp = s.CreationTimestamp.Add(enrollment.UsedJoinTokenFallbackRetention)
 		default:
 			exp = s.CreationTimestamp.Add(maxTTL)
 		}

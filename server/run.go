@@ -308,7 +308,7 @@ func Run(ctx context.Context, opts Options) error {
 	mets.WatchCertificateExpiry(metrics.CertificateServer, func() time.Time { return certs.Leaf().NotAfter })
 	mets.WatchCertificateExpiry(metrics.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
 	// A nil *pki.CAReloader must not become a non-nil interface.
-	var ca broker.CertificateAuthority
+	var ca enrollment.CertificateAuthority
 	if opts.CACertFile != "" {
 		// Validate-then-swap like the other files; a new CA that the
 		// client-CA bundle does not trust is also warned about.
@@ -336,7 +336,7 @@ func Run(ctx context.Context, opts Options) error {
 	}
 
 	// A nil *pki.PoolReloader must not become a non-nil interface.
-	var previousCA broker.CACertificates
+	var previousCA enrollment.CACertificates
 	if opts.PreviousCACertFile != "" {
 		p, err := pki.NewPoolReloader(opts.PreviousCACertFile, reloadOpts(metrics.ConfigPreviousCA, opts.PreviousCACertFile)...)
 		if err != nil {
@@ -481,8 +481,8 @@ func Run(ctx context.Context, opts Options) error {
 // ClusterTrustBundle is chosen from (broker.PublishedCAs), as reloaded:
 // the serving chain, the client-CA bundle, the signing CA and the
 // previous one. ca and previous may be nil.
-func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca broker.CertificateAuthority,
-	previous broker.CACertificates) func() enrollment.PublishSources {
+func publishSources(certs *pki.CertReloader, clientCAs *pki.PoolReloader, ca enrollment.CertificateAuthority,
+	previous enrollment.CACertificates) func() enrollment.PublishSources {
 	return func() enrollment.PublishSources {
 		src := enrollment.PublishSources{ClientCAs: clientCAs.Certificates()}
 		if tc, err := certs.GetCertificate(nil); err == nil && tc != nil {

@@ -1,10 +1,12 @@
 // Package enrollment is the certificate authority's side of the broker:
 // who may hold a cluster identity, and how peers learn whom to trust. It
-// holds the revocation deny list (RevocationList: the ConfigMap
+// holds what the CA side is made of (the CertificateAuthority, TrustSource
+// and JoinTokenVerifier the broker is given; join tokens verified by the
+// signing CA and the previous one only; the used-join-token record's name
+// and lifetime; a CSR parsed and checked against the identity it must ask
+// for), the revocation deny list (RevocationList: the ConfigMap
 // tokenbroker-revocations, watched by every replica; AddRevocation and
 // ReadRevocations for the API and the CLI) and the ClusterTrustBundle
-// publisher (the CAs behind the serving certificate and the signing CA, for
-// the agents of clusters that read them the cluster way). Enrollment with a
-// join token and renewal are still the broker's (broker/certificates.go)
-// until they move here.
+// publisher. The enrollment and renewal flows, with their limits and audit,
+// are still the broker's (broker/certificates.go).
 package enrollment
