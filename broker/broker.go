@@ -33,6 +33,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -126,7 +127,7 @@ type Config struct {
 	// namespaces, run by the caller: grants by namespaceSelector are
 	// decided from it and kept true (RunTenants). Without it such grants
 	// match nothing. While it is not synced the broker is not ready.
-	Namespaces NamespaceInformer
+	Namespaces tenants.NamespaceInformer
 	// LiveNamespaces, if set, reads a namespace from the API server to
 	// confirm that it left a selector grant before its leases are revoked
 	// (the cache may lag); nil trusts the cache.
@@ -155,7 +156,7 @@ type Broker struct {
 	// answer (credentialid.go).
 	credIDs *credentialIDWrites
 	// tenants is nil without Config.Namespaces.
-	tenants *tenants
+	tenants *tenants.Tracker
 	// pool is nil when disabled.
 	pool *leasePool
 	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
@@ -195,7 +196,7 @@ func New(cfg Config) (*Broker, error) {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
 	if cfg.Namespaces != nil {
-		t, err := newTenants(cfg.Namespaces, cfg.Policy, cfg)
+		t, err := tenants.NewTracker(cfg.Namespaces, cfg.Policy, cfg.Clock, cfg.Logger, cfg.Metrics, cfg.LiveNamespaces)
 		if err != nil {
 			return nil, fmt.Errorf("broker: watch namespaces: %w", err)
 		}
@@ -447,8 +448,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// and the GC and the timer revoke it: never later than asked.
 	expected := now.Add(d.TTL).Truncate(time.Second)
 	lease := b.leaseSecret(id, c, d, req, expected)
-	grant := decidedGrant(p, d)
-	markRevokeOnUnmatch(lease, grant)
+	grant := tenants.DecidedGrant(p, d)
+	tenants.MarkRevokeOnUnmatch(lease, grant)
 	if cert != nil {
 		lease.Annotations[objects.AnnotationUser] = cert.user
 		lease.Labels[objects.LabelKeyFingerprint] = cert.fingerprint
@@ -794,7 +795,7 @@ func (b *Broker) describeTenantGrant(peer string, g *policy.GrantSpec, out *apiv
 	out.RevokeOnUnmatch = &keep
 	out.RevokeDelay = time.Duration(g.RevokeDelay).String()
 	if b.tenants != nil {
-		out.MatchingNamespaces = b.tenants.matchingNamespaces(peer, g.Name)
+		out.MatchingNamespaces = b.tenants.MatchingNamespaces(peer, g.Name)
 	}
 }
 
@@ -819,7 +820,7 @@ func (b *Broker) Ready(ctx context.Context) error {
 	if b.cfg.Leases != nil && !b.cfg.Leases.Synced() {
 		return errors.New("lease counts not synced yet")
 	}
-	if b.tenants != nil && !b.tenants.synced() {
+	if b.tenants != nil && !b.tenants.Synced() {
 		return errors.New("namespace cache not synced yet")
 	}
 	if b.cfg.PeerKeys != nil && !b.cfg.PeerKeys.Synced() {

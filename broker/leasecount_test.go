@@ -18,6 +18,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clocktesting "k8s.io/utils/clock/testing"
 )
@@ -43,7 +44,7 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, tenantPolicy)), Logger: zap.NewNop(),
 		Clock: clk, Namespaces: nss, Leases: lc, Pool: PoolConfig{PerNamespace: -1}})
 	require.NoError(t, err)
-	t.Cleanup(b.tenants.queue.ShutDown)
+	t.Cleanup(b.tenants.Queue.ShutDown)
 	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, clk.Now().Add(time.Hour))
 	s.Annotations[objects.AnnotationRevokeOnUnmatch] = "0s"
@@ -53,12 +54,12 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 
 	_, err = b.CollectGarbage(context.Background()) // the first pass is a full one
 	require.NoError(t, err)
-	clk.Step(uncoveredRecheck)
-	require.Eventually(t, func() bool { return b.tenants.queue.Len() > 0 }, 5*time.Second, time.Millisecond)
-	for b.tenants.queue.Len() > 0 {
-		item, _ := b.tenants.queue.Get()
+	clk.Step(tenants.UncoveredRecheck)
+	require.Eventually(t, func() bool { return b.tenants.Queue.Len() > 0 }, 5*time.Second, time.Millisecond)
+	for b.tenants.Queue.Len() > 0 {
+		item, _ := b.tenants.Queue.Get()
 		require.NoError(t, b.revokeUnmatched(context.Background(), item))
-		b.tenants.queue.Done(item)
+		b.tenants.Queue.Done(item)
 	}
 	l, err := client.CoreV1().Secrets("oil-dev").List(context.Background(), metav1.ListOptions{})
 	require.NoError(t, err)

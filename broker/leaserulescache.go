@@ -22,7 +22,7 @@ func (b *Broker) leaseRules() *lease.Rules {
 	p := b.cfg.Policy.Load()
 	var gen uint64
 	if b.tenants != nil {
-		gen = b.tenants.gen.Load()
+		gen = b.tenants.Generation()
 	}
 	if c := b.rulesCache.Load(); c != nil && c.policy == p && c.gen == gen {
 		return c.rules

@@ -25,6 +25,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 )
 
 // ListLeases returns one page of the caller's leases and the continue
@@ -455,7 +456,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	// Revocation is durable: leases whose grant no longer covers them are
 	// found here, by any replica, whatever happened to the revocation the
 	// namespace informer queued (tenants.go).
-	b.queueUncovered(ctx, UnmatchFoundByGC, !full)
+	b.queueUncovered(ctx, tenants.UnmatchFoundByGC, !full)
 	if full {
 		// Every kind at once, including lease Secrets made before the kind
 		// label existed, a page at a time.
@@ -688,7 +689,7 @@ func (b *Broker) LeaseNamespaces() []string {
 		namespaces = p.Namespaces()
 	}
 	if b.tenants != nil {
-		namespaces = append(namespaces, b.tenants.namespaces("")...)
+		namespaces = append(namespaces, b.tenants.Namespaces("")...)
 		slices.Sort(namespaces)
 		namespaces = slices.Compact(namespaces)
 	}
@@ -703,7 +704,7 @@ func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
 	if b.tenants == nil {
 		return ns
 	}
-	ns = append(ns, b.tenants.namespaces(peer.Name)...)
+	ns = append(ns, b.tenants.Namespaces(peer.Name)...)
 	slices.Sort(ns)
 	return slices.Compact(ns)
 }

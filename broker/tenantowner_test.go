@@ -12,6 +12,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 )
 
 // Grants whose namespaces must also be owned by a named object
@@ -138,7 +139,7 @@ func TestANamespaceThatLosesItsOwnerLosesItsLeases(t *testing.T) {
 func TestTrimNamespaceKeepsTheOwnerReferences(t *testing.T) {
 	t.Parallel()
 	ref := tenantRef("capsule.clastix.io/v1beta2", tenantUID)
-	got, err := TrimNamespace(&metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
+	got, err := tenants.TrimNamespace(&metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{
 		Name: "oil-dev", Labels: oil, OwnerReferences: []metav1.OwnerReference{ref},
 		Annotations: map[string]string{"kubectl.kubernetes.io/last-applied-configuration": strings.Repeat("x", 1000)},
 	}})

@@ -27,6 +27,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 )
 
 // Races between an issuance and a namespace leaving its selector grant,
@@ -113,7 +114,7 @@ func newRaceEnv(t *testing.T, pol string, namespaces map[string]map[string]strin
 	if e.b.pool != nil {
 		e.b.pool.running.Store(true) // as RunPool does; the test tends it by hand
 	}
-	t.Cleanup(e.b.tenants.queue.ShutDown)
+	t.Cleanup(e.b.tenants.Queue.ShutDown)
 	return e
 }
 
@@ -127,7 +128,7 @@ func (e *raceEnv) setHook(h func(verb, namespace, name string)) {
 // would.
 func (e *raceEnv) runQueue(t *testing.T) {
 	t.Helper()
-	q := e.b.tenants.queue
+	q := e.b.tenants.Queue
 	for q.Len() > 0 {
 		item, _ := q.Get()
 		require.NoError(t, e.b.revokeUnmatched(context.Background(), item))
@@ -217,9 +218,9 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 // a revocation is due (queued), carries it out.
 func (e *raceEnv) stepToRecheck(t *testing.T, queued bool) {
 	t.Helper()
-	e.clock.Step(uncoveredRecheck)
+	e.clock.Step(tenants.UncoveredRecheck)
 	if queued {
-		require.Eventually(t, func() bool { return e.b.tenants.queue.Len() > 0 }, 5*time.Second, time.Millisecond)
+		require.Eventually(t, func() bool { return e.b.tenants.Queue.Len() > 0 }, 5*time.Second, time.Millisecond)
 	}
 	e.runQueue(t)
 }
@@ -300,7 +301,7 @@ func TestAGCPassKeepsTheRecordedRevokeDelayOfARemovedGrant(t *testing.T) {
 	e.runQueue(t)
 	require.Len(t, e.leases(t, "oil-dev"), 1, "not before the delay")
 	e.clock.Step(31 * time.Second)
-	require.Eventually(t, func() bool { return e.b.tenants.queue.Len() == 1 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return e.b.tenants.Queue.Len() == 1 }, 5*time.Second, time.Millisecond)
 	e.runQueue(t)
 	require.Empty(t, e.leases(t, "oil-dev"))
 }
@@ -316,7 +317,7 @@ func TestAGCPassJudgesNothingBeforeTheNamespaceCacheHasSynced(t *testing.T) {
 	_, err := e.b.CollectGarbage(context.Background())
 	require.NoError(t, err)
 	e.stepToRecheck(t, false)
-	require.Zero(t, e.b.tenants.queue.Len())
+	require.Zero(t, e.b.tenants.Queue.Len())
 	require.Len(t, e.leases(t, "oil-dev"), 1)
 }
 
@@ -359,7 +360,7 @@ func TestAStaleReplicaRevokesOnlyWhatItCanJudge(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			e := newRaceEnv(t, tt.policy, map[string]map[string]string{"oil-dev": tt.cached}, false)
-			e.b.tenants.live = e.client.CoreV1()
+			e.b.tenants.Live = e.client.CoreV1()
 			if tt.exists {
 				_, err := e.client.CoreV1().Namespaces().Create(context.Background(),
 					&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "oil-dev", Labels: tt.live}}, metav1.CreateOptions{})

@@ -24,6 +24,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 )
 
 func TestNamespaceSelectorGrantsAreValidatedWithFieldPaths(t *testing.T) {
@@ -315,9 +316,9 @@ func TestAnUnchangedNamespaceSeenAgainRevokesNothing(t *testing.T) {
 	// What an informer's re-list after an API server restart delivers.
 	e.nss.set("oil-dev", oil)
 	e.nss.set("oil-dev", map[string]string{"capsule.clastix.io/tenant": "oil", "other": "x"})
-	e.b.tenants.queue.ShutDownWithDrain()
+	e.b.tenants.Queue.ShutDownWithDrain()
 	require.True(t, e.live(t, "oil-dev", id))
-	require.Zero(t, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchLabelChanged))
+	require.Zero(t, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchLabelChanged))
 }
 
 func TestTheDelayRidesOutARelabel(t *testing.T) {
@@ -348,7 +349,7 @@ func TestAReloadThatNarrowsAGrantRevokesWhatItNoLongerCovers(t *testing.T) {
 	e.store.Store(mustPolicy(t, narrowed))
 	e.requireRevoked(t, "oil-dev", dev)
 	require.True(t, e.live(t, "oil-system", sys), "still listed by name")
-	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchPolicy))
+	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchPolicy))
 
 	// Removing the grant altogether narrows it to nothing.
 	e.store.Store(mustPolicy(t, strings.Replace(narrowed, "namespaces: [oil-system]", "namespaces: [other]", 1)))
@@ -400,9 +401,9 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour)), metav1.CreateOptions{})
 	require.NoError(t, err)
 	e.b.sweepUnmatched(context.Background())
-	e.clock.Step(uncoveredRecheck) // the cache is looked at again then
+	e.clock.Step(tenants.UncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
-	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", UnmatchFoundAtStart))
+	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchFoundAtStart))
 }
 
 // BenchmarkDecideWithManyNamespaces shows that a selector grant decides in
@@ -417,7 +418,7 @@ func BenchmarkDecideWithManyNamespaces(b *testing.B) {
 			}
 			p, err := policy.Parse([]byte(tenantPolicy))
 			require.NoError(b, err)
-			tn, err := newTenants(nss, policy.NewStore(p), Config{Logger: zap.NewNop(), Clock: clocktesting.NewFakeClock(time.Now())})
+			tn, err := tenants.NewTracker(nss, policy.NewStore(p), clocktesting.NewFakeClock(time.Now()), zap.NewNop(), nil, nil)
 			require.NoError(b, err)
 			b.ResetTimer()
 			for i := range b.N {

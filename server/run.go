@@ -29,6 +29,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/tenants"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -559,7 +560,7 @@ func clusterTrustBundlePublisher(signer, owner string, client kubernetes.Interfa
 // watch on namespaces.
 func namespaceInformer(ctx context.Context, mc metadata.Interface, log *zap.Logger) (cache.SharedIndexInformer, error) {
 	inf := metadatainformer.NewFilteredMetadataInformer(mc, corev1.SchemeGroupVersion.WithResource("namespaces"), "", 0, cache.Indexers{}, nil).Informer()
-	if err := inf.SetTransform(broker.TrimNamespace); err != nil {
+	if err := inf.SetTransform(tenants.TrimNamespace); err != nil {
 		return nil, fmt.Errorf("namespace informer: %w", err)
 	}
 	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
