@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sort"
 	"time"
 
 	"go.uber.org/zap"
@@ -13,10 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
-	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
-	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
@@ -84,7 +80,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req lease.PageRequest
 		remaining -= len(list.Items)
 		for j := range list.Items {
 			if s := &list.Items[j]; ownLease(s, c, peer) {
-				out.Items = append(out.Items, leaseFromSecret(s))
+				out.Items = append(out.Items, lease.ToAPI(s))
 			}
 		}
 		if list.Continue != "" {
@@ -120,7 +116,7 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 	if err != nil {
 		return nil, err
 	}
-	l := leaseFromSecret(s)
+	l := lease.ToAPI(s)
 	return &l, nil
 }
 
@@ -391,22 +387,6 @@ func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string,
 	return nil
 }
 
-func leaseFromSecret(s *corev1.Secret) apiv1.Lease {
-	exp, _ := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
-	return apiv1.Lease{
-		ID:             s.Labels[objects.LabelLeaseID],
-		Peer:           s.Labels[objects.LabelPeer],
-		Namespace:      s.Namespace,
-		ServiceAccount: s.Annotations[objects.AnnotationSA],
-		User:           s.Annotations[objects.AnnotationUser],
-		Workload:       s.Annotations[objects.AnnotationWorkload],
-		Credential:     s.Annotations[objects.AnnotationCred],
-		CreatedAt:      s.CreationTimestamp.UTC(),
-		ExpiresAt:      exp.UTC(),
-		Grant:          s.Annotations[objects.AnnotationGrant],
-	}
-}
-
 // CollectGarbage deletes every lease Secret and every used join token
 // record whose expiry has passed, and returns how many it deleted. It also
 // queues the revocation of every lease whose selector grant no longer
@@ -573,113 +553,6 @@ func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
 	}, interval)
 }
 
-// LeaseRecord is one lease as "leases -o json" prints it: the fields of
-// GET /v1/leases (so that one jq filter reads both) and the holder's
-// identity and Secret.
-type LeaseRecord struct {
-	ID             string     `json:"id"`
-	Peer           string     `json:"peer"`
-	Identity       string     `json:"identity"`
-	Namespace      string     `json:"namespace"`
-	ServiceAccount string     `json:"serviceAccount"`
-	User           string     `json:"user,omitempty"`
-	Workload       string     `json:"workload,omitempty"`
-	Credential     string     `json:"credential"`
-	CreatedAt      time.Time  `json:"createdAt"`
-	ExpiresAt      *time.Time `json:"expiresAt,omitempty"`
-	Expired        bool       `json:"expired"`
-	Secret         string     `json:"secret"`
-	// Grant is the grant the lease was issued under (AnnotationGrant).
-	Grant string `json:"grant,omitempty"`
-	// CredentialID is the credential as the API server's audit log names
-	// it (AnnotationCredentialID), once it is issued.
-	CredentialID string `json:"credentialId,omitempty"`
-	// UID is the Secret's, for a delete with a precondition.
-	UID types.UID `json:"-"`
-}
-
-// ListLeaseSecrets lists the lease Secrets in namespace ("" for every
-// namespace) whose labels also match extra, with whatever credentials
-// secrets has: "tokenbroker leases" lists as the administrator, not as the
-// broker. It holds them all: for lookups by lease id; walk a whole cluster
-// with EachLeaseSecretPage.
-func ListLeaseSecrets(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set) ([]corev1.Secret, error) {
-	var out []corev1.Secret
-	err := EachLeaseSecretPage(ctx, secrets, namespace, extra, func(page []corev1.Secret) error {
-		out = append(out, page...)
-		return nil
-	})
-	return out, err
-}
-
-// LeaseSecretPageSize is the page size of EachLeaseSecretPage.
-const LeaseSecretPageSize = 500
-
-// EachLeaseSecretPage is ListLeaseSecrets one page of the API server's at
-// a time (ListOptions Limit/Continue, LeaseSecretPageSize): fn gets each
-// page in the API server's order (namespace, then Secret name), and no more
-// than one page is held. It stops at fn's first error and returns it.
-func EachLeaseSecretPage(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, extra labels.Set, fn func([]corev1.Secret) error) error {
-	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}
-	for k, v := range extra {
-		set[k] = v
-	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: LeaseSecretPageSize}
-	for {
-		list, err := secrets.Secrets(namespace).List(ctx, opts)
-		if err != nil {
-			return err
-		}
-		if err := fn(list.Items); err != nil {
-			return err
-		}
-		if list.Continue == "" {
-			return nil
-		}
-		opts.Continue = list.Continue
-	}
-}
-
-// LeaseRecords turns lease Secrets into records, keeps those of
-// serviceAccount if it is set, and sorts them by namespace, ServiceAccount,
-// issue time and id.
-func LeaseRecords(secrets []corev1.Secret, serviceAccount string, now time.Time) []LeaseRecord {
-	out := make([]LeaseRecord, 0, len(secrets))
-	for i := range secrets {
-		s := &secrets[i]
-		l := leaseFromSecret(s)
-		r := LeaseRecord{
-			ID: l.ID, Peer: l.Peer, Namespace: l.Namespace, ServiceAccount: l.ServiceAccount, User: l.User, Workload: l.Workload,
-			Credential: l.Credential, CreatedAt: l.CreatedAt,
-			Identity: s.Annotations[objects.AnnotationIdentity], Secret: s.Name, UID: s.UID, Grant: l.Grant,
-			CredentialID: s.Annotations[objects.AnnotationCredentialID],
-		}
-		if serviceAccount != "" && r.ServiceAccount != serviceAccount {
-			continue
-		}
-		if exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt]); err == nil {
-			exp = exp.UTC()
-			r.ExpiresAt = &exp
-			r.Expired = !now.Before(exp)
-		}
-		out = append(out, r)
-	}
-	sort.SliceStable(out, func(i, j int) bool {
-		a, b := out[i], out[j]
-		if a.Namespace != b.Namespace {
-			return a.Namespace < b.Namespace
-		}
-		if a.ServiceAccount != b.ServiceAccount {
-			return a.ServiceAccount < b.ServiceAccount
-		}
-		if !a.CreatedAt.Equal(b.CreatedAt) {
-			return a.CreatedAt.Before(b.CreatedAt)
-		}
-		return a.ID < b.ID
-	})
-	return out
-}
-
 // LeaseNamespaces are the namespaces where any peer may hold leases: those
 // the policy's grants name and those its selector grants match now,
 // sorted, each once.
@@ -707,35 +580,4 @@ func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
 	ns = append(ns, b.tenants.Namespaces(peer.Name)...)
 	slices.Sort(ns)
 	return slices.Compact(ns)
-}
-
-// EachLeaseSecretMetadataPage is EachLeaseSecretPage over every namespace
-// with the metadata client: the lease Secrets' metadata only (labels,
-// annotations, creation time; never their data), of the type
-// SecretTypeLease only (a field selector the API server applies, so a
-// Secret of another type that copies the labels is not listed). Each
-// Secret fn gets has its ObjectMeta and Type set, nothing else.
-func EachLeaseSecretMetadataPage(ctx context.Context, client metadata.Interface, fn func([]corev1.Secret) error) error {
-	opts := metav1.ListOptions{
-		LabelSelector: labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}).String(),
-		FieldSelector: lease.TypeSelector,
-		Limit:         LeaseSecretPageSize,
-	}
-	for {
-		list, err := client.Resource(lease.SecretsGVR).Namespace(metav1.NamespaceAll).List(ctx, opts)
-		if err != nil {
-			return err
-		}
-		page := make([]corev1.Secret, len(list.Items))
-		for i := range list.Items {
-			page[i] = corev1.Secret{ObjectMeta: list.Items[i].ObjectMeta, Type: objects.SecretTypeLease}
-		}
-		if err := fn(page); err != nil {
-			return err
-		}
-		if list.Continue == "" {
-			return nil
-		}
-		opts.Continue = list.Continue
-	}
 }

@@ -188,7 +188,7 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 		return
 	}
 	// Page by page: the whole cluster's leases need not fit in memory.
-	err := EachLeaseSecretPage(ctx, b.cfg.Secrets, "", nil, func(secrets []corev1.Secret) error {
+	err := lease.EachSecretPage(ctx, b.cfg.Secrets, "", nil, func(secrets []corev1.Secret) error {
 		for i := range secrets {
 			consider(lease.RefOf(&secrets[i]))
 		}

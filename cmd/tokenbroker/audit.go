@@ -19,8 +19,8 @@ import (
 	"k8s.io/client-go/metadata"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/rbacrights"
 )
@@ -255,8 +255,8 @@ func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin i
 		}
 	}
 	if clients.meta != nil {
-		err := broker.EachLeaseSecretMetadataPage(ctx, clients.meta, func(page []corev1.Secret) error {
-			for _, r := range broker.LeaseRecords(page, "", time.Now()) {
+		err := lease.EachSecretMetadataPage(ctx, clients.meta, func(page []corev1.Secret) error {
+			for _, r := range lease.Records(page, "", time.Now()) {
 				l := auditjoin.Lease{
 					ID: r.ID, Peer: r.Peer, Identity: r.Identity, Namespace: r.Namespace, ServiceAccount: r.ServiceAccount,
 					User: r.User, Workload: r.Workload, Credential: r.Credential, Grant: r.Grant, CredentialID: r.CredentialID,

@@ -21,7 +21,7 @@ import (
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
@@ -193,8 +193,8 @@ func runLeases(ctx context.Context, secrets corev1client.SecretsGetter, o leases
 		sel = labels.Set{objects.LabelPeer: o.Peer}
 	}
 	p := newLeasePrinter(out, o.Output, now)
-	err := broker.EachLeaseSecretPage(ctx, secrets, o.Namespace, sel, func(page []corev1.Secret) error {
-		return p.page(broker.LeaseRecords(page, o.ServiceAccount, now))
+	err := lease.EachSecretPage(ctx, secrets, o.Namespace, sel, func(page []corev1.Secret) error {
+		return p.page(lease.Records(page, o.ServiceAccount, now))
 	})
 	if err != nil {
 		return explainAPIError(err, "list", o.Namespace)
@@ -218,7 +218,7 @@ func newLeasePrinter(out io.Writer, format string, now time.Time) *leasePrinter 
 }
 
 // page prints one page of records.
-func (p *leasePrinter) page(records []broker.LeaseRecord) error {
+func (p *leasePrinter) page(records []lease.Record) error {
 	if p.format == "json" {
 		return p.jsonPage(records)
 	}
@@ -255,7 +255,7 @@ func (p *leasePrinter) page(records []broker.LeaseRecord) error {
 
 // jsonPage writes records as the next elements of one JSON array indented
 // as json.Encoder with SetIndent("", "  ") indents a whole slice.
-func (p *leasePrinter) jsonPage(records []broker.LeaseRecord) error {
+func (p *leasePrinter) jsonPage(records []lease.Record) error {
 	for _, r := range records {
 		b, err := json.MarshalIndent(r, "  ", "  ")
 		if err != nil {
@@ -371,12 +371,12 @@ func completeLeaseIDs(ctx context.Context, o *leasesOptions, done []string) ([]s
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	list, err := broker.ListLeaseSecrets(ctx, secrets, o.Namespace, nil)
+	list, err := lease.ListSecrets(ctx, secrets, o.Namespace, nil)
 	if err != nil {
 		return nil, cobra.ShellCompDirectiveNoFileComp
 	}
 	var out []string
-	for _, r := range broker.LeaseRecords(list, "", time.Now()) {
+	for _, r := range lease.Records(list, "", time.Now()) {
 		if !slices.Contains(done, r.ID) {
 			out = append(out, fmt.Sprintf("%s\t%s/%s, peer %s", r.ID, r.Namespace, r.ServiceAccount, r.Peer))
 		}
@@ -393,7 +393,7 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
-		list, err := broker.ListLeaseSecrets(ctx, secrets, namespace, labels.Set{objects.LabelLeaseID: id})
+		list, err := lease.ListSecrets(ctx, secrets, namespace, labels.Set{objects.LabelLeaseID: id})
 		if err != nil {
 			return errors.Join(append(errs, explainAPIError(err, "list", namespace))...)
 		}
@@ -405,7 +405,7 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("lease %s not found %s (expired and collected, or already revoked?)", id, where))
 			continue
 		}
-		for _, r := range broker.LeaseRecords(list, "", now) {
+		for _, r := range lease.Records(list, "", now) {
 			// The UID precondition deletes exactly the Secret listed, never a
 			// namesake made since.
 			err := secrets.Secrets(r.Namespace).Delete(ctx, r.Secret, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &r.UID}})

@@ -21,7 +21,7 @@ import (
 	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
@@ -120,7 +120,7 @@ func TestLeasesAnswersWhoHoldsACredentialForAServiceAccount(t *testing.T) {
 
 	out, _, err := runLeasesFor(t, cs, leasesOptions{Peer: "west", Output: "json"})
 	require.NoError(t, err)
-	var recs []broker.LeaseRecord
+	var recs []lease.Record
 	require.NoError(t, json.Unmarshal([]byte(out), &recs))
 	require.Len(t, recs, 3)
 	for _, r := range recs {
@@ -271,7 +271,7 @@ func TestLeasesAreReadAndPrintedPageByPage(t *testing.T) {
 		for i, ns := range []string{"argo", "flux", "kargo"} {
 			require.True(t, strings.HasPrefix(lines[i+1], ns+" "), lines[i+1])
 		}
-		require.Equal(t, []int64{broker.LeaseSecretPageSize, broker.LeaseSecretPageSize, broker.LeaseSecretPageSize}, *limits)
+		require.Equal(t, []int64{lease.SecretPageSize, lease.SecretPageSize, lease.SecretPageSize}, *limits)
 	})
 
 	t.Run("JSON is one array of every page's leases.", func(t *testing.T) {
@@ -279,7 +279,7 @@ func TestLeasesAreReadAndPrintedPageByPage(t *testing.T) {
 		cs, _ := pagedClientset(pages...)
 		out, _, err := runLeasesFor(t, cs, leasesOptions{Output: "json"})
 		require.NoError(t, err)
-		var records []broker.LeaseRecord
+		var records []lease.Record
 		require.NoError(t, json.Unmarshal([]byte(out), &records))
 		require.Len(t, records, 3)
 		require.Equal(t, []string{idB, idE, idC}, []string{records[0].ID, records[1].ID, records[2].ID})

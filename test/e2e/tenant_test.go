@@ -17,7 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -189,7 +189,7 @@ func TestTenantGrants(t *testing.T) {
 		status, resp := issue(t, "oil-b", "runner")
 		require.Equal(t, 201, status)
 		out := run(t, e.bin, "leases", "--kubeconfig", c.KubeconfigPath, "-n", "oil-b", "-o", "json")
-		var recs []broker.LeaseRecord
+		var recs []lease.Record
 		require.NoError(t, json.Unmarshal([]byte(out), &recs), out)
 		require.Len(t, recs, 1)
 		require.Equal(t, resp.LeaseID, recs[0].ID)
