@@ -16,6 +16,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
+// ToAPI is the lease that Secret s records, as the API answers it.
 func ToAPI(s *corev1.Secret) apiv1.Lease {
 	exp, _ := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
 	return apiv1.Lease{
