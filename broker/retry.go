@@ -2,15 +2,11 @@ package broker
 
 import (
 	"context"
-	"math"
-	"sync"
-	"time"
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // Lease deletions that failed are not forgotten: a revocation the API
@@ -21,18 +17,6 @@ import (
 // a replica that stops loses it, and then the GC removes what is left
 // once it expires (a revoked lease whose DELETE was answered 503 must then
 // be revoked again).
-
-// maxPendingDeletions bounds the retry queue; past it a deletion is not
-// queued (a revocation still answers 503, the GC removes expired leases on
-// its next round).
-const maxPendingDeletions = 4096
-
-// Backoff of the retry queue: first retry after retryFirst, doubling, at
-// most retryCap apart.
-const (
-	retryFirst = 250 * time.Millisecond
-	retryCap   = 30 * time.Second
-)
 
 // Reasons a deletion is queued; revoked and expired are also the reason
 // label of tokenbroker_leases_deleted_total once it succeeds (failed
@@ -52,22 +36,6 @@ type pendingDeletion struct {
 	secret *corev1.Secret
 	caller Caller
 	id     string
-
-	backoff wait.Backoff
-	next    time.Time
-}
-
-// retryQueue is the broker's queue of deletions to retry, keyed by Secret
-// or by caller and lease id, so that a deletion is queued once.
-type retryQueue struct {
-	mu      sync.Mutex
-	pending map[string]*pendingDeletion
-	running bool
-	wake    chan struct{}
-}
-
-func newRetryQueue() *retryQueue {
-	return &retryQueue{pending: map[string]*pendingDeletion{}, wake: make(chan struct{}, 1)}
 }
 
 // queueSecretDeletion queues the deletion of s for reason (deleteExpired
@@ -83,83 +51,11 @@ func (b *Broker) queueRevocation(c Caller, id string) bool {
 }
 
 func (b *Broker) queueDeletion(key string, d *pendingDeletion) bool {
-	q := b.retries
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if _, ok := q.pending[key]; ok {
-		return true
-	}
-	if len(q.pending) >= maxPendingDeletions {
-		b.cfg.Logger.Error("too many lease deletions pending; not retrying this one",
-			zap.String("deletion", key), zap.String("reason", d.reason))
-		return false
-	}
-	d.backoff = wait.Backoff{Duration: retryFirst, Factor: 2, Cap: retryCap, Steps: math.MaxInt32}
-	d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
-	q.pending[key] = d
-	b.cfg.Metrics.SetPendingDeletions(len(q.pending))
-	if !q.running {
-		// The worker runs while there is something to retry and stops when
-		// the queue is empty.
-		q.running = true
-		go b.runRetries()
-	}
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
-	return true
+	return b.retries.Queue(key, d.reason, func() error { return b.retryDeletion(d) })
 }
 
 // PendingDeletions is the number of lease deletions waiting for a retry.
-func (b *Broker) PendingDeletions() int {
-	b.retries.mu.Lock()
-	defer b.retries.mu.Unlock()
-	return len(b.retries.pending)
-}
-
-// runRetries retries the due deletions until the queue is empty.
-func (b *Broker) runRetries() {
-	q := b.retries
-	for {
-		q.mu.Lock()
-		if len(q.pending) == 0 {
-			q.running = false
-			q.mu.Unlock()
-			return
-		}
-		now := b.cfg.Clock.Now()
-		var next time.Time
-		due := map[string]*pendingDeletion{}
-		for k, d := range q.pending {
-			if !d.next.After(now) {
-				due[k] = d
-			} else if next.IsZero() || d.next.Before(next) {
-				next = d.next
-			}
-		}
-		q.mu.Unlock()
-
-		if len(due) == 0 {
-			select {
-			case <-b.cfg.Clock.After(next.Sub(now)):
-			case <-q.wake:
-			}
-			continue
-		}
-		for k, d := range due {
-			err := b.retryDeletion(d)
-			q.mu.Lock()
-			if err == nil {
-				delete(q.pending, k)
-			} else {
-				d.next = b.cfg.Clock.Now().Add(d.backoff.Step())
-			}
-			b.cfg.Metrics.SetPendingDeletions(len(q.pending))
-			q.mu.Unlock()
-		}
-	}
-}
+func (b *Broker) PendingDeletions() int { return b.retries.Pending() }
 
 // retryDeletion makes one attempt at d; nil means the lease is gone.
 func (b *Broker) retryDeletion(d *pendingDeletion) error {

@@ -79,7 +79,7 @@ func stepUntil(t *testing.T, clock *clocktesting.FakeClock, cond func() bool) {
 		if cond() {
 			return true
 		}
-		clock.Step(retryCap)
+		clock.Step(30 * time.Second) // the backoff cap of lease.Retries
 		return false
 	}, 10*time.Second, time.Millisecond)
 }
