@@ -151,7 +151,7 @@ type Broker struct {
 	joinTokens enrollment.JoinTokenVerifier
 	retries    *lease.Retries // failed lease deletions, retried until done
 	// expiries are the leases revoked at their expiry (leaseexpiry.go).
-	expiries *expiryQueue
+	expiries *lease.Timers
 	// credIDs are the credential-id annotations being written after their
 	// answer (credentialid.go).
 	credIDs *credentialIDWrites
@@ -191,7 +191,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: newExpiryQueue(), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}

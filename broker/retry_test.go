@@ -15,6 +15,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -68,6 +69,8 @@ func retryEnv(t *testing.T) (*env, *clocktesting.FakeClock, *prometheus.Registry
 	rec := newAuditRecorder()
 	e.b.cfg.Clock, e.b.cfg.Metrics, e.b.cfg.Auditor = clock, m, rec
 	e.b.limits, e.b.enrollLim = limits.NewLimiter(clock), limits.NewEnrollLimiter(clock)
+	e.b.retries = lease.NewRetries(clock, e.b.cfg.Logger, m.SetPendingDeletions)
+	e.b.expiries = lease.NewTimers(clock, maxTimedExpiries)
 	return e, clock, reg, rec
 }
 

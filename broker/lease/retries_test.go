@@ -52,3 +52,26 @@ func TestRetriesAreBounded(t *testing.T) {
 	require.False(t, q.Queue("one-more", "failed_request", func() error { return nil }))
 	require.Equal(t, MaxPendingRetries, q.Pending())
 }
+
+// Timers fire in order of their time, each once, and refuse past their
+// bound.
+func TestTimersFireInTimeOrderAndAreBounded(t *testing.T) {
+	t.Parallel()
+	start := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
+	clk := clocktesting.NewFakeClock(start)
+	tm := NewTimers(clk, 2)
+	fired := make(chan string, 3)
+	require.True(t, tm.At(start.Add(2*time.Minute), func() { fired <- "later" }))
+	require.True(t, tm.At(start.Add(time.Minute), func() { fired <- "sooner" }))
+	require.False(t, tm.At(start.Add(time.Second), func() { fired <- "over the bound" }))
+
+	require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond)
+	clk.Step(time.Minute)
+	require.Equal(t, "sooner", <-fired)
+	require.Eventually(t, clk.HasWaiters, 5*time.Second, time.Millisecond)
+	clk.Step(time.Minute)
+	require.Equal(t, "later", <-fired)
+	require.Empty(t, fired)
+	require.True(t, tm.At(start, func() { fired <- "past" }), "room again once fired")
+	require.Equal(t, "past", <-fired, "a time already past fires at once")
+}
