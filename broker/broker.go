@@ -135,7 +135,7 @@ type Config struct {
 	// Pool sizes the pool of pre-created lease Secrets that takes the
 	// Secret's create off a token issuance's critical path (pool.go); it
 	// is kept only while RunPool runs.
-	Pool PoolConfig
+	Pool lease.PoolConfig
 	// PeerKeys holds the key sets peers upload (workloadIdentity
 	// jwksFromPeer); nil refuses uploads and those peers' workload tokens.
 	// While it is not synced the broker is not ready.
@@ -158,7 +158,7 @@ type Broker struct {
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants.Tracker
 	// pool is nil when disabled.
-	pool *leasePool
+	pool *lease.Pool
 	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
 	gcPasses atomic.Uint64
 	// rulesCache holds the lease rules of the policy in force (leaseRules).
@@ -191,7 +191,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: newCredentialIDWrites(), pool: newLeasePool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: newCredentialIDWrites(), pool: lease.NewPool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
@@ -237,8 +237,8 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 		a.ev.Workload, a.ev.WorkloadUID, a.ev.WorkloadPod, a.ev.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
 	}
 	if b.pool != nil {
-		b.pool.start()
-		defer func() { b.pool.done(b.cfg.Clock.Now()) }()
+		b.pool.Start()
+		defer func() { b.pool.Done(b.cfg.Clock.Now()) }()
 	}
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)
@@ -431,13 +431,13 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 
 	// A token is issued on a pooled Secret when the pool has one ready
 	// (pool.go): TokenRequest and claim at once.
-	var ready *pooled
+	var ready *lease.Pooled
 	if cert == nil {
-		ready = b.pool.take(req.Namespace, b.cfg.Clock.Now())
+		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now())
 	}
 	var id string
 	if ready != nil {
-		id = ready.id
+		id = ready.ID
 	} else if id, err = b.newLeaseID(); err != nil {
 		return nil, outcomeError, err
 	}
@@ -487,7 +487,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		case claimErr != nil:
 			// The pooled Secret goes, and a token bound to it with it.
 			err = problem.Classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
-			return fail(ready.secret, outcomeFor(err), err)
+			return fail(ready.Secret, outcomeFor(err), err)
 		case issueErr != nil:
 			err = classifyIssuer(issueErr, req)
 			return fail(claimed, outcomeFor(err), err)

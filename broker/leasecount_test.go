@@ -42,7 +42,7 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC))
 	lc := lease.NewCounter(nil, clk, zap.NewNop())
 	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, tenantPolicy)), Logger: zap.NewNop(),
-		Clock: clk, Namespaces: nss, Leases: lc, Pool: PoolConfig{PerNamespace: -1}})
+		Clock: clk, Namespaces: nss, Leases: lc, Pool: lease.PoolConfig{PerNamespace: -1}})
 	require.NoError(t, err)
 	t.Cleanup(b.tenants.Queue.ShutDown)
 	s := b.leaseSecret("aaaaaaaaaaaaaaaaaaaaaaaaaa", west, policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},

@@ -3,8 +3,6 @@ package broker
 import (
 	"context"
 	"encoding/json"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -49,219 +47,11 @@ import (
 // back-to-back load it empties and issuances take the sequential path, so
 // a busy API server gets no extra writes.
 
-// Defaults of PoolConfig.
-const (
-	DefaultPoolPerNamespace = 4
-	DefaultPoolMax          = 64
-)
-
-const (
-	// poolHandout is the age past which a replica no longer hands out a
-	// pooled Secret (it deletes it instead).
-	poolHandout = 5 * time.Minute
-	// poolIdle is how long a namespace keeps its pool after its last token
-	// issuance.
-	poolIdle = 5 * time.Minute
-	// poolQuiet: the pool is refilled only once no issuance has been in
-	// flight on the replica for this long, so that its creates use the
-	// API server's idle time and never compete with issuances.
-	poolQuiet = 5 * time.Millisecond
-	// poolTick is how often the pool is looked after without a kick.
-	poolTick = 30 * time.Second
-)
-
 // Issuance paths of tokenbroker_lease_pool_issuances_total.
 const (
 	pathPool       = "pool"
 	pathSequential = "sequential"
 )
-
-// PoolConfig sizes the lease pool.
-type PoolConfig struct {
-	// PerNamespace is how many unclaimed Secrets a replica keeps ready in
-	// each namespace it issued a token in during the last five minutes;
-	// 0 means DefaultPoolPerNamespace, negative disables the pool.
-	PerNamespace int
-	// Max bounds a replica's unclaimed Secrets over all namespaces; 0
-	// means DefaultPoolMax.
-	Max int
-}
-
-// pooled is one unclaimed Secret: as the API server created it.
-type pooled struct {
-	secret  *corev1.Secret
-	id      string
-	created time.Time
-}
-
-// leasePool is one replica's pool. Its Secrets are only in its memory: a
-// replica never claims another's.
-type leasePool struct {
-	perNS, max int
-	// running is set while RunPool runs: only then does take hand out.
-	running atomic.Bool
-	// inflight counts the issuances in progress; lastDone is when the last
-	// one ended (Unix nanoseconds on the broker's clock).
-	inflight atomic.Int32
-	lastDone atomic.Int64
-	kick     chan struct{}
-
-	mu     sync.Mutex
-	ready  map[string][]*pooled // by namespace, oldest first
-	n      int                  // Secrets in ready
-	wanted map[string]time.Time // namespace → its last token issuance
-	stale  []*pooled            // taken out of ready, to delete
-}
-
-func newLeasePool(cfg PoolConfig) *leasePool {
-	if cfg.PerNamespace < 0 {
-		return nil
-	}
-	if cfg.PerNamespace == 0 {
-		cfg.PerNamespace = DefaultPoolPerNamespace
-	}
-	if cfg.Max == 0 {
-		cfg.Max = DefaultPoolMax
-	}
-	return &leasePool{
-		perNS: cfg.PerNamespace, max: cfg.Max, kick: make(chan struct{}, 1),
-		ready: map[string][]*pooled{}, wanted: map[string]time.Time{},
-	}
-}
-
-// take hands out a ready Secret of namespace, or nil, and records the
-// namespace's demand either way. The pool is refilled once the issuance
-// is done (done), not while its own calls run.
-func (p *leasePool) take(namespace string, now time.Time) *pooled {
-	if p == nil || !p.running.Load() {
-		return nil
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.wanted[namespace] = now
-	q := p.ready[namespace]
-	for len(q) > 0 {
-		s := q[0]
-		q = q[1:]
-		p.n--
-		if now.Sub(s.created) < poolHandout {
-			p.setReady(namespace, q)
-			return s
-		}
-		p.stale = append(p.stale, s)
-	}
-	p.setReady(namespace, q)
-	return nil
-}
-
-// setReady stores q as namespace's ready Secrets; p.mu is held.
-func (p *leasePool) setReady(namespace string, q []*pooled) {
-	if len(q) == 0 {
-		delete(p.ready, namespace)
-		return
-	}
-	p.ready[namespace] = q
-}
-
-// start and done bracket an issuance.
-func (p *leasePool) start() { p.inflight.Add(1) }
-
-func (p *leasePool) done(now time.Time) {
-	p.lastDone.Store(now.UnixNano())
-	p.inflight.Add(-1)
-	p.wake()
-}
-
-// quietFor is how much longer the replica must stay without an issuance
-// in flight before the pool may grow: 0 when it may now, poolQuiet while
-// one is in flight.
-func (p *leasePool) quietFor(now time.Time) time.Duration {
-	if p.inflight.Load() > 0 {
-		return poolQuiet
-	}
-	return max(0, poolQuiet-now.Sub(time.Unix(0, p.lastDone.Load())))
-}
-
-func (p *leasePool) wake() {
-	select {
-	case p.kick <- struct{}{}:
-	default:
-	}
-}
-
-// sweep moves Secrets too old to hand out and those of namespaces without
-// recent demand to stale, and returns stale (now empty).
-func (p *leasePool) sweep(now time.Time) []*pooled {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for ns, last := range p.wanted {
-		if now.Sub(last) >= poolIdle {
-			delete(p.wanted, ns)
-		}
-	}
-	for ns, q := range p.ready {
-		keep := q[:0:0]
-		for _, s := range q {
-			if _, ok := p.wanted[ns]; ok && now.Sub(s.created) < poolHandout {
-				keep = append(keep, s)
-				continue
-			}
-			p.stale = append(p.stale, s)
-			p.n--
-		}
-		p.setReady(ns, keep)
-	}
-	out := p.stale
-	p.stale = nil
-	return out
-}
-
-// next returns a namespace that wants one more Secret, if the pool holds
-// fewer than max.
-func (p *leasePool) next() (string, bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.n >= p.max {
-		return "", false
-	}
-	best, fewest := "", p.perNS
-	for ns := range p.wanted {
-		if n := len(p.ready[ns]); n < fewest || (n == fewest && n < p.perNS && ns < best) {
-			best, fewest = ns, n
-		}
-	}
-	return best, best != ""
-}
-
-// add makes s ready, unless its namespace lost its demand meanwhile.
-func (p *leasePool) add(namespace string, s *pooled) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if _, ok := p.wanted[namespace]; !ok || len(p.ready[namespace]) >= p.perNS {
-		return false
-	}
-	p.ready[namespace] = append(p.ready[namespace], s)
-	p.n++
-	return true
-}
-
-// drain empties the pool and returns what it held.
-func (p *leasePool) drain() []*pooled {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	out := p.stale
-	for _, q := range p.ready {
-		out = append(out, q...)
-	}
-	p.ready, p.stale, p.n = map[string][]*pooled{}, nil, 0
-	return out
-}
-
-func (p *leasePool) size() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.n
-}
 
 // RunPool keeps the lease pool until ctx ends, then deletes the unclaimed
 // Secrets it holds. Without it (or with the pool disabled) every issuance
@@ -271,22 +61,22 @@ func (b *Broker) RunPool(ctx context.Context) {
 	if p == nil {
 		return
 	}
-	p.running.Store(true)
+	p.SetRunning(true)
 	defer func() {
-		p.running.Store(false)
+		p.SetRunning(false)
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.CleanupTimeout)
 		defer cancel()
-		b.deletePooled(ctx, p.drain())
+		b.deletePooled(ctx, p.Drain())
 	}()
 	for {
-		wait := poolTick
+		wait := lease.PoolTick
 		if again := b.tendPool(ctx); again > 0 {
 			wait = again
 		}
 		select {
 		case <-ctx.Done():
 			return
-		case <-p.kick:
+		case <-p.Kicked():
 		case <-b.cfg.Clock.After(wait):
 		}
 	}
@@ -297,22 +87,20 @@ func (b *Broker) RunPool(ctx context.Context) {
 // if it stopped because issuances were not quiet yet, else 0.
 func (b *Broker) tendPool(ctx context.Context) time.Duration {
 	p := b.pool
-	defer func() { b.cfg.Metrics.SetPoolReady(p.size()) }()
-	b.deletePooled(ctx, p.sweep(b.cfg.Clock.Now()))
+	defer func() { b.cfg.Metrics.SetPoolReady(p.Size()) }()
+	b.deletePooled(ctx, p.Sweep(b.cfg.Clock.Now()))
 	for ctx.Err() == nil {
-		ns, ok := p.next()
+		ns, ok := p.Next()
 		if !ok {
 			break
 		}
-		if wait := p.quietFor(b.cfg.Clock.Now()); wait > 0 {
+		if wait := p.QuietFor(b.cfg.Clock.Now()); wait > 0 {
 			return wait
 		}
 		s, err := b.createPooled(ctx, ns)
 		if err != nil {
 			if apierrors.IsNotFound(err) || apierrors.IsForbidden(err) {
-				p.mu.Lock()
-				delete(p.wanted, ns) // until the next issuance there
-				p.mu.Unlock()
+				p.Forget(ns) // until the next issuance there
 			}
 			if ctx.Err() == nil {
 				b.cfg.Logger.Warn("lease pool: creating a Secret failed; issuances there take the sequential path",
@@ -320,14 +108,14 @@ func (b *Broker) tendPool(ctx context.Context) time.Duration {
 			}
 			break // try again at the next kick or tick
 		}
-		if !p.add(ns, s) {
-			b.deletePooled(ctx, []*pooled{s})
+		if !p.Add(ns, s) {
+			b.deletePooled(ctx, []*lease.Pooled{s})
 		}
 	}
 	return 0
 }
 
-func (b *Broker) createPooled(ctx context.Context, namespace string) (*pooled, error) {
+func (b *Broker) createPooled(ctx context.Context, namespace string) (*lease.Pooled, error) {
 	id, err := b.newLeaseID()
 	if err != nil {
 		return nil, err
@@ -350,15 +138,15 @@ func (b *Broker) createPooled(ctx context.Context, namespace string) (*pooled, e
 	if err != nil {
 		return nil, err
 	}
-	return &pooled{secret: created, id: id, created: now}, nil
+	return &lease.Pooled{Secret: created, ID: id, Created: now}, nil
 }
 
-func (b *Broker) deletePooled(ctx context.Context, ss []*pooled) {
+func (b *Broker) deletePooled(ctx context.Context, ss []*lease.Pooled) {
 	for _, s := range ss {
-		if err := b.deleteSecret(ctx, s.secret); err != nil && ctx.Err() == nil {
+		if err := b.deleteSecret(ctx, s.Secret); err != nil && ctx.Err() == nil {
 			// Nothing is bound to it; the GC deletes it past its deadline.
 			b.cfg.Logger.Info("lease pool: deleting an unclaimed Secret failed; the GC deletes it past its deadline",
-				zap.String("secret", s.secret.Namespace+"/"+s.secret.Name), zap.Error(err))
+				zap.String("secret", s.Secret.Namespace+"/"+s.Secret.Name), zap.Error(err))
 		}
 	}
 }
@@ -382,12 +170,12 @@ func claimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
 // credential bound to it, both at once. It returns the claimed Secret
 // (nil if the claim failed) and the errors of each call. The time spent
 // on both counts once as API server wait.
-func (b *Broker) claim(ctx context.Context, s *pooled, lease *corev1.Secret, issuer Issuer, kind string, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error, error) {
-	patch, err := claimPatch(lease, s.secret.UID)
+func (b *Broker) claim(ctx context.Context, s *lease.Pooled, lease *corev1.Secret, issuer Issuer, kind string, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error, error) {
+	patch, err := claimPatch(lease, s.Secret.UID)
 	if err != nil {
 		return nil, issuers.Credential{}, err, nil
 	}
-	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: s.secret.Name, UID: s.secret.UID}
+	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: s.Secret.Name, UID: s.Secret.UID}
 	start := b.cfg.Clock.Now()
 	inner := context.WithValue(ctx, apiWaitKey{}, nil) // counted once below
 	var (
@@ -398,7 +186,7 @@ func (b *Broker) claim(ctx context.Context, s *pooled, lease *corev1.Secret, iss
 	go func() {
 		defer close(done)
 		t0 := b.cfg.Clock.Now()
-		claimed, claimErr = b.cfg.Secrets.Secrets(s.secret.Namespace).Patch(inner, s.secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		claimed, claimErr = b.cfg.Secrets.Secrets(s.Secret.Namespace).Patch(inner, s.Secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 		b.timeAPI(inner, "claim_lease", t0, claimErr)
 	}()
 	t0 := b.cfg.Clock.Now()

@@ -33,7 +33,7 @@ type poolEnv struct {
 	clock  *clocktesting.FakeClock
 }
 
-func newPoolEnv(t *testing.T, cfg PoolConfig) *poolEnv {
+func newPoolEnv(t *testing.T, cfg lease.PoolConfig) *poolEnv {
 	t.Helper()
 	clk := clocktesting.NewFakeClock(time.Now())
 	client := fake.NewClientset()
@@ -48,7 +48,7 @@ func newPoolEnv(t *testing.T, cfg PoolConfig) *poolEnv {
 	})
 	require.NoError(t, err)
 	if b.pool != nil {
-		b.pool.running.Store(true) // as RunPool does; the tests tend it by hand
+		b.pool.SetRunning(true) // as RunPool does; the tests tend it by hand
 	}
 	return &poolEnv{b: b, client: client, iss: iss, clock: clk}
 }
@@ -65,14 +65,14 @@ var poolRequest = apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "ad
 
 func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: 3})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 3})
 	ctx := context.Background()
 
 	first, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
 	require.Empty(t, e.secrets(t, objects.PoolKind), "the first issuance in a namespace is sequential")
 
-	e.clock.Step(poolQuiet)
+	e.clock.Step(lease.PoolQuiet)
 	e.b.tendPool(ctx)
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 3, "the namespace asked for a pool")
@@ -119,11 +119,11 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 
 func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: 1})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 1})
 	ctx := context.Background()
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
-	e.clock.Step(poolQuiet)
+	e.clock.Step(lease.PoolQuiet)
 	e.b.tendPool(ctx)
 	require.Len(t, e.secrets(t, objects.PoolKind), 1)
 
@@ -136,11 +136,11 @@ func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
 
 func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: 1})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 1})
 	ctx := context.Background()
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
-	e.clock.Step(poolQuiet)
+	e.clock.Step(lease.PoolQuiet)
 	e.b.tendPool(ctx)
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 1)
@@ -156,22 +156,22 @@ func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
 
 func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: 4, Max: 5})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 4, Max: 5})
 	ctx := context.Background()
 	p := e.b.pool
-	p.take("argo", e.clock.Now())
-	p.take("flux", e.clock.Now())
+	p.Take("argo", e.clock.Now())
+	p.Take("flux", e.clock.Now())
 
-	p.start()
-	require.Equal(t, poolQuiet, e.b.tendPool(ctx), "look again once quiet")
+	p.Start()
+	require.Equal(t, lease.PoolQuiet, e.b.tendPool(ctx), "look again once quiet")
 	require.Empty(t, e.secrets(t, objects.PoolKind), "busy: issuances take the sequential path, no extra writes")
-	p.done(e.clock.Now())
-	require.Equal(t, poolQuiet, e.b.tendPool(ctx))
-	e.clock.Step(poolQuiet / 2)
-	require.Equal(t, poolQuiet/2, e.b.tendPool(ctx))
+	p.Done(e.clock.Now())
+	require.Equal(t, lease.PoolQuiet, e.b.tendPool(ctx))
+	e.clock.Step(lease.PoolQuiet / 2)
+	require.Equal(t, lease.PoolQuiet/2, e.b.tendPool(ctx))
 	require.Empty(t, e.secrets(t, objects.PoolKind), "an issuance just ended: another may follow at once")
 
-	e.clock.Step(poolQuiet / 2)
+	e.clock.Step(lease.PoolQuiet / 2)
 	require.Zero(t, e.b.tendPool(ctx))
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 5, "Max bounds the pool over all namespaces")
@@ -182,8 +182,8 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	require.Equal(t, map[string]int{"argo": 3, "flux": 2}, per, "filled evenly")
 
 	// Too old to hand out: deleted, and replaced while still wanted.
-	e.clock.Step(poolHandout)
-	p.take("argo", e.clock.Now())
+	e.clock.Step(lease.PoolHandout)
+	p.Take("argo", e.clock.Now())
 	e.b.tendPool(ctx)
 	for _, s := range e.secrets(t, objects.PoolKind) {
 		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
@@ -191,32 +191,32 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	}
 	require.Len(t, e.secrets(t, objects.PoolKind), 4)
 
-	e.clock.Step(poolIdle)
+	e.clock.Step(lease.PoolIdle)
 	e.b.tendPool(ctx)
 	require.Empty(t, e.secrets(t, objects.PoolKind), "no token issued in argo for poolIdle: its pool is deleted")
 }
 
 func TestStoppingThePoolDeletesItsSecrets(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: 2})
-	e.b.pool.running.Store(false)
-	e.b.pool.take("argo", e.clock.Now()) // not running: records nothing
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 2})
+	e.b.pool.SetRunning(false)
+	e.b.pool.Take("argo", e.clock.Now()) // not running: records nothing
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); e.b.RunPool(ctx) }()
-	require.Eventually(t, func() bool { return e.b.pool.running.Load() }, 10*time.Second, time.Millisecond)
-	e.b.pool.take("argo", e.clock.Now())
-	e.b.pool.wake() // as the end of an issuance does
+	require.Eventually(t, func() bool { return e.b.pool.IsRunning() }, 10*time.Second, time.Millisecond)
+	e.b.pool.Take("argo", e.clock.Now())
+	e.b.pool.Wake() // as the end of an issuance does
 	require.Eventually(t, func() bool { return len(e.secrets(t, objects.PoolKind)) == 2 }, 10*time.Second, time.Millisecond)
 	cancel()
 	<-done
 	require.Empty(t, e.secrets(t, objects.PoolKind))
-	require.Nil(t, e.b.pool.take("argo", e.clock.Now()), "a stopped pool hands out nothing")
+	require.Nil(t, e.b.pool.Take("argo", e.clock.Now()), "a stopped pool hands out nothing")
 }
 
 func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: -1})
 	ctx := context.Background()
 	lc := lease.NewCounter(nil, e.clock, zap.NewNop())
 	e.b.cfg.Leases = lc // no informers: synced, fed by hand below
@@ -261,7 +261,7 @@ func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
 
 func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	t.Parallel()
-	e := newPoolEnv(t, PoolConfig{PerNamespace: -1})
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: -1})
 	ctx := context.Background()
 	lc := lease.NewCounter(nil, e.clock, zap.NewNop())
 	e.b.cfg.Leases = lc

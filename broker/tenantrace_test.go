@@ -23,6 +23,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -94,9 +95,9 @@ func newRaceEnv(t *testing.T, pol string, namespaces map[string]map[string]strin
 		clock: clocktesting.NewFakeClock(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)),
 		reg:   reg, audit: newAuditRecorder(),
 	}
-	poolCfg := PoolConfig{PerNamespace: -1}
+	poolCfg := lease.PoolConfig{PerNamespace: -1}
 	if pool {
-		poolCfg = PoolConfig{PerNamespace: 1}
+		poolCfg = lease.PoolConfig{PerNamespace: 1}
 	}
 	e.b, err = New(Config{
 		Secrets: hookedSecrets{SecretsGetter: e.client.CoreV1(), before: func(verb, ns, name string) {
@@ -112,7 +113,7 @@ func newRaceEnv(t *testing.T, pol string, namespaces map[string]map[string]strin
 	})
 	require.NoError(t, err)
 	if e.b.pool != nil {
-		e.b.pool.running.Store(true) // as RunPool does; the test tends it by hand
+		e.b.pool.SetRunning(true) // as RunPool does; the test tends it by hand
 	}
 	t.Cleanup(e.b.tenants.Queue.ShutDown)
 	return e
@@ -176,7 +177,7 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 				// A first issuance asks for a pool in the namespace.
 				_, err := e.request(tt.caller, "oil-dev")
 				require.NoError(t, err)
-				e.clock.Step(poolQuiet)
+				e.clock.Step(lease.PoolQuiet)
 				e.b.tendPool(ctx)
 			}
 			var fired atomic.Bool

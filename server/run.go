@@ -389,7 +389,7 @@ func Run(ctx context.Context, opts Options) error {
 		Auditor:                 auditor,
 		Leases:                  leases,
 		MaxLiveLeases:           opts.MaxLiveLeases,
-		Pool:                    broker.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
+		Pool:                    lease.PoolConfig{PerNamespace: opts.LeasePool, Max: opts.LeasePoolMax},
 		Namespaces:              namespaces,
 		LiveNamespaces:          client.CoreV1(),
 		PeerKeys:                peerKeys,

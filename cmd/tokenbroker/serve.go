@@ -13,6 +13,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
@@ -114,8 +115,8 @@ func serveFlags() *pflag.FlagSet {
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int("max-live-leases", broker.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
-	fs.Int("lease-pool", broker.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token issuances, so that the TokenRequest and the lease record run at once; 0 turns the pool off")
-	fs.Int("lease-pool-max", broker.DefaultPoolMax, "unclaimed lease Secrets kept ready over all namespaces")
+	fs.Int("lease-pool", lease.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token issuances, so that the TokenRequest and the lease record run at once; 0 turns the pool off")
+	fs.Int("lease-pool-max", lease.DefaultPoolMax, "unclaimed lease Secrets kept ready over all namespaces")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int("max-conns-per-ip", server.DefaultMaxConnsPerIP, "open connections of one client address on each TLS listener, handshakes included; one more is closed before its handshake (behind a load balancer that hides client addresses, every peer shares one)")
 	fs.Int("max-conns-per-identity", server.DefaultMaxConnsPerIdentity, "open connections of one verified peer identity on the mutual-TLS listener; one more is closed after its handshake")

@@ -14,6 +14,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
@@ -34,7 +35,7 @@ func TestPooledLeasesAgainstARealAPIServer(t *testing.T) {
 		require.NoError(t, err)
 		return l.Items
 	}
-	require.Eventually(t, func() bool { return len(pooled()) == broker.DefaultPoolPerNamespace }, 20*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return len(pooled()) == lease.DefaultPoolPerNamespace }, 20*time.Second, 20*time.Millisecond)
 
 	resp := issue(t, s, west, req)
 	require.Equal(t, 1.0, counter(t, s.reg, "tokenbroker_lease_pool_issuances_total", map[string]string{"path": "pool"}))
