@@ -751,24 +751,15 @@ func neverSent(err error) bool {
 	return errors.As(err, &op) && op.Op == "dial"
 }
 
-// deleteSecret deletes s, with a UID precondition when s came from the API
-// server. A Secret that is already gone is no error.
+// deleteSecret deletes the lease Secret s (lease.Deleter.DeleteSecret).
 func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
-	var opts metav1.DeleteOptions
-	if s.UID != "" {
-		uid := s.UID
-		opts.Preconditions = &metav1.Preconditions{UID: &uid}
-	}
-	t0 := b.cfg.Clock.Now()
-	err := b.cfg.Secrets.Secrets(s.Namespace).Delete(ctx, s.Name, opts)
-	if problem.IsNotFound(err) {
-		err = nil // gone already: what a delete wants
-	}
-	b.timeAPI(ctx, "delete_lease", t0, err)
-	if err != nil {
-		return fmt.Errorf("delete lease Secret %s/%s: %w", s.Namespace, s.Name, err)
-	}
-	return nil
+	return b.deleter().DeleteSecret(ctx, s)
+}
+
+// deleter revokes leases with the broker's clients, clock and API timing.
+func (b *Broker) deleter() *lease.Deleter {
+	return &lease.Deleter{Secrets: b.cfg.Secrets, RoleBindings: b.cfg.RoleBindings, Now: b.cfg.Clock.Now,
+		Timed: func(ctx context.Context, call string, start time.Time, err error) { b.timeAPI(ctx, call, start, err) }}
 }
 
 // WhoAmI returns the policy name of the caller and the grants that apply:

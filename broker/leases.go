@@ -157,8 +157,9 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	}
 	ev.Peer, ev.Namespace = s.Labels[objects.LabelPeer], s.Namespace
 	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[objects.AnnotationSA], s.Annotations[objects.AnnotationCred], s.Annotations[objects.AnnotationUser]
-	b.deleteLeaseBinding(ctx, s, s.Annotations[objects.AnnotationCred], b.cfg.Logger.With(zap.String("lease_id", id)))
-	if err := b.deleteSecret(ctx, s); err != nil {
+	bindingErr, err := b.deleter().Revoke(ctx, s)
+	logBindingErr(b.cfg.Logger.With(zap.String("lease_id", id)), bindingErr)
+	if err != nil && !errors.Is(err, lease.ErrGone) {
 		return problem.Classify(err, "revoke lease", "lease not found")
 	}
 	b.cfg.Metrics.LeaseDeleted("revoked", 1)
@@ -170,51 +171,23 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	return nil
 }
 
-// errNotOwned: a RoleBinding of the lease's name that the lease does not
-// own, which a revocation leaves alone.
-var errNotOwned = errors.New("the RoleBinding of the lease's name is not owned by the lease; left alone")
-
-// deleteOwnedRoleBinding deletes the RoleBinding of the client-certificate
-// lease s only if s owns it (an ownerReference with s's UID), with a UID
-// precondition, so that a revocation never deletes a binding someone else
-// made under the same name, nor one made after the check.
-func (b *Broker) deleteOwnedRoleBinding(ctx context.Context, s *corev1.Secret) error {
-	rbs := b.cfg.RoleBindings.RoleBindings(s.Namespace)
-	t0 := b.cfg.Clock.Now()
-	rb, err := rbs.Get(ctx, s.Name, metav1.GetOptions{})
-	b.timeAPI(ctx, "get_rolebinding", t0, err)
-	switch {
-	case apierrors.IsNotFound(err):
-		return nil
-	case err != nil:
-		return fmt.Errorf("get RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
-	}
-	if s.UID == "" || !slices.ContainsFunc(rb.OwnerReferences, func(r metav1.OwnerReference) bool {
-		return r.UID == s.UID && r.Kind == "Secret" && r.APIVersion == "v1"
-	}) {
-		return errNotOwned
-	}
-	uid := rb.UID
-	t0 = b.cfg.Clock.Now()
-	err = rbs.Delete(ctx, rb.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
-	b.timeAPI(ctx, "delete_rolebinding", t0, err)
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("delete RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
-	}
-	return nil
-}
-
 // deleteLeaseBinding deletes, before the lease Secret s of credential kind
 // kind, a client certificate's RoleBinding, the certificate's only
-// permission, at once; only one the lease owns (deleteOwnedRoleBinding).
+// permission, at once; only one the lease owns (lease.Deleter).
 // The garbage collector would delete an owned binding with the lease a
 // moment later, so a failure is only logged.
 func (b *Broker) deleteLeaseBinding(ctx context.Context, s *corev1.Secret, kind string, log *zap.Logger) {
 	if kind != apiv1.CredentialClientCertificate || b.cfg.RoleBindings == nil {
 		return
 	}
-	switch err := b.deleteOwnedRoleBinding(ctx, s); {
-	case errors.Is(err, errNotOwned):
+	logBindingErr(log, b.deleter().DeleteOwnedRoleBinding(ctx, s))
+}
+
+// logBindingErr logs what became of a lease's RoleBinding that a
+// revocation could not delete.
+func logBindingErr(log *zap.Logger, err error) {
+	switch {
+	case errors.Is(err, lease.ErrNotOwned):
 		log.Info("the RoleBinding of the lease's name is not the lease's; left alone")
 	case err != nil:
 		log.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))

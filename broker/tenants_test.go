@@ -349,7 +349,10 @@ func TestAReloadThatNarrowsAGrantRevokesWhatItNoLongerCovers(t *testing.T) {
 	e.store.Store(mustPolicy(t, narrowed))
 	e.requireRevoked(t, "oil-dev", dev)
 	require.True(t, e.live(t, "oil-system", sys), "still listed by name")
-	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchPolicy))
+	// Counted once the deletion returns, a moment after the lease is gone.
+	require.Eventually(t, func() bool {
+		return metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchPolicy) == 1
+	}, 5*time.Second, time.Millisecond)
 
 	// Removing the grant altogether narrows it to nothing.
 	e.store.Store(mustPolicy(t, strings.Replace(narrowed, "namespaces: [oil-system]", "namespaces: [other]", 1)))
@@ -403,7 +406,9 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 	e.b.sweepUnmatched(context.Background())
 	e.clock.Step(tenants.UncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
-	require.Equal(t, 1.0, metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchFoundAtStart))
+	require.Eventually(t, func() bool {
+		return metricValue(t, e.reg, "tokenbroker_unmatched_revocations_total", "reason", tenants.UnmatchFoundAtStart) == 1
+	}, 5*time.Second, time.Millisecond, "counted once the deletion returns")
 }
 
 // BenchmarkDecideWithManyNamespaces shows that a selector grant decides in

@@ -14,7 +14,6 @@ import (
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/client-go/kubernetes"
@@ -326,14 +325,15 @@ func newLeasesRevokeCommand(o *leasesOptions) *cobra.Command {
 		Use:   "revoke [-n NAMESPACE] LEASE_ID...",
 		Short: "Revoke leases: delete their Secrets, which kills the credentials bound to them (admin)",
 		Long: `Revoke leases with the administrator's Kubernetes credentials, for incident
-response: delete each lease's Secret. The token issued with a lease is bound
+response, as the broker revokes them: a client certificate's RoleBinding (its
+only permission) first, then each lease's Secret. The token issued with a lease is bound
 to its Secret, so the API server rejects it once the Secret is gone (within
 about 10 seconds: it caches a token's authentication that long); the peer's
 "GET /v1/leases" no longer shows it.
 
 The lease ids are those "tokenbroker leases" prints (LEASE). Without -n every
 namespace is searched. Needs the RBAC permissions to list and delete Secrets
-there. Each revoked lease is printed; an id that is not found is an error
+there, and to get and delete RoleBindings for certificate leases. Each revoked lease is printed; an id that is not found is an error
 (exit status 1) after the others are revoked.
 
 A peer revokes its own leases through the broker (DELETE /v1/leases/ID); to
@@ -346,11 +346,12 @@ stop a peer from getting new credentials, revoke its identity too
   tokenbroker leases --peer west -o json | jq -r '.[].id' | xargs tokenbroker leases revoke`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, ids []string) error {
-			secrets, err := adminSecrets(o.Kubeconfig, o.Context)
+			client, err := adminClient(o.Kubeconfig, o.Context)
 			if err != nil {
 				return err
 			}
-			return runLeasesRevoke(cmd.Context(), secrets, o.Namespace, ids, cmd.OutOrStdout(), time.Now())
+			d := &lease.Deleter{Secrets: client.CoreV1(), RoleBindings: client.RbacV1()}
+			return runLeasesRevoke(cmd.Context(), d, o.Namespace, ids, cmd.OutOrStdout(), time.Now())
 		},
 		ValidArgsFunction: func(cmd *cobra.Command, args []string, _ string) ([]string, cobra.ShellCompDirective) {
 			return completeLeaseIDs(cmd.Context(), o, args)
@@ -384,16 +385,18 @@ func completeLeaseIDs(ctx context.Context, o *leasesOptions, done []string) ([]s
 	return out, cobra.ShellCompDirectiveNoFileComp
 }
 
-// runLeasesRevoke deletes the lease Secrets with the given ids in
-// namespace ("" for every namespace) and reports each to out.
-func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, namespace string, ids []string, out io.Writer, now time.Time) error {
+// runLeasesRevoke revokes the leases with the given ids in namespace (""
+// for every namespace) as the broker does (lease.Deleter: a client
+// certificate's RoleBinding, then the Secret with its UID as precondition)
+// and reports each to out.
+func runLeasesRevoke(ctx context.Context, d *lease.Deleter, namespace string, ids []string, out io.Writer, now time.Time) error {
 	var errs []error
 	for _, id := range ids {
 		if !apiv1.ValidLeaseID(id) {
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
-		list, err := lease.ListSecrets(ctx, secrets, namespace, labels.Set{objects.LabelLeaseID: id})
+		list, err := lease.ListSecrets(ctx, d.Secrets, namespace, labels.Set{objects.LabelLeaseID: id})
 		if err != nil {
 			return errors.Join(append(errs, explainAPIError(err, "list", namespace))...)
 		}
@@ -405,12 +408,14 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			errs = append(errs, fmt.Errorf("lease %s not found %s (expired and collected, or already revoked?)", id, where))
 			continue
 		}
+		byName := make(map[string]*corev1.Secret, len(list))
+		for i := range list {
+			byName[list[i].Namespace+"/"+list[i].Name] = &list[i]
+		}
 		for _, r := range lease.Records(list, "", now) {
-			// The UID precondition deletes exactly the Secret listed, never a
-			// namesake made since.
-			err := secrets.Secrets(r.Namespace).Delete(ctx, r.Secret, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &r.UID}})
+			bindingErr, err := d.Revoke(ctx, byName[r.Namespace+"/"+r.Secret])
 			switch {
-			case apierrors.IsNotFound(err):
+			case errors.Is(err, lease.ErrGone):
 				errs = append(errs, fmt.Errorf("lease %s in namespace %s: deleted meanwhile (expired or revoked by someone else)", id, r.Namespace))
 				continue
 			case err != nil:
@@ -418,6 +423,9 @@ func runLeasesRevoke(ctx context.Context, secrets corev1client.SecretsGetter, na
 			}
 			fmt.Fprintf(out, "revoked lease %s: %s/%s held by peer %s (%s), issued %s; Secret %s deleted, the API server rejects its token within about 10s\n",
 				r.ID, r.Namespace, r.ServiceAccount, orNone(r.Peer), orNone(r.Identity), ago(now, r.CreatedAt), r.Secret)
+			if bindingErr != nil && !errors.Is(bindingErr, lease.ErrNotOwned) {
+				fmt.Fprintf(out, "warning: lease %s: its RoleBinding was not deleted (%v); the garbage collector deletes it with the Secret\n", r.ID, bindingErr)
+			}
 		}
 	}
 	return errors.Join(errs...)

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	rbacv1 "k8s.io/api/rbac/v1"
+
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,6 +23,7 @@ import (
 	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
@@ -202,7 +205,7 @@ func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
 	cs := leasesClientset()
 	ctx := context.Background()
 	var out bytes.Buffer
-	err := runLeasesRevoke(ctx, cs.CoreV1(), "argo", []string{idB, idD, "not-an-id"}, &out, leasesNow)
+	err := runLeasesRevoke(ctx, &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "argo", []string{idB, idD, "not-an-id"}, &out, leasesNow)
 	require.ErrorContains(t, err, "lease "+idD+" not found in namespace argo")
 	require.ErrorContains(t, err, `"not-an-id" is not a lease id`)
 	require.Equal(t, "revoked lease "+idB+": argo/admiralty-source held by peer west (spiffe://oc.example/cluster/west), issued 12m ago; Secret tokenbroker-lease-"+idB+" deleted, the API server rejects its token within about 10s\n", out.String())
@@ -211,7 +214,7 @@ func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
 
 	// Without -n, every namespace is searched.
 	out.Reset()
-	require.NoError(t, runLeasesRevoke(ctx, cs.CoreV1(), "", []string{idD}, &out, leasesNow))
+	require.NoError(t, runLeasesRevoke(ctx, &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "", []string{idD}, &out, leasesNow))
 	require.Contains(t, out.String(), "revoked lease "+idD+": argocd/argocd-manager")
 
 	// The other leases are untouched.
@@ -220,13 +223,46 @@ func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
 	require.Len(t, list.Items, 3)
 }
 
+// A client certificate's lease is revoked as the broker revokes it: its
+// RoleBinding, the certificate's only permission, first, and only one the
+// lease owns.
+func TestLeasesRevokeDeletesACertificatesRoleBindingFirst(t *testing.T) {
+	t.Parallel()
+	s := leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute)
+	s.UID = "uid-b"
+	s.Annotations[objects.AnnotationCred] = apiv1.CredentialClientCertificate
+	owned := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: s.Name, UID: "rb",
+		OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: s.Name, UID: s.UID}}}}
+	cs := fake.NewClientset(s, owned)
+	var out bytes.Buffer
+	require.NoError(t, runLeasesRevoke(context.Background(), &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "argo", []string{idB}, &out, leasesNow))
+	_, err := cs.RbacV1().RoleBindings("argo").Get(context.Background(), s.Name, metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err), "the RoleBinding is deleted: %v", err)
+	var order []string
+	for _, a := range cs.Actions() {
+		if a.GetVerb() == "delete" {
+			order = append(order, a.GetResource().Resource)
+		}
+	}
+	require.Equal(t, []string{"rolebindings", "secrets"}, order, "the binding first")
+
+	// A binding of the lease's name that the lease does not own stays.
+	s2 := leaseSecret("argo", idC, "west", "runner", 5*time.Minute, 55*time.Minute)
+	s2.UID = "uid-c"
+	s2.Annotations[objects.AnnotationCred] = apiv1.CredentialClientCertificate
+	cs = fake.NewClientset(s2, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: s2.Name}})
+	require.NoError(t, runLeasesRevoke(context.Background(), &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "argo", []string{idC}, new(bytes.Buffer), leasesNow))
+	_, err = cs.RbacV1().RoleBindings("argo").Get(context.Background(), s2.Name, metav1.GetOptions{})
+	require.NoError(t, err, "not the lease's to delete")
+}
+
 func TestLeasesRevokeSaysWhichPermissionIsMissing(t *testing.T) {
 	t.Parallel()
 	cs := leasesClientset()
 	cs.PrependReactor("delete", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, "x", errFromString("no"))
 	})
-	err := runLeasesRevoke(context.Background(), cs.CoreV1(), "argo", []string{idB}, new(bytes.Buffer), leasesNow)
+	err := runLeasesRevoke(context.Background(), &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "argo", []string{idB}, new(bytes.Buffer), leasesNow)
 	require.ErrorContains(t, err, "permission missing: delete secrets in namespace argo")
 }
 
