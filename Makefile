@@ -57,7 +57,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube test-compat helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube kube-compat test-compat helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -113,16 +113,17 @@ chart-lint: helm alerts-test ## helm lint --strict of the broker's and the agent
 	  for f in $$c/ci/*-values.yaml; do $(BIN)/helm lint --strict $$c -f $$f; done; \
 	done
 
-unit: ## unit tests with the race detector, and each fuzz target briefly
+unit: ## unit tests with the race detector; every fuzz target's seed corpus and saved inputs run as test cases (make fuzz fuzzes)
 	$(GO) test -race -short -count=1 ./...
 	cd test/image && $(GO) test -short -count=1 ./...
-	$(MAKE) fuzz FUZZTIME=3s
 
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
 	cd test && $(GO) test -count=1 -timeout 20m ./...
 
-test-compat: build helm localcluster ## the integration tier on the oldest supported Kubernetes (COMPAT_KUBE_VERSION, built into bin/kube/<version>)
+kube-compat: ## build the kube binaries of COMPAT_KUBE_VERSION, the oldest supported release, into bin/kube/<version> (cached)
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) run ./cmd/kubebins
+
+test-compat: build helm localcluster kube-compat ## the integration tier on the oldest supported Kubernetes (COMPAT_KUBE_VERSION, built into bin/kube/<version>)
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m ./integration/...
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m -run '^($(COMPAT_E2E))$$' ./e2e/
 
@@ -146,11 +147,11 @@ bench-agent: build kube ## one agent with AGENT_TARGETS targets: RSS, time to ev
 bench-scale: build kube ## fill a harness with SCALE_LEASES live leases; issuance, broker memory, GC pass, GET /v1/leases and `tokenbroker leases` at each level; sets "scale" in bench/results.json
 	cd test && $(GO) run ./cmd/bench -scale $(SCALE_LEASES) -n $(SCALE_N) -gc-interval $(SCALE_GC_INTERVAL) -out $(CURDIR)/bench/results.json
 
-fuzz: ## run every fuzz target for FUZZTIME (default 30s) each
-	@set -e; for pkg in $$($(GO) list ./...); do \
-	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
-	    echo "fuzz $$pkg $$f ($(FUZZTIME))"; \
-	    $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg; \
+fuzz: ## run every fuzz target of the root module for FUZZTIME (default 30s) each
+	@set -e; for f in $$(find . -path ./test -prune -o -name '*_test.go' -print | xargs grep -l '^func Fuzz' | sort); do \
+	  for t in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$f); do \
+	    echo "fuzz $$(dirname $$f) $$t ($(FUZZTIME))"; \
+	    $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) $$(dirname $$f); \
 	  done; \
 	done
 

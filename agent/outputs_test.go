@@ -26,12 +26,12 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/golden")
 
 // The golden files' input is a kubeconfig the broker's own builder wrote:
-// broker/testdata/*.golden, which TestTheGoldenKubeconfigIsWhatTheBrokerBuilds
+// broker/kubeconfig/testdata/*.golden, which TestTheGoldenKubeconfigIsWhatTheBrokerBuilds
 // (in broker) keeps equal to buildKubeconfig's output. Regenerate both
 // with: go test ./broker -run TestTheGoldenKubeconfig -update && go test ./agent -update
 const (
-	brokerGolden         = "../broker/testdata/kubeconfig.golden"
-	brokerGoldenSNIProxy = "../broker/testdata/kubeconfig-sni-proxy.golden"
+	brokerGolden         = "../broker/kubeconfig/testdata/kubeconfig.golden"
+	brokerGoldenSNIProxy = "../broker/kubeconfig/testdata/kubeconfig-sni-proxy.golden"
 )
 
 // goldenCredential is the fixed input of the golden files.
