@@ -101,6 +101,9 @@ func (d *Deleter) deleteSecret(ctx context.Context, s *corev1.Secret, gone error
 // precondition, so that a revocation never deletes a binding someone else
 // made under the same name, nor one made after the check.
 func (d *Deleter) DeleteOwnedRoleBinding(ctx context.Context, s *corev1.Secret) error {
+	if d.RoleBindings == nil {
+		return nil // left to the garbage collector
+	}
 	rbs := d.RoleBindings.RoleBindings(s.Namespace)
 	t0 := d.now()
 	rb, err := rbs.Get(ctx, s.Name, metav1.GetOptions{})

@@ -138,6 +138,18 @@ const (
 // credentials, loaded like kubectl loads them, and the lease commands'
 // client-side limit.
 func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error) {
+	client, err := leasesClient(kubeconfig, context)
+	if err != nil {
+		return nil, err
+	}
+	return client.CoreV1(), nil
+}
+
+// leasesClient is the lease commands' Kubernetes client: the caller's
+// credentials, with the lease commands' client-side limit (client-go's
+// default of 5 requests a second would make a bulk revocation in an
+// incident crawl).
+func leasesClient(kubeconfig, context string) (kubernetes.Interface, error) {
 	rc, err := restConfig(kubeconfig, context)
 	if err != nil {
 		return nil, err
@@ -147,7 +159,7 @@ func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error
 	if err != nil {
 		return nil, fmt.Errorf("create Kubernetes client: %w", err)
 	}
-	return client.CoreV1(), nil
+	return client, nil
 }
 
 // adminClient is a Kubernetes client with the caller's credentials: the
@@ -346,7 +358,7 @@ stop a peer from getting new credentials, revoke its identity too
   tokenbroker leases --peer west -o json | jq -r '.[].id' | xargs tokenbroker leases revoke`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, ids []string) error {
-			client, err := adminClient(o.Kubeconfig, o.Context)
+			client, err := leasesClient(o.Kubeconfig, o.Context)
 			if err != nil {
 				return err
 			}
@@ -413,10 +425,21 @@ func runLeasesRevoke(ctx context.Context, d *lease.Deleter, namespace string, id
 			byName[list[i].Namespace+"/"+list[i].Name] = &list[i]
 		}
 		for _, r := range lease.Records(list, "", now) {
-			bindingErr, err := d.Revoke(ctx, byName[r.Namespace+"/"+r.Secret])
+			s := byName[r.Namespace+"/"+r.Secret]
+			if s == nil || s.Type != objects.SecretTypeLease || s.UID == "" {
+				// Someone's Secret with a lease's labels: not the broker's.
+				errs = append(errs, fmt.Errorf("lease %s in namespace %s: Secret %s is not a lease Secret (type %s); left alone", id, r.Namespace, r.Secret, secretType(s)))
+				continue
+			}
+			bindingErr, err := d.Revoke(ctx, s)
 			switch {
 			case errors.Is(err, lease.ErrGone):
 				errs = append(errs, fmt.Errorf("lease %s in namespace %s: deleted meanwhile (expired or revoked by someone else)", id, r.Namespace))
+				continue
+			case apierrors.IsConflict(err):
+				// Its UID changed since the listing: another Secret under
+				// its name, not this lease. The other namespaces go on.
+				errs = append(errs, fmt.Errorf("lease %s in namespace %s: the Secret was replaced since it was listed; left alone", id, r.Namespace))
 				continue
 			case err != nil:
 				return errors.Join(append(errs, explainAPIError(err, "delete", r.Namespace))...)
@@ -429,4 +452,12 @@ func runLeasesRevoke(ctx context.Context, d *lease.Deleter, namespace string, id
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// secretType is s's type as an error message shows it.
+func secretType(s *corev1.Secret) string {
+	if s == nil {
+		return "unknown"
+	}
+	return string(s.Type)
 }

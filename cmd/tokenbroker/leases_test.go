@@ -256,6 +256,27 @@ func TestLeasesRevokeDeletesACertificatesRoleBindingFirst(t *testing.T) {
 	require.NoError(t, err, "not the lease's to delete")
 }
 
+// A tenant's Secret that carries a lease's labels but is not of the lease
+// type is not the broker's: revoking that id leaves it, and its
+// RoleBinding, alone, and says so.
+func TestLeasesRevokeLeavesAForgedLeaseAlone(t *testing.T) {
+	t.Parallel()
+	forged := leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute)
+	forged.Type = corev1.SecretTypeOpaque
+	forged.Annotations[objects.AnnotationCred] = apiv1.CredentialClientCertificate
+	rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: forged.Name,
+		OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Secret", Name: forged.Name, UID: forged.UID}}}}
+	cs := fake.NewClientset(forged, rb)
+	var out bytes.Buffer
+	err := runLeasesRevoke(context.Background(), &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "argo", []string{idB}, &out, leasesNow)
+	require.ErrorContains(t, err, "is not a lease Secret (type Opaque); left alone")
+	require.Empty(t, out.String())
+	_, err = cs.CoreV1().Secrets("argo").Get(context.Background(), forged.Name, metav1.GetOptions{})
+	require.NoError(t, err)
+	_, err = cs.RbacV1().RoleBindings("argo").Get(context.Background(), forged.Name, metav1.GetOptions{})
+	require.NoError(t, err)
+}
+
 func TestLeasesRevokeSaysWhichPermissionIsMissing(t *testing.T) {
 	t.Parallel()
 	cs := leasesClientset()
