@@ -130,7 +130,7 @@ test-compat: build helm localcluster kube-compat ## the integration tier on the 
 conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-inventory-api, Kueue's controllers, and the Admiralty and Kargo mirrors) into bin/
 	@set -e; for m in $(CONSUMERS); do \
 	  echo "building bin/conformance-$$m"; \
-	  (cd test/conformance/consumers/$$m && $(GO) build -o $(BIN)/conformance-$$m .); \
+	  (cd test/conformance/consumers/$$m && $(GO) build -ldflags '-s -w' -o $(BIN)/conformance-$$m .); \
 	done
 
 conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers; MultiKueue end to end with Kueue's controllers

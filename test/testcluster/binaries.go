@@ -299,7 +299,10 @@ func buildInputs(ctx context.Context, kubeVersion string) (*inputs, error) {
 // versionLDFlags stamps the binaries with the real Kubernetes version, as the
 // Kubernetes release build does: a plain `go build` reports
 // v0.0.0-master+$Format:%H$, which kubectl and version-checking clients
-// cannot parse.
+// cannot parse. Like the release build (hack/lib/golang.sh), it also leaves
+// out the symbol table and DWARF (-s -w): nobody debugs the harness's
+// kube-apiserver, and writing them is much of what the link of these
+// binaries costs. Stack traces stay whole.
 func versionLDFlags(version string) (string, error) {
 	parts := strings.SplitN(strings.TrimPrefix(version, "v"), ".", 3)
 	if len(parts) < 2 {
@@ -311,7 +314,7 @@ func versionLDFlags(version string) (string, error) {
 		{"gitMinor", parts[1]},
 		{"gitTreeState", "clean"},
 	}
-	var flags []string
+	flags := []string{"-s", "-w"}
 	for _, pkg := range []string{"k8s.io/component-base/version", "k8s.io/client-go/pkg/version"} {
 		for _, v := range vars {
 			flags = append(flags, "-X "+pkg+"."+v.key+"="+v.value)
