@@ -10,10 +10,13 @@ import (
 	"testing"
 	"time"
 
+	k8stesting "k8s.io/client-go/testing"
+
 	metadatafake "k8s.io/client-go/metadata/fake"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/stretchr/testify/require"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
@@ -45,6 +48,20 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 	scheme.AddKnownTypeWithName(corev1.SchemeGroupVersion.WithKind("SecretList"), &metav1.PartialObjectMetadataList{})
 	client := metadatafake.NewSimpleMetadataClient(scheme,
 		secret("oil-dev", "tokenbroker-lease-a", true), secret("oil-old", "tokenbroker-lease-b", false), secret("argo", "tokenbroker-lease-c", false))
+	// oil-dev's watch is one the test holds, so that the deletion below
+	// reaches the counter however late its reflector starts watching (the
+	// fake's own watch loses what happens between its list and its watch).
+	var watchMu sync.Mutex
+	var oilDev *watch.RaceFreeFakeWatcher
+	client.PrependWatchReactor("secrets", func(a k8stesting.Action) (bool, watch.Interface, error) {
+		if a.GetNamespace() != "oil-dev" {
+			return false, nil, nil
+		}
+		watchMu.Lock()
+		defer watchMu.Unlock()
+		oilDev = watch.NewRaceFreeFake()
+		return true, oilDev, nil
+	})
 	lc := NewCounter(client, clocktesting.NewFakePassiveClock(exp.Add(-time.Hour)), zap.NewNop())
 	t.Cleanup(lc.stopWatches)
 	rules := func(namespaces ...string) *Rules {
@@ -63,7 +80,7 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 		return slices.Sorted(maps.Keys(lc.watches))
 	}
 	lc.watch([]string{"argo", "oil-dev", "oil-old"})
-	require.Eventually(t, func() bool { own, _ := lc.Live("west"); return lc.Synced() && own == 3 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { own, _ := lc.Live("west"); return lc.Synced() && own == 3 }, 30*time.Second, time.Millisecond)
 
 	// oil-dev and oil-old left the grant: the policy no longer grants
 	// them, so their leases stop counting; the GC is still to revoke them.
@@ -78,9 +95,13 @@ func TestTheCounterKeepsWatchingANamespaceThatStillHoldsLeasesToRevoke(t *testin
 	require.Contains(t, lc.LeaseRefs(), Ref{Namespace: "oil-dev", Peer: "west", Grant: "oil", Mark: "0s", Marked: true})
 
 	require.NoError(t, client.Resource(SecretsGVR).Namespace("oil-dev").Delete(context.Background(), "tokenbroker-lease-a", metav1.DeleteOptions{}))
+	require.Eventually(t, func() bool { watchMu.Lock(); defer watchMu.Unlock(); return oilDev != nil }, 30*time.Second, time.Millisecond)
+	watchMu.Lock()
+	oilDev.Delete(secret("oil-dev", "tokenbroker-lease-a", true))
+	watchMu.Unlock()
 	require.Eventually(t, func() bool {
 		return !slices.ContainsFunc(lc.LeaseRefs(), func(l Ref) bool { return l.Namespace == "oil-dev" })
-	}, 5*time.Second, time.Millisecond)
+	}, 30*time.Second, time.Millisecond)
 	lc.watch([]string{"argo"})
 	require.Equal(t, []string{"argo"}, watching(), "once revoked, the namespace is dropped")
 }
