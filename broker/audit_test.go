@@ -203,8 +203,8 @@ func TestCertificateDecisionsAreAudited(t *testing.T) {
 	require.Equal(t, audit.DecisionDeny, evs[4].Decision)
 
 	require.NotContains(t, rec.buf.String(), tok, "the join token is in the audit log")
-	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_denials_total", "action", audit.ActionEnroll, "reason", denyJoinToken))
-	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_denials_total", "action", audit.ActionRenew, "reason", denyIdentityMismatch))
+	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_denials_total", "action", audit.ActionEnroll, "reason", audit.DenyJoinToken))
+	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_denials_total", "action", audit.ActionRenew, "reason", audit.DenyIdentityMismatch))
 	require.Equal(t, 1.0, metricValue(t, reg, "tokenbroker_audit_events_total", "action", audit.ActionEnroll, "decision", audit.DecisionAllow))
 	require.Equal(t, 2.0, metricValue(t, reg, "tokenbroker_audit_events_total", "action", audit.ActionEnroll, "decision", audit.DecisionDeny))
 }

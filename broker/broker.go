@@ -224,7 +224,7 @@ func (b *Broker) policy() (*policy.Policy, error) {
 func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	start := b.cfg.Clock.Now()
 	wait := new(apiWait)
-	a := &pendingAudit{ev: audit.Event{
+	a := &audit.Pending{Event: audit.Event{
 		Action:         audit.ActionIssue,
 		Identity:       c.Identity,
 		CertSHA256:     c.CertSHA256,
@@ -234,7 +234,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 		RequestedTTL:   req.TTL,
 	}}
 	if w := c.Workload; w != nil {
-		a.ev.Workload, a.ev.WorkloadUID, a.ev.WorkloadPod, a.ev.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
+		a.Event.Workload, a.Event.WorkloadUID, a.Event.WorkloadPod, a.Event.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
 	}
 	if b.pool != nil {
 		b.pool.Start()
@@ -247,63 +247,26 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	return resp, err
 }
 
-// pendingAudit is what one request learns for its audit event as it goes.
-type pendingAudit struct {
-	ev audit.Event
-	// denial is the reason code of a refusal for
-	// tokenbroker_denials_total, when the outcome alone does not tell it.
-	denial string
-	// reason, if set, is the audit reason instead of the caller-facing
-	// detail (which, for a join token, is the same for every failure).
-	reason string
-}
-
-// Reason codes of tokenbroker_denials_total.
-const (
-	denyNotGranted       = "not_granted"
-	denyMinTTL           = "min_ttl"
-	denyCredential       = "credential_unavailable"
-	denyInvalid          = "invalid"
-	denyNotFound         = "not_found"
-	denyJoinToken        = "join_token"
-	denyRevoked          = "revoked"
-	denyIdentityMismatch = "identity_mismatch"
-	denyDisabled         = "disabled"
-	denyWorkloadToken    = "workload_token"
-	denyNotSigningCA     = "not_signing_ca"
-	denyNotAPeer         = "not_a_peer"
-)
-
 // concludeOutcome concludes a kubeconfig or lease request by its outcome
 // (outcomeGranted, or outcomeFor its error): the decision, and as the
 // reason the caller-facing detail of err, which never holds a secret.
-func (b *Broker) concludeOutcome(ctx context.Context, a *pendingAudit, outcome string, err error) {
+func (b *Broker) concludeOutcome(ctx context.Context, a *audit.Pending, outcome string, err error) {
 	switch outcome {
 	case outcomeGranted:
-		b.conclude(ctx, a, audit.DecisionAllow, "", "")
+		b.recorder().Conclude(ctx, a, audit.DecisionAllow, "", "")
 	case outcomeDenied:
-		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyNotGranted)
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, problem.Detail(err), audit.DenyNotGranted)
 	case outcomeNotFound:
-		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyNotFound)
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, problem.Detail(err), audit.DenyNotFound)
 	case outcomeInvalid, outcomeUnprocessable:
-		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyInvalid)
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, problem.Detail(err), audit.DenyInvalid)
 	case outcomeLimited:
-		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), "")
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, problem.Detail(err), "")
 	case outcomeUnavailable:
-		b.conclude(ctx, a, audit.DecisionError, "the Kubernetes API server is unavailable", "")
+		b.recorder().Conclude(ctx, a, audit.DecisionError, "the Kubernetes API server is unavailable", "")
 	default:
-		b.conclude(ctx, a, audit.DecisionError, "internal error", "")
+		b.recorder().Conclude(ctx, a, audit.DecisionError, "internal error", "")
 	}
-}
-
-// conclude writes a's audit event with its decision and reason (a.reason
-// if set) and counts a denial under a.denial, else under denial.
-func (b *Broker) conclude(ctx context.Context, a *pendingAudit, decision, reason, denial string) {
-	a.ev.Decision, a.ev.Reason = decision, policy.OrDefault(a.reason, reason)
-	if decision == audit.DecisionDeny {
-		b.cfg.Metrics.ObserveDenial(a.ev.Action, policy.OrDefault(a.denial, denial))
-	}
-	b.audit(ctx, a.ev)
 }
 
 // apiWait adds up the time one request spends waiting on the API server,
@@ -341,7 +304,7 @@ type decided struct {
 // an exec kubeconfig: parse the TTLs, decide, and find the issuer of the
 // credential kind. On a refusal it returns the outcome to conclude a with
 // (and sets a's denial); on success it names the peer in a.
-func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, log *zap.Logger) (decided, string, error) {
+func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *audit.Pending, log *zap.Logger) (decided, string, error) {
 	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
 	if err != nil {
 		return decided{}, outcomeInvalid, err
@@ -354,26 +317,26 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *pendingAudit, 
 	if err != nil {
 		if errors.Is(err, policy.ErrAudienceNotGranted) {
 			// The caller is told only "forbidden"; the audit says why.
-			a.denial, a.reason = policy.DenyAudience, policy.ErrAudienceNotGranted.Error()
+			a.Denial, a.Reason = policy.DenyAudience, policy.ErrAudienceNotGranted.Error()
 		}
-		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", policy.OrDefault(a.reason, errDetail(err))))
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", policy.OrDefault(a.Reason, problem.Detail(err))))
 		if problem.KindOf(err) == problem.KindForbidden {
 			return decided{}, outcomeDenied, err
 		}
-		a.denial = denyMinTTL
+		a.Denial = audit.DenyMinTTL
 		return decided{}, outcomeUnprocessable, err
 	}
-	a.ev.Peer, a.ev.Grant = d.Peer, d.Grant
+	a.Event.Peer, a.Event.Grant = d.Peer, d.Grant
 	issuer := b.cfg.Issuers[d.Credential]
 	if issuer == nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
-		a.denial = denyCredential
+		a.Denial = audit.DenyCredential
 		return decided{}, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable, "credential %q is not available from this broker", d.Credential)
 	}
 	return decided{Decision: d, policy: p, issuer: issuer, requested: requested, minTTL: minTTL}, outcomeGranted, nil
 }
 
-func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *pendingAudit) (*apiv1.KubeconfigResponse, string, error) {
+func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *audit.Pending) (*apiv1.KubeconfigResponse, string, error) {
 	log := b.cfg.Logger.With(
 		zap.String("identity", c.Identity),
 		zap.String("namespace", req.Namespace),
@@ -410,7 +373,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			d.TTL, d.ClampedBy = ttl, by
 			if minTTL > 0 && d.TTL < minTTL {
 				log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
-				a.denial = denyMinTTL
+				a.Denial = audit.DenyMinTTL
 				return nil, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
 					"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
 			}
@@ -426,7 +389,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			return nil, outcomeFor(err), err
 		}
 		log = log.With(zap.String("user", cert.user))
-		a.ev.User = cert.user
+		a.Event.User = cert.user
 	}
 
 	// A token is issued on a pooled Secret when the pool has one ready
@@ -441,7 +404,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	} else if id, err = b.newLeaseID(); err != nil {
 		return nil, outcomeError, err
 	}
-	a.ev.LeaseID = id
+	a.Event.LeaseID = id
 	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Clock.Now()
 	// The lease's expiry in whole seconds, as its annotation records it
@@ -549,7 +512,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 	}
 	if minTTL > 0 && granted < minTTL {
-		a.denial = denyMinTTL
+		a.Denial = audit.DenyMinTTL
 		return fail(created, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
@@ -588,14 +551,14 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		zap.String("clamped_by", clampedBy),
 		zap.Time("expires_at", expiresAt),
 		zap.String(ref.logKey, ref.value))
-	a.ev.GrantedTTL, a.ev.ClampedBy = granted.String(), clampedBy
+	a.Event.GrantedTTL, a.Event.ClampedBy = granted.String(), clampedBy
 	if cred.Kind() == issuers.KindToken {
-		a.ev.TokenJTI = ref.value
+		a.Event.TokenJTI = ref.value
 	} else {
-		a.ev.CertificateSerial = ref.value
+		a.Event.CertificateSerial = ref.value
 	}
-	a.ev.CredentialID = ref.apiID
-	a.ev.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
+	a.Event.CredentialID = ref.apiID
+	a.Event.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
 	b.cfg.Metrics.ObserveGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
 	if requested != 0 {
@@ -823,14 +786,6 @@ func (b *Broker) Ready(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-func errDetail(err error) string {
-	var be *problem.Error
-	if errors.As(err, &be) && be.Detail != "" {
-		return be.Detail
-	}
-	return err.Error()
 }
 
 // credentialRef names a credential in the log and the audit trail

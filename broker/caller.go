@@ -2,6 +2,7 @@ package broker
 
 import (
 	"crypto/x509"
+
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 

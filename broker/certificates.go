@@ -1,350 +1,50 @@
 package broker
 
 import (
-	"bytes"
 	"context"
-	"crypto/x509"
-	"errors"
-	"fmt"
-	"slices"
-	"time"
-
-	"go.uber.org/zap"
-	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
-	"github.com/tokenbroker/tokenbroker/broker/objects"
-	"github.com/tokenbroker/tokenbroker/broker/policy"
-	"github.com/tokenbroker/tokenbroker/broker/problem"
-	"github.com/tokenbroker/tokenbroker/pki"
 )
+
+// authority is the CA side (enrollment.Authority) with the broker's
+// configuration as it is now.
+func (b *Broker) authority() *enrollment.Authority {
+	return &enrollment.Authority{
+		CA: b.cfg.CA, PreviousCA: b.cfg.PreviousCA, JoinTokens: b.joinTokens, Trust: b.cfg.Trust,
+		CertificateTTL: b.cfg.CertificateTTL, Revocations: b.cfg.Revocations, Policy: b.cfg.Policy,
+		Secrets: b.cfg.Secrets, Namespace: b.cfg.Namespace,
+		Renewals: b.limits, Enrollments: b.enrollLim,
+		Audit: b.recorder(), Metrics: b.cfg.Metrics, Clock: b.cfg.Clock, Logger: b.cfg.Logger, Timed: b.timeAPI,
+	}
+}
 
 // joinTokenAudiences are the aud values this broker accepts in a join
-// token: its names (Config.BrokerNames, else the policy's cluster.name),
-// and the unbound audience if Config.AcceptUnboundJoinTokens.
+// token (enrollment.JoinTokenAudiences), read at every verification.
 func (b *Broker) joinTokenAudiences() []string {
-	names := slices.Clone(b.cfg.BrokerNames)
-	if len(names) == 0 {
-		// Policy.Validate refuses a cluster.name that is no broker name
-		// (the unbound audience); this keeps it out even so.
-		if p := b.cfg.Policy.Load(); p != nil && pki.ValidJoinTokenAudience(p.Cluster.Name) == nil {
-			names = append(names, p.Cluster.Name)
-		}
-	}
-	if b.cfg.AcceptUnboundJoinTokens {
-		names = append(names, pki.JoinTokenAudience)
-	}
-	return names
+	return enrollment.JoinTokenAudiences(b.cfg.BrokerNames, b.cfg.Policy, b.cfg.AcceptUnboundJoinTokens)
 }
 
-// issuedBySigningCA reports whether cert was signed by the key of the
-// signing CA in force or of the previous one.
-func (b *Broker) issuedBySigningCA(cert *x509.Certificate) bool {
-	if cert == nil {
-		return false
-	}
-	for _, ca := range enrollment.SigningCAs(b.cfg.CA, b.cfg.PreviousCA) {
-		if bytes.Equal(cert.RawIssuer, ca.RawSubject) && cert.CheckSignatureFrom(ca) == nil {
-			return true
-		}
-	}
-	return false
-}
-
-// caExpirySlack keeps a shortened certificate's NotAfter clear of the
-// CA's, whatever the clocks of broker and CA say.
-const caExpirySlack = time.Minute
-
-// Operations and outcomes of tokenbroker_certificate_requests_total.
-const (
-	opEnroll = "enroll"
-	opRenew  = "renew"
-
-	certIssued          = "issued"
-	certUnauthenticated = "unauthenticated"
-	certInvalid         = "invalid"
-	certDenied          = "denied"
-	certUnavailable     = "unavailable"
-	certDisabled        = "disabled"
-	certError           = "error"
-	certLimited         = "limited"
-)
-
-// errJoinToken is every enrollment authentication failure as the caller
-// sees it: bad, expired, reused or revoked, all the same.
-func errJoinToken(cause error) error {
-	return problem.Wrap(problem.KindUnauthenticated, "invalid join token", cause)
-}
-
-// errCertificatesDisabled answers enrollment and renewal on a broker that
-// has no signing CA.
-var errCertificatesDisabled = problem.Errorf(problem.KindNotFound, "this broker does not issue certificates")
-
-// Enroll issues a new cluster's first client certificate. token is the
-// join token the caller presented as its bearer token; it authorizes one
-// certificate for its subject, once.
-//
-// Every problem with the token (malformed, badly signed, expired, wrong
-// issuer or audience, already used, or for a revoked identity) is the same
-// KindUnauthenticated error, so that a caller learns nothing about why.
-// Then a CSR that does not parse is KindInvalid with a field error on
-// "csr", and a CSR for another identity than the token's subject is
-// KindForbidden; neither uses the token up. The token's jti is then
-// recorded in the Kubernetes API with a create that fails if the record
-// exists, before anything is signed, so that of two replicas given the
-// same token only one issues a certificate. KindUnavailable (API server
-// unreachable, token not used up) is retryable.
+// Enroll issues a new cluster's first client certificate for the join
+// token it presented (enrollment.Authority.Enroll); the caller's address
+// (RemoteAddr) keys the enrollment limits.
 func (b *Broker) Enroll(ctx context.Context, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	a := &pendingAudit{ev: audit.Event{Action: audit.ActionEnroll}}
-	resp, outcome, err := b.enroll(ctx, token, req, a)
-	b.cfg.Metrics.ObserveCertificate(opEnroll, outcome)
-	b.auditCertificate(ctx, a, outcome, resp, err)
-	return resp, err
+	return b.authority().Enroll(ctx, RemoteAddr(ctx), token, req)
 }
 
-// auditCertificate writes the audit event of an enrollment or renewal.
-func (b *Broker) auditCertificate(ctx context.Context, a *pendingAudit, outcome string, resp *apiv1.CertificateResponse, err error) {
-	switch outcome {
-	case certIssued:
-		a.ev.Serial = resp.SerialNumber
-		a.ev.NotAfter = resp.NotAfter.UTC().Format(time.RFC3339)
-		b.conclude(ctx, a, audit.DecisionAllow, "", "")
-	case certUnavailable:
-		b.conclude(ctx, a, audit.DecisionError, "the Kubernetes API server is unavailable", "")
-	case certError:
-		b.conclude(ctx, a, audit.DecisionError, errDetail(err), "")
-	default:
-		b.conclude(ctx, a, audit.DecisionDeny, errDetail(err), denyInvalid)
-	}
-}
-
-func (b *Broker) enroll(ctx context.Context, token string, req apiv1.CertificateRequest, a *pendingAudit) (*apiv1.CertificateResponse, string, error) {
-	if b.cfg.CA == nil {
-		a.denial = denyDisabled
-		return nil, certDisabled, errCertificatesDisabled
-	}
-	log := b.cfg.Logger.With(zap.String("operation", opEnroll))
-	if err := b.admitEnrollment(RemoteAddr(ctx), token, a); err != nil {
-		log.Info("enrollment refused", zap.String("reason", errDetail(err)))
-		return nil, certLimited, err
-	}
-	claims, err := b.joinTokens.Verify(token)
-	if err != nil {
-		log.Info("enrollment refused", zap.String("reason", "join token not valid"), zap.Error(err))
-		a.denial, a.reason = denyJoinToken, "join token not valid: "+err.Error()
-		return nil, certUnauthenticated, errJoinToken(err)
-	}
-	log = log.With(zap.String("identity", claims.Identity), zap.String("jti", claims.ID))
-	a.ev.Identity, a.ev.JoinTokenID = claims.Identity, claims.ID
-	if b.revoked(claims.Identity) {
-		log.Info("enrollment refused", zap.String("reason", "identity revoked"))
-		a.denial, a.reason = denyRevoked, "identity revoked"
-		return nil, certUnauthenticated, errJoinToken(errors.New("identity is revoked"))
-	}
-	csr, err := enrollment.ParseCSR(req.CSR, claims.Identity)
-	if err != nil {
-		a.denial = csrDenial(err)
-		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
-		return nil, outcomeOfCert(err), err
-	}
-	if err := b.recordJoinToken(ctx, claims); err != nil {
-		log.Info("enrollment refused", zap.String("reason", errDetail(err)), zap.Error(err))
-		if problem.KindOf(err) == problem.KindUnauthenticated {
-			a.denial, a.reason = denyJoinToken, "join token already used"
-		}
-		return nil, outcomeOfCert(err), err
-	}
-	// If signing fails, the token is used up: a CA that cannot sign is an
-	// operator problem, and a second chance would need a second record.
-	return b.signLogged(csr, claims.Identity, log, "enrollment failed after the join token was used", "certificate enrolled")
-}
-
-// signLogged signs csr for identity and logs the outcome with failed or
-// done.
-func (b *Broker) signLogged(csr *x509.CertificateRequest, identity string, log *zap.Logger, failed, done string) (*apiv1.CertificateResponse, string, error) {
-	resp, err := b.sign(csr, identity, log)
-	if err != nil {
-		log.Error(failed, zap.Error(err))
-		return nil, outcomeOfCert(err), err
-	}
-	log.Info(done, zap.String("serial", resp.SerialNumber), zap.Time("not_after", resp.NotAfter))
-	return resp, certIssued, nil
-}
-
-// Renew issues a new certificate to a caller authenticated by its current,
-// verified and unrevoked client certificate, for the same identity and a
-// new key if the caller wants one. A client certificate that the signing
-// CA (or Config.PreviousCA) did not issue, an identity that is not a peer
-// in the policy and a CSR for another identity are KindForbidden; a CSR
-// that does not parse is KindInvalid.
+// Renew issues a new certificate to a caller authenticated by its
+// current one (enrollment.Authority.Renew).
 func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
-	a := &pendingAudit{ev: audit.Event{Action: audit.ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
-	resp, outcome, err := b.renew(c, req, a)
-	b.cfg.Metrics.ObserveCertificate(opRenew, outcome)
-	b.auditCertificate(ctx, a, outcome, resp, err)
-	return resp, err
-}
-
-func (b *Broker) renew(c Caller, req apiv1.CertificateRequest, a *pendingAudit) (*apiv1.CertificateResponse, string, error) {
-	if b.cfg.CA == nil {
-		a.denial = denyDisabled
-		return nil, certDisabled, errCertificatesDisabled
-	}
-	log := b.cfg.Logger.With(zap.String("operation", opRenew), zap.String("identity", c.Identity),
-		zap.String("client_cert_sha256", c.CertSHA256))
-	// The transport checked the certificate's serial and identity against
-	// the deny list; the identity is checked again here so that Renew is
-	// safe whoever calls it.
-	if b.revoked(c.Identity) {
-		log.Info("renewal refused", zap.String("reason", "identity revoked"))
-		a.denial, a.reason = denyRevoked, "identity revoked"
-		return nil, certUnauthenticated, problem.Wrap(problem.KindUnauthenticated, "", errors.New("identity is revoked"))
-	}
-	// Only certificates of the signing CA (or the previous one) renew: a
-	// peer authenticated by another CA of the trust bundle gets its
-	// certificates from that CA.
-	if !b.issuedBySigningCA(c.Certificate) {
-		log.Info("renewal refused", zap.String("reason", "client certificate not issued by the signing CA"))
-		a.denial, a.reason = denyNotSigningCA, "client certificate not issued by the signing CA"
-		return nil, certDenied, problem.Wrap(problem.KindForbidden, "", errors.New("the client certificate was not issued by this broker's signing CA"))
-	}
-	// A peer removed from the policy has no business here any more: it
-	// keeps its certificate until it expires, but gets no new one.
-	if p := b.cfg.Policy.Load(); p == nil || p.Peer(c.Identity) == nil {
-		log.Info("renewal refused", zap.String("reason", "not a peer in the policy"))
-		a.denial, a.reason = denyNotAPeer, "not a peer in the policy"
-		return nil, certDenied, problem.Wrap(problem.KindForbidden, "", errors.New("the identity is not a peer in the policy"))
-	}
-	if err := b.admitRenewal(c.Identity, a); err != nil {
-		log.Info("renewal refused", zap.String("reason", errDetail(err)))
-		return nil, certLimited, err
-	}
-	csr, err := enrollment.ParseCSR(req.CSR, c.Identity)
-	if err != nil {
-		a.denial = csrDenial(err)
-		log.Info("renewal refused", zap.String("reason", errDetail(err)), zap.Error(err))
-		return nil, outcomeOfCert(err), err
-	}
-	return b.signLogged(csr, c.Identity, log, "renewal failed", "certificate renewed")
+	return b.authority().Renew(ctx, enrollment.Peer{Identity: c.Identity, CertSHA256: c.CertSHA256, Certificate: c.Certificate}, req)
 }
 
 // TrustBundle returns the CA bundle in force and the fingerprints of its
 // certificates; both are empty when the broker has no TrustSource.
-func (b *Broker) TrustBundle() apiv1.TrustBundle {
-	out := apiv1.TrustBundle{Fingerprints: []string{}}
-	if b.cfg.Trust == nil {
-		return out
-	}
-	out.CABundle = string(b.cfg.Trust.PEM())
-	for _, c := range b.cfg.Trust.Certificates() {
-		out.Fingerprints = append(out.Fingerprints, pki.Fingerprint(c))
-	}
-	return out
-}
+func (b *Broker) TrustBundle() apiv1.TrustBundle { return b.authority().TrustBundle() }
 
 // Revoked reports whether a caller's identity or one of its certificate
-// serials (hexadecimal, see NormalizeSerial) is on the deny list; false
-// when the broker has no RevocationList.
+// serials (hexadecimal, see enrollment.NormalizeSerial) is on the deny
+// list; false when the broker has no RevocationList.
 func (b *Broker) Revoked(identity string, serials ...string) bool {
-	if b.cfg.Revocations == nil {
-		return false
-	}
-	return b.cfg.Revocations.Revoked(identity, serials...)
+	return b.cfg.Revocations != nil && b.cfg.Revocations.Revoked(identity, serials...)
 }
-
-func (b *Broker) revoked(identity string) bool { return b.Revoked(identity) }
-
-// recordJoinToken creates the used-token record, failing with the
-// uniform KindUnauthenticated error if it exists already.
-func (b *Broker) recordJoinToken(ctx context.Context, claims pki.JoinTokenClaims) error {
-	s := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{
-			Name:      enrollment.UsedJoinTokenSecretName(claims.ID),
-			Namespace: b.cfg.Namespace,
-			Labels: map[string]string{
-				objects.LabelManagedBy: objects.ManagedByValue,
-				objects.LabelKind:      objects.UsedJoinTokenKind,
-			},
-			Annotations: map[string]string{
-				objects.AnnotationExpiresAt:      claims.ExpiresAt.Add(enrollment.UsedJoinTokenMargin).UTC().Format(time.RFC3339),
-				objects.AnnotationIdentity:       claims.Identity,
-				enrollment.AnnotationJoinTokenID: claims.ID,
-			},
-		},
-		Type: objects.SecretTypeUsedJoinToken,
-	}
-	t0 := b.cfg.Clock.Now()
-	_, err := b.cfg.Secrets.Secrets(b.cfg.Namespace).Create(ctx, s, metav1.CreateOptions{})
-	b.timeAPI(ctx, "create_used_join_token", t0, err)
-	switch {
-	case err == nil:
-		return nil
-	case apierrors.IsAlreadyExists(err):
-		return errJoinToken(fmt.Errorf("join token already used (record %s/%s exists)", b.cfg.Namespace, s.Name))
-	case apierrors.IsNotFound(err):
-		// The broker's own namespace is missing: an operator problem.
-		return problem.Wrap(problem.KindInternal, "", fmt.Errorf("record used join token in namespace %q: %w", b.cfg.Namespace, err))
-	}
-	return problem.Classify(err, "record used join token", "namespace not found")
-}
-
-// sign issues the certificate for identity with the peer's lifetime,
-// shortened (and logged) when the CA expires sooner: near the end of a CA's
-// life clusters get shorter certificates rather than none.
-func (b *Broker) sign(csr *x509.CertificateRequest, identity string, log *zap.Logger) (*apiv1.CertificateResponse, error) {
-	ttl := b.cfg.CertificateTTL
-	if p := b.cfg.Policy.Load(); p != nil {
-		ttl = p.CertificateTTL(identity, ttl)
-	}
-	if left := b.cfg.CA.Certificate().NotAfter.Sub(b.cfg.Clock.Now()) - caExpirySlack; ttl > left && left >= policy.MinCertificateTTL {
-		log.Warn("certificate lifetime shortened: the signing CA expires sooner; rotate the CA",
-			zap.Duration("ttl", ttl), zap.Duration("granted", left.Truncate(time.Second)),
-			zap.Time("ca_not_after", b.cfg.CA.Certificate().NotAfter))
-		ttl = left.Truncate(time.Second)
-	}
-	t0 := b.cfg.Clock.Now()
-	kp, err := b.cfg.CA.SignClient(csr, identity, ttl)
-	b.cfg.Metrics.ObserveAPI("sign_client_certificate", b.cfg.Clock.Since(t0))
-	if err != nil {
-		if errors.Is(err, pki.ErrInvalidCSR) {
-			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
-				Fields: []apiv1.FieldError{{Field: "csr", Detail: enrollment.CSRProblem(err)}}, Err: err}
-		}
-		return nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
-	}
-	resp := &apiv1.CertificateResponse{
-		Identity:     identity,
-		Certificate:  string(kp.CertPEM),
-		SerialNumber: kp.Cert.SerialNumber.Text(16),
-		NotBefore:    kp.Cert.NotBefore.UTC(),
-		NotAfter:     kp.Cert.NotAfter.UTC(),
-	}
-	if b.cfg.Trust != nil {
-		resp.CABundle = string(b.cfg.Trust.PEM())
-	}
-	return resp, nil
-}
-
-// csrDenial is the denial reason code of a refused CSR.
-func csrDenial(err error) string {
-	if problem.KindOf(err) == problem.KindForbidden {
-		return denyIdentityMismatch
-	}
-	return denyInvalid
-}
-
-// certOutcomes label a certificate request that failed, by the kind of
-// its error.
-var certOutcomes = map[problem.Kind]string{
-	problem.KindUnauthenticated: certUnauthenticated,
-	problem.KindInvalid:         certInvalid,
-	problem.KindForbidden:       certDenied,
-	problem.KindUnavailable:     certUnavailable,
-	problem.KindTooManyRequests: certLimited,
-}
-
-func outcomeOfCert(err error) string { return labelOf(err, certOutcomes, certError) }

@@ -57,11 +57,11 @@ func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d pol
 	}
 	csr, cn, err := pki.ParseUserCSRPEM([]byte(req.CSR))
 	if err != nil {
-		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: problem.Detail(err)})
 	}
 	want, err := apiv1.CertificateUser(d.Peer, csr.PublicKey)
 	if err != nil {
-		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: errDetail(err)})
+		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: problem.Detail(err)})
 	}
 	if cn != want {
 		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})

@@ -20,7 +20,7 @@ import (
 // caller at once whether the policy grants the request, rather than at its
 // first kubectl. Every call ends in one audit event (ActionExecKubeconfig).
 func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
-	a := &pendingAudit{ev: audit.Event{
+	a := &audit.Pending{Event: audit.Event{
 		Action:         audit.ActionExecKubeconfig,
 		Identity:       c.Identity,
 		CertSHA256:     c.CertSHA256,
@@ -34,7 +34,7 @@ func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.Kubecon
 	return kc, err
 }
 
-func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL string, a *pendingAudit) ([]byte, string, error) {
+func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL string, a *audit.Pending) ([]byte, string, error) {
 	log := b.cfg.Logger.With(zap.String("identity", c.Identity), zap.String("namespace", req.Namespace), zap.String("service_account", req.ServiceAccount))
 	dec, outcome, err := b.decide(c, req, a, log)
 	if err != nil {

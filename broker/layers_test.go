@@ -29,7 +29,7 @@ var coreImports = map[string][]string{
 	"broker/kubeconfig": {"api/v1", "broker/policy", "issuers"},
 	"broker/workload":   {"broker/objects", "broker/problem", "pki"},
 	"broker/tenants":    {"broker/lease", "broker/metrics", "broker/objects", "broker/policy"},
-	"broker/enrollment": {"api/v1", "broker/metrics", "broker/objects", "broker/policy", "broker/problem", "pki"},
+	"broker/enrollment": {"api/v1", "broker/audit", "broker/limits", "broker/metrics", "broker/objects", "broker/policy", "broker/problem", "pki"},
 	"broker/auditjoin":  nil,
 	"broker/rbacrights": nil,
 }

@@ -1,8 +1,10 @@
 package broker
 
 import (
-	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"time"
+
+	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 )
 
 // leaseReadsRetry is the Retry-After of a refusal by the in-flight cap: a
@@ -17,7 +19,7 @@ const leaseReadsRetry = time.Second
 // not know is not limited here: it is answered from memory (an empty
 // list, not found) without an API call. A refusal is counted, and set as
 // a's denial if a is not nil.
-func (b *Broker) admitLeaseRead(c Caller, a *pendingAudit) (done func(), err error) {
+func (b *Broker) admitLeaseRead(c Caller, a *audit.Pending) (done func(), err error) {
 	p, err := b.policy()
 	if err != nil {
 		return nil, err
@@ -28,12 +30,12 @@ func (b *Broker) admitLeaseRead(c Caller, a *pendingAudit) (done func(), err err
 	}
 	lim := p.LimitsFor(peer)
 	if !b.reads.Acquire(c.Identity, lim.LeaseReadsInFlight) {
-		return nil, b.refuseLimited(a, peer.Name, limitLeaseReads, limits.Limited(leaseReadsRetry,
+		return nil, b.refuseLimited(a, peer.Name, limits.ReasonLeaseReads, limits.Limited(leaseReadsRetry,
 			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, limits.RetrySeconds(leaseReadsRetry)))
 	}
 	if ok, wait := b.limits.Take("read:"+c.Identity, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
 		b.reads.Release(c.Identity)
-		return nil, b.refuseLimited(a, peer.Name, limitLeaseReadRate, limits.Limited(wait,
+		return nil, b.refuseLimited(a, peer.Name, limits.ReasonLeaseReadRate, limits.Limited(wait,
 			"peer %s is over its limit of %d lease reads a minute; retry in %ds", peer.Name, lim.LeaseReadsPerMinute, limits.RetrySeconds(wait)))
 	}
 	return func() { b.reads.Release(c.Identity) }, nil

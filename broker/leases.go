@@ -129,18 +129,18 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // then says so). A retried DELETE is harmless: it finds the lease or gets
 // KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
-	a := &pendingAudit{ev: audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
+	a := &audit.Pending{Event: audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
 	done, err := b.admitLeaseRead(c, a)
 	if err == nil {
 		defer done()
-		err = b.revokeLease(ctx, c, id, &a.ev)
+		err = b.revokeLease(ctx, c, id, &a.Event)
 	}
 	if problem.KindOf(err) == problem.KindUnavailable && apiv1.ValidLeaseID(id) && b.queueRevocation(c, id) {
 		b.cfg.Logger.Warn("revocation failed: API server unavailable; retrying in the background",
 			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.Error(err))
 	}
 	if !apiv1.ValidLeaseID(id) {
-		a.ev.LeaseID = "" // not an id: keep what the caller sent out of the audit log
+		a.Event.LeaseID = "" // not an id: keep what the caller sent out of the audit log
 	}
 	outcome := outcomeGranted
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -24,17 +25,6 @@ func limitsOf(l policy.Limits, live int) *apiv1.PeerLimits {
 	}
 }
 
-// Reason codes of tokenbroker_limited_total and of the audit.
-const (
-	limitIssuanceRate  = "issuance_rate"
-	limitRenewalRate   = "renewal_rate"
-	limitEnrollRate    = "enrollment_rate"
-	limitLiveLeases    = "max_live_leases"
-	limitLiveLeasesAll = "global_max_live_leases"
-	limitLeaseReadRate = "lease_read_rate"
-	limitLeaseReads    = "lease_reads_in_flight"
-)
-
 // quotaRetry is the Retry-After of a full lease quota: a place frees up
 // when a lease is revoked or collected, and GC runs every minute.
 const quotaRetry = time.Minute
@@ -44,7 +34,7 @@ const quotaRetry = time.Minute
 // success it holds a place in the quota (nil without a LeaseCounter),
 // which the caller commits once the lease Secret exists or releases.
 // Refusals are counted and set a's denial.
-func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingAudit) (*lease.Place, error) {
+func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *audit.Pending) (*lease.Place, error) {
 	lim := p.LimitsFor(p.Peer(identity))
 	var pl *lease.Place
 	if b.cfg.Leases != nil {
@@ -54,10 +44,10 @@ func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingA
 		pl, full = b.cfg.Leases.Reserve(peer, lim.MaxLiveLeases, b.cfg.MaxLiveLeases)
 		switch full {
 		case lease.QuotaPeer:
-			return nil, b.refuseLimited(a, peer, limitLiveLeases, limits.Limited(quotaRetry,
+			return nil, b.refuseLimited(a, peer, limits.ReasonLiveLeases, limits.Limited(quotaRetry,
 				"peer %s holds its maxLiveLeases of %d live leases: revoke one (DELETE /v1/leases/{id}) or wait for one to expire", peer, lim.MaxLiveLeases))
 		case lease.QuotaTotal:
-			return nil, b.refuseLimited(a, peer, limitLiveLeasesAll, limits.Limited(quotaRetry,
+			return nil, b.refuseLimited(a, peer, limits.ReasonLiveLeasesAll, limits.Limited(quotaRetry,
 				"the broker holds its --max-live-leases of %d live leases for all peers together; retry later", b.cfg.MaxLiveLeases))
 		}
 	}
@@ -71,25 +61,25 @@ func (b *Broker) admitLease(p *policy.Policy, identity, peer string, a *pendingA
 }
 
 // admitIssuance applies the peer's issuance bucket.
-func (b *Broker) admitIssuance(p *policy.Policy, identity, peer string, a *pendingAudit) error {
+func (b *Broker) admitIssuance(p *policy.Policy, identity, peer string, a *audit.Pending) error {
 	return b.takeIssuance(identity, peer, p.LimitsFor(p.Peer(identity)), a)
 }
 
 // takeIssuance takes a token of the peer's issuance bucket, whose figures
 // are lim.
-func (b *Broker) takeIssuance(identity, peer string, lim policy.Limits, a *pendingAudit) error {
+func (b *Broker) takeIssuance(identity, peer string, lim policy.Limits, a *audit.Pending) error {
 	if ok, wait := b.limits.Take("issue:"+identity, lim.IssuancesPerMinute, lim.Burst); !ok {
-		return b.refuseLimited(a, peer, limitIssuanceRate, limits.Limited(wait,
+		return b.refuseLimited(a, peer, limits.ReasonIssuanceRate, limits.Limited(wait,
 			"peer %s is over its limit of %d issuances a minute (burst %d); retry in %ds", peer, lim.IssuancesPerMinute, lim.Burst, limits.RetrySeconds(wait)))
 	}
 	return nil
 }
 
 // refuseLimited counts and records a refusal by a limit.
-func (b *Broker) refuseLimited(a *pendingAudit, peer, reason string, err *problem.Error) error {
+func (b *Broker) refuseLimited(a *audit.Pending, peer, reason string, err *problem.Error) error {
 	b.cfg.Metrics.ObserveLimited(peer, reason)
 	if a != nil {
-		a.denial = reason
+		a.Denial = reason
 	}
 	return err
 }
@@ -110,50 +100,6 @@ func (b *Broker) Limits(c Caller) *apiv1.PeerLimits {
 		live, _ = b.cfg.Leases.Live(peer.Name)
 	}
 	return limitsOf(p.LimitsFor(peer), live)
-}
-
-// admitRenewal applies the peer's renewal bucket.
-func (b *Broker) admitRenewal(identity string, a *pendingAudit) error {
-	p, err := b.policy()
-	if err != nil {
-		return err
-	}
-	peer := p.Peer(identity)
-	name := ""
-	if peer != nil {
-		name = peer.Name
-	}
-	lim := p.LimitsFor(peer)
-	if ok, wait := b.limits.Take("renew:"+identity, lim.RenewalsPerMinute, lim.RenewalsPerMinute); !ok {
-		return b.refuseLimited(a, name, limitRenewalRate, limits.Limited(wait,
-			"over the limit of %d renewals a minute; retry in %ds", lim.RenewalsPerMinute, limits.RetrySeconds(wait)))
-	}
-	return nil
-}
-
-// admitEnrollment applies the enrollment buckets of the source (when the
-// transport gave one) and then of the join token, before the token is
-// even verified, so that guessing costs the guesser. The source comes
-// first: a source over its limit is refused before a bucket is made for
-// its token, so one address cannot fill the limiter with junk tokens.
-func (b *Broker) admitEnrollment(addr, token string, a *pendingAudit) error {
-	p, err := b.policy()
-	if err != nil {
-		return err
-	}
-	n := p.EnrollmentsPerMinute()
-	keys := make([]string, 0, 2)
-	if addr != "" {
-		keys = append(keys, limits.EnrollSourceKey(addr))
-	}
-	keys = append(keys, limits.JoinTokenKey(token))
-	for _, k := range keys {
-		if ok, wait := b.enrollLim.Take(k, n, n); !ok {
-			return b.refuseLimited(a, "", limitEnrollRate, limits.Limited(wait,
-				"over the limit of %d enrollments a minute from one address or with one join token; retry in %ds", n, limits.RetrySeconds(wait)))
-		}
-	}
-	return nil
 }
 
 type remoteAddrKey struct{}

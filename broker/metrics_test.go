@@ -184,7 +184,7 @@ func TestANilMetricsRecordsNothing(t *testing.T) {
 	// calls every method on nil: each must be a no-op, not a panic.
 	for name, call := range map[string]func(){
 		"observeGrant":           func() { m.ObserveGrant("p", "ns", "sa", "token", time.Hour, time.Hour, policy.ClampedByGrant) },
-		"observeDenial":          func() { m.ObserveDenial(audit.ActionIssue, denyInvalid) },
+		"observeDenial":          func() { m.ObserveDenial(audit.ActionIssue, audit.DenyInvalid) },
 		"observeGC":              func() { m.ObserveGC(time.Second, 1, time.Now(), nil) },
 		"observeAPIError":        func() { m.ObserveAPIError("x", "other") },
 		"observeAudit":           func() { m.ObserveAudit(audit.ActionIssue, audit.DecisionAllow, nil) },

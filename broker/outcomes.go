@@ -27,12 +27,4 @@ var issueOutcomes = map[problem.Kind]string{
 	problem.KindTooManyRequests: outcomeLimited,
 }
 
-func outcomeFor(err error) string { return labelOf(err, issueOutcomes, outcomeError) }
-
-// labelOf is the metric label of err's kind in labels, else other.
-func labelOf(err error, labels map[problem.Kind]string, other string) string {
-	if l, ok := labels[problem.KindOf(err)]; ok {
-		return l
-	}
-	return other
-}
+func outcomeFor(err error) string { return problem.Label(err, issueOutcomes, outcomeError) }

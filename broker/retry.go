@@ -69,7 +69,7 @@ func (b *Broker) retryDeletion(d *pendingDeletion) error {
 		switch {
 		case err == nil:
 			ev.Decision, ev.Reason = audit.DecisionAllow, "revoked after the API server was unavailable"
-			b.audit(ctx, ev)
+			b.recorder().Write(ctx, ev)
 			return nil
 		case problem.KindOf(err) == problem.KindNotFound:
 			return nil // gone already (or never the caller's)

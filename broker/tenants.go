@@ -130,7 +130,7 @@ func (b *Broker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, ite
 		zap.String("namespace", s.Namespace),
 		zap.String("service_account", s.Annotations[objects.AnnotationSA]),
 		zap.String("reason", item.Reason))
-	b.audit(ctx, audit.Event{
+	b.recorder().Write(ctx, audit.Event{
 		Action:         audit.ActionRevoke,
 		Decision:       audit.DecisionAllow,
 		Reason:         reason,
@@ -222,7 +222,7 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 // on unmatch) no longer covers the namespace, the lease is deleted, which
 // revokes the credential nobody has seen, and the request is refused as
 // any request there is now.
-func (b *Broker) recheckCoverage(ctx context.Context, g *policy.GrantSpec, d policy.Decision, created *corev1.Secret, a *pendingAudit, log *zap.Logger) error {
+func (b *Broker) recheckCoverage(ctx context.Context, g *policy.GrantSpec, d policy.Decision, created *corev1.Secret, a *audit.Pending, log *zap.Logger) error {
 	if g == nil || !g.KeptTrue() || b.tenants == nil {
 		return nil
 	}
@@ -233,7 +233,7 @@ func (b *Broker) recheckCoverage(ctx context.Context, g *policy.GrantSpec, d pol
 		}
 	}
 	b.deleteLease(ctx, created, log)
-	a.reason = "namespace " + created.Namespace + " is no longer covered by grant " + d.Grant + " (" + tenants.UnmatchDuringIssue + ")"
-	log.Info("decision", zap.Bool("allowed", false), zap.String("reason", a.reason))
+	a.Reason = "namespace " + created.Namespace + " is no longer covered by grant " + d.Grant + " (" + tenants.UnmatchDuringIssue + ")"
+	log.Info("decision", zap.Bool("allowed", false), zap.String("reason", a.Reason))
 	return problem.Errorf(problem.KindForbidden, "no grant allows this request")
 }

@@ -77,13 +77,13 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 		if errors.As(err, &be) {
 			reason = be.Reason
 		}
-		a := &pendingAudit{ev: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: TokenFingerprint(token)}}
+		a := &audit.Pending{Event: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: TokenFingerprint(token)}}
 		if p := b.cfg.Policy.Load(); p != nil {
 			if peer := p.Peer(c.Identity); peer != nil {
-				a.ev.Peer = peer.Name
+				a.Event.Peer = peer.Name
 			}
 		}
-		b.conclude(ctx, a, audit.DecisionDeny, "workload token refused: "+reason, denyWorkloadToken)
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, "workload token refused: "+reason, audit.DenyWorkloadToken)
 		b.cfg.Logger.Info("workload token refused", zap.String("identity", c.Identity),
 			zap.String("reason", reason), zap.String("token_sha256", TokenFingerprint(token)), zap.Error(err))
 		return c, err
@@ -144,7 +144,7 @@ func (b *Broker) verifyWorkload(c Caller, token string) (*Workload, error) {
 // that is not a usable set is KindInvalid. Uploading the set in force
 // again changes nothing.
 func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.PeerJWKS, error) {
-	a := &pendingAudit{ev: audit.Event{Action: audit.ActionUploadJWKS, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	a := &audit.Pending{Event: audit.Event{Action: audit.ActionUploadJWKS, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, err := b.putPeerJWKS(ctx, c, doc, a)
 	outcome := outcomeGranted
 	if err != nil {
@@ -154,7 +154,7 @@ func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.
 	return resp, err
 }
 
-func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *pendingAudit) (*apiv1.PeerJWKS, error) {
+func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *audit.Pending) (*apiv1.PeerJWKS, error) {
 	p, err := b.policy()
 	if err != nil {
 		return nil, err
@@ -163,7 +163,7 @@ func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *pendi
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.JWKSFromPeer {
 		return nil, problem.Errorf(problem.KindForbidden, "the policy does not let this peer upload its key set")
 	}
-	a.ev.Peer = peer.Name
+	a.Event.Peer = peer.Name
 	if b.cfg.PeerKeys == nil {
 		return nil, problem.Errorf(problem.KindUnprocessable, "this broker keeps no uploaded key sets")
 	}
@@ -171,7 +171,7 @@ func (b *Broker) putPeerJWKS(ctx context.Context, c Caller, doc []byte, a *pendi
 	if err != nil {
 		return nil, problem.Invalid(apiv1.FieldError{Field: "keys", Detail: err.Error()})
 	}
-	a.ev.JWKSDigest = set.Digest()
+	a.Event.JWKSDigest = set.Digest()
 	up, err := b.cfg.PeerKeys.Put(ctx, peer.Name, c.Identity, doc, set, b.cfg.Clock.Now(), peer.WorkloadIdentity.EffectiveJWKSOverlap())
 	if err != nil {
 		return nil, err

@@ -37,6 +37,23 @@ const (
 	DecisionError = "error"
 )
 
+// Reason codes of a refusal, in tokenbroker_denials_total and the
+// metrics of the limits (which add their own).
+const (
+	DenyNotGranted       = "not_granted"
+	DenyMinTTL           = "min_ttl"
+	DenyCredential       = "credential_unavailable"
+	DenyInvalid          = "invalid"
+	DenyNotFound         = "not_found"
+	DenyJoinToken        = "join_token"
+	DenyRevoked          = "revoked"
+	DenyIdentityMismatch = "identity_mismatch"
+	DenyDisabled         = "disabled"
+	DenyWorkloadToken    = "workload_token"
+	DenyNotSigningCA     = "not_signing_ca"
+	DenyNotAPeer         = "not_a_peer"
+)
+
 // Event is one decision of the broker: a kubeconfig issued or refused,
 // a lease revoked, a certificate enrolled or renewed. It names who asked
 // (identity, certificate fingerprint, request id) and what they got (lease

@@ -98,3 +98,21 @@ func Invalid(fields ...apiv1.FieldError) *Error {
 func Wrap(kind Kind, detail string, cause error) *Error {
 	return &Error{Kind: kind, Detail: detail, Err: cause}
 }
+
+// Detail is what the caller is told of err: its Error's Detail, which
+// never holds a secret, else err's text.
+func Detail(err error) string {
+	var be *Error
+	if errors.As(err, &be) && be.Detail != "" {
+		return be.Detail
+	}
+	return err.Error()
+}
+
+// Label is the metric label of err's kind in labels, else other.
+func Label(err error, labels map[Kind]string, other string) string {
+	if l, ok := labels[KindOf(err)]; ok {
+		return l
+	}
+	return other
+}
