@@ -6,7 +6,6 @@ import (
 	"crypto/sha256"
 	"encoding/base32"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,7 +16,6 @@ import (
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/client-go/rest"
@@ -525,7 +523,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// answer (credentialid.go).
 	idRecorded := false
 	if clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner {
-		if err := b.recordCredential(ctx, created, ref.apiID, &cred.ExpiresAt); err != nil {
+		if err := b.store().RecordCredential(ctx, created, ref.apiID, &cred.ExpiresAt); err != nil {
 			return fail(created, outcomeFor(err), err)
 		}
 		idRecorded = true
@@ -642,38 +640,6 @@ func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.K
 		s.Annotations[objects.AnnotationWorkload] = c.Workload.String()
 	}
 	return s
-}
-
-// recordCredential writes the credential's API server id (apiID, unless
-// empty) and, unless nil, a new expiry on a lease Secret, in one merge
-// patch that applies only to the Secret of s's UID.
-func (b *Broker) recordCredential(ctx context.Context, s *corev1.Secret, apiID string, expiresAt *time.Time) error {
-	ann := map[string]string{}
-	if apiID != "" {
-		ann[objects.AnnotationCredentialID] = apiID
-	}
-	if expiresAt != nil {
-		ann[objects.AnnotationExpiresAt] = expiresAt.UTC().Format(time.RFC3339)
-	}
-	if len(ann) == 0 {
-		return nil
-	}
-	meta := map[string]any{"annotations": ann}
-	if s.UID != "" {
-		// The Secret this lease created, not one made since under its name.
-		meta["uid"] = s.UID
-	}
-	patch, err := json.Marshal(map[string]any{"metadata": meta})
-	if err != nil {
-		return err
-	}
-	t0 := b.cfg.Clock.Now()
-	_, err = b.cfg.Secrets.Secrets(s.Namespace).Patch(ctx, s.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-	b.timeAPI(ctx, "patch_lease", t0, err)
-	if err != nil {
-		return problem.Classify(err, "record lease credential", "lease Secret vanished")
-	}
-	return nil
 }
 
 // deleteLease removes a lease Secret after a failed request. It runs even

@@ -6,12 +6,11 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
@@ -67,13 +66,13 @@ func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d pol
 		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})
 	}
 	fp := fingerprintOf(csr)
-	live, err := b.listLeaseSecrets(ctx, p.Namespaces(), labels.Set{objects.LabelKeyFingerprint: fp})
+	live, err := b.store().List(ctx, p.Namespaces(), labels.Set{objects.LabelKeyFingerprint: fp})
 	if err != nil {
 		return nil, err
 	}
 	now := b.cfg.Clock.Now()
 	for i := range live {
-		if !leaseExpired(&live[i], now) {
+		if !lease.Expired(&live[i], now) {
 			return nil, problem.Errorf(problem.KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[objects.LabelLeaseID])
 		}
 	}
@@ -98,11 +97,4 @@ func classifyIssuer(err error, req apiv1.KubeconfigRequest) error {
 		return problem.Classify(err, "issue client certificate", fmt.Sprintf("role for namespace %s not found", req.Namespace))
 	}
 	return problem.Classify(err, "issue credential", fmt.Sprintf("ServiceAccount %s/%s not found", req.Namespace, req.ServiceAccount))
-}
-
-// leaseExpired reports whether a lease's recorded expiry has passed; a
-// lease without one counts as live.
-func leaseExpired(s *corev1.Secret, now time.Time) bool {
-	exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
-	return err == nil && !now.Before(exp)
 }

@@ -55,7 +55,7 @@ func (b *Broker) recordCredentialIDLater(ctx context.Context, s *corev1.Secret, 
 	}
 	w := b.credIDs
 	write := func(ctx context.Context) {
-		if err := b.recordCredential(ctx, s, apiID, nil); err != nil && !problem.IsNotFound(err) {
+		if err := b.store().RecordCredential(ctx, s, apiID, nil); err != nil && !problem.IsNotFound(err) {
 			log.Warn("could not record the credential id on the lease Secret; the issuance's audit event has it",
 				zap.String("credential_id", apiID), zap.Error(err))
 		}

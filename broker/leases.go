@@ -3,15 +3,11 @@ package broker
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -56,52 +52,8 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req lease.PageRequest
 	if peer == nil {
 		return out, nil
 	}
-	namespaces := b.peerNamespaces(peer) // sorted
-	i, _ := slices.BinarySearch(namespaces, cur.Namespace)
-	if i >= len(namespaces) || namespaces[i] != cur.Namespace {
-		cur.APIContinue = "" // its namespace left the peer's grants: the next one from its start
-	}
-	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind, objects.LabelPeer: peer.Name}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Continue: cur.APIContinue}
-	for remaining := limit; i < len(namespaces) && remaining > 0; {
-		// At most apiPageSize Secrets from the API server at a time, so
-		// that a page of 1000 leases holds a quarter of them decoded.
-		opts.Limit = int64(min(remaining, apiPageSize))
-		t0 := b.cfg.Clock.Now()
-		list, err := b.cfg.Secrets.Secrets(namespaces[i]).List(ctx, opts)
-		b.timeAPI(ctx, "list_leases", t0, err)
-		switch {
-		case apierrors.IsResourceExpired(err) || (opts.Continue != "" && apierrors.IsBadRequest(err)):
-			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid", Err: err, Fields: []apiv1.FieldError{
-				{Field: "continue", Detail: "has expired or is not valid; start again without it"}}}
-		case err != nil:
-			return nil, problem.Classify(err, "list leases in "+namespaces[i], "no Secrets")
-		}
-		remaining -= len(list.Items)
-		for j := range list.Items {
-			if s := &list.Items[j]; ownLease(s, c, peer) {
-				out.Items = append(out.Items, lease.ToAPI(s))
-			}
-		}
-		if list.Continue != "" {
-			opts.Continue = list.Continue
-			if remaining <= 0 {
-				out.Continue = lease.EncodeContinue(lease.Cursor{Namespace: namespaces[i], APIContinue: list.Continue})
-				return out, nil
-			}
-			continue // the API server answered fewer than asked; same namespace
-		}
-		i, opts.Continue = i+1, ""
-	}
-	if i < len(namespaces) {
-		out.Continue = lease.EncodeContinue(lease.Cursor{Namespace: namespaces[i]})
-	}
-	return out, nil
+	return b.store().Page(ctx, b.peerNamespaces(peer), holder(c, peer), cur, limit)
 }
-
-// apiPageSize bounds the Secrets one API server list of ListLeases
-// returns.
-const apiPageSize = 250
 
 // GetLease returns one of the caller's leases. A lease of another peer, or
 // of another workload when the caller comes with one, is reported as not
@@ -194,170 +146,30 @@ func logBindingErr(log *zap.Logger, err error) {
 	}
 }
 
-// ownLease reports whether the lease Secret s, listed by the peer's label,
-// is one the broker made for caller c: the lease type (a Secret of another
-// type with the lease labels is anyone's), the peer's label, the caller's
-// identity and, when the caller comes with a workload, that workload.
-func ownLease(s *corev1.Secret, c Caller, peer *policy.PeerSpec) bool {
-	if s.Type != objects.SecretTypeLease || s.Labels[objects.LabelPeer] != peer.Name || s.Annotations[objects.AnnotationIdentity] != c.Identity {
-		return false
-	}
-	// A workload sees only its own leases.
-	return c.Workload == nil || s.Annotations[objects.AnnotationWorkload] == c.Workload.String()
+// holder is whom caller c's leases are made for, as peer of the policy.
+func holder(c Caller, peer *policy.PeerSpec) lease.Holder {
+	return lease.Holder{Peer: peer.Name, Identity: c.Identity, Workload: c.Workload.String()}
 }
 
-// findLease returns the caller's lease id (ownLease), or KindNotFound. A
-// lease's name is unique, but whoever may create Secrets in one of the
-// peer's namespaces and learns an id can copy it; the copy is made after
-// the lease, so the earliest created of the Secrets that pass wins. wait
-// is as for leaseLookupNamespaces.
+// findLease returns the caller's lease id (lease.Store.Find) or
+// KindNotFound.
 func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, error) {
-	notFound := problem.Errorf(problem.KindNotFound, "lease %q not found", id)
-	if !apiv1.ValidLeaseID(id) {
-		return nil, notFound
-	}
 	p, err := b.policy()
 	if err != nil {
 		return nil, err
 	}
 	peer := p.Peer(c.Identity)
 	if peer == nil {
-		return nil, notFound
+		return nil, problem.Errorf(problem.KindNotFound, "lease %q not found", id)
 	}
-	namespaces, err := b.leaseLookupNamespaces(ctx, peer, id, wait)
-	if err != nil {
-		return nil, err
-	}
-	secrets, err := b.listLeaseSecrets(ctx, namespaces, labels.Set{objects.LabelLeaseID: id, objects.LabelPeer: peer.Name})
-	if err != nil {
-		return nil, err
-	}
-	var found *corev1.Secret
-	for i := range secrets {
-		s := &secrets[i]
-		if s.Name != objects.LeaseSecretPrefix+id || !ownLease(s, c, peer) {
-			continue
-		}
-		if found == nil || s.CreationTimestamp.Before(&found.CreationTimestamp) {
-			found = s
-		}
-	}
-	if found == nil {
-		return nil, notFound
-	}
-	return found, nil
+	return b.store().Find(ctx, b.peerNamespaces(peer), holder(c, peer), id, wait)
 }
 
-// leaseLookupWait is how long a lookup waits for the lease counter to see
-// a lease it does not know: one just issued by another replica.
-const leaseLookupWait = time.Second
-
-// leaseLookupNamespaces returns the namespaces where the lease id may be:
-// those of the peer the lease counter saw it in (usually one; copies made
-// by others may add some), when the counter has synced, so that a lookup
-// is one list however many namespaces the peer's grants match; else every
-// namespace of the peer, listed one at a time. A lease the counter has not
-// seen within leaseLookupWait, or seen only outside the peer's namespaces,
-// is not found without a list. Without wait, a lease the synced counter
-// has not seen is not found at once: a GET of an unknown id costs neither
-// an API call nor a wait. A DELETE waits, for its 404 tells the caller
-// there is nothing to revoke.
-func (b *Broker) leaseLookupNamespaces(ctx context.Context, peer *policy.PeerSpec, id string, wait bool) ([]string, error) {
-	all := b.peerNamespaces(peer)
-	lc := b.cfg.Leases
-	if lc == nil || !lc.Synced() {
-		return all, nil
-	}
-	name := objects.LeaseSecretPrefix + id
-	deadline := b.cfg.Clock.Now().Add(leaseLookupWait)
-	for {
-		if seen := lc.NamespacesOf(name); len(seen) > 0 {
-			var out []string
-			for _, ns := range seen {
-				if _, granted := slices.BinarySearch(all, ns); granted {
-					out = append(out, ns)
-				}
-			}
-			return out, nil // none: only in namespaces the peer holds no leases in
-		}
-		if !wait || !b.cfg.Clock.Now().Before(deadline) {
-			return nil, nil
-		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-b.cfg.Clock.After(20 * time.Millisecond):
-		}
-	}
-}
-
-// listLeaseSecrets lists lease Secrets (and only those: the kind label
-// keeps used join token records out, the type Secrets of anyone else who
-// copied the labels) matching sel in the given namespaces.
-func (b *Broker) listLeaseSecrets(ctx context.Context, namespaces []string, sel labels.Set) ([]corev1.Secret, error) {
-	set := labels.Set{objects.LabelKind: objects.LeaseKind}
-	for k, v := range sel {
-		set[k] = v
-	}
-	list, err := b.listManagedSecrets(ctx, namespaces, set, "list_leases")
-	return slices.DeleteFunc(list, func(s corev1.Secret) bool { return s.Type != objects.SecretTypeLease }), err
-}
-
-// listManagedSecrets lists the broker's Secrets of every kind matching sel
-// in the given namespaces, one namespace at a time: listing across all
-// namespaces would need the right to read every Secret of the cluster.
-func (b *Broker) listManagedSecrets(ctx context.Context, namespaces []string, sel labels.Set, call string) ([]corev1.Secret, error) {
-	// Unpaged, for the API server answers a list without a limit from its
-	// watch cache: a lookup by lease id in a namespace of 20,000 Secrets
-	// took 10.9 s with a limit (read from etcd, filtered there) and takes
-	// milliseconds without.
-	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue}
-	for k, v := range sel {
-		set[k] = v
-	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String()}
-	var out []corev1.Secret
-	for _, ns := range namespaces {
-		t0 := b.cfg.Clock.Now()
-		list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
-		b.timeAPI(ctx, call, t0, err)
-		if err != nil {
-			return nil, problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
-		}
-		out = append(out, list.Items...)
-	}
-	return out, nil
-}
-
-// gcPageSize is the page size of eachManagedSecretPage.
-const gcPageSize = 500
-
-// eachManagedSecretPage is listManagedSecrets one page of at most
-// gcPageSize Secrets at a time, so that no more than a page is held.
-func (b *Broker) eachManagedSecretPage(ctx context.Context, namespaces []string, sel labels.Set, call string, fn func([]corev1.Secret) error) error {
-	set := labels.Set{objects.LabelManagedBy: objects.ManagedByValue}
-	for k, v := range sel {
-		set[k] = v
-	}
-	for _, ns := range namespaces {
-		opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: gcPageSize}
-		for {
-			t0 := b.cfg.Clock.Now()
-			list, err := b.cfg.Secrets.Secrets(ns).List(ctx, opts)
-			b.timeAPI(ctx, call, t0, err)
-			if err != nil {
-				return problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
-			}
-			if err := fn(list.Items); err != nil {
-				return err
-			}
-			if list.Continue == "" {
-				break
-			}
-			opts.Continue = list.Continue
-		}
-	}
-	return nil
+// store reads and writes lease Secrets with the broker's client, clock,
+// lease counter and API timing.
+func (b *Broker) store() *lease.Store {
+	return &lease.Store{Secrets: b.cfg.Secrets, Counter: b.cfg.Leases, Clock: b.cfg.Clock,
+		Timed: func(ctx context.Context, call string, start time.Time, err error) { b.timeAPI(ctx, call, start, err) }}
 }
 
 // CollectGarbage deletes every lease Secret and every used join token
@@ -381,134 +193,36 @@ func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 }
 
 // gcFullEvery: every gcFullEvery-th GC pass, the first, and every pass
-// while the lease counter is not synced list every Secret of the broker in
-// the lease namespaces; the others delete what the counter saw expire and
-// list only the used join token records of the broker's own namespace, so
-// that their work follows what expired, not how many leases live. The full
-// passes collect what the counter cannot know: leases without a readable
-// expiry.
+// while the lease counter is not synced are full (lease.GCPass.Full).
 const gcFullEvery = 30
-
-// gcBatch bounds the Secrets one pass deletes from the counter's list.
-const gcBatch = 5000
 
 // collectGarbage is CollectGarbage; it also returns the number of lease
 // Secrets that have not expired, for tokenbroker_leases_active.
 func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
-	now := b.cfg.Clock.Now()
-	maxTTL := 24 * time.Hour
+	pass := lease.GCPass{
+		Namespaces: b.LeaseNamespaces(), Own: b.cfg.Namespace, Now: b.cfg.Clock.Now(), MaxTTL: 24 * time.Hour,
+		UsedTokenRetention: enrollment.UsedJoinTokenFallbackRetention,
+		Delete:             b.deleteSecret,
+		Requeue:            func(s *corev1.Secret) { b.queueSecretDeletion(s, deleteExpired) },
+	}
 	if p := b.cfg.Policy.Load(); p != nil {
-		maxTTL = time.Duration(p.TTL.Max)
+		pass.MaxTTL = time.Duration(p.TTL.Max)
 	}
-	namespaces := b.LeaseNamespaces()
-	if b.cfg.Namespace != "" && !slices.Contains(namespaces, b.cfg.Namespace) {
-		namespaces = append(namespaces, b.cfg.Namespace)
+	if pass.Own != "" && !slices.Contains(pass.Namespaces, pass.Own) {
+		pass.Namespaces = append(pass.Namespaces, pass.Own)
 	}
-	pass := b.gcPasses.Add(1)
-	full := b.cfg.Leases == nil || !b.cfg.Leases.Synced() || pass%gcFullEvery == 1
+	n := b.gcPasses.Add(1)
+	pass.Full = b.cfg.Leases == nil || !b.cfg.Leases.Synced() || n%gcFullEvery == 1
 	// Revocation is durable: leases whose grant no longer covers them are
 	// found here, by any replica, whatever happened to the revocation the
 	// namespace informer queued (tenants.go).
-	b.queueUncovered(ctx, tenants.UnmatchFoundByGC, !full)
-	if full {
-		// Every kind at once, including lease Secrets made before the kind
-		// label existed, a page at a time.
-		deleted, active := 0, 0
-		var errs []error
-		err := b.eachManagedSecretPage(ctx, namespaces, nil, "list_gc", func(page []corev1.Secret) error {
-			n, a, err := b.collect(ctx, page, now, maxTTL)
-			deleted, active = deleted+n, active+a
-			if err != nil {
-				errs = append(errs, err) // the other pages still go
-			}
-			return nil
-		})
-		if err != nil {
-			return deleted, 0, err
-		}
-		return deleted, active, errors.Join(errs...)
+	b.queueUncovered(ctx, tenants.UnmatchFoundByGC, !pass.Full)
+	res, err := b.store().Collect(ctx, pass)
+	b.cfg.Metrics.LeaseDeleted(deleteExpired, res.Leases)
+	if res.Others > 0 {
+		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", res.Others))
 	}
-	var secrets []corev1.Secret
-	if b.cfg.Namespace != "" {
-		var err error
-		secrets, err = b.listManagedSecrets(ctx, []string{b.cfg.Namespace}, labels.Set{objects.LabelKind: objects.UsedJoinTokenKind}, "list_gc")
-		if err != nil {
-			return 0, 0, err
-		}
-	}
-	looked := make(map[string]bool, len(namespaces))
-	for _, ns := range namespaces {
-		looked[ns] = true
-	}
-	for _, e := range b.cfg.Leases.Expired(gcBatch) {
-		if !looked[e.Namespace] {
-			continue // not a namespace the GC looks in (see CollectGarbage)
-		}
-		kind := objects.LeaseKind
-		if e.Pool {
-			kind = objects.PoolKind
-		}
-		secrets = append(secrets, corev1.Secret{ObjectMeta: metav1.ObjectMeta{
-			Namespace: e.Namespace, Name: e.Name, UID: e.UID,
-			Labels:      map[string]string{objects.LabelKind: kind},
-			Annotations: map[string]string{objects.AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
-		}, Type: objects.SecretTypeLease}) // the counter sees that type only
-	}
-	n, _, err := b.collect(ctx, secrets, now, maxTTL)
-	return n, b.cfg.Leases.Counted(), err
-}
-
-// collect deletes those of secrets whose expiry has passed and returns
-// how many it deleted and how many leases have not expired.
-func (b *Broker) collect(ctx context.Context, secrets []corev1.Secret, now time.Time, maxTTL time.Duration) (int, int, error) {
-	leases, others, active := 0, 0, 0
-	var errs []error
-	for i := range secrets {
-		s := &secrets[i]
-		kind := s.Labels[objects.LabelKind]
-		if kind == objects.PeerKeysKind {
-			continue // a peer's key set does not expire; it is replaced
-		}
-		if kind != objects.UsedJoinTokenKind && s.Type != objects.SecretTypeLease {
-			continue // the lease labels on someone else's Secret: not the broker's to delete
-		}
-		usedToken := kind == objects.UsedJoinTokenKind
-		exp, err := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
-		switch {
-		case err == nil:
-		case usedToken:
-			exp = s.CreationTimestamp.Add(enrollment.UsedJoinTokenFallbackRetention)
-		default:
-			exp = s.CreationTimestamp.Add(maxTTL)
-		}
-		if now.Before(exp) {
-			if !usedToken && kind != objects.PoolKind {
-				active++
-			}
-			continue
-		}
-		if err := b.deleteSecret(ctx, s); err != nil {
-			// One Secret that cannot be deleted must not keep the others;
-			// it is retried with backoff until it is gone, not only at
-			// the next round.
-			errs = append(errs, err)
-			b.queueSecretDeletion(s, deleteExpired)
-			continue
-		}
-		if usedToken || kind == objects.PoolKind {
-			others++
-		} else {
-			leases++
-		}
-	}
-	b.cfg.Metrics.LeaseDeleted("expired", leases)
-	if others > 0 {
-		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", others))
-	}
-	if len(errs) > 0 {
-		return leases + others, active, problem.Classify(errors.Join(errs...), fmt.Sprintf("collect %d expired Secrets", len(errs)), "Secret vanished")
-	}
-	return leases + others, active, nil
+	return res.Leases + res.Others, res.Active, err
 }
 
 // RunGC collects expired leases and used join token records every

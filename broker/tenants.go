@@ -76,7 +76,7 @@ func (b *Broker) revokeUnmatched(ctx context.Context, item tenants.Unmatch) erro
 	// those of a grant this replica saw removed while it did.
 	gone := g == nil && t.WasGone(key)
 	policyAt := t.PolicySince()
-	secrets, err := b.listLeaseSecrets(ctx, []string{item.Namespace}, labels.Set{objects.LabelPeer: item.Peer})
+	secrets, err := b.store().List(ctx, []string{item.Namespace}, labels.Set{objects.LabelPeer: item.Peer})
 	if err != nil {
 		return err
 	}
