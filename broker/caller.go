@@ -3,7 +3,7 @@ package broker
 import (
 	"crypto/x509"
 
-	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 )
 
 // Caller is the authenticated peer making a request, as the transport layer
@@ -22,35 +22,5 @@ type Caller struct {
 	// Workload, if set, is the workload of the peer's cluster that asks,
 	// proven by its ServiceAccount token (AuthenticateWorkload). Nil: the
 	// request carried no workload token.
-	Workload *Workload
-}
-
-// Workload is a verified ServiceAccount of the caller's (source) cluster.
-type Workload struct {
-	Namespace      string
-	ServiceAccount string
-	// UID is the ServiceAccount's uid, Pod the pod the token is bound to
-	// ("" for a token bound to none).
-	UID string
-	Pod string
-	// TokenJTI and TokenSHA256 name the token that proved it, for the
-	// audit trail; the token itself is never kept.
-	TokenJTI    string
-	TokenSHA256 string
-}
-
-// Ref is the workload's namespace and ServiceAccount, as grants name it.
-func (w *Workload) Ref() *policy.WorkloadRef {
-	if w == nil {
-		return nil
-	}
-	return &policy.WorkloadRef{Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
-}
-
-// String is "namespace/serviceAccount", as leases record it.
-func (w *Workload) String() string {
-	if w == nil {
-		return ""
-	}
-	return w.Namespace + "/" + w.ServiceAccount
+	Workload *workload.Identity
 }

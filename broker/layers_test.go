@@ -27,7 +27,7 @@ var coreImports = map[string][]string{
 	"broker/lease":      {"api/v1", "broker/objects", "broker/problem"},
 	"broker/policy":     {"api/schema", "api/v1", "broker/metrics", "broker/problem", "issuers", "pki"},
 	"broker/kubeconfig": {"api/v1", "broker/policy", "issuers"},
-	"broker/workload":   {"broker/objects", "broker/problem", "pki"},
+	"broker/workload":   {"api/v1", "broker/audit", "broker/objects", "broker/policy", "broker/problem", "pki"},
 	"broker/tenants":    {"broker/lease", "broker/metrics", "broker/objects", "broker/policy"},
 	"broker/enrollment": {"api/v1", "broker/audit", "broker/limits", "broker/metrics", "broker/objects", "broker/policy", "broker/problem", "pki"},
 	"broker/auditjoin":  nil,

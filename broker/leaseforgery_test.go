@@ -19,6 +19,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 )
 
 // forgeryPolicy grants west argo and flux, and south kueue.
@@ -223,8 +224,8 @@ func leaseFixture(t *testing.T, client *fake.Clientset, id, workload, credential
 
 func TestAWorkloadGetsAndRevokesOnlyItsOwnLeasesByID(t *testing.T) {
 	t.Parallel()
-	runner := Caller{Identity: west.Identity, Workload: &Workload{Namespace: "ci", ServiceAccount: "runner"}}
-	other := Caller{Identity: west.Identity, Workload: &Workload{Namespace: "ci", ServiceAccount: "deployer"}}
+	runner := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "ci", ServiceAccount: "runner"}}
+	other := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "ci", ServiceAccount: "deployer"}}
 	for _, tc := range []struct {
 		name     string
 		workload string

@@ -20,6 +20,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -101,7 +102,7 @@ func (s *Server) withCaller(h callerHandler) http.HandlerFunc {
 		}
 		token, err := workloadToken(r.Header)
 		if err == nil && s.workloads == nil {
-			err = broker.BadWorkloadToken(broker.TokenNoTrust, errors.New("this broker verifies no workload tokens"))
+			err = workload.BadToken(workload.TokenNoTrust, errors.New("this broker verifies no workload tokens"))
 		}
 		if err == nil {
 			p.caller, err = s.workloads.AuthenticateWorkload(r.Context(), p.caller, token)
@@ -123,18 +124,18 @@ func (s *Server) withCaller(h callerHandler) http.HandlerFunc {
 func workloadToken(h http.Header) (string, error) {
 	values := h.Values("Authorization")
 	if len(values) != 1 {
-		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("more than one Authorization header"))
+		return "", workload.BadToken(pki.TokenMalformed, errors.New("more than one Authorization header"))
 	}
 	scheme, token, ok := strings.Cut(values[0], " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("authorization is not a Bearer token"))
+		return "", workload.BadToken(pki.TokenMalformed, errors.New("authorization is not a Bearer token"))
 	}
 	token = strings.TrimLeft(token, " ")
 	if len(token) > pki.MaxWorkloadTokenBytes {
-		return "", broker.BadWorkloadToken(pki.TokenTooLarge, fmt.Errorf("bearer token of %d bytes", len(token)))
+		return "", workload.BadToken(pki.TokenTooLarge, fmt.Errorf("bearer token of %d bytes", len(token)))
 	}
 	if !b64token(token) {
-		return "", broker.BadWorkloadToken(pki.TokenMalformed, errors.New("bearer token is empty or has characters a token cannot have"))
+		return "", workload.BadToken(pki.TokenMalformed, errors.New("bearer token is empty or has characters a token cannot have"))
 	}
 	return token, nil
 }

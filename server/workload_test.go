@@ -12,6 +12,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -47,7 +48,7 @@ func TestAWorkloadTokenIsVerifiedAfterTheCertificateAndRefusalsSayWhy(t *testing
 		wantAuth   bool
 	}{
 		{name: "a verified token reaches the broker as the caller's workload", header: bearer(workloadToken1), wantStatus: http.StatusCreated, wantAuth: true},
-		{name: "a refused token is 401 with the broker's reason", header: bearer(workloadToken1), authErr: broker.BadWorkloadToken(pki.TokenExpired, errors.New("exp passed")), wantStatus: http.StatusUnauthorized, wantReason: pki.TokenExpired, wantAuth: true},
+		{name: "a refused token is 401 with the broker's reason", header: bearer(workloadToken1), authErr: workload.BadToken(pki.TokenExpired, errors.New("exp passed")), wantStatus: http.StatusUnauthorized, wantReason: pki.TokenExpired, wantAuth: true},
 		{name: "a token over the size limit is refused before verification", header: bearer(strings.Repeat("a", pki.MaxWorkloadTokenBytes+1)), wantStatus: http.StatusUnauthorized, wantReason: pki.TokenTooLarge},
 		{name: "another scheme than Bearer is malformed", header: http.Header{"Authorization": {"Basic " + workloadToken1}}, wantStatus: http.StatusUnauthorized, wantReason: pki.TokenMalformed},
 		{name: "two Authorization headers are malformed", header: http.Header{"Authorization": {"Bearer a", "Bearer b"}}, wantStatus: http.StatusUnauthorized, wantReason: pki.TokenMalformed},
@@ -64,7 +65,7 @@ func TestAWorkloadTokenIsVerifiedAfterTheCertificateAndRefusalsSayWhy(t *testing
 				if tc.authErr != nil {
 					return c, tc.authErr
 				}
-				c.Workload = &broker.Workload{Namespace: "argo", ServiceAccount: "runner"}
+				c.Workload = &workload.Identity{Namespace: "argo", ServiceAccount: "runner"}
 				return c, nil
 			}}
 			h := newHarnessWith(t, wb)
@@ -115,7 +116,7 @@ func TestABrokerWithoutWorkloadTrustRefusesAWorkloadTokenAsNoTrust(t *testing.T)
 func TestWhoAmIShowsTheVerifiedWorkload(t *testing.T) {
 	t.Parallel()
 	wb := workloadBroker{fakeBroker: &fakeBroker{}, auth: func(c broker.Caller, _ string) (broker.Caller, error) {
-		c.Workload = &broker.Workload{Namespace: "argo", ServiceAccount: "runner", UID: "u-1", Pod: "p-1"}
+		c.Workload = &workload.Identity{Namespace: "argo", ServiceAccount: "runner", UID: "u-1", Pod: "p-1"}
 		return c, nil
 	}}
 	h := newHarnessWith(t, wb)

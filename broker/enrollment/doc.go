@@ -7,6 +7,6 @@
 // for), the revocation deny list (RevocationList: the ConfigMap
 // tokenbroker-revocations, watched by every replica; AddRevocation and
 // ReadRevocations for the API and the CLI) and the ClusterTrustBundle
-// publisher. The enrollment and renewal flows, with their limits and audit,
-// are still the broker's (broker/certificates.go).
+// publisher; and the flows themselves (Authority: Enroll and Renew, with
+// their limits, the used-join-token record and one audit event each).
 package enrollment
