@@ -58,7 +58,7 @@ func TestWithoutAClusterWideListTheGCRevokesWhatTheCounterSaw(t *testing.T) {
 	require.Eventually(t, func() bool { return b.tenants.Queue.Len() > 0 }, 5*time.Second, time.Millisecond)
 	for b.tenants.Queue.Len() > 0 {
 		item, _ := b.tenants.Queue.Get()
-		require.NoError(t, b.revokeUnmatched(context.Background(), item))
+		require.NoError(t, b.revoker().Revoke(context.Background(), item))
 		b.tenants.Queue.Done(item)
 	}
 	l, err := client.CoreV1().Secrets("oil-dev").List(context.Background(), metav1.ListOptions{})

@@ -132,7 +132,7 @@ func (e *raceEnv) runQueue(t *testing.T) {
 	q := e.b.tenants.Queue
 	for q.Len() > 0 {
 		item, _ := q.Get()
-		require.NoError(t, e.b.revokeUnmatched(context.Background(), item))
+		require.NoError(t, e.b.revoker().Revoke(context.Background(), item))
 		q.Done(item)
 	}
 }

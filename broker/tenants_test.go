@@ -403,7 +403,7 @@ func TestAtStartLeasesLeftInNamespacesThatNoLongerMatchAreRevoked(t *testing.T) 
 		policy.Decision{Peer: "west", Credential: apiv1.CredentialToken, Grant: "oil"},
 		apiv1.KubeconfigRequest{Namespace: "oil-dev", ServiceAccount: "gitops-reconciler"}, e.clock.Now().Add(time.Hour)), metav1.CreateOptions{})
 	require.NoError(t, err)
-	e.b.sweepUnmatched(context.Background())
+	e.b.revoker().Sweep(context.Background())
 	e.clock.Step(tenants.UncoveredRecheck) // the cache is looked at again then
 	e.requireRevoked(t, "oil-dev", "aaaaaaaaaaaaaaaaaaaaaaaaaa")
 	require.Eventually(t, func() bool {
