@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
-	"encoding/base32"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -48,10 +47,6 @@ type Issuer interface {
 	// server are returned wrapped and unclassified.
 	Issue(ctx context.Context, req issuers.Request) (issuers.Credential, error)
 }
-
-// leaseIDEncoding makes 26-character lowercase ids from 16 random bytes;
-// they are valid label values and Secret name suffixes.
-var leaseIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
 
 // Config is what a Broker needs. Secrets, Issuers, Policy and Logger are
 // required.
@@ -399,7 +394,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	var id string
 	if ready != nil {
 		id = ready.ID
-	} else if id, err = b.newLeaseID(); err != nil {
+	} else if id, err = lease.NewID(b.cfg.Rand); err != nil {
 		return nil, outcomeError, err
 	}
 	a.Event.LeaseID = id
@@ -605,14 +600,6 @@ func parseTTLs(ttl, minTTL string) (time.Duration, time.Duration, error) {
 		return 0, 0, problem.Invalid(fields...)
 	}
 	return t, m, nil
-}
-
-func (b *Broker) newLeaseID() (string, error) {
-	var buf [16]byte
-	if _, err := io.ReadFull(b.cfg.Rand, buf[:]); err != nil {
-		return "", fmt.Errorf("generate lease id: %w", err)
-	}
-	return leaseIDEncoding.EncodeToString(buf[:]), nil
 }
 
 func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {

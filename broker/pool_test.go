@@ -73,7 +73,7 @@ func TestAPooledIssuanceIsALeaseLikeAnyOther(t *testing.T) {
 	require.Empty(t, e.secrets(t, objects.PoolKind), "the first issuance in a namespace is sequential")
 
 	e.clock.Step(lease.PoolQuiet)
-	e.b.tendPool(ctx)
+	e.b.poolKeeper().Tend(ctx)
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 3, "the namespace asked for a pool")
 	for _, s := range pooled {
@@ -124,7 +124,7 @@ func TestAFailedPooledIssuanceDeletesTheClaimedSecret(t *testing.T) {
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
 	e.clock.Step(lease.PoolQuiet)
-	e.b.tendPool(ctx)
+	e.b.poolKeeper().Tend(ctx)
 	require.Len(t, e.secrets(t, objects.PoolKind), 1)
 
 	e.iss.err = errors.New("the API server refused the TokenRequest")
@@ -141,7 +141,7 @@ func TestAVanishedPooledSecretFallsBackToTheSequentialPath(t *testing.T) {
 	_, err := e.b.IssueKubeconfig(ctx, west, poolRequest)
 	require.NoError(t, err)
 	e.clock.Step(lease.PoolQuiet)
-	e.b.tendPool(ctx)
+	e.b.poolKeeper().Tend(ctx)
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 1)
 	// Another replica's GC, its clock ahead, deleted it.
@@ -163,16 +163,16 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	p.Take("flux", e.clock.Now())
 
 	p.Start()
-	require.Equal(t, lease.PoolQuiet, e.b.tendPool(ctx), "look again once quiet")
+	require.Equal(t, lease.PoolQuiet, e.b.poolKeeper().Tend(ctx), "look again once quiet")
 	require.Empty(t, e.secrets(t, objects.PoolKind), "busy: issuances take the sequential path, no extra writes")
 	p.Done(e.clock.Now())
-	require.Equal(t, lease.PoolQuiet, e.b.tendPool(ctx))
+	require.Equal(t, lease.PoolQuiet, e.b.poolKeeper().Tend(ctx))
 	e.clock.Step(lease.PoolQuiet / 2)
-	require.Equal(t, lease.PoolQuiet/2, e.b.tendPool(ctx))
+	require.Equal(t, lease.PoolQuiet/2, e.b.poolKeeper().Tend(ctx))
 	require.Empty(t, e.secrets(t, objects.PoolKind), "an issuance just ended: another may follow at once")
 
 	e.clock.Step(lease.PoolQuiet / 2)
-	require.Zero(t, e.b.tendPool(ctx))
+	require.Zero(t, e.b.poolKeeper().Tend(ctx))
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 5, "Max bounds the pool over all namespaces")
 	per := map[string]int{}
@@ -184,7 +184,7 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	// Too old to hand out: deleted, and replaced while still wanted.
 	e.clock.Step(lease.PoolHandout)
 	p.Take("argo", e.clock.Now())
-	e.b.tendPool(ctx)
+	e.b.poolKeeper().Tend(ctx)
 	for _, s := range e.secrets(t, objects.PoolKind) {
 		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
 		require.Equal(t, e.clock.Now().Add(lease.PoolDeadline).UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt], "only new ones")
@@ -192,7 +192,7 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	require.Len(t, e.secrets(t, objects.PoolKind), 4)
 
 	e.clock.Step(lease.PoolIdle)
-	e.b.tendPool(ctx)
+	e.b.poolKeeper().Tend(ctx)
 	require.Empty(t, e.secrets(t, objects.PoolKind), "no token issued in argo for poolIdle: its pool is deleted")
 }
 

@@ -178,7 +178,7 @@ func TestAnIssuanceRacingItsNamespaceOutOfTheGrantIsRefusedAndLeavesNoLease(t *t
 				_, err := e.request(tt.caller, "oil-dev")
 				require.NoError(t, err)
 				e.clock.Step(lease.PoolQuiet)
-				e.b.tendPool(ctx)
+				e.b.poolKeeper().Tend(ctx)
 			}
 			var fired atomic.Bool
 			e.setHook(func(verb, ns, _ string) {
