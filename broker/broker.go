@@ -147,7 +147,7 @@ type Broker struct {
 	expiries *lease.Timers
 	// credIDs are the credential-id annotations being written after their
 	// answer (credentialid.go).
-	credIDs *credentialIDWrites
+	credIDs *lease.CredentialIDs
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants.Tracker
 	// pool is nil when disabled.
@@ -184,7 +184,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: newCredentialIDWrites(), pool: lease.NewPool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: lease.NewCredentialIDs(maxCredentialIDWrites, inBackground), pool: lease.NewPool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
@@ -566,7 +566,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
 	if !idRecorded {
-		b.recordCredentialIDLater(ctx, created, ref.apiID, log)
+		b.credIDs.Later(ctx, b.store(), created, ref.apiID, log)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,

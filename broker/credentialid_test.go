@@ -12,6 +12,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
@@ -27,7 +28,7 @@ func (e *env) credentialIDOf(t *testing.T, id string) string {
 // holdCredentialIDWrites makes the broker write credential ids in the
 // background and holds every lease patch until release is closed.
 func (e *env) holdCredentialIDWrites() (release chan struct{}) {
-	e.b.credIDs.run = func(f func()) { go f() }
+	e.b.credIDs = lease.NewCredentialIDs(maxCredentialIDWrites, func(f func()) { go f() })
 	release = make(chan struct{})
 	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		<-release
@@ -54,10 +55,7 @@ func TestWhenEveryWriteSlotIsTakenAnIssuanceWritesItsOwnCredentialID(t *testing.
 	t.Parallel()
 	e := newEnv(t)
 	started := false
-	e.b.credIDs.run = func(f func()) { started = true; go f() }
-	for range maxCredentialIDWrites {
-		e.b.credIDs.slots <- struct{}{}
-	}
+	e.b.credIDs = lease.NewCredentialIDs(0, func(f func()) { started = true; go f() }) // every slot taken
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
 	require.False(t, started, "no write in the background past the bound")
@@ -80,7 +78,7 @@ func TestAFailedCredentialIDWriteCostsOnlyTheAnnotation(t *testing.T) {
 func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswer(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	e.b.credIDs.run = func(func()) { t.Error("a write in the background when the expiry had to be written anyway") }
+	e.b.credIDs = lease.NewCredentialIDs(maxCredentialIDWrites, func(func()) { t.Error("a write in the background when the expiry had to be written anyway") })
 	e.iss.shorten = 40 * time.Minute // the API server grants 20m of the asked hour
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
