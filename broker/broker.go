@@ -113,7 +113,7 @@ type Config struct {
 	Auditor audit.Auditor
 	// Leases counts the live leases for the quotas; nil enforces none
 	// (tests of other things). MaxLiveLeases bounds all peers' leases
-	// together whatever the policy says; 0 means DefaultMaxLiveLeasesTotal.
+	// together whatever the policy says; 0 means limits.DefaultMaxLiveLeasesTotal.
 	Leases        *lease.Counter
 	MaxLiveLeases int
 	// Namespaces, if set, is a metadata-only informer of the cluster's
@@ -182,7 +182,7 @@ func New(cfg Config) (*Broker, error) {
 		cfg.CleanupTimeout = 10 * time.Second
 	}
 	if cfg.MaxLiveLeases == 0 {
-		cfg.MaxLiveLeases = DefaultMaxLiveLeasesTotal
+		cfg.MaxLiveLeases = limits.DefaultMaxLiveLeasesTotal
 	}
 	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: lease.NewCredentialIDs(maxCredentialIDWrites, inBackground), pool: lease.NewPool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.CA != nil {
@@ -344,7 +344,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcome, err
 	}
 	p, d, issuer, requested, minTTL := dec.policy, dec.Decision, dec.issuer, dec.requested, dec.minTTL
-	place, err := b.admitLease(p, c.Identity, d.Peer, a)
+	place, err := b.admission().Lease(p, c.Identity, d.Peer, a)
 	if err != nil {
 		return nil, outcomeLimited, err
 	}

@@ -14,8 +14,8 @@ func (b *Broker) authority() *enrollment.Authority {
 		CA: b.cfg.CA, PreviousCA: b.cfg.PreviousCA, JoinTokens: b.joinTokens, Trust: b.cfg.Trust,
 		CertificateTTL: b.cfg.CertificateTTL, Revocations: b.cfg.Revocations, Policy: b.cfg.Policy,
 		Secrets: b.cfg.Secrets, Namespace: b.cfg.Namespace,
-		Renewals: b.limits, Enrollments: b.enrollLim,
-		Audit: b.recorder(), Metrics: b.cfg.Metrics, Clock: b.cfg.Clock, Logger: b.cfg.Logger, Timed: b.timeAPI,
+		Limits: b.admission(),
+		Audit:  b.recorder(), Metrics: b.cfg.Metrics, Clock: b.cfg.Clock, Logger: b.cfg.Logger, Timed: b.timeAPI,
 	}
 }
 

@@ -53,7 +53,7 @@ func TestTheEnrollmentLimiterChecksTheSourceFirstAndKeysIPv6ByItsSlash64(t *test
 			t.Parallel()
 			e, _ := newLimitsEnv(t, oneEnrollmentPolicy)
 			for i, tr := range tc.tries {
-				err := e.b.authority().AdmitEnrollment(tr.addr, tr.token, nil)
+				err := e.b.admission().Enrollment(e.b.cfg.Policy.Load(), tr.addr, tr.token, nil)
 				if tr.refused {
 					require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "try %d", i)
 				} else {
@@ -69,9 +69,9 @@ func TestTheEnrollmentLimiterNeverHoldsMoreThanItsBound(t *testing.T) {
 	e, clk := newLimitsEnv(t, oneEnrollmentPolicy)
 	// A source that used its one enrollment, then far more sources each
 	// with a junk token than the bound.
-	require.NoError(t, e.b.authority().AdmitEnrollment("198.51.100.1", "first", nil))
+	require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "198.51.100.1", "first", nil))
 	for i := range 3 * limits.MaxEnrollBuckets / 2 {
-		require.NoError(t, e.b.authority().AdmitEnrollment(junkAddr(i), fmt.Sprintf("junk-%d", i), nil))
+		require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), junkAddr(i), fmt.Sprintf("junk-%d", i), nil))
 		require.LessOrEqual(t, e.b.enrollLim.Len(), limits.MaxEnrollBuckets)
 	}
 	require.Equal(t, limits.MaxEnrollBuckets, e.b.enrollLim.Len())
@@ -82,7 +82,7 @@ func TestTheEnrollmentLimiterNeverHoldsMoreThanItsBound(t *testing.T) {
 	clk.Step(time.Minute)
 	evicted := e.b.enrollLim.Evicted
 	for i := range 100 {
-		require.NoError(t, e.b.authority().AdmitEnrollment(junkAddr(1_000_000+i), fmt.Sprintf("late-%d", i), nil))
+		require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), junkAddr(1_000_000+i), fmt.Sprintf("late-%d", i), nil))
 	}
 	require.Equal(t, evicted, e.b.enrollLim.Evicted)
 	require.LessOrEqual(t, e.b.enrollLim.Len(), limits.MaxEnrollBuckets)
@@ -106,13 +106,13 @@ func BenchmarkEnrollmentJunkTokens(b *testing.B) {
 			bk, err := New(Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(p), Logger: zap.NewNop(), Clock: clk})
 			require.NoError(b, err)
 			for i := range keys {
-				_ = bk.authority().AdmitEnrollment(junkAddr(i), fmt.Sprintf("junk-%d", i), nil)
+				_ = bk.admission().Enrollment(bk.cfg.Policy.Load(), junkAddr(i), fmt.Sprintf("junk-%d", i), nil)
 			}
 			i := keys
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
-				_ = bk.authority().AdmitEnrollment(junkAddr(i), fmt.Sprintf("junk-%d", i), nil)
+				_ = bk.admission().Enrollment(bk.cfg.Policy.Load(), junkAddr(i), fmt.Sprintf("junk-%d", i), nil)
 				i++
 			}
 		})

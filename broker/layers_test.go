@@ -23,7 +23,7 @@ var coreImports = map[string][]string{
 	"broker/metrics":    nil,
 	"broker/audit":      nil,
 	"broker/objects":    nil,
-	"broker/limits":     {"broker/problem"},
+	"broker/limits":     {"api/v1", "broker/audit", "broker/lease", "broker/metrics", "broker/policy", "broker/problem"},
 	"broker/lease":      {"api/v1", "broker/objects", "broker/problem"},
 	"broker/policy":     {"api/schema", "api/v1", "broker/metrics", "broker/problem", "issuers", "pki"},
 	"broker/kubeconfig": {"api/v1", "broker/policy", "issuers"},

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -36,7 +37,7 @@ func (b *Broker) expireLeaseAt(s *corev1.Secret, kind string, at time.Time, log 
 
 // maxTimedExpiries bounds the leases waiting for their timer: the
 // global lease quota's default. Beyond it the GC is the only revoker.
-const maxTimedExpiries = DefaultMaxLiveLeasesTotal
+const maxTimedExpiries = limits.DefaultMaxLiveLeasesTotal
 
 // expireLease revokes an expired lease as RevokeLease does: a client
 // certificate's RoleBinding first, then the Secret. A failed deletion is

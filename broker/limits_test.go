@@ -97,14 +97,14 @@ func TestEnrollmentsAreLimitedPerAddressAndPerJoinToken(t *testing.T) {
 cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
 limits: {enrollmentsPerMinute: 1}
 `)
-	require.NoError(t, e.b.authority().AdmitEnrollment("192.0.2.1", "token-a", nil))
-	err := e.b.authority().AdmitEnrollment("192.0.2.1", "token-b", nil)
+	require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "192.0.2.1", "token-a", nil))
+	err := e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "192.0.2.1", "token-b", nil)
 	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "the same address")
-	err = e.b.authority().AdmitEnrollment("192.0.2.2", "token-a", nil)
+	err = e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "192.0.2.2", "token-a", nil)
 	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "the same token from another address")
-	require.NoError(t, e.b.authority().AdmitEnrollment("192.0.2.3", "token-c", nil))
+	require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "192.0.2.3", "token-c", nil))
 	clk.Step(time.Minute)
-	require.NoError(t, e.b.authority().AdmitEnrollment("192.0.2.1", "token-b", nil))
+	require.NoError(t, e.b.admission().Enrollment(e.b.cfg.Policy.Load(), "192.0.2.1", "token-b", nil))
 }
 
 // BenchmarkAdmitLease is the limits' cost on an issuance: the quota
@@ -125,7 +125,7 @@ func BenchmarkAdmitLease(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		clk.Step(time.Millisecond) // the bucket refills as on a busy broker
-		pl, err := bk.admitLease(p, west.Identity, "west", nil)
+		pl, err := bk.admission().Lease(p, west.Identity, "west", nil)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -86,7 +86,7 @@ type Options struct {
 	// GCInterval is how often expired lease Secrets are deleted.
 	GCInterval time.Duration
 	// MaxLiveLeases bounds the live leases of all peers together, whatever
-	// the policy says; zero means broker.DefaultMaxLiveLeasesTotal.
+	// the policy says; zero means limits.DefaultMaxLiveLeasesTotal.
 	MaxLiveLeases int
 	// LeasePool is how many unclaimed lease Secrets the broker keeps ready
 	// per namespace it recently issued tokens in (broker.PoolConfig): zero

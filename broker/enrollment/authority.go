@@ -42,14 +42,12 @@ type Authority struct {
 	// Secrets and Namespace are where used join tokens are recorded.
 	Secrets   corev1client.SecretsGetter
 	Namespace string
-	// Renewals holds the per-identity renewal buckets, Enrollments those
-	// of sources and join tokens.
-	Renewals    *limits.Limiter
-	Enrollments *limits.EnrollLimiter
-	Audit       *audit.Recorder
-	Metrics     *metrics.Metrics
-	Clock       clock.PassiveClock
-	Logger      *zap.Logger
+	// Limits admits renewals and enrollments.
+	Limits  *limits.Admission
+	Audit   *audit.Recorder
+	Metrics *metrics.Metrics
+	Clock   clock.PassiveClock
+	Logger  *zap.Logger
 	// Timed records one API server call.
 	Timed func(ctx context.Context, call string, start time.Time, err error) time.Duration
 }
@@ -60,60 +58,6 @@ type Peer struct {
 	CertSHA256 string
 	// Certificate is the verified client certificate; nil refuses.
 	Certificate *x509.Certificate
-}
-
-// refuseLimited counts and records a refusal by a limit.
-func (auth *Authority) refuseLimited(a *audit.Pending, peer, reason string, err *problem.Error) error {
-	auth.Metrics.ObserveLimited(peer, reason)
-	if a != nil {
-		a.Denial = reason
-	}
-	return err
-}
-
-// admitRenewal applies the peer's renewal bucket.
-func (auth *Authority) admitRenewal(identity string, a *audit.Pending) error {
-	p := auth.Policy.Load()
-	if p == nil {
-		return problem.Errorf(problem.KindUnavailable, "no policy is loaded")
-	}
-	peer := p.Peer(identity)
-	name := ""
-	if peer != nil {
-		name = peer.Name
-	}
-	lim := p.LimitsFor(peer)
-	if ok, wait := auth.Renewals.Take("renew:"+identity, lim.RenewalsPerMinute, lim.RenewalsPerMinute); !ok {
-		return auth.refuseLimited(a, name, limits.ReasonRenewalRate, limits.Limited(wait,
-			"over the limit of %d renewals a minute; retry in %ds", lim.RenewalsPerMinute, limits.RetrySeconds(wait)))
-	}
-	return nil
-}
-
-// AdmitEnrollment applies the enrollment buckets of the source (when the
-// transport gave one) and then of the join token, before the token is
-// even verified, so that guessing costs the guesser. The source comes
-// first: a source over its limit is refused before a bucket is made for
-// its token, so one address cannot fill the limiter with junk tokens.
-// A refusal is counted, and set as a's denial if a is not nil.
-func (auth *Authority) AdmitEnrollment(addr, token string, a *audit.Pending) error {
-	p := auth.Policy.Load()
-	if p == nil {
-		return problem.Errorf(problem.KindUnavailable, "no policy is loaded")
-	}
-	n := p.EnrollmentsPerMinute()
-	keys := make([]string, 0, 2)
-	if addr != "" {
-		keys = append(keys, limits.EnrollSourceKey(addr))
-	}
-	keys = append(keys, limits.JoinTokenKey(token))
-	for _, k := range keys {
-		if ok, wait := auth.Enrollments.Take(k, n, n); !ok {
-			return auth.refuseLimited(a, "", limits.ReasonEnrollRate, limits.Limited(wait,
-				"over the limit of %d enrollments a minute from one address or with one join token; retry in %ds", n, limits.RetrySeconds(wait)))
-		}
-	}
-	return nil
 }
 
 // JoinTokenAudiences are the aud values a broker accepts in a join
@@ -221,7 +165,11 @@ func (auth *Authority) enroll(ctx context.Context, addr, token string, req apiv1
 		return nil, certDisabled, errCertificatesDisabled
 	}
 	log := auth.Logger.With(zap.String("operation", opEnroll))
-	if err := auth.AdmitEnrollment(addr, token, a); err != nil {
+	var err error = problem.Errorf(problem.KindUnavailable, "no policy is loaded")
+	if p := auth.Policy.Load(); p != nil {
+		err = auth.Limits.Enrollment(p, addr, token, a)
+	}
+	if err != nil {
 		log.Info("enrollment refused", zap.String("reason", problem.Detail(err)))
 		return nil, certLimited, err
 	}
@@ -307,12 +255,13 @@ func (auth *Authority) renew(c Peer, req apiv1.CertificateRequest, a *audit.Pend
 	}
 	// A peer removed from the policy has no business here any more: it
 	// keeps its certificate until it expires, but gets no new one.
-	if p := auth.Policy.Load(); p == nil || p.Peer(c.Identity) == nil {
+	p := auth.Policy.Load()
+	if p == nil || p.Peer(c.Identity) == nil {
 		log.Info("renewal refused", zap.String("reason", "not a peer in the policy"))
 		a.Denial, a.Reason = audit.DenyNotAPeer, "not a peer in the policy"
 		return nil, certDenied, problem.Wrap(problem.KindForbidden, "", errors.New("the identity is not a peer in the policy"))
 	}
-	if err := auth.admitRenewal(c.Identity, a); err != nil {
+	if err := auth.Limits.Renewal(p, c.Identity, a); err != nil {
 		log.Info("renewal refused", zap.String("reason", problem.Detail(err)))
 		return nil, certLimited, err
 	}

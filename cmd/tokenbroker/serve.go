@@ -12,8 +12,8 @@ import (
 	"go.uber.org/zap"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
+	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
@@ -114,7 +114,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.Float32("kube-qps", defaultKubeQPS, "client-side rate limit for the broker's Kubernetes client (requests per second)")
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
-	fs.Int("max-live-leases", broker.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
+	fs.Int("max-live-leases", limits.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
 	fs.Int("lease-pool", lease.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token issuances, so that the TokenRequest and the lease record run at once; 0 turns the pool off")
 	fs.Int("lease-pool-max", lease.DefaultPoolMax, "unclaimed lease Secrets kept ready over all namespaces")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
