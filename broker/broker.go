@@ -3,8 +3,6 @@ package broker
 import (
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -298,7 +296,7 @@ type decided struct {
 // credential kind. On a refusal it returns the outcome to conclude a with
 // (and sets a's denial); on success it names the peer in a.
 func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *audit.Pending, log *zap.Logger) (decided, string, error) {
-	requested, minTTL, err := parseTTLs(req.TTL, req.MinTTL)
+	requested, minTTL, err := policy.ParseTTLs(req.TTL, req.MinTTL)
 	if err != nil {
 		return decided{}, outcomeInvalid, err
 	}
@@ -511,14 +509,14 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	// The audit names the credential without holding it: a token's jti,
 	// a certificate's serial, and the id the API server logs for it.
-	ref := credentialID(cred)
+	ref := cred.Ref()
 	// If the API server or the signer shortened the credential, the
 	// lease's true expiry (for listings and the GC) is written before the
 	// answer, with the credential's id; otherwise the id follows the
 	// answer (credentialid.go).
 	idRecorded := false
 	if clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner {
-		if err := b.store().RecordCredential(ctx, created, ref.apiID, &cred.ExpiresAt); err != nil {
+		if err := b.store().RecordCredential(ctx, created, ref.APIID, &cred.ExpiresAt); err != nil {
 			return fail(created, outcomeFor(err), err)
 		}
 		idRecorded = true
@@ -543,14 +541,14 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		zap.String("granted_ttl", granted.String()),
 		zap.String("clamped_by", clampedBy),
 		zap.Time("expires_at", expiresAt),
-		zap.String(ref.logKey, ref.value))
+		zap.String(ref.LogKey, ref.Value))
 	a.Event.GrantedTTL, a.Event.ClampedBy = granted.String(), clampedBy
 	if cred.Kind() == issuers.KindToken {
-		a.Event.TokenJTI = ref.value
+		a.Event.TokenJTI = ref.Value
 	} else {
-		a.Event.CertificateSerial = ref.value
+		a.Event.CertificateSerial = ref.Value
 	}
-	a.Event.CredentialID = ref.apiID
+	a.Event.CredentialID = ref.APIID
 	a.Event.ExpiresAt = expiresAt.UTC().Format(time.RFC3339)
 	b.cfg.Metrics.ObserveGrant(d.Peer, req.Namespace, req.ServiceAccount, d.Credential, requested, granted, clampedBy)
 	reqTTL := ""
@@ -566,7 +564,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
 	if !idRecorded {
-		b.credIDs.Later(ctx, b.store(), created, ref.apiID, log)
+		b.credIDs.Later(ctx, b.store(), created, ref.APIID, log)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,
@@ -581,52 +579,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}, outcomeGranted, nil
 }
 
-// parseTTLs parses the request's durations; empty means zero.
-func parseTTLs(ttl, minTTL string) (time.Duration, time.Duration, error) {
-	var fields []apiv1.FieldError
-	parse := func(name, s string) time.Duration {
-		if s == "" {
-			return 0
-		}
-		d, err := time.ParseDuration(s)
-		if err != nil || d <= 0 {
-			fields = append(fields, apiv1.FieldError{Field: name, Detail: `must be a positive Go duration such as "1h"`})
-			return 0
-		}
-		return d
-	}
-	t, m := parse("ttl", ttl), parse("minTTL", minTTL)
-	if len(fields) > 0 {
-		return 0, 0, problem.Invalid(fields...)
-	}
-	return t, m, nil
-}
-
+// leaseSecret is the lease Secret of id that decision d makes for c.
 func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.KubeconfigRequest, expires time.Time) *corev1.Secret {
-	s := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{
-			Name:      objects.LeaseSecretPrefix + id,
-			Namespace: req.Namespace,
-			Labels: map[string]string{
-				objects.LabelManagedBy: objects.ManagedByValue,
-				objects.LabelKind:      objects.LeaseKind,
-				objects.LabelLeaseID:   id,
-				objects.LabelPeer:      d.Peer,
-			},
-			Annotations: map[string]string{
-				objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
-				objects.AnnotationIdentity:  c.Identity,
-				objects.AnnotationSA:        req.ServiceAccount,
-				objects.AnnotationCred:      d.Credential,
-				objects.AnnotationGrant:     d.Grant,
-			},
-		},
-		Type: objects.SecretTypeLease,
-	}
-	if c.Workload != nil {
-		s.Annotations[objects.AnnotationWorkload] = c.Workload.String()
-	}
-	return s
+	return lease.NewSecret(id, req.Namespace, lease.Holder{Peer: d.Peer, Identity: c.Identity, Workload: c.Workload.String()},
+		req.ServiceAccount, d.Credential, d.Grant, expires)
 }
 
 // deleteLease removes a lease Secret after a failed request. It runs even
@@ -686,24 +642,7 @@ func (b *Broker) WhoAmI(c Caller) (string, []apiv1.Grant) {
 	if p == nil {
 		return "", []apiv1.Grant{}
 	}
-	return p.GrantsFor(c.Identity, c.Workload.Ref(), c.Workload != nil, b.describeTenantGrant)
-}
-
-// describeTenantGrant adds to out what whoami shows of a grant's name and
-// selector: the namespaces it matches now, from the index.
-func (b *Broker) describeTenantGrant(peer string, g *policy.GrantSpec, out *apiv1.Grant) {
-	out.Name = g.Name
-	if g.NamespaceSelector == nil {
-		return
-	}
-	out.NamespaceSelector = policy.APISelector(g.NamespaceSelector)
-	out.NamespaceOwner = g.NamespaceOwner.API()
-	keep := g.KeptTrue()
-	out.RevokeOnUnmatch = &keep
-	out.RevokeDelay = time.Duration(g.RevokeDelay).String()
-	if b.tenants != nil {
-		out.MatchingNamespaces = b.tenants.MatchingNamespaces(peer, g.Name)
-	}
+	return p.GrantsFor(c.Identity, c.Workload.Ref(), c.Workload != nil, b.tenants.Describe)
 }
 
 // namespaceLabels is what selector grants are decided from: the namespace
@@ -739,34 +678,6 @@ func (b *Broker) Ready(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-// credentialRef names a credential in the log and the audit trail
-// without holding it: logKey/value is a token's jti or a certificate's
-// serial; apiID is the id the API server logs for every request made with
-// it (AnnotationCredentialID), "" if the credential cannot be parsed.
-type credentialRef struct{ logKey, value, apiID string }
-
-// credentialID is a token's jti (read without verifying it) or a
-// certificate's serial in hexadecimal, with the API server's id of it:
-// "JTI=<jti>" or "X509SHA256=<lowercase hex sha256 of the leaf's DER>",
-// as k8s.io/apiserver's token and x509 authenticators write
-// "authentication.kubernetes.io/credential-id".
-func credentialID(c issuers.Credential) credentialRef {
-	if c.Kind() == issuers.KindClientCertificate {
-		ref := credentialRef{logKey: "certificate_serial"}
-		if leaf, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(leaf) > 0 {
-			ref.value = leaf[0].SerialNumber.Text(16)
-			sum := sha256.Sum256(leaf[0].Raw)
-			ref.apiID = "X509SHA256=" + hex.EncodeToString(sum[:])
-		}
-		return ref
-	}
-	ref := credentialRef{logKey: "token_jti"}
-	if claims, err := pki.UnverifiedClaims(c.Token); err == nil && claims.ID != "" {
-		ref.value, ref.apiID = claims.ID, "JTI="+claims.ID
-	}
-	return ref
 }
 
 // APIServerReadyz returns a readiness check that asks the API server's

@@ -28,7 +28,7 @@ var coreImports = map[string][]string{
 	"broker/policy":     {"api/schema", "api/v1", "broker/metrics", "broker/problem", "issuers", "pki"},
 	"broker/kubeconfig": {"api/v1", "broker/policy", "issuers"},
 	"broker/workload":   {"api/v1", "broker/audit", "broker/objects", "broker/policy", "broker/problem", "pki"},
-	"broker/tenants":    {"broker/audit", "broker/lease", "broker/metrics", "broker/objects", "broker/policy", "broker/problem"},
+	"broker/tenants":    {"api/v1", "broker/audit", "broker/lease", "broker/metrics", "broker/objects", "broker/policy", "broker/problem"},
 	"broker/enrollment": {"api/v1", "broker/audit", "broker/limits", "broker/metrics", "broker/objects", "broker/policy", "broker/problem", "pki"},
 	"broker/auditjoin":  nil,
 	"broker/rbacrights": nil,

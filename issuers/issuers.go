@@ -7,9 +7,13 @@
 package issuers
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // The credential kinds, as requests and policies name them (the same
@@ -85,6 +89,33 @@ func (c Credential) Kind() string {
 		return KindClientCertificate
 	}
 	return KindToken
+}
+
+// Ref names a credential in the log and the audit trail without holding
+// it: LogKey/Value is a token's jti or a certificate's serial (in
+// hexadecimal); APIID is the id the API server logs for every request
+// made with it, "" if the credential cannot be parsed.
+type Ref struct{ LogKey, Value, APIID string }
+
+// Ref returns c's Ref. APIID is "JTI=<jti>" (the token read without
+// verifying it) or "X509SHA256=<lowercase hex sha256 of the leaf's DER>",
+// as k8s.io/apiserver's token and x509 authenticators write
+// "authentication.kubernetes.io/credential-id".
+func (c Credential) Ref() Ref {
+	if c.Kind() == KindClientCertificate {
+		ref := Ref{LogKey: "certificate_serial"}
+		if leaf, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(leaf) > 0 {
+			ref.Value = leaf[0].SerialNumber.Text(16)
+			sum := sha256.Sum256(leaf[0].Raw)
+			ref.APIID = "X509SHA256=" + hex.EncodeToString(sum[:])
+		}
+		return ref
+	}
+	ref := Ref{LogKey: "token_jti"}
+	if claims, err := pki.UnverifiedClaims(c.Token); err == nil && claims.ID != "" {
+		ref.Value, ref.APIID = claims.ID, "JTI="+claims.ID
+	}
+	return ref
 }
 
 // Limits is what an issuer declares about the credentials it mints.

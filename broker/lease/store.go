@@ -59,6 +59,36 @@ func (h Holder) Holds(s *corev1.Secret) bool {
 	return h.Workload == "" || s.Annotations[objects.AnnotationWorkload] == h.Workload
 }
 
+// NewSecret is the lease Secret of id in namespace, made for h, for a
+// credential of kind for serviceAccount under grant, that expires at
+// expires.
+func NewSecret(id, namespace string, h Holder, serviceAccount, kind, grant string, expires time.Time) *corev1.Secret {
+	s := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      objects.LeaseSecretPrefix + id,
+			Namespace: namespace,
+			Labels: map[string]string{
+				objects.LabelManagedBy: objects.ManagedByValue,
+				objects.LabelKind:      objects.LeaseKind,
+				objects.LabelLeaseID:   id,
+				objects.LabelPeer:      h.Peer,
+			},
+			Annotations: map[string]string{
+				objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+				objects.AnnotationIdentity:  h.Identity,
+				objects.AnnotationSA:        serviceAccount,
+				objects.AnnotationCred:      kind,
+				objects.AnnotationGrant:     grant,
+			},
+		},
+		Type: objects.SecretTypeLease,
+	}
+	if h.Workload != "" {
+		s.Annotations[objects.AnnotationWorkload] = h.Workload
+	}
+	return s
+}
+
 // apiPageSize bounds the Secrets one API server list of Page returns.
 const apiPageSize = 250
 

@@ -694,3 +694,25 @@ func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, d
 	}
 	return peer.Name, out
 }
+
+// ParseTTLs parses a request's ttl and minTTL; empty means zero. A
+// duration that is not positive is KindInvalid with a field error.
+func ParseTTLs(ttl, minTTL string) (time.Duration, time.Duration, error) {
+	var fields []apiv1.FieldError
+	parse := func(name, s string) time.Duration {
+		if s == "" {
+			return 0
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d <= 0 {
+			fields = append(fields, apiv1.FieldError{Field: name, Detail: `must be a positive Go duration such as "1h"`})
+			return 0
+		}
+		return d
+	}
+	t, m := parse("ttl", ttl), parse("minTTL", minTTL)
+	if len(fields) > 0 {
+		return 0, 0, problem.Invalid(fields...)
+	}
+	return t, m, nil
+}

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
@@ -472,3 +474,20 @@ func (t *Tracker) QueueAfter(item Unmatch, delay time.Duration) {
 
 // generation counts the changes of the namespaces selector grants match.
 func (t *Tracker) Generation() uint64 { return t.gen.Load() }
+
+// Describe adds to out what whoami shows of a grant's name and selector:
+// the namespaces it matches now, from the index (none on a nil Tracker).
+func (t *Tracker) Describe(peer string, g *policy.GrantSpec, out *apiv1.Grant) {
+	out.Name = g.Name
+	if g.NamespaceSelector == nil {
+		return
+	}
+	out.NamespaceSelector = policy.APISelector(g.NamespaceSelector)
+	out.NamespaceOwner = g.NamespaceOwner.API()
+	keep := g.KeptTrue()
+	out.RevokeOnUnmatch = &keep
+	out.RevokeDelay = time.Duration(g.RevokeDelay).String()
+	if t != nil {
+		out.MatchingNamespaces = t.MatchingNamespaces(peer, g.Name)
+	}
+}
