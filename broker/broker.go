@@ -74,39 +74,11 @@ type Config struct {
 	CleanupTimeout time.Duration
 
 	// Namespace is the broker's own namespace, where used join tokens are
-	// recorded. Required when CA is set.
+	// recorded. Required when Enrollment.CA is set.
 	Namespace string
-	// CA signs client certificates at enrollment and renewal; nil disables
-	// both (they answer KindNotFound).
-	CA enrollment.CertificateAuthority
-	// JoinTokens verifies join tokens; nil means a pki.JoinTokenVerifier
-	// that trusts the keys of CA and PreviousCA only.
-	JoinTokens enrollment.JoinTokenVerifier
-	// PreviousCA, if set, is the signing CA being replaced during a CA
-	// rotation: join tokens it signed still verify, and client
-	// certificates it issued may still renew. The other CAs of Trust
-	// authenticate peers but are never taken for signing CAs.
-	PreviousCA enrollment.CACertificates
-	// BrokerNames are the names this broker answers to in a join token's
-	// aud (pki join-token --audience); empty means the policy's
-	// cluster.name, read at every verification. A token that names none
-	// of them is refused, so that a token made for one broker cannot be
-	// replayed at another broker of the same CA.
-	BrokerNames []string
-	// AcceptUnboundJoinTokens also accepts join tokens that name no broker
-	// (aud pki.JoinTokenAudience, as made before audiences existed): the
-	// old behaviour, for the tokens in flight during an upgrade.
-	AcceptUnboundJoinTokens bool
-	// Trust is the CA bundle served by TrustBundle and returned with every
-	// issued certificate.
-	Trust enrollment.TrustSource
-	// CertificateTTL is the lifetime of issued client certificates unless
-	// the policy sets one for the peer; zero means
-	// pki.DefaultClientLifetime.
-	CertificateTTL time.Duration
-	// Revocations is the deny list; nil means nothing is revoked. While it
-	// is not synced the broker is not ready.
-	Revocations *enrollment.RevocationList
+	// Enrollment is the CA side: the signing CA, join tokens, the trust
+	// bundle, certificate lifetimes and the deny list.
+	Enrollment enrollment.Config
 	// Auditor receives one audit.Event per decision; nil writes none.
 	Auditor audit.Auditor
 	// Leases counts the live leases for the quotas; nil enforces none
@@ -161,13 +133,13 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.Secrets == nil || cfg.Policy == nil || cfg.Logger == nil {
 		return nil, errors.New("broker: Secrets, Policy and Logger are required")
 	}
-	if cfg.CA != nil && cfg.Namespace == "" {
+	if cfg.Enrollment.CA != nil && cfg.Namespace == "" {
 		return nil, errors.New("broker: Namespace is required with a CA (used join tokens are recorded there)")
 	}
-	if cfg.CertificateTTL == 0 {
-		cfg.CertificateTTL = pki.DefaultClientLifetime
+	if cfg.Enrollment.CertificateTTL == 0 {
+		cfg.Enrollment.CertificateTTL = pki.DefaultClientLifetime
 	}
-	if cfg.CertificateTTL < policy.MinCertificateTTL || cfg.CertificateTTL > policy.MaxCertificateTTL {
+	if cfg.Enrollment.CertificateTTL < policy.MinCertificateTTL || cfg.Enrollment.CertificateTTL > policy.MaxCertificateTTL {
 		return nil, fmt.Errorf("broker: CertificateTTL must be between %s and %s", policy.MinCertificateTTL, policy.MaxCertificateTTL)
 	}
 	if cfg.Clock == nil {
@@ -182,9 +154,9 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = limits.DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: lease.NewCredentialIDs(maxCredentialIDWrites, inBackground), pool: lease.NewPool(cfg.Pool)}
-	if b.joinTokens == nil && cfg.CA != nil {
-		b.joinTokens = enrollment.NewCAJoinTokens(cfg.CA, cfg.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
+	b := &Broker{cfg: cfg, joinTokens: cfg.Enrollment.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: lease.NewCredentialIDs(maxCredentialIDWrites, inBackground), pool: lease.NewPool(cfg.Pool)}
+	if b.joinTokens == nil && cfg.Enrollment.CA != nil {
+		b.joinTokens = enrollment.NewCAJoinTokens(cfg.Enrollment.CA, cfg.Enrollment.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
 	if cfg.Namespaces != nil {
 		t, err := tenants.NewTracker(cfg.Namespaces, cfg.Policy, cfg.Clock, cfg.Logger, cfg.Metrics, cfg.LiveNamespaces)
@@ -660,7 +632,7 @@ func (b *Broker) Ready(ctx context.Context) error {
 	if b.cfg.Policy.Load() == nil {
 		return errors.New("no policy loaded")
 	}
-	if b.cfg.Revocations != nil && !b.cfg.Revocations.Synced() {
+	if b.cfg.Enrollment.Revocations != nil && !b.cfg.Enrollment.Revocations.Synced() {
 		return errors.New("revocation list not synced yet")
 	}
 	if b.cfg.Leases != nil && !b.cfg.Leases.Synced() {

@@ -10,19 +10,16 @@ import (
 // authority is the CA side (enrollment.Authority) with the broker's
 // configuration as it is now.
 func (b *Broker) authority() *enrollment.Authority {
-	return &enrollment.Authority{
-		CA: b.cfg.CA, PreviousCA: b.cfg.PreviousCA, JoinTokens: b.joinTokens, Trust: b.cfg.Trust,
-		CertificateTTL: b.cfg.CertificateTTL, Revocations: b.cfg.Revocations, Policy: b.cfg.Policy,
-		Secrets: b.cfg.Secrets, Namespace: b.cfg.Namespace,
-		Limits: b.admission(),
-		Audit:  b.recorder(), Metrics: b.cfg.Metrics, Clock: b.cfg.Clock, Logger: b.cfg.Logger, Timed: b.timeAPI,
-	}
+	cfg := b.cfg.Enrollment
+	cfg.JoinTokens = b.joinTokens
+	return &enrollment.Authority{Config: cfg, Policy: b.cfg.Policy, Secrets: b.cfg.Secrets, Namespace: b.cfg.Namespace,
+		Limits: b.admission(), Audit: b.recorder(), Metrics: b.cfg.Metrics, Clock: b.cfg.Clock, Logger: b.cfg.Logger, Timed: b.timeAPI}
 }
 
 // joinTokenAudiences are the aud values this broker accepts in a join
 // token (enrollment.JoinTokenAudiences), read at every verification.
 func (b *Broker) joinTokenAudiences() []string {
-	return enrollment.JoinTokenAudiences(b.cfg.BrokerNames, b.cfg.Policy, b.cfg.AcceptUnboundJoinTokens)
+	return enrollment.JoinTokenAudiences(b.cfg.Enrollment.BrokerNames, b.cfg.Policy, b.cfg.Enrollment.AcceptUnboundJoinTokens)
 }
 
 // Enroll issues a new cluster's first client certificate for the join
@@ -46,5 +43,5 @@ func (b *Broker) TrustBundle() apiv1.TrustBundle { return b.authority().TrustBun
 // serials (hexadecimal, see enrollment.NormalizeSerial) is on the deny
 // list; false when the broker has no RevocationList.
 func (b *Broker) Revoked(identity string, serials ...string) bool {
-	return b.cfg.Revocations != nil && b.cfg.Revocations.Revoked(identity, serials...)
+	return b.cfg.Enrollment.Revocations != nil && b.cfg.Enrollment.Revocations.Revoked(identity, serials...)
 }

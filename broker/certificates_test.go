@@ -61,13 +61,11 @@ func newCertEnv(t *testing.T, pol string, deny ...enrollment.RevocationEntry) *c
 	client := fake.NewClientset()
 	d := enrollment.NewDenyList(deny)
 	b, err := New(Config{
-		Secrets:     client.CoreV1(),
-		Policy:      policy.NewStore(mustPolicy(t, pol)),
-		Logger:      zap.New(core),
-		Namespace:   brokerNS,
-		CA:          ca,
-		Trust:       staticTrust{ca},
-		Revocations: enrollment.StaticRevocationList(d),
+		Secrets:    client.CoreV1(),
+		Policy:     policy.NewStore(mustPolicy(t, pol)),
+		Logger:     zap.New(core),
+		Namespace:  brokerNS,
+		Enrollment: enrollment.Config{CA: ca, Trust: staticTrust{ca}, Revocations: enrollment.StaticRevocationList(d)},
 	})
 	require.NoError(t, err)
 	return &certEnv{b: b, ca: ca, client: client, logs: logs, revoked: d}
@@ -315,11 +313,11 @@ func TestBadConfigsAreRefused(t *testing.T) {
 	require.NoError(t, err)
 	base := Config{Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(nil), Logger: zap.NewNop()}
 	noNS := base
-	noNS.CA = ca
+	noNS.Enrollment.CA = ca
 	_, err = New(noNS)
 	require.ErrorContains(t, err, "Namespace")
 	long := base
-	long.CertificateTTL = 1000 * time.Hour
+	long.Enrollment.CertificateTTL = 1000 * time.Hour
 	_, err = New(long)
 	require.ErrorContains(t, err, "CertificateTTL")
 }
@@ -369,7 +367,7 @@ func TestACertificateNeverOutlivesItsCA(t *testing.T) {
 	e := newCertEnv(t, testPolicy)
 	ca, err := pki.NewCA(pki.CAOptions{Lifetime: 3 * time.Hour})
 	require.NoError(t, err)
-	e.b.cfg.CA = ca
+	e.b.cfg.Enrollment.CA = ca
 	resp, err := e.b.Renew(context.Background(), callerFrom(t, ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.NoError(t, err)
 	require.False(t, resp.NotAfter.After(ca.Certificate().NotAfter))
@@ -380,7 +378,7 @@ func TestACertificateNeverOutlivesItsCA(t *testing.T) {
 func TestTheCAsSigningErrorsAreNotTheCallersFault(t *testing.T) {
 	t.Parallel()
 	e := newCertEnv(t, testPolicy)
-	e.b.cfg.CA = failingCA{e.ca}
+	e.b.cfg.Enrollment.CA = failingCA{e.ca}
 	_, err := e.b.Renew(context.Background(), callerFrom(t, e.ca, westID), apiv1.CertificateRequest{CSR: newCSR(t, westID)})
 	require.Equal(t, problem.KindInternal, problem.KindOf(err))
 }
@@ -434,7 +432,7 @@ func TestTheOldSigningCAWorksOnlyWhileItIsNamedThePreviousCA(t *testing.T) {
 	previous.set()
 	b, err := New(Config{
 		Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(),
-		Namespace: brokerNS, CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
+		Namespace: brokerNS, Enrollment: enrollment.Config{CA: &signing, Trust: &trust, PreviousCA: &previous, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil))},
 	})
 	require.NoError(t, err)
 	enroll := func(ca *pki.CA) (*apiv1.CertificateResponse, error) {
@@ -502,7 +500,7 @@ func TestAJoinTokenMustNameThisBroker(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			e := newCertEnv(t, testPolicy)
-			e.b.cfg.BrokerNames, e.b.cfg.AcceptUnboundJoinTokens = tc.names, tc.unbound
+			e.b.cfg.Enrollment.BrokerNames, e.b.cfg.Enrollment.AcceptUnboundJoinTokens = tc.names, tc.unbound
 			if tc.cluster != "" {
 				p := *e.b.cfg.Policy.Load()
 				p.Cluster.Name = tc.cluster

@@ -169,7 +169,7 @@ func TestAnUnsyncedRevocationListMakesTheBrokerUnready(t *testing.T) {
 	t.Parallel()
 	client := fake.NewClientset()
 	l := enrollment.NewRevocationList(client.CoreV1(), brokerNS, zap.NewNop(), nil)
-	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(), Revocations: l})
+	b, err := New(Config{Secrets: client.CoreV1(), Policy: policy.NewStore(mustPolicy(t, testPolicy)), Logger: zap.NewNop(), Enrollment: enrollment.Config{Revocations: l}})
 	require.NoError(t, err)
 	require.ErrorContains(t, b.Ready(context.Background()), "revocation")
 	require.True(t, b.Revoked(westID))

@@ -54,7 +54,7 @@ func TestAJoinTokenEnrollsOnlyAtTheBrokersItNames(t *testing.T) {
 		require.NoError(t, err)
 		b, err := broker.New(broker.Config{
 			Secrets: fake.NewClientset().CoreV1(), Policy: policy.NewStore(pol), Logger: zap.NewNop(),
-			Namespace: "tokenbroker", CA: ca, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
+			Namespace: "tokenbroker", Enrollment: enrollment.Config{CA: ca, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil))},
 		})
 		require.NoError(t, err)
 		return newHarnessWith(t, b)

@@ -223,10 +223,9 @@ func newRealBroker(t *testing.T) *realBrokerEnv {
 		Policy:    policy.NewStore(pol),
 		Logger:    zap.NewNop(),
 		Namespace: "tokenbroker",
-		CA:        ca,
-		Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList([]enrollment.RevocationEntry{
+		Enrollment: enrollment.Config{CA: ca, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList([]enrollment.RevocationEntry{
 			{Kind: enrollment.RevokeIdentity, Value: revokedIdentity},
-		})),
+		}))},
 	})
 	require.NoError(t, err)
 	return &realBrokerEnv{ca: ca, b: b}

@@ -53,13 +53,11 @@ peers:
 `))
 	require.NoError(t, err)
 	b, err := broker.New(broker.Config{
-		Secrets:     fake.NewClientset().CoreV1(),
-		Policy:      policy.NewStore(pol),
-		Logger:      zap.NewNop(),
-		Namespace:   "tokenbroker",
-		CA:          signing,
-		Trust:       bundleOf{signing, partner},
-		Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil)),
+		Secrets:    fake.NewClientset().CoreV1(),
+		Policy:     policy.NewStore(pol),
+		Logger:     zap.NewNop(),
+		Namespace:  "tokenbroker",
+		Enrollment: enrollment.Config{CA: signing, Trust: bundleOf{signing, partner}, Revocations: enrollment.StaticRevocationList(enrollment.NewDenyList(nil))},
 	})
 	require.NoError(t, err)
 	h := newHarnessWith(t, b)

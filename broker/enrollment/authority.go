@@ -26,19 +26,49 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
+// Config is the CA side's configuration (the broker's
+// Config.Enrollment).
+type Config struct {
+	// CA signs client certificates at enrollment and renewal; nil disables
+	// both (they answer KindNotFound).
+	CA CertificateAuthority
+	// JoinTokens verifies join tokens; nil means a pki.JoinTokenVerifier
+	// that trusts the keys of CA and PreviousCA only.
+	JoinTokens JoinTokenVerifier
+	// PreviousCA, if set, is the signing CA being replaced during a CA
+	// rotation: join tokens it signed still verify, and client
+	// certificates it issued may still renew. The other CAs of Trust
+	// authenticate peers but are never taken for signing CAs.
+	PreviousCA CACertificates
+	// BrokerNames are the names this broker answers to in a join token's
+	// aud (pki join-token --audience); empty means the policy's
+	// cluster.name, read at every verification. A token that names none
+	// of them is refused, so that a token made for one broker cannot be
+	// replayed at another broker of the same CA.
+	BrokerNames []string
+	// AcceptUnboundJoinTokens also accepts join tokens that name no broker
+	// (aud pki.JoinTokenAudience, as made before audiences existed): the
+	// old behaviour, for the tokens in flight during an upgrade.
+	AcceptUnboundJoinTokens bool
+	// Trust is the CA bundle served by TrustBundle and returned with every
+	// issued certificate.
+	Trust TrustSource
+	// CertificateTTL is the lifetime of issued client certificates unless
+	// the policy sets one for the peer; zero means
+	// pki.DefaultClientLifetime.
+	CertificateTTL time.Duration
+	// Revocations is the deny list; nil means nothing is revoked. While it
+	// is not synced the broker is not ready.
+	Revocations *RevocationList
+}
+
 // Authority is the CA side of the broker: it enrolls new clusters with
 // their join tokens and renews the certificates of known ones, within the
 // enrollment and renewal limits, and ends every request in one audit
-// event. Its fields are as the broker's Config documents them; CA nil
-// answers both with KindNotFound.
+// event. CA nil answers both with KindNotFound.
 type Authority struct {
-	CA             CertificateAuthority
-	PreviousCA     CACertificates
-	JoinTokens     JoinTokenVerifier
-	Trust          TrustSource
-	CertificateTTL time.Duration
-	Revocations    *RevocationList
-	Policy         *policy.Store
+	Config
+	Policy *policy.Store
 	// Secrets and Namespace are where used join tokens are recorded.
 	Secrets   corev1client.SecretsGetter
 	Namespace string
