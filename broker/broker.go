@@ -31,6 +31,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/tenants"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/issuers"
+	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -321,12 +322,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if place != nil {
 		defer place.Release() // a no-op once committed
 	}
-	// The lease lives what was asked (MinLeaseTTL at least); the
+	// The lease lives what was asked (lease.MinTTL at least); the
 	// credential asks the issuer for as much, raised to its minimum (the
 	// TokenRequest and CSR APIs' 10m), which the lease then cuts short:
 	// its timer (expireLeaseAt) and the GC revoke it at its expiry.
-	if d.TTL < MinLeaseTTL {
-		d.TTL, d.ClampedBy = MinLeaseTTL, ClampedByLeaseMinimum
+	if d.TTL < lease.MinTTL {
+		d.TTL, d.ClampedBy = lease.MinTTL, policy.ClampedByLeaseMinimum
 	}
 	credTTL := d.TTL
 	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {
@@ -343,7 +344,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 	}
 
-	var cert *certRequest
+	var cert *clientcert.CSR
 	if d.Credential == apiv1.CredentialClientCertificate {
 		if cert, err = b.certificateRequest(ctx, p, d, req); err != nil {
 			if problem.KindOf(err) == problem.KindInvalid {
@@ -351,8 +352,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			}
 			return nil, outcomeFor(err), err
 		}
-		log = log.With(zap.String("user", cert.user))
-		a.Event.User = cert.user
+		log = log.With(zap.String("user", cert.User))
+		a.Event.User = cert.User
 	}
 
 	// A token is issued on a pooled Secret when the pool has one ready
@@ -373,12 +374,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// The lease's expiry in whole seconds, as its annotation records it
 	// and the GC and the timer revoke it: never later than asked.
 	expected := now.Add(d.TTL).Truncate(time.Second)
-	lease := b.leaseSecret(id, c, d, req, expected)
+	ls := b.leaseSecret(id, c, d, req, expected)
 	grant := tenants.DecidedGrant(p, d)
-	tenants.MarkRevokeOnUnmatch(lease, grant)
+	tenants.MarkRevokeOnUnmatch(ls, grant)
 	if cert != nil {
-		lease.Annotations[objects.AnnotationUser] = cert.user
-		lease.Labels[objects.LabelKeyFingerprint] = cert.fingerprint
+		ls.Annotations[objects.AnnotationUser] = cert.User
+		ls.Labels[objects.LabelKeyFingerprint] = cert.Fingerprint
 	}
 	ireq := issuers.Request{
 		Namespace:      req.Namespace,
@@ -387,7 +388,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Audiences:      req.Audiences,
 	}
 	if cert != nil {
-		ireq.CSR, ireq.User, ireq.Role = cert.csrPEM, cert.user, d.Role
+		ireq.CSR, ireq.User, ireq.Role = cert.PEM, cert.User, d.Role
 	}
 	// From the moment a lease Secret exists, every failure must delete
 	// it: no orphans.
@@ -402,7 +403,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		cred    issuers.Credential
 	)
 	if ready != nil {
-		claimed, got, claimErr, issueErr := b.claim(ctx, ready, lease, issuer, d.Credential, ireq)
+		claimed, got, claimErr, issueErr := b.claim(ctx, ready, ls, issuer, d.Credential, ireq)
 		switch {
 		case problem.IsNotFound(claimErr):
 			// Another replica's GC, its clock ahead, took the pooled
@@ -427,7 +428,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			b.cfg.Metrics.ObservePoolPath(pathSequential)
 		}
 		t0 := b.cfg.Clock.Now()
-		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, lease, metav1.CreateOptions{})
+		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, ls, metav1.CreateOptions{})
 		b.timeAPI(ctx, "create_lease", t0, err)
 		if err != nil {
 			err = problem.Classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
@@ -436,7 +437,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 				// The API server may have stored the Secret and failed
 				// before it answered. Its name is unique, so delete it by
 				// name once the API server is back.
-				b.cleanUpLater(lease, log)
+				b.cleanUpLater(ls, log)
 			}
 			return nil, outcomeFor(err), err
 		}
@@ -451,7 +452,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 	}
 	if cert != nil {
-		cred.KeyPEM = cert.keyPEM // nil when the caller holds the key
+		cred.KeyPEM = cert.KeyPEM // nil when the caller holds the key
 	}
 
 	granted, clampedBy := d.TTL, d.ClampedBy
@@ -503,7 +504,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 	subject := req.ServiceAccount
 	if cert != nil {
-		subject = cert.user
+		subject = cert.User
 	}
 	kc, err := kubeconfig.Build(p.Cluster, req.Namespace, subject, cred)
 	if err != nil {
@@ -528,7 +529,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		reqTTL = requested.String()
 	}
 	if place != nil {
-		place.Commit(lease.Namespace, lease.Name, expiresAt)
+		place.Commit(ls.Namespace, ls.Name, expiresAt)
 	}
 	if cred.ExpiresAt.After(expiresAt.Add(time.Second)) {
 		// The credential outlives the lease: revoke it at the lease's
@@ -543,7 +544,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Kubeconfig:   string(kc),
 		Credential:   cred.Kind(),
 		Token:        cred.Token,
-		User:         cert.userName(),
+		User:         cert.UserName(),
 		ExpiresAt:    expiresAt.UTC(),
 		RequestedTTL: reqTTL,
 		GrantedTTL:   granted.String(),

@@ -151,7 +151,7 @@ func TestATTLUnderTheIssuersMinimumIsGrantedAsAskedAndTheLeaseRevokedAtItsExpiry
 	}{
 		{"A one-minute ttl is granted one minute, though the token lives the TokenRequest minimum of ten.", "1m", "1m0s", ""},
 		{"A five-minute ttl is granted five minutes.", "5m", "5m0s", ""},
-		{"A ttl under the lease minimum is raised to one minute, and clampedBy says so.", "1ns", "1m0s", ClampedByLeaseMinimum},
+		{"A ttl under the lease minimum is raised to one minute, and clampedBy says so.", "1ns", "1m0s", policy.ClampedByLeaseMinimum},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

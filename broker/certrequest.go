@@ -2,8 +2,6 @@ package broker
 
 import (
 	"context"
-	"crypto"
-	"crypto/x509"
 	"errors"
 	"fmt"
 
@@ -19,54 +17,19 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// certRequest is what a client-certificate issuance asks the signer for:
-// the CSR, its per-lease user and key fingerprint, and the private key if
-// the broker made it (returned once, never logged or stored).
-type certRequest struct {
-	csrPEM      []byte
-	keyPEM      []byte
-	user        string
-	fingerprint string
-}
-
-func (c *certRequest) userName() string {
-	if c == nil {
-		return ""
-	}
-	return c.user
-}
-
-// certificateRequest checks the caller's CSR (or makes a key and a CSR):
-// its subject must be exactly CertificateUser(peer, key), so that one key
-// is one user, and its key must back no live lease of the peer, so that
-// revoking a lease revokes everything its certificate can do.
-func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d policy.Decision, req apiv1.KubeconfigRequest) (*certRequest, error) {
+// certificateRequest checks the caller's CSR (or makes a key and a CSR)
+// as clientcert's Peer CSR functions do, and that its key backs no live
+// lease of the peer, so that revoking a lease revokes everything its
+// certificate can do.
+func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d policy.Decision, req apiv1.KubeconfigRequest) (*clientcert.CSR, error) {
 	if req.CSR == "" {
-		csrPEM, keyPEM, user, err := pki.NewUserCSR(func(pub crypto.PublicKey) (string, error) {
-			return apiv1.CertificateUser(d.Peer, pub)
-		}, b.cfg.Rand)
-		if err != nil {
-			return nil, err
-		}
-		csr, _, err := pki.ParseUserCSRPEM(csrPEM)
-		if err != nil {
-			return nil, err
-		}
-		return &certRequest{csrPEM: csrPEM, keyPEM: keyPEM, user: user, fingerprint: fingerprintOf(csr)}, nil
+		return clientcert.NewPeerCSR(d.Peer, b.cfg.Rand)
 	}
-	csr, cn, err := pki.ParseUserCSRPEM([]byte(req.CSR))
+	csr, err := clientcert.ParsePeerCSR(d.Peer, req.CSR)
 	if err != nil {
 		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: problem.Detail(err)})
 	}
-	want, err := apiv1.CertificateUser(d.Peer, csr.PublicKey)
-	if err != nil {
-		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: problem.Detail(err)})
-	}
-	if cn != want {
-		return nil, problem.Invalid(apiv1.FieldError{Field: "csr", Detail: fmt.Sprintf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)})
-	}
-	fp := fingerprintOf(csr)
-	live, err := b.store().List(ctx, p.Namespaces(), labels.Set{objects.LabelKeyFingerprint: fp})
+	live, err := b.store().List(ctx, p.Namespaces(), labels.Set{objects.LabelKeyFingerprint: csr.Fingerprint})
 	if err != nil {
 		return nil, err
 	}
@@ -76,11 +39,7 @@ func (b *Broker) certificateRequest(ctx context.Context, p *policy.Policy, d pol
 			return nil, problem.Errorf(problem.KindUnprocessable, "this key already backs the live lease %s: use a new key for every certificate, so that revoking one lease revokes all its certificate can do", live[i].Labels[objects.LabelLeaseID])
 		}
 	}
-	return &certRequest{csrPEM: []byte(req.CSR), user: cn, fingerprint: fp}, nil
-}
-
-func fingerprintOf(csr *x509.CertificateRequest) string {
-	return apiv1.KeyFingerprint(csr.RawSubjectPublicKeyInfo)
+	return csr, nil
 }
 
 // classifyIssuer classifies an issuer's failure for the caller.

@@ -123,18 +123,6 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	return nil
 }
 
-// deleteLeaseBinding deletes, before the lease Secret s of credential kind
-// kind, a client certificate's RoleBinding, the certificate's only
-// permission, at once; only one the lease owns (lease.Deleter).
-// The garbage collector would delete an owned binding with the lease a
-// moment later, so a failure is only logged.
-func (b *Broker) deleteLeaseBinding(ctx context.Context, s *corev1.Secret, kind string, log *zap.Logger) {
-	if kind != apiv1.CredentialClientCertificate || b.cfg.RoleBindings == nil {
-		return
-	}
-	logBindingErr(log, b.deleter().DeleteOwnedRoleBinding(ctx, s))
-}
-
 // logBindingErr logs what became of a lease's RoleBinding that a
 // revocation could not delete.
 func logBindingErr(log *zap.Logger, err error) {

@@ -22,7 +22,6 @@ import (
 	"sigs.k8s.io/yaml"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
-	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 )
 
@@ -332,7 +331,7 @@ func TestOpenAPISchemasMatchTheWireTypes(t *testing.T) {
 		require.ElementsMatch(t, creds, s["Lease"].Properties["credential"].Enum)
 		require.ElementsMatch(t, creds, s["Grant"].Properties["credential"].Enum)
 		require.ElementsMatch(t,
-			[]string{policy.ClampedByGrant, policy.ClampedByPolicy, broker.ClampedByLeaseMinimum, policy.ClampedByAPIServer, policy.ClampedBySigner},
+			[]string{policy.ClampedByGrant, policy.ClampedByPolicy, policy.ClampedByLeaseMinimum, policy.ClampedByAPIServer, policy.ClampedBySigner},
 			s["KubeconfigResponse"].Properties["clampedBy"].Enum)
 	})
 

@@ -101,3 +101,11 @@ func (h *timerHeap) Pop() any {
 	*h = old[:len(old)-1]
 	return x
 }
+
+// MinTTL is the shortest lease the broker grants: a shorter ttl is
+// raised to it (clampedBy policy.ClampedByLeaseMinimum). A lease shorter than
+// the credential bound to it (the TokenRequest and CSR APIs grant 10m at
+// least) is revoked at its own expiry, so the minimum is the broker's,
+// not the API server's: one minute leaves a client time to use what it
+// was given, and the API server's ~10 s token cache is small beside it.
+const MinTTL = time.Minute

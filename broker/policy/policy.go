@@ -550,6 +550,9 @@ const (
 	// ClampedBySigner: the cluster's signer issued a certificate that
 	// expires sooner than asked (it caps certificates at its CA's expiry).
 	ClampedBySigner = "signer"
+	// ClampedByLeaseMinimum: a TTL raised to the lease minimum
+	// (lease.MinTTL).
+	ClampedByLeaseMinimum = "lease.minimum"
 )
 
 // DecideIn authorizes a request and chooses its TTL, matching grants'
