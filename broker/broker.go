@@ -15,7 +15,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
-	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -125,8 +124,8 @@ type Broker struct {
 	pool *lease.Pool
 	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
 	gcPasses atomic.Uint64
-	// rulesCache holds the lease rules of the policy in force (leaseRules).
-	rulesCache atomic.Pointer[leaseRulesCache]
+	// rules holds the lease rules of the policy in force (leaseRules).
+	rules tenants.RulesCache
 }
 
 // New checks cfg and returns a Broker.
@@ -651,12 +650,4 @@ func (b *Broker) Ready(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-// APIServerReadyz returns a readiness check that asks the API server's
-// /readyz through c (a discovery client's RESTClient), for Config.APIServerReady.
-func APIServerReadyz(c rest.Interface) func(context.Context) error {
-	return func(ctx context.Context) error {
-		return c.Get().AbsPath("/readyz").Do(ctx).Error()
-	}
 }

@@ -52,7 +52,7 @@ func (b *Broker) ListLeases(ctx context.Context, c Caller, req lease.PageRequest
 	if peer == nil {
 		return out, nil
 	}
-	return b.store().Page(ctx, b.peerNamespaces(peer), holder(c, peer), cur, limit)
+	return b.store().Page(ctx, b.tenants.PeerNamespaces(peer), holder(c, peer), cur, limit)
 }
 
 // GetLease returns one of the caller's leases. A lease of another peer, or
@@ -150,7 +150,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) 
 	if peer == nil {
 		return nil, problem.Errorf(problem.KindNotFound, "lease %q not found", id)
 	}
-	return b.store().Find(ctx, b.peerNamespaces(peer), holder(c, peer), id, wait)
+	return b.store().Find(ctx, b.tenants.PeerNamespaces(peer), holder(c, peer), id, wait)
 }
 
 // store reads and writes lease Secrets with the broker's client, clock,
@@ -228,31 +228,6 @@ func (b *Broker) RunGC(ctx context.Context, interval time.Duration) {
 	}, interval)
 }
 
-// LeaseNamespaces are the namespaces where any peer may hold leases: those
-// the policy's grants name and those its selector grants match now,
-// sorted, each once.
-func (b *Broker) LeaseNamespaces() []string {
-	var namespaces []string
-	if p := b.cfg.Policy.Load(); p != nil {
-		namespaces = p.Namespaces()
-	}
-	if b.tenants != nil {
-		namespaces = append(namespaces, b.tenants.Namespaces("")...)
-		slices.Sort(namespaces)
-		namespaces = slices.Compact(namespaces)
-	}
-	return namespaces
-}
-
-// peerNamespaces returns the namespaces where the peer may hold leases:
-// those its grants name and those its selector grants match now, sorted,
-// each once.
-func (b *Broker) peerNamespaces(peer *policy.PeerSpec) []string {
-	ns := peer.Namespaces()
-	if b.tenants == nil {
-		return ns
-	}
-	ns = append(ns, b.tenants.Namespaces(peer.Name)...)
-	slices.Sort(ns)
-	return slices.Compact(ns)
-}
+// LeaseNamespaces are the namespaces where any peer may hold leases
+// (tenants.Tracker.LeaseNamespaces).
+func (b *Broker) LeaseNamespaces() []string { return b.tenants.LeaseNamespaces(b.cfg.Policy.Load()) }

@@ -377,7 +377,7 @@ func Run(ctx context.Context, opts Options) error {
 		Policy:         store,
 		Logger:         log.Named("broker"),
 		Metrics:        mets,
-		APIServerReady: broker.APIServerReadyz(client.Discovery().RESTClient()),
+		APIServerReady: apiServerReadyz(client.Discovery().RESTClient()),
 		Namespace:      opts.Namespace,
 		Enrollment: enrollment.Config{
 			CA:                      ca,
@@ -646,4 +646,12 @@ func (w ZapWarnings) HandleWarningHeader(code int, agent, text string) {
 		return
 	}
 	w.Log.Info("API server warning", zap.String("warning", text))
+}
+
+// apiServerReadyz returns a readiness check that asks the API server's
+// /readyz through c (a discovery client's RESTClient), for broker.Config.APIServerReady.
+func apiServerReadyz(c rest.Interface) func(context.Context) error {
+	return func(ctx context.Context) error {
+		return c.Get().AbsPath("/readyz").Do(ctx).Error()
+	}
 }
