@@ -321,26 +321,13 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if place != nil {
 		defer place.Release() // a no-op once committed
 	}
-	// The lease lives what was asked (lease.MinTTL at least); the
-	// credential asks the issuer for as much, raised to its minimum (the
-	// TokenRequest and CSR APIs' 10m), which the lease then cuts short:
-	// its timer (expireLeaseAt) and the GC revoke it at its expiry.
-	if d.TTL < lease.MinTTL {
-		d.TTL, d.ClampedBy = lease.MinTTL, policy.ClampedByLeaseMinimum
-	}
-	credTTL := d.TTL
-	if ttl, by := issuer.Limits().Clamp(d.TTL); by != "" {
-		credTTL = ttl
-		if ttl < d.TTL {
-			// The issuer's maximum shortens the lease too.
-			d.TTL, d.ClampedBy = ttl, by
-			if minTTL > 0 && d.TTL < minTTL {
-				log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
-				a.Denial = audit.DenyMinTTL
-				return nil, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
-					"minTTL %s cannot be granted: at most %s is allowed (%s)", minTTL, d.TTL, by)
-			}
-		}
+	// The lease's timer (expireLeaseAt) and the GC revoke it at its
+	// expiry, however long its credential lives.
+	credTTL, err := policy.FitIssuer(&d, issuer.Limits(), lease.MinTTL, minTTL)
+	if err != nil {
+		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "minTTL over the issuer's maximum"))
+		a.Denial = audit.DenyMinTTL
+		return nil, outcomeUnprocessable, err
 	}
 
 	var cert *clientcert.CSR
@@ -454,26 +441,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		cred.KeyPEM = cert.KeyPEM // nil when the caller holds the key
 	}
 
-	granted, clampedBy := d.TTL, d.ClampedBy
-	expiresAt := expected
-	if cred.ExpiresAt.Before(expected) {
-		expiresAt = cred.ExpiresAt
-	}
-	if cred.ExpiresAt.Before(expected.Add(-5 * time.Second)) {
-		// The API server shortened the lifetime below the lease's (its
-		// --service-account-max-token-expiration): report what it granted.
-		// Token expiries are whole seconds, so round up what is left
-		// since the call started: "1h", not "59m59s".
-		left := cred.ExpiresAt.Sub(issueStart)
-		granted = left.Truncate(time.Second)
-		if left > granted {
-			granted += time.Second
-		}
-		clampedBy = policy.ClampedByAPIServer
-		if cert != nil {
-			clampedBy = policy.ClampedBySigner
-		}
-	}
+	granted, clampedBy, expiresAt := policy.Granted(d, cred.ExpiresAt, expected, issueStart, cert != nil)
 	if minTTL > 0 && granted < minTTL {
 		a.Denial = audit.DenyMinTTL
 		return fail(created, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
