@@ -12,7 +12,6 @@ import (
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/utils/clock"
@@ -105,6 +104,10 @@ type Config struct {
 	PeerKeys *workload.PeerKeyStore
 }
 
+// maxTimedExpiries bounds the leases waiting for their timer: the global
+// lease quota's default.
+const maxTimedExpiries = limits.DefaultMaxLiveLeasesTotal
+
 // Broker is the domain core. It is safe for concurrent use.
 type Broker struct {
 	cfg        Config
@@ -113,7 +116,8 @@ type Broker struct {
 	reads      *limits.InFlight // lease reads waiting on the API server, by identity
 	joinTokens enrollment.JoinTokenVerifier
 	retries    *lease.Retries // failed lease deletions, retried until done
-	// expiries are the leases revoked at their expiry (leaseexpiry.go).
+	// expiries are the leases revoked at their expiry (leaseexpiry.go),
+	// at most maxTimedExpiries; past it the GC is the only revoker.
 	expiries *lease.Timers
 	// credIDs are the credential-id annotations being written after their
 	// answer (credentialid.go).
@@ -413,9 +417,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		if cert == nil {
 			b.cfg.Metrics.ObservePoolPath(pathSequential)
 		}
-		t0 := b.cfg.Clock.Now()
-		created, err = b.cfg.Secrets.Secrets(req.Namespace).Create(ctx, ls, metav1.CreateOptions{})
-		b.timeAPI(ctx, "create_lease", t0, err)
+		created, err = b.store().Create(ctx, ls, "create_lease")
 		if err != nil {
 			err = problem.Classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
 			log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
@@ -429,9 +431,8 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		}
 		issueStart = b.cfg.Clock.Now()
 		ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID}
-		t0 = b.cfg.Clock.Now()
 		cred, err = issuer.Issue(ctx, ireq)
-		b.cfg.Metrics.ObserveIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, t0, err), err)
+		b.cfg.Metrics.ObserveIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, issueStart, err), err)
 		if err != nil {
 			err = classifyIssuer(err, req)
 			return fail(created, outcomeFor(err), err)
@@ -531,7 +532,7 @@ func (b *Broker) leaseSecret(id string, c Caller, d policy.Decision, req apiv1.K
 func (b *Broker) deleteLease(ctx context.Context, s *corev1.Secret, log *zap.Logger) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.cfg.CleanupTimeout)
 	defer cancel()
-	err := b.deleteSecret(ctx, s)
+	err := b.deleter().DeleteSecret(ctx, s)
 	if err == nil {
 		return
 	}
@@ -561,11 +562,6 @@ func (b *Broker) cleanUpLater(s *corev1.Secret, log *zap.Logger) {
 func neverSent(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && op.Op == "dial"
-}
-
-// deleteSecret deletes the lease Secret s (lease.Deleter.DeleteSecret).
-func (b *Broker) deleteSecret(ctx context.Context, s *corev1.Secret) error {
-	return b.deleter().DeleteSecret(ctx, s)
 }
 
 // deleter revokes leases with the broker's clients, clock and API timing.

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/tokenbroker/tokenbroker/broker/lease"
-	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
@@ -28,10 +27,6 @@ func (b *Broker) expireLeaseAt(s *corev1.Secret, kind string, at time.Time, log 
 	}
 }
 
-// maxTimedExpiries bounds the leases waiting for their timer: the
-// global lease quota's default. Beyond it the GC is the only revoker.
-const maxTimedExpiries = limits.DefaultMaxLiveLeasesTotal
-
 // expireLease revokes an expired lease as RevokeLease does
 // (lease.Deleter.Revoke): a client certificate's RoleBinding first, so
 // that the certificate is useless at the expiry, not a moment after, then
@@ -41,7 +36,7 @@ func (b *Broker) expireLease(s *corev1.Secret, log *zap.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
 	defer cancel()
 	bindingErr, err := b.deleter().Revoke(ctx, s)
-	logBindingErr(log, bindingErr)
+	lease.LogBindingError(log, bindingErr)
 	switch {
 	case apierrors.IsConflict(err):
 		return // another Secret under its name: not this lease

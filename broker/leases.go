@@ -21,18 +21,12 @@ import (
 )
 
 // ListLeases returns one page of the caller's leases and the continue
-// token of the next page ("" after the last). A peer sees only its own
-// leases: the peer label narrows the query and the identity annotation
-// must match, so that a renamed peer never inherits another's. Only the
-// namespaces the peer's grants name are searched, one at a time in name
-// order, so that the broker needs no cluster-wide access to Secrets; in
-// each, the API server pages the list (Limit/Continue) and orders it by
-// Secret name, so the broker holds one page at most. A page may hold fewer
-// than the limit, even none, and still have a next one: leases of another
-// identity or workload are left out after the API server counted them.
-//
-// An invalid request is KindInvalid, and so is a continue token the API
-// server no longer honours (expired: start again).
+// token of the next page ("" after the last): those its peer holds in the
+// namespaces the peer's grants name or match, made for its identity (and
+// its workload, when it comes with one), so that a renamed peer never
+// inherits another's (lease.Store.Page). An invalid request is
+// KindInvalid, and so is a continue token the API server no longer
+// honours (expired: start again).
 func (b *Broker) ListLeases(ctx context.Context, c Caller, req lease.PageRequest) (*apiv1.LeaseList, error) {
 	cur, limit, err := req.Parse()
 	if err != nil {
@@ -110,7 +104,7 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	ev.Peer, ev.Namespace = s.Labels[objects.LabelPeer], s.Namespace
 	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[objects.AnnotationSA], s.Annotations[objects.AnnotationCred], s.Annotations[objects.AnnotationUser]
 	bindingErr, err := b.deleter().Revoke(ctx, s)
-	logBindingErr(b.cfg.Logger.With(zap.String("lease_id", id)), bindingErr)
+	lease.LogBindingError(b.cfg.Logger.With(zap.String("lease_id", id)), bindingErr)
 	if err != nil && !errors.Is(err, lease.ErrGone) {
 		return problem.Classify(err, "revoke lease", "lease not found")
 	}
@@ -121,17 +115,6 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 		zap.String("namespace", s.Namespace),
 		zap.String("service_account", s.Annotations[objects.AnnotationSA]))
 	return nil
-}
-
-// logBindingErr logs what became of a lease's RoleBinding that a
-// revocation could not delete.
-func logBindingErr(log *zap.Logger, err error) {
-	switch {
-	case errors.Is(err, lease.ErrNotOwned):
-		log.Info("the RoleBinding of the lease's name is not the lease's; left alone")
-	case err != nil:
-		log.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))
-	}
 }
 
 // holder is whom caller c's leases are made for, as peer of the policy.
@@ -160,19 +143,14 @@ func (b *Broker) store() *lease.Store {
 		Timed: func(ctx context.Context, call string, start time.Time, err error) { b.timeAPI(ctx, call, start, err) }}
 }
 
-// CollectGarbage deletes every lease Secret and every used join token
-// record whose expiry has passed, and returns how many it deleted. It also
-// queues the revocation of every lease whose selector grant no longer
-// covers its namespace (queueUncovered: from the lease counter, on full
-// passes from a cluster-wide list), which RunTenants carries out after the
-// grant's revokeDelay. It looks
-// in the namespaces the policy grants and the broker's own: a lease left in
-// a namespace that no grant names any more is not collected (its token
-// still expires on time; delete it with kubectl by its labels). A lease
-// without a readable expiry is deleted once it is older than the policy's
-// maximum TTL, since no credential bound to it can still be valid; a used
-// join token record without one is kept for usedJoinTokenFallbackRetention.
-// Safe to run on several replicas at once.
+// CollectGarbage runs one GC pass (lease.Store.Collect) and returns how
+// many expired Secrets it deleted. It looks in the namespaces the policy
+// grants and the broker's own: a lease left in a namespace that no grant
+// names any more is not collected (its token still expires on time;
+// delete it with kubectl by its labels). It also queues the revocation of
+// every lease whose selector grant no longer covers its namespace
+// (tenants.Revoker.QueueUncovered), carried out after the grant's
+// revokeDelay. Safe to run on several replicas at once.
 func (b *Broker) CollectGarbage(ctx context.Context) (int, error) {
 	start := b.cfg.Clock.Now()
 	n, active, err := b.collectGarbage(ctx)
@@ -190,7 +168,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	pass := lease.GCPass{
 		Namespaces: b.LeaseNamespaces(), Own: b.cfg.Namespace, Now: b.cfg.Clock.Now(), MaxTTL: 24 * time.Hour,
 		UsedTokenRetention: enrollment.UsedJoinTokenFallbackRetention,
-		Delete:             b.deleteSecret,
+		Delete:             b.deleter().DeleteSecret,
 		Requeue:            func(s *corev1.Secret) { b.queueSecretDeletion(s, deleteExpired) },
 	}
 	if p := b.cfg.Policy.Load(); p != nil {

@@ -3,12 +3,9 @@ package broker
 import (
 	"context"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/types"
 )
 
 // Issuance paths of tokenbroker_lease_pool_issuances_total.
@@ -23,7 +20,7 @@ func (b *Broker) poolKeeper() *lease.PoolKeeper {
 	if b.pool == nil {
 		return nil
 	}
-	return &lease.PoolKeeper{Pool: b.pool, Store: b.store(), Delete: b.deleteSecret, Rand: b.cfg.Rand,
+	return &lease.PoolKeeper{Pool: b.pool, Store: b.store(), Delete: b.deleter().DeleteSecret, Rand: b.cfg.Rand,
 		Ready: b.cfg.Metrics.SetPoolReady, CleanupTimeout: b.cfg.CleanupTimeout, Logger: b.cfg.Logger}
 }
 
@@ -37,32 +34,22 @@ func (b *Broker) RunPool(ctx context.Context) {
 }
 
 // claim makes the pooled Secret s the lease ls and asks issuer for the
-// credential bound to it, both at once. It returns the claimed Secret
-// (nil if the claim failed) and the errors of each call. The time spent
-// on both counts once as API server wait.
+// credential bound to it, both at once (lease.Store.Claim). It returns the
+// claimed Secret (nil if the claim failed) and the errors of each call.
+// The time spent on both counts once as API server wait.
 func (b *Broker) claim(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, issuer Issuer, kind string, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error, error) {
-	patch, err := lease.ClaimPatch(ls, s.Secret.UID)
-	if err != nil {
-		return nil, issuers.Credential{}, err, nil
-	}
 	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: s.Secret.Name, UID: s.Secret.UID}
 	start := b.cfg.Clock.Now()
 	inner := context.WithValue(ctx, apiWaitKey{}, nil) // counted once below
 	var (
-		claimed  *corev1.Secret
-		claimErr error
-		done     = make(chan struct{})
+		cred     issuers.Credential
+		issueErr error
 	)
-	go func() {
-		defer close(done)
+	claimed, claimErr := b.store().Claim(inner, s, ls, func() {
 		t0 := b.cfg.Clock.Now()
-		claimed, claimErr = b.cfg.Secrets.Secrets(s.Secret.Namespace).Patch(inner, s.Secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-		b.timeAPI(inner, "claim_lease", t0, claimErr)
-	}()
-	t0 := b.cfg.Clock.Now()
-	cred, issueErr := issuer.Issue(inner, ireq)
-	b.cfg.Metrics.ObserveIssuer(kind, b.timeAPI(inner, "issue_"+kind, t0, issueErr), issueErr)
-	<-done
+		cred, issueErr = issuer.Issue(inner, ireq)
+		b.cfg.Metrics.ObserveIssuer(kind, b.timeAPI(inner, "issue_"+kind, t0, issueErr), issueErr)
+	})
 	if w, ok := ctx.Value(apiWaitKey{}).(*apiWait); ok {
 		w.d.Add(int64(b.cfg.Clock.Since(start)))
 	}

@@ -28,44 +28,32 @@ const (
 	deleteFailed  = "failed_request"
 )
 
-// pendingDeletion is one queued deletion: a Secret known by name (and UID),
-// or a revocation whose lease could not even be looked up, which is looked
-// up again as its caller at every attempt.
-type pendingDeletion struct {
-	reason string
-	secret *corev1.Secret
-	caller Caller
-	id     string
-}
-
 // queueSecretDeletion queues the deletion of s for reason (deleteExpired
 // or deleteFailed); it reports false when the queue is full.
 func (b *Broker) queueSecretDeletion(s *corev1.Secret, reason string) bool {
-	return b.queueDeletion("secret/"+s.Namespace+"/"+s.Name, &pendingDeletion{reason: reason, secret: s})
+	return b.retries.Queue("secret/"+s.Namespace+"/"+s.Name, reason, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
+		defer cancel()
+		if err := b.deleter().DeleteSecret(ctx, s); err != nil {
+			return err
+		}
+		b.cfg.Logger.Info("lease deleted after retries", zap.String("secret", s.Namespace+"/"+s.Name), zap.String("reason", reason))
+		if reason == deleteExpired {
+			b.cfg.Metrics.LeaseDeleted(deleteExpired, 1)
+		}
+		return nil
+	})
 }
 
 // queueRevocation queues the revocation of the caller's lease id, which
-// could not be looked up.
+// could not be looked up: at every attempt it is looked up again as its
+// caller, so that only the caller's own lease is deleted.
 func (b *Broker) queueRevocation(c Caller, id string) bool {
-	return b.queueDeletion("revoke/"+c.Identity+"/"+id, &pendingDeletion{reason: deleteRevoked, caller: c, id: id})
-}
-
-func (b *Broker) queueDeletion(key string, d *pendingDeletion) bool {
-	return b.retries.Queue(key, d.reason, func() error { return b.retryDeletion(d) })
-}
-
-// PendingDeletions is the number of lease deletions waiting for a retry.
-func (b *Broker) PendingDeletions() int { return b.retries.Pending() }
-
-// retryDeletion makes one attempt at d; nil means the lease is gone.
-func (b *Broker) retryDeletion(d *pendingDeletion) error {
-	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
-	defer cancel()
-	if d.secret == nil {
-		// A revocation: look the lease up again as its caller, so that
-		// only the caller's own lease is deleted.
-		ev := audit.Event{Action: audit.ActionRevoke, Identity: d.caller.Identity, CertSHA256: d.caller.CertSHA256, LeaseID: d.id}
-		err := b.revokeLease(ctx, d.caller, d.id, &ev)
+	return b.retries.Queue("revoke/"+c.Identity+"/"+id, deleteRevoked, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
+		defer cancel()
+		ev := audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}
+		err := b.revokeLease(ctx, c, id, &ev)
 		switch {
 		case err == nil:
 			ev.Decision, ev.Reason = audit.DecisionAllow, "revoked after the API server was unavailable"
@@ -75,13 +63,8 @@ func (b *Broker) retryDeletion(d *pendingDeletion) error {
 			return nil // gone already (or never the caller's)
 		}
 		return err
-	}
-	if err := b.deleteSecret(ctx, d.secret); err != nil {
-		return err
-	}
-	b.cfg.Logger.Info("lease deleted after retries", zap.String("secret", d.secret.Namespace+"/"+d.secret.Name), zap.String("reason", d.reason))
-	if d.reason == deleteExpired {
-		b.cfg.Metrics.LeaseDeleted(deleteExpired, 1)
-	}
-	return nil
+	})
 }
+
+// PendingDeletions is the number of lease deletions waiting for a retry.
+func (b *Broker) PendingDeletions() int { return b.retries.Pending() }

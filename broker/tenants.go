@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"time"
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
@@ -38,6 +39,17 @@ func (b *Broker) queueUncovered(ctx context.Context, reason string, fromCounter 
 	if r := b.revoker(); r != nil {
 		r.QueueUncovered(ctx, reason, fromCounter)
 	}
+}
+
+// leaseRules returns the rules of the policy in force
+// (tenants.RulesCache), rebuilt only when the policy or the namespaces its
+// selector grants match change.
+func (b *Broker) leaseRules() *lease.Rules {
+	var minTTL time.Duration
+	for _, iss := range b.cfg.Issuers {
+		minTTL = max(minTTL, iss.Limits().MinTTL)
+	}
+	return b.rules.Rules(b.cfg.Policy.Load(), b.tenants, minTTL)
 }
 
 // recheckCoverage closes the race between an issuance and a namespace

@@ -152,9 +152,7 @@ func (k *PoolKeeper) createPooled(ctx context.Context, namespace string) (*Poole
 		},
 		Type: objects.SecretTypeLease,
 	}
-	t0 := k.Store.Clock.Now()
-	created, err := k.Store.Secrets.Secrets(namespace).Create(ctx, s, metav1.CreateOptions{})
-	k.Store.timed(ctx, "create_pooled_lease", t0, err)
+	created, err := k.Store.Create(ctx, s, "create_pooled_lease")
 	if err != nil {
 		return nil, err
 	}
@@ -171,11 +169,11 @@ func (k *PoolKeeper) deletePooled(ctx context.Context, ss []*Pooled) {
 	}
 }
 
-// ClaimPatch makes a pooled Secret the lease: lease's labels and
+// claimPatch makes a pooled Secret the lease: lease's labels and
 // annotations, its expiry replacing the claim deadline. The UID makes it
 // a precondition: the patch fails rather than claim another Secret of the
 // same name.
-func ClaimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
+func claimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
 	type meta struct {
 		UID         types.UID         `json:"uid"`
 		Labels      map[string]string `json:"labels"`
@@ -184,4 +182,30 @@ func ClaimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
 	return json.Marshal(struct {
 		Metadata meta `json:"metadata"`
 	}{meta{UID: uid, Labels: lease.Labels, Annotations: lease.Annotations}})
+}
+
+// Claim makes the pooled Secret s the lease ls, with a patch under s's
+// UID, and runs alongside (the issuer's call for the credential bound to
+// s) at the same time; it returns once both are done, with the claimed
+// Secret (nil if the claim failed) and the claim's error. If the patch
+// cannot even be made, alongside does not run.
+func (st *Store) Claim(ctx context.Context, s *Pooled, ls *corev1.Secret, alongside func()) (*corev1.Secret, error) {
+	patch, err := claimPatch(ls, s.Secret.UID)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		claimed  *corev1.Secret
+		claimErr error
+		done     = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		t0 := st.Clock.Now()
+		claimed, claimErr = st.Secrets.Secrets(s.Secret.Namespace).Patch(ctx, s.Secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		st.timed(ctx, "claim_lease", t0, claimErr)
+	}()
+	alongside()
+	<-done
+	return claimed, claimErr
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -127,4 +128,15 @@ func (d *Deleter) DeleteOwnedRoleBinding(ctx context.Context, s *corev1.Secret) 
 		return fmt.Errorf("delete RoleBinding %s/%s: %w", s.Namespace, s.Name, err)
 	}
 	return nil
+}
+
+// LogBindingError logs what became of a lease's RoleBinding that a
+// revocation could not delete (Revoke's bindingErr); nil logs nothing.
+func LogBindingError(log *zap.Logger, err error) {
+	switch {
+	case errors.Is(err, ErrNotOwned):
+		log.Info("the RoleBinding of the lease's name is not the lease's; left alone")
+	case err != nil:
+		log.Warn("deleting the lease's RoleBinding failed; the garbage collector deletes it with the lease", zap.Error(err))
+	}
 }

@@ -284,6 +284,15 @@ func (st *Store) eachManagedPage(ctx context.Context, namespaces []string, call 
 	return nil
 }
 
+// Create creates the Secret s (a lease, or a pooled Secret, timed as
+// call) and returns it as stored.
+func (st *Store) Create(ctx context.Context, s *corev1.Secret, call string) (*corev1.Secret, error) {
+	t0 := st.Clock.Now()
+	created, err := st.Secrets.Secrets(s.Namespace).Create(ctx, s, metav1.CreateOptions{})
+	st.timed(ctx, call, t0, err)
+	return created, err
+}
+
 // RecordCredential writes the credential's API server id (apiID, unless
 // empty) and, unless nil, a new expiry on the lease Secret s, in one
 // merge patch that applies only to the Secret of s's UID.

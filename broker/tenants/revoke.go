@@ -125,10 +125,7 @@ func (r *Revoker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, it
 	if errors.Is(err, lease.ErrGone) || apierrors.IsConflict(err) {
 		return nil // gone already (another replica), or a new Secret of that name
 	}
-	if bindingErr != nil {
-		r.Logger.Info("the RoleBinding of a revoked lease was not deleted; the garbage collector deletes it with the lease if the lease owns it",
-			zap.String("namespace", s.Namespace), zap.String("secret", s.Name), zap.Error(bindingErr))
-	}
+	lease.LogBindingError(r.Logger.With(zap.String("lease_id", s.Labels[objects.LabelLeaseID])), bindingErr)
 	if err != nil {
 		return problem.Classify(err, "revoke lease of a namespace that left its grant", "lease not found")
 	}
