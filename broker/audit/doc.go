@@ -1,7 +1,9 @@
 // Package audit defines the broker's audit trail: the Event every decision
 // ends in, the actions, decisions and refusal codes it names, the request id
-// carried in a context, and Log, which writes events as JSON lines. It
-// decides nothing and imports no other tokenbroker package.
+// carried in a context, Log, which writes events as JSON lines, and the
+// Recorder, which completes an event (Pending, as a request learns it),
+// writes it and counts it through an Observer. It decides nothing and
+// imports no other tokenbroker package.
 //
 // Every decision ends in exactly one Event handed to the broker's Auditor:
 // a kubeconfig issued or refused (ActionIssue), a lease revoked or a
