@@ -307,8 +307,8 @@ targets:
 	outs := cfg.Targets[0].Outputs
 	require.True(t, outs[0].Secret.Adopt)
 	require.Equal(t, int64(0), *outs[0].Secret.ArgoCD.Shard, "shard 0 is a shard, not unset")
-	require.Equal(t, "kubeconfig.yaml", outs[1].Secret.dataKey())
-	require.Equal(t, "value.yaml", outs[3].Secret.dataKey())
+	require.Equal(t, "kubeconfig.yaml", outs[1].Secret.DataKey())
+	require.Equal(t, "value.yaml", outs[3].Secret.DataKey())
 	require.Equal(t, 10*time.Minute, time.Duration(cfg.RefreshFor(0).RevokeGrace), "the default grace fits a 24h token")
 }
 

@@ -102,27 +102,6 @@ type KubeconfigAPI interface {
 	WhoAmI(ctx context.Context) (*apiv1.WhoAmI, error)
 }
 
-// APIRequest returns the wire form of the request.
-func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
-	return apiv1.KubeconfigRequest{
-		Namespace:      r.Namespace,
-		ServiceAccount: r.ServiceAccount,
-		TTL:            r.TTL,
-		MinTTL:         r.MinTTL,
-		Audiences:      append([]string(nil), r.Audiences...),
-		Credential:     r.Credential,
-	}
-}
-
-// Subject names what a request is for in messages: namespace/ServiceAccount,
-// or the namespace's client certificate.
-func (r RequestConfig) Subject() string {
-	if r.Credential == apiv1.CredentialClientCertificate {
-		return "a client certificate in " + r.Namespace
-	}
-	return r.Namespace + "/" + r.ServiceAccount
-}
-
 // ErrBadAnswer is wrapped when a broker's 201 answer cannot be used (no
 // lease id, an unreadable kubeconfig, a credential already expired). Not
 // retryable in itself, but the agent retries anyway: a broker may be

@@ -13,12 +13,6 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// Defaults of jwksUpload.
-const (
-	DefaultJWKSInterval       = time.Minute
-	DefaultJWKSResyncInterval = 10 * time.Minute
-)
-
 // jwksAPI is what the uploader needs of a broker.
 type jwksAPI interface {
 	PutJWKS(ctx context.Context, doc []byte) (*apiv1.PeerJWKS, error)

@@ -28,93 +28,8 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// Labels and annotations on the Secrets the agent writes. The annotations
-// let a restarted agent find the credential it wrote (and its lease) and
-// schedule from it instead of fetching at once.
-const (
-	// LabelManagedBy marks the Secrets the agent owns; it refuses to write
-	// a Secret without it.
-	LabelManagedBy = "app.kubernetes.io/managed-by"
-	ManagedByAgent = "tokenbroker-agent"
-
-	AnnotationLeaseID   = "tokenbroker.io/lease-id"
-	AnnotationExpiresAt = "tokenbroker.io/expires-at"
-	// AnnotationObtainedAt is when the credential arrived, so that a
-	// restarted agent refreshes at the same fraction of its lifetime.
-	AnnotationObtainedAt = "tokenbroker.io/obtained-at"
-	// AnnotationTarget names the target that wrote the Secret.
-	AnnotationTarget = "tokenbroker.io/target"
-	// AnnotationRequest is a digest of the broker URL and the request, so
-	// that a restarted agent whose target now asks for something else
-	// (another ServiceAccount, say) does not adopt the old credential.
-	AnnotationRequest = "tokenbroker.io/request"
-	// AnnotationOwned records, as JSON {"data":[…],"labels":[…],
-	// "annotations":[…]}, the keys the agent wrote, so that it can remove
-	// one it no longer writes (a data key renamed in the config) without
-	// ever touching a key someone else wrote.
-	AnnotationOwned = "tokenbroker.io/owned"
-	// AnnotationOutput is a digest of the output's settings, so that a
-	// restarted agent whose config changed them (a renamed key, a label,
-	// an Argo CD option) rewrites the Secret instead of adopting it as it
-	// is until the next refresh.
-	AnnotationOutput = "tokenbroker.io/output"
-
-	labelArgoCDSecretType = "argocd.argoproj.io/secret-type"
-	labelFluxWatch        = "reconcile.fluxcd.io/watch"
-)
-
-// agentAnnotations are the annotations the agent writes on every Secret.
-var agentAnnotations = []string{AnnotationLeaseID, AnnotationExpiresAt, AnnotationObtainedAt, AnnotationTarget, AnnotationRequest, AnnotationOwned, AnnotationOutput}
-
-// formatLabels are the labels a format sets for its consumer; a
-// configuration may not set them on that format.
-func formatLabels(format string) map[string]string {
-	switch format {
-	case FormatArgoCD:
-		return map[string]string{labelArgoCDSecretType: "cluster"}
-	case FormatFlux:
-		return map[string]string{labelFluxWatch: "Enabled"}
-	}
-	return nil
-}
-
-// The data keys of the Secret formats.
-const (
-	keyAdmiralty      = "config"     // Admiralty's Target spec.kubeconfigSecret default key
-	keyFlux           = "value"      // Flux's kubeConfig.secretRef default key
-	keyKubeconfig     = "kubeconfig" // the plain format
-	keyArgoName       = "name"
-	keyArgoServer     = "server"
-	keyArgoConfig     = "config"
-	keyArgoProject    = "project"
-	keyArgoNamespaces = "namespaces"
-	keyArgoClusterRes = "clusterResources"
-	keyArgoShard      = "shard"
-)
-
-// digest identifies the output's settings (AnnotationOutput).
-func (o SecretOutput) digest() string { return shortDigest(o) }
-
-// dataKey is the key that holds the kubeconfig, "" for the argocd format.
-func (o SecretOutput) dataKey() string {
-	if o.Format == FormatArgoCD {
-		return ""
-	}
-	if o.Key != "" {
-		return o.Key
-	}
-	switch o.Format {
-	case FormatAdmiralty:
-		return keyAdmiralty
-	case FormatFlux:
-		return keyFlux
-	}
-	return keyKubeconfig // kubeconfig and multikueue
-}
-
-// metaSuffix names the sidecar file next to a file output that records the
-// lease, as the annotations do for a Secret.
-const metaSuffix = ".meta"
+// secretDigest identifies a Secret output's settings (AnnotationOutput).
+func secretDigest(o SecretOutput) string { return shortDigest(o) }
 
 // ErrForeignSecret is returned (wrapped) when an output's Secret exists but
 // was not written by the agent (no app.kubernetes.io/managed-by:
@@ -165,7 +80,7 @@ type output interface {
 func holdsCredential(o output) bool {
 	switch o := o.(type) {
 	case *secretOutput:
-		return o.cfg.ArgoCD.exec() == nil
+		return execMode(o.cfg.ArgoCD) == nil
 	case *clusterProfileOutput:
 		return false
 	}
@@ -181,8 +96,8 @@ type outputMeta struct {
 	req     RequestConfig
 }
 
-// exec is the Argo CD exec mode, nil when off.
-func (a *ArgoCDOptions) exec() *ArgoCDExec {
+// execMode is the Argo CD exec mode of a, nil when off.
+func execMode(a *ArgoCDOptions) *ArgoCDExec {
 	if a == nil {
 		return nil
 	}
@@ -270,7 +185,7 @@ func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[strin
 		return errors.New("the argocd format needs a server and a bearer token or a client certificate")
 	}
 	cfg := argoClusterConfig{BearerToken: c.Token, ProxyURL: c.ProxyURL}
-	if e := o.ArgoCD.exec(); e != nil {
+	if e := execMode(o.ArgoCD); e != nil {
 		// No credential: Argo CD runs the plugin, which asks the broker
 		// with the same request as this target.
 		ec := execcred.ExecConfig(e.Command, execcred.Target{
@@ -333,12 +248,12 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 	annotations[AnnotationObtainedAt] = c.ObtainedAt.UTC().Format(time.RFC3339)
 	annotations[AnnotationTarget] = meta.target
 	annotations[AnnotationRequest] = meta.request
-	annotations[AnnotationOutput] = o.digest()
+	annotations[AnnotationOutput] = secretDigest(o)
 
 	data := map[string][]byte{}
 	switch o.Format {
 	case FormatAdmiralty, FormatFlux, FormatKubeconfig:
-		data[o.dataKey()] = c.Kubeconfig
+		data[o.DataKey()] = c.Kubeconfig
 	case FormatMultiKueue:
 		// Kueue (v0.15+) refuses a kubeconfig without inline CA data, or
 		// with anything but an inline token or client certificate; say so
@@ -476,8 +391,8 @@ func (o *secretOutput) read(ctx context.Context) (*stored, error) {
 	}
 	st.target = s.Annotations[AnnotationTarget]
 	st.request = s.Annotations[AnnotationRequest]
-	st.outdated = s.Annotations[AnnotationOutput] != o.cfg.digest()
-	if key := o.cfg.dataKey(); key != "" {
+	st.outdated = s.Annotations[AnnotationOutput] != secretDigest(o.cfg)
+	if key := o.cfg.DataKey(); key != "" {
 		st.kubeconfig = s.Data[key]
 	}
 	return st, nil
