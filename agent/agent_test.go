@@ -319,7 +319,7 @@ targets:
 
 func TestNewRefusesASecretOutputWithoutAKubernetesClient(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(exampleConfig), "")
+	cfg, err := ParseConfig(exampleConfig(t), "")
 	require.NoError(t, err)
 	_, err = New(cfg, Deps{})
 	require.ErrorContains(t, err, "Deps.Kubernetes is required")
@@ -327,7 +327,7 @@ func TestNewRefusesASecretOutputWithoutAKubernetesClient(t *testing.T) {
 
 func TestReadinessWaitsForEveryOutputAndHealthForExpiredCertificates(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(exampleConfig), "")
+	cfg, err := ParseConfig(exampleConfig(t), "")
 	require.NoError(t, err)
 	clock := newFakeClock(t0)
 	a, err := New(cfg, Deps{Kubernetes: fake.NewClientset(), Clock: clock})

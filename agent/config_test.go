@@ -13,44 +13,9 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
-// exampleConfig is the complete example of the configuration file; the
-// reply to the issue and the guides quote it.
-const exampleConfig = `
-identity:
-  secret: {namespace: tokenbroker-agent, name: agent-identity}
-  renewBroker: https://east.example.com:8443
-  renewAt: 0.66
-  enroll:
-    broker: https://east.example.com:8444
-    caFingerprint: sha256:3f1c0000000000000000000000000000000000000000000000000000000000aa
-    tokenFile: /var/run/tokenbroker/join/token
-refresh: {fraction: 0.66, jitter: 0.1, minBackoff: 1s, maxBackoff: 5m, revokeGrace: 1m}
-targets:
-  - name: east
-    broker: https://east.example.com:8443
-    request: {namespace: argo, serviceAccount: admiralty-source, ttl: 12h, minTTL: 1h}
-    outputs:
-      - secret: {namespace: admiralty, name: east, format: admiralty}
-      - file: {path: /shared/east.kubeconfig}
-  - name: south
-    broker: https://south.example.com:8443
-    request: {namespace: apps, serviceAccount: argocd-manager, ttl: 2h, audiences: [https://kubernetes.default.svc]}
-    refresh: {fraction: 0.5, revokeGrace: 5m}
-    outputs:
-      - secret:
-          namespace: argocd
-          name: south
-          format: argocd
-          labels: {team: platform}
-          annotations: {example.com/owner: ops}
-      - secret: {namespace: flux-system, name: south, format: flux}
-      - secret: {namespace: tools, name: south, format: kubeconfig}
-opsAddress: ":9091"
-`
-
 func TestTheExampleConfigParsesWithItsDefaults(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(exampleConfig), "")
+	cfg, err := ParseConfig(exampleConfig(t), "")
 	require.NoError(t, err)
 	require.Equal(t, "tokenbroker-agent", cfg.Identity.Secret.Namespace)
 	require.Len(t, cfg.Targets, 2)

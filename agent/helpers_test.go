@@ -5,6 +5,8 @@ import (
 	"encoding/base64"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -244,3 +246,12 @@ type (
 	apiv1KubeconfigResponse = apiv1.KubeconfigResponse
 	runtimeObject           = runtime.Object
 )
+
+// exampleConfig is the complete example of the configuration file
+// (config/testdata/example.yaml), which the guides quote.
+func exampleConfig(t *testing.T) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("config", "testdata", "example.yaml"))
+	require.NoError(t, err)
+	return b
+}

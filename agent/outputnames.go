@@ -62,16 +62,9 @@ const metaSuffix = ".meta"
 
 // The data keys of the Secret formats.
 const (
-	keyAdmiralty      = "config"     // Admiralty's Target spec.kubeconfigSecret default key
-	keyFlux           = "value"      // Flux's kubeConfig.secretRef default key
-	keyKubeconfig     = "kubeconfig" // the plain format
-	keyArgoName       = "name"
-	keyArgoServer     = "server"
-	keyArgoConfig     = "config"
-	keyArgoProject    = "project"
-	keyArgoNamespaces = "namespaces"
-	keyArgoClusterRes = "clusterResources"
-	keyArgoShard      = "shard"
+	keyAdmiralty  = "config"     // Admiralty's Target spec.kubeconfigSecret default key
+	keyFlux       = "value"      // Flux's kubeConfig.secretRef default key
+	keyKubeconfig = "kubeconfig" // the plain format
 )
 
 // DataKey is the key that holds the kubeconfig, "" for the argocd format.

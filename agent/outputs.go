@@ -96,6 +96,17 @@ type outputMeta struct {
 	req     RequestConfig
 }
 
+// The data keys of the argocd format.
+const (
+	keyArgoName       = "name"
+	keyArgoServer     = "server"
+	keyArgoConfig     = "config"
+	keyArgoProject    = "project"
+	keyArgoNamespaces = "namespaces"
+	keyArgoClusterRes = "clusterResources"
+	keyArgoShard      = "shard"
+)
+
 // execMode is the Argo CD exec mode of a, nil when off.
 func execMode(a *ArgoCDOptions) *ArgoCDExec {
 	if a == nil {
