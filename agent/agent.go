@@ -19,6 +19,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -59,7 +60,7 @@ type Deps struct {
 // Agent keeps the kubeconfigs of its targets fresh and its own client
 // certificate renewed. Make it with New, run it with Run.
 type Agent struct {
-	cfg      Config
+	cfg      config.Config
 	log      *zap.Logger
 	clock    clock.Clock
 	rand     Rand
@@ -80,7 +81,7 @@ type Agent struct {
 
 // New checks cfg (applying its defaults) and builds an agent. It does not
 // touch the network or the source cluster: Run does.
-func New(cfg Config, deps Deps) (*Agent, error) {
+func New(cfg config.Config, deps Deps) (*Agent, error) {
 	cfg.Default()
 	if err := cfg.Validate(); err != nil {
 		return nil, err

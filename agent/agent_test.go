@@ -26,6 +26,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -174,7 +175,7 @@ func TestTheAgentEnrollsRefreshesRevokesAndRenewsAgainstABrokerOverMutualTLS(t *
 	require.NoError(t, os.WriteFile(tokenFile, []byte(token+"\n"), 0o600))
 	kubeconfigFile := filepath.Join(dir, "east.kubeconfig")
 
-	cfg, err := ParseConfig(fmt.Appendf(nil, `
+	cfg, err := config.Parse(fmt.Appendf(nil, `
 identity:
   secret: {namespace: tokenbroker-agent, name: agent-identity}
   enroll: {broker: %[1]q, caFingerprint: %[2]q, tokenFile: %[3]q}
@@ -214,7 +215,7 @@ targets:
 		if err != nil {
 			return ""
 		}
-		return s.Annotations[AnnotationLeaseID]
+		return s.Annotations[config.AnnotationLeaseID]
 	}
 
 	// Start: enroll, store the identity in its Secret, write both outputs.
@@ -298,7 +299,7 @@ targets:
 
 func TestWithoutAnIdentityOrEnrollmentTheAgentFailsClearly(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig(fmt.Appendf(nil, `
+	cfg, err := config.Parse(fmt.Appendf(nil, `
 identity: {dir: %q}
 targets:
   - name: east
@@ -319,7 +320,7 @@ targets:
 
 func TestNewRefusesASecretOutputWithoutAKubernetesClient(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig(exampleConfig(t), "")
+	cfg, err := config.Parse(exampleConfig(t), "")
 	require.NoError(t, err)
 	_, err = New(cfg, Deps{})
 	require.ErrorContains(t, err, "Deps.Kubernetes is required")
@@ -327,7 +328,7 @@ func TestNewRefusesASecretOutputWithoutAKubernetesClient(t *testing.T) {
 
 func TestReadinessWaitsForEveryOutputAndHealthForExpiredCertificates(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig(exampleConfig(t), "")
+	cfg, err := config.Parse(exampleConfig(t), "")
 	require.NoError(t, err)
 	clock := newFakeClock(t0)
 	a, err := New(cfg, Deps{Kubernetes: fake.NewClientset(), Clock: clock})

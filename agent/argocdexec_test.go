@@ -7,10 +7,11 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"k8s.io/client-go/kubernetes/fake"
 )
 
-var argoExec = &ArgoCDOptions{Exec: &ArgoCDExec{
+var argoExec = &config.ArgoCDOptions{Exec: &config.ArgoCDExec{
 	Command: "/tokenbroker/tokenbroker", IdentityDir: "/var/run/tokenbroker/identity",
 	Env: map[string]string{"XDG_CACHE_HOME": "/tmp/cache"},
 }}
@@ -20,10 +21,10 @@ var argoExec = &ArgoCDOptions{Exec: &ArgoCDExec{
 // config is the same for every credential.
 func TestArgoCDExecModeWritesTheSameConfigForEveryCredential(t *testing.T) {
 	t.Parallel()
-	o := SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD, ArgoCD: argoExec}
+	o := config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD, ArgoCD: argoExec}
 	meta := goldenMeta
 	meta.broker = "https://east.example.com:8443"
-	meta.req = RequestConfig{Namespace: "apps", ServiceAccount: "argocd-manager", TTL: "1h", Audiences: []string{"a"}}
+	meta.req = config.RequestConfig{Namespace: "apps", ServiceAccount: "argocd-manager", TTL: "1h", Audiences: []string{"a"}}
 	c := goldenCredential(t)
 	s1, err := renderSecret(o, meta, c)
 	require.NoError(t, err)
@@ -52,8 +53,8 @@ func TestArgoCDExecModeWritesTheSameConfigForEveryCredential(t *testing.T) {
 func TestATargetWhoseOutputsHoldNoCredentialRevokesItsLeaseAtOnce(t *testing.T) {
 	t.Parallel()
 	cs := fake.NewClientset()
-	out := &secretOutput{cfg: SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD, ArgoCD: argoExec}, secrets: cs.CoreV1()}
-	f := newRefresherFixture(t, RefreshConfig{}, out)
+	out := &secretOutput{cfg: config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD, ArgoCD: argoExec}, secrets: cs.CoreV1()}
+	f := newRefresherFixture(t, config.RefreshConfig{}, out)
 	ctx := context.Background()
 
 	wake := f.r.step(ctx)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -49,7 +50,7 @@ current-context: argo/u@east
 func TestACertificateKeyIsMadeHereAndNeverSent(t *testing.T) {
 	t.Parallel()
 	b := &certBroker{}
-	cred, err := Fetch(context.Background(), b, RequestConfig{Namespace: "argo", Credential: apiv1.CredentialClientCertificate, TTL: "1h"}, time.Now)
+	cred, err := Fetch(context.Background(), b, config.RequestConfig{Namespace: "argo", Credential: apiv1.CredentialClientCertificate, TTL: "1h"}, time.Now)
 	require.NoError(t, err)
 
 	require.Equal(t, apiv1.CredentialClientCertificate, b.got.Credential)

@@ -15,6 +15,7 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -46,7 +47,7 @@ const maxConditionMessage = 1024
 // clusterProfileOutput is the access provider entry of a target on a
 // ClusterProfile (ClusterProfileOutput). It holds no credential.
 type clusterProfileOutput struct {
-	cfg  ClusterProfileOutput
+	cfg  config.ClusterProfileOutput
 	name string
 	api  dynamic.ResourceInterface
 	now  func() time.Time
@@ -62,7 +63,7 @@ type healthReporter interface {
 	reportHealth(ctx context.Context, meta outputMeta, err error) (bool, error)
 }
 
-func newClusterProfileOutput(cfg ClusterProfileOutput, target string, dyn dynamic.Interface, now func() time.Time) *clusterProfileOutput {
+func newClusterProfileOutput(cfg config.ClusterProfileOutput, target string, dyn dynamic.Interface, now func() time.Time) *clusterProfileOutput {
 	name := cfg.Name
 	if name == "" {
 		name = target
@@ -105,7 +106,7 @@ func accessProvider(meta outputMeta, c *Credential) (map[string]any, error) {
 	}
 	// Through JSON, so that it compares equal to what the API server
 	// returns (numbers, base64 strings).
-	return jsonValue(map[string]any{"name": AccessProviderName, "cluster": cluster})
+	return jsonValue(map[string]any{"name": config.AccessProviderName, "cluster": cluster})
 }
 
 // jsonValue is v as encoding/json decodes it into an interface.
@@ -187,7 +188,7 @@ func (o *clusterProfileOutput) apply(ctx context.Context, entry map[string]any, 
 	changed := false
 	if entry != nil {
 		var set bool
-		providers, set = setListEntry(providers, "name", AccessProviderName, entry)
+		providers, set = setListEntry(providers, "name", config.AccessProviderName, entry)
 		changed = changed || set
 	}
 	if cond != nil {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -15,7 +16,7 @@ func TestMultiKueueFormatRefusesAKubeconfigKueueWouldRefuse(t *testing.T) {
 	t.Parallel()
 	c := goldenCredential(t)
 	c.CAData = nil
-	_, err := renderSecret(SecretOutput{Namespace: "kueue-system", Name: "east", Format: FormatMultiKueue}, goldenMeta, c)
+	_, err := renderSecret(config.SecretOutput{Namespace: "kueue-system", Name: "east", Format: config.FormatMultiKueue}, goldenMeta, c)
 	require.ErrorContains(t, err, "certificate-authority-data")
 }
 
@@ -23,7 +24,7 @@ func TestTheAccessProviderEntryNamesTheBrokersClusterAndTheTarget(t *testing.T) 
 	t.Parallel()
 	c := goldenCredential(t)
 	c.ProxyURL = "http://proxy:3128"
-	meta := outputMeta{target: "east", broker: "https://broker.east:8443", req: RequestConfig{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"}}
+	meta := outputMeta{target: "east", broker: "https://broker.east:8443", req: config.RequestConfig{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"}}
 	e, err := accessProvider(meta, c)
 	require.NoError(t, err)
 	require.Equal(t, "tokenbroker", e["name"])

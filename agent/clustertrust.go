@@ -18,6 +18,7 @@ import (
 	certificatesv1client "k8s.io/client-go/kubernetes/typed/certificates/v1"
 	"k8s.io/utils/clock"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -78,7 +79,7 @@ type clusterTrust struct {
 	lastGood time.Time // of the last answered read; run's goroutine only
 }
 
-func newClusterTrust(src ClusterTrustBundleSource, pin string, c certificatesv1client.ClusterTrustBundleInterface, clk clock.Clock, log *zap.Logger) (*clusterTrust, error) {
+func newClusterTrust(src config.ClusterTrustBundleSource, pin string, c certificatesv1client.ClusterTrustBundleInterface, clk clock.Clock, log *zap.Logger) (*clusterTrust, error) {
 	sel, err := metav1.LabelSelectorAsSelector(src.LabelSelector)
 	if err != nil {
 		return nil, fmt.Errorf("identity.trustBundleFrom.clusterTrustBundle.labelSelector: %w", err)

@@ -17,6 +17,7 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 	clocktesting "k8s.io/utils/clock/testing"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -117,7 +118,7 @@ func newCTFixture(t *testing.T, objs ...runtime.Object) *ctFixture {
 	t.Helper()
 	f := &ctFixture{client: fake.NewClientset(objs...), clock: clocktesting.NewFakeClock(time.Now())}
 	var err error
-	f.ct, err = newClusterTrust(ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Minute)}, "",
+	f.ct, err = newClusterTrust(config.ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Minute)}, "",
 		f.client.CertificatesV1().ClusterTrustBundles(), f.clock, zap.NewNop())
 	require.NoError(t, err)
 	h := &identityHolder{}

@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -118,7 +119,7 @@ var ErrBadAnswer = errors.New("unusable answer from the broker")
 // user name comes from the peer name, asked with WhoAmI, and the key), so
 // that the key never leaves this process; the broker's kubeconfig, which
 // has no key then, gets it here.
-func Fetch(ctx context.Context, api KubeconfigAPI, req RequestConfig, now func() time.Time) (*Credential, error) {
+func Fetch(ctx context.Context, api KubeconfigAPI, req config.RequestConfig, now func() time.Time) (*Credential, error) {
 	apiReq := req.APIRequest()
 	var keyPEM []byte
 	if req.Credential == apiv1.CredentialClientCertificate {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -121,7 +122,7 @@ func TestTheAgentNeverSendsItsJoinTokenToABrokerOutsideThePinnedCA(t *testing.T)
 			require.NoError(t, err)
 			tokenFile := filepath.Join(dir, "join.token")
 			require.NoError(t, os.WriteFile(tokenFile, []byte(token), 0o600))
-			cfg, err := ParseConfig(fmt.Appendf(nil, `
+			cfg, err := config.Parse(fmt.Appendf(nil, `
 identity:
   dir: %[4]q
   enroll: {broker: %[1]q, caFingerprint: %[2]q, tokenFile: %[3]q}

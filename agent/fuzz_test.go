@@ -9,6 +9,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -57,14 +58,14 @@ func FuzzMergeKeepsWhatTheAgentDoesNotOwn(f *testing.F) {
 	f.Add(`not json`, "kubeconfig", "hand-made")
 	f.Add(`{"data":null,"labels":[""],"annotations":["tokenbroker.io/owned"]}`, "", "")
 	f.Fuzz(func(t *testing.T, owned, key, value string) {
-		want, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: FormatKubeconfig}, goldenMeta, goldenCredential(t))
+		want, err := renderSecret(config.SecretOutput{Namespace: "ns", Name: "n", Format: config.FormatKubeconfig}, goldenMeta, goldenCredential(t))
 		if err != nil {
 			t.Fatal(err)
 		}
 		cur := &corev1.Secret{
 			ObjectMeta: metav1.ObjectMeta{
 				Labels:      map[string]string{key: value},
-				Annotations: map[string]string{AnnotationOwned: owned, key: value},
+				Annotations: map[string]string{config.AnnotationOwned: owned, key: value},
 			},
 			Data: map[string][]byte{key: []byte(value)},
 		}

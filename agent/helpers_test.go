@@ -20,6 +20,7 @@ import (
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -154,7 +155,7 @@ type refresherFixture struct {
 	logs   *observer.ObservedLogs
 }
 
-func newRefresherFixture(t *testing.T, rc RefreshConfig, outs ...output) *refresherFixture {
+func newRefresherFixture(t *testing.T, rc config.RefreshConfig, outs ...output) *refresherFixture {
 	t.Helper()
 	clock := newFakeClock(t0)
 	fb := newFakeBroker(clock.Now, time.Hour)
@@ -162,9 +163,9 @@ func newRefresherFixture(t *testing.T, rc RefreshConfig, outs ...output) *refres
 	m, err := newMetrics(reg)
 	require.NoError(t, err)
 	core, logs := observer.New(zap.DebugLevel)
-	rc.fill(RefreshConfig{Fraction: DefaultFraction, Jitter: DefaultJitter, MinBackoff: brokerDuration(DefaultMinBackoff),
-		MaxBackoff: brokerDuration(DefaultMaxBackoff), RevokeGrace: brokerDuration(time.Minute)}) // the tests count in minutes of a 1h token
-	req := RequestConfig{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"}
+	rc.Fill(config.RefreshConfig{Fraction: config.DefaultFraction, Jitter: config.DefaultJitter, MinBackoff: brokerDuration(config.DefaultMinBackoff),
+		MaxBackoff: brokerDuration(config.DefaultMaxBackoff), RevokeGrace: brokerDuration(time.Minute)}) // the tests count in minutes of a 1h token
+	req := config.RequestConfig{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"}
 	r := &refresher{
 		name:    "east",
 		req:     req,

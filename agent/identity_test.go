@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -165,7 +166,7 @@ func TestASecretIdentityRoundTripsAndKeepsAPrecreatedSecretsType(t *testing.T) {
 	p := newTestPKI(t, newFakeClock(time.Now()))
 	ctx := context.Background()
 	cs := fake.NewClientset()
-	s := secretStore{secrets: cs.CoreV1(), ref: ObjectRef{Namespace: "tokenbroker-agent", Name: "agent-identity"}}
+	s := secretStore{secrets: cs.CoreV1(), ref: config.ObjectRef{Namespace: "tokenbroker-agent", Name: "agent-identity"}}
 	_, err := s.load(ctx)
 	require.ErrorIs(t, err, errNoIdentity)
 
@@ -182,7 +183,7 @@ func TestASecretIdentityRoundTripsAndKeepsAPrecreatedSecretsType(t *testing.T) {
 	// An empty Opaque Secret made ahead of time (so that RBAC can name it)
 	// holds no identity and is filled in place.
 	pre := fake.NewClientset(&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "id"}, Type: corev1.SecretTypeOpaque})
-	s = secretStore{secrets: pre.CoreV1(), ref: ObjectRef{Namespace: "ns", Name: "id"}}
+	s = secretStore{secrets: pre.CoreV1(), ref: config.ObjectRef{Namespace: "ns", Name: "id"}}
 	_, err = s.load(ctx)
 	require.ErrorIs(t, err, errNoIdentity)
 	require.NoError(t, s.save(ctx, id))

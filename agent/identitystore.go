@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -175,7 +176,7 @@ func (s dirStore) load(context.Context) (*identity, error) {
 // replaced in one update, so the three keys always belong together.
 type secretStore struct {
 	secrets corev1client.SecretsGetter
-	ref     ObjectRef
+	ref     config.ObjectRef
 }
 
 var _ identityStore = secretStore{}
@@ -216,7 +217,7 @@ func (s secretStore) save(ctx context.Context, id *identity) error {
 			ObjectMeta: metav1.ObjectMeta{
 				Namespace: s.ref.Namespace,
 				Name:      s.ref.Name,
-				Labels:    map[string]string{LabelManagedBy: ManagedByAgent},
+				Labels:    map[string]string{config.LabelManagedBy: config.ManagedByAgent},
 			},
 			Type: corev1.SecretTypeTLS,
 			Data: data,

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -103,17 +104,17 @@ func TestAnUnusableKeySetIsNotUploaded(t *testing.T) {
 
 func TestJWKSUploadIsValidated(t *testing.T) {
 	t.Parallel()
-	_, err := ParseConfig([]byte(`
+	_, err := config.Parse([]byte(`
 identity: {dir: /id}
 jwksUpload: {brokers: ["http://east"], interval: 2h}
 `), "")
 	require.ErrorContains(t, err, "jwksUpload.brokers[0]")
 	require.ErrorContains(t, err, "jwksUpload.interval")
-	cfg, err := ParseConfig([]byte(`
+	cfg, err := config.Parse([]byte(`
 identity: {dir: /id}
 jwksUpload: {brokers: ["https://east:8443"]}
 `), "")
 	require.NoError(t, err, "an agent may only upload keys, with no target")
-	require.Equal(t, DefaultJWKSInterval, time.Duration(cfg.JWKSUpload.Interval))
+	require.Equal(t, config.DefaultJWKSInterval, time.Duration(cfg.JWKSUpload.Interval))
 	require.True(t, cfg.UsesKubernetes())
 }

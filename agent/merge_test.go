@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
@@ -29,11 +30,11 @@ func getSecret(t *testing.T, cs *fake.Clientset, ns, name string) *corev1.Secret
 
 func TestEveryFormatKeepsForeignKeysLabelsAndAnnotationsAcrossARefresh(t *testing.T) {
 	t.Parallel()
-	for _, format := range []string{FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig} {
+	for _, format := range []string{config.FormatAdmiralty, config.FormatArgoCD, config.FormatFlux, config.FormatKubeconfig} {
 		t.Run(format, func(t *testing.T) {
 			t.Parallel()
 			cs := fake.NewClientset()
-			o := &secretOutput{cfg: SecretOutput{Namespace: "ns", Name: "east", Format: format}, secrets: cs.CoreV1()}
+			o := &secretOutput{cfg: config.SecretOutput{Namespace: "ns", Name: "east", Format: format}, secrets: cs.CoreV1()}
 			ctx := context.Background()
 			c := goldenCredential(t)
 			_, err := o.write(ctx, goldenMeta, c)
@@ -61,9 +62,9 @@ func TestEveryFormatKeepsForeignKeysLabelsAndAnnotationsAcrossARefresh(t *testin
 			require.Equal(t, "kept", string(s.Data["extra"]))
 			require.Equal(t, "a", s.Labels["team"])
 			require.Equal(t, "ops", s.Annotations["example.com/owner"])
-			require.Equal(t, next.LeaseID, s.Annotations[AnnotationLeaseID])
+			require.Equal(t, next.LeaseID, s.Annotations[config.AnnotationLeaseID])
 			var owned ownedKeys
-			require.NoError(t, json.Unmarshal([]byte(s.Annotations[AnnotationOwned]), &owned))
+			require.NoError(t, json.Unmarshal([]byte(s.Annotations[config.AnnotationOwned]), &owned))
 			require.NotContains(t, owned.Data, "extra")
 			require.NotContains(t, owned.Labels, "team")
 			require.NotContains(t, owned.Annotations, "example.com/owner")
@@ -76,7 +77,7 @@ func TestAKeyRenamedInTheConfigMovesTheKubeconfigAndDropsOnlyTheOldKey(t *testin
 	cs := fake.NewClientset()
 	ctx := context.Background()
 	c := goldenCredential(t)
-	old := &secretOutput{cfg: SecretOutput{Namespace: "kargo", Name: "east", Format: FormatKubeconfig, Labels: map[string]string{"was": "mine"}}, secrets: cs.CoreV1()}
+	old := &secretOutput{cfg: config.SecretOutput{Namespace: "kargo", Name: "east", Format: config.FormatKubeconfig, Labels: map[string]string{"was": "mine"}}, secrets: cs.CoreV1()}
 	_, err := old.write(ctx, goldenMeta, c)
 	require.NoError(t, err)
 	s := getSecret(t, cs, "kargo", "east")
@@ -84,7 +85,7 @@ func TestAKeyRenamedInTheConfigMovesTheKubeconfigAndDropsOnlyTheOldKey(t *testin
 	_, err = cs.CoreV1().Secrets("kargo").Update(ctx, s, metav1.UpdateOptions{})
 	require.NoError(t, err)
 
-	renamed := &secretOutput{cfg: SecretOutput{Namespace: "kargo", Name: "east", Format: FormatKubeconfig, Key: "kubeconfig.yaml"}, secrets: cs.CoreV1()}
+	renamed := &secretOutput{cfg: config.SecretOutput{Namespace: "kargo", Name: "east", Format: config.FormatKubeconfig, Key: "kubeconfig.yaml"}, secrets: cs.CoreV1()}
 	wrote, err := renamed.write(ctx, goldenMeta, c)
 	require.NoError(t, err)
 	require.True(t, wrote)
@@ -108,13 +109,13 @@ func TestAForeignSecretIsRefusedUnlessTheOutputSaysAdopt(t *testing.T) {
 	}
 	cs := fake.NewClientset(foreign)
 	ctx := context.Background()
-	refused := &secretOutput{cfg: SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, secrets: cs.CoreV1()}
+	refused := &secretOutput{cfg: config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD}, secrets: cs.CoreV1()}
 	_, err := refused.write(ctx, goldenMeta, goldenCredential(t))
 	require.ErrorIs(t, err, ErrForeignSecret)
 	require.ErrorContains(t, err, "adopt: true", "the error names the way out")
 	require.Empty(t, writeActions(cs))
 
-	adopt := &secretOutput{cfg: SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD, Adopt: true}, secrets: cs.CoreV1()}
+	adopt := &secretOutput{cfg: config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD, Adopt: true}, secrets: cs.CoreV1()}
 	st, err := adopt.read(ctx)
 	require.NoError(t, err)
 	require.Nil(t, st, "nothing the agent wrote is there yet")
@@ -122,7 +123,7 @@ func TestAForeignSecretIsRefusedUnlessTheOutputSaysAdopt(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, wrote)
 	s := getSecret(t, cs, "argocd", "east")
-	require.Equal(t, ManagedByAgent, s.Labels[LabelManagedBy])
+	require.Equal(t, config.ManagedByAgent, s.Labels[config.LabelManagedBy])
 	require.Equal(t, "2", string(s.Data["shard"]), "a key the agent does not own is kept")
 	require.Equal(t, "https://east.example.com:6443", string(s.Data["server"]))
 	require.NotContains(t, string(s.Data["config"]), "long-lived")
@@ -134,7 +135,7 @@ func TestArgoCDOptionsAreWrittenAndOwnedOnlyWhenSet(t *testing.T) {
 	c.TLSServerName, c.ProxyURL = "east.internal", "http://proxy.example.com:3128"
 	yes := true
 	shard := int64(3)
-	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD, ArgoCD: &ArgoCDOptions{
+	s, err := renderSecret(config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD, ArgoCD: &config.ArgoCDOptions{
 		Name: "east-prod", Project: "team-a", Namespaces: []string{"apps", "jobs"}, ClusterResources: &yes, Shard: &shard,
 	}}, goldenMeta, c)
 	require.NoError(t, err)
@@ -147,7 +148,7 @@ func TestArgoCDOptionsAreWrittenAndOwnedOnlyWhenSet(t *testing.T) {
 	require.Equal(t, "east.internal", cfg.TLSClientConfig.ServerName)
 	require.Equal(t, "http://proxy.example.com:3128", cfg.ProxyURL)
 
-	plain, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, goldenMeta, goldenCredential(t))
+	plain, err := renderSecret(config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD}, goldenMeta, goldenCredential(t))
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{"name", "server", "config"}, ownedFrom(plain).Data, "unset options are not the agent's")
 	require.NotContains(t, string(plain.Data["config"]), "serverName")
@@ -168,28 +169,28 @@ func TestARestartAppliesChangedOutputSettingsAtOnce(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cs := fake.NewClientset()
-	out := func(cfg SecretOutput) *secretOutput { return &secretOutput{cfg: cfg, secrets: cs.CoreV1()} }
-	base := SecretOutput{Namespace: "kargo", Name: "east", Format: FormatKubeconfig, Labels: map[string]string{"team": "a"}}
-	first := newRefresherFixture(t, RefreshConfig{}, out(base))
+	out := func(cfg config.SecretOutput) *secretOutput { return &secretOutput{cfg: cfg, secrets: cs.CoreV1()} }
+	base := config.SecretOutput{Namespace: "kargo", Name: "east", Format: config.FormatKubeconfig, Labels: map[string]string{"team": "a"}}
+	first := newRefresherFixture(t, config.RefreshConfig{}, out(base))
 	first.r.step(ctx)
 
 	// A label changed: the credential the Secret holds is written again
 	// under the new settings, without a fetch.
 	relabelled := base
 	relabelled.Labels = map[string]string{"team": "b"}
-	f := newRefresherFixture(t, RefreshConfig{}, out(relabelled))
+	f := newRefresherFixture(t, config.RefreshConfig{}, out(relabelled))
 	f.clock.SetTime(t0.Add(5 * time.Minute))
 	f.r.step(ctx)
 	require.Zero(t, f.broker.issued(), "the Secret holds the kubeconfig: no fetch")
 	s := getSecret(t, cs, "kargo", "east")
 	require.Equal(t, "b", s.Labels["team"])
-	require.Equal(t, leaseID(1), s.Annotations[AnnotationLeaseID])
+	require.Equal(t, leaseID(1), s.Annotations[config.AnnotationLeaseID])
 
 	// The key renamed: nothing holds the kubeconfig under it any more, so a
 	// new credential is fetched and the old lease retired.
 	renamed := relabelled
 	renamed.Key = "kubeconfig.yaml"
-	g := newRefresherFixture(t, RefreshConfig{}, out(renamed))
+	g := newRefresherFixture(t, config.RefreshConfig{}, out(renamed))
 	g.clock.SetTime(t0.Add(6 * time.Minute))
 	g.r.step(ctx)
 	require.Equal(t, 1, g.broker.issued())
@@ -199,7 +200,7 @@ func TestARestartAppliesChangedOutputSettingsAtOnce(t *testing.T) {
 	require.True(t, g.r.status().ready())
 
 	// Unchanged settings: adopted as they are, nothing written.
-	h := newRefresherFixture(t, RefreshConfig{}, out(renamed))
+	h := newRefresherFixture(t, config.RefreshConfig{}, out(renamed))
 	h.clock.SetTime(t0.Add(7 * time.Minute))
 	before := len(writeActions(cs))
 	h.r.step(ctx)

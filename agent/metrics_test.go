@@ -9,11 +9,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 )
 
 func TestExpiriesAreComputedAtScrapeTime(t *testing.T) {
 	t.Parallel()
-	f := newRefresherFixture(t, RefreshConfig{}, &memOutput{name: "a"})
+	f := newRefresherFixture(t, config.RefreshConfig{}, &memOutput{name: "a"})
 	p := newTestPKI(t, f.clock)
 	holder := &identityHolder{}
 	c := newExpiryCollector(f.clock.Now, []*refresher{f.r}, holder)
@@ -42,7 +43,7 @@ tokenbroker_agent_credential_expiry_seconds{target="east"} CRED
 
 func TestRefreshOutcomesAreCountedPerTarget(t *testing.T) {
 	t.Parallel()
-	f := newRefresherFixture(t, RefreshConfig{}, &memOutput{name: "a"})
+	f := newRefresherFixture(t, config.RefreshConfig{}, &memOutput{name: "a"})
 	f.r.step(context.Background())
 	f.broker.setFail(errBrokerDown)
 	f.clock.SetTime(t0.Add(40 * time.Minute))

@@ -23,13 +23,14 @@ import (
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // secretDigest identifies a Secret output's settings (AnnotationOutput).
-func secretDigest(o SecretOutput) string { return shortDigest(o) }
+func secretDigest(o config.SecretOutput) string { return shortDigest(o) }
 
 // ErrForeignSecret is returned (wrapped) when an output's Secret exists but
 // was not written by the agent (no app.kubernetes.io/managed-by:
@@ -93,7 +94,7 @@ type outputMeta struct {
 	target  string
 	request string
 	broker  string
-	req     RequestConfig
+	req     config.RequestConfig
 }
 
 // The data keys of the argocd format.
@@ -108,7 +109,7 @@ const (
 )
 
 // execMode is the Argo CD exec mode of a, nil when off.
-func execMode(a *ArgoCDOptions) *ArgoCDExec {
+func execMode(a *config.ArgoCDOptions) *config.ArgoCDExec {
 	if a == nil {
 		return nil
 	}
@@ -117,10 +118,10 @@ func execMode(a *ArgoCDOptions) *ArgoCDExec {
 
 // requestDigest identifies what a target asks for: its broker and its
 // request.
-func requestDigest(brokerURL string, req RequestConfig) string {
+func requestDigest(brokerURL string, req config.RequestConfig) string {
 	return shortDigest(struct {
-		Broker  string        `json:"broker"`
-		Request RequestConfig `json:"request"`
+		Broker  string               `json:"broker"`
+		Request config.RequestConfig `json:"request"`
 	}{brokerURL, req})
 }
 
@@ -184,14 +185,14 @@ func ownedBy(s *corev1.Secret) ownedKeys {
 // unreadable record owns nothing beyond what the agent writes now.
 func ownedFrom(s *corev1.Secret) ownedKeys {
 	var o ownedKeys
-	if raw := s.Annotations[AnnotationOwned]; raw != "" {
+	if raw := s.Annotations[config.AnnotationOwned]; raw != "" {
 		_ = json.Unmarshal([]byte(raw), &o) // a bad record owns nothing
 	}
 	return o
 }
 
 // renderArgoCD fills the keys of an Argo CD cluster Secret.
-func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[string][]byte) error {
+func renderArgoCD(o config.SecretOutput, meta outputMeta, c *Credential, data map[string][]byte) error {
 	if c.Token == "" && len(c.CertData) == 0 || c.Server == "" {
 		return errors.New("the argocd format needs a server and a bearer token or a client certificate")
 	}
@@ -248,39 +249,39 @@ func renderArgoCD(o SecretOutput, meta outputMeta, c *Credential, data map[strin
 // renderSecret returns what the agent owns of the Secret an output
 // should hold for c: its data keys, labels and annotations, with the
 // tokenbroker.io/owned record of them.
-func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secret, error) {
+func renderSecret(o config.SecretOutput, meta outputMeta, c *Credential) (*corev1.Secret, error) {
 	labels := map[string]string{}
 	maps.Copy(labels, o.Labels)
-	labels[LabelManagedBy] = ManagedByAgent
+	labels[config.LabelManagedBy] = config.ManagedByAgent
 	annotations := map[string]string{}
 	maps.Copy(annotations, o.Annotations)
-	annotations[AnnotationLeaseID] = c.LeaseID
-	annotations[AnnotationExpiresAt] = c.ExpiresAt.UTC().Format(time.RFC3339)
-	annotations[AnnotationObtainedAt] = c.ObtainedAt.UTC().Format(time.RFC3339)
-	annotations[AnnotationTarget] = meta.target
-	annotations[AnnotationRequest] = meta.request
-	annotations[AnnotationOutput] = secretDigest(o)
+	annotations[config.AnnotationLeaseID] = c.LeaseID
+	annotations[config.AnnotationExpiresAt] = c.ExpiresAt.UTC().Format(time.RFC3339)
+	annotations[config.AnnotationObtainedAt] = c.ObtainedAt.UTC().Format(time.RFC3339)
+	annotations[config.AnnotationTarget] = meta.target
+	annotations[config.AnnotationRequest] = meta.request
+	annotations[config.AnnotationOutput] = secretDigest(o)
 
 	data := map[string][]byte{}
 	switch o.Format {
-	case FormatAdmiralty, FormatFlux, FormatKubeconfig:
+	case config.FormatAdmiralty, config.FormatFlux, config.FormatKubeconfig:
 		data[o.DataKey()] = c.Kubeconfig
-	case FormatMultiKueue:
+	case config.FormatMultiKueue:
 		// Kueue (v0.15+) refuses a kubeconfig without inline CA data, or
 		// with anything but an inline token or client certificate; say so
 		// here rather than as a MultiKueueCluster that never gets Active.
 		if len(c.CAData) == 0 || c.Token == "" && len(c.CertData) == 0 {
 			return nil, errors.New("the multikueue format needs the kubeconfig's certificate-authority-data and an inline token or client certificate")
 		}
-		data[keyKubeconfig] = c.Kubeconfig
-	case FormatArgoCD:
+		data[config.KeyKubeconfig] = c.Kubeconfig
+	case config.FormatArgoCD:
 		if err := renderArgoCD(o, meta, c, data); err != nil {
 			return nil, err
 		}
 	default:
 		return nil, fmt.Errorf("unknown Secret format %q", o.Format)
 	}
-	maps.Copy(labels, formatLabels(o.Format))
+	maps.Copy(labels, config.FormatLabels(o.Format))
 	s := &corev1.Secret{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
 		ObjectMeta: metav1.ObjectMeta{
@@ -293,13 +294,13 @@ func renderSecret(o SecretOutput, meta outputMeta, c *Credential) (*corev1.Secre
 		Data: data,
 	}
 	owned, _ := json.Marshal(ownedBy(s)) // cannot fail: strings only
-	annotations[AnnotationOwned] = string(owned)
+	annotations[config.AnnotationOwned] = string(owned)
 	return s, nil
 }
 
 // secretOutput is a Secret in the source cluster.
 type secretOutput struct {
-	cfg     SecretOutput
+	cfg     config.SecretOutput
 	secrets corev1client.SecretsGetter
 }
 
@@ -323,7 +324,7 @@ func (o *secretOutput) write(ctx context.Context, meta outputMeta, c *Credential
 	if err != nil {
 		return false, fmt.Errorf("get Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, err)
 	}
-	if cur.Labels[LabelManagedBy] != ManagedByAgent && !o.cfg.Adopt {
+	if cur.Labels[config.LabelManagedBy] != config.ManagedByAgent && !o.cfg.Adopt {
 		return false, fmt.Errorf("Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, ErrForeignSecret)
 	}
 	if cur.Type != want.Type {
@@ -390,19 +391,19 @@ func (o *secretOutput) read(ctx context.Context) (*stored, error) {
 	if err != nil {
 		return nil, fmt.Errorf("get Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, err)
 	}
-	if s.Labels[LabelManagedBy] != ManagedByAgent {
+	if s.Labels[config.LabelManagedBy] != config.ManagedByAgent {
 		if o.cfg.Adopt {
 			return nil, nil // nothing the agent wrote, yet
 		}
 		return nil, fmt.Errorf("Secret %s/%s: %w", o.cfg.Namespace, o.cfg.Name, ErrForeignSecret)
 	}
-	st, err := parseStored(s.Annotations[AnnotationLeaseID], s.Annotations[AnnotationExpiresAt], s.Annotations[AnnotationObtainedAt])
+	st, err := parseStored(s.Annotations[config.AnnotationLeaseID], s.Annotations[config.AnnotationExpiresAt], s.Annotations[config.AnnotationObtainedAt])
 	if err != nil || st == nil {
 		return nil, err
 	}
-	st.target = s.Annotations[AnnotationTarget]
-	st.request = s.Annotations[AnnotationRequest]
-	st.outdated = s.Annotations[AnnotationOutput] != secretDigest(o.cfg)
+	st.target = s.Annotations[config.AnnotationTarget]
+	st.request = s.Annotations[config.AnnotationRequest]
+	st.outdated = s.Annotations[config.AnnotationOutput] != secretDigest(o.cfg)
 	if key := o.cfg.DataKey(); key != "" {
 		st.kubeconfig = s.Data[key]
 	}
@@ -435,7 +436,7 @@ func parseStored(leaseID, expiresAt, obtainedAt string) (*stored, error) {
 // record of the older lease, never one that promises more than the files
 // hold.
 type fileOutput struct {
-	cfg FileOutput
+	cfg config.FileOutput
 }
 
 var _ output = (*fileOutput)(nil)
@@ -499,7 +500,7 @@ func (o *fileOutput) write(_ context.Context, meta outputMeta, c *Credential) (b
 	if err != nil {
 		return wroteToken, err
 	}
-	wroteMeta, err := writeFileIfChanged(o.cfg.Path+metaSuffix, o.renderMeta(meta, c), 0o600)
+	wroteMeta, err := writeFileIfChanged(o.cfg.Path+config.MetaSuffix, o.renderMeta(meta, c), 0o600)
 	if err != nil {
 		return wroteToken || wroteConfig, err
 	}
@@ -535,7 +536,7 @@ func withToken(data []byte, token string) ([]byte, error) {
 }
 
 func (o *fileOutput) read(context.Context) (*stored, error) {
-	raw, _, err := pki.ReadFileLimitStat(o.cfg.Path+metaSuffix, maxOutputFileBytes)
+	raw, _, err := pki.ReadFileLimitStat(o.cfg.Path+config.MetaSuffix, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -544,7 +545,7 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 	}
 	var m fileMeta
 	if err := json.Unmarshal(raw, &m); err != nil {
-		return nil, fmt.Errorf("%s%s: %w", o.cfg.Path, metaSuffix, err)
+		return nil, fmt.Errorf("%s%s: %w", o.cfg.Path, config.MetaSuffix, err)
 	}
 	kc, _, err := pki.ReadFileLimitStat(o.cfg.Path, maxOutputFileBytes)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -554,7 +555,7 @@ func (o *fileOutput) read(context.Context) (*stored, error) {
 		return nil, err
 	}
 	if m.LeaseID == "" || !apiv1.ValidLeaseID(m.LeaseID) {
-		return nil, fmt.Errorf("%s%s: no valid lease id", o.cfg.Path, metaSuffix)
+		return nil, fmt.Errorf("%s%s: no valid lease id", o.cfg.Path, config.MetaSuffix)
 	}
 	st := &stored{
 		grant:      grant{leaseID: m.LeaseID, obtainedAt: m.ObtainedAt, expiresAt: m.ExpiresAt},

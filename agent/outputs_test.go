@@ -20,6 +20,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"sigs.k8s.io/yaml"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -77,9 +78,9 @@ func checkGolden(t *testing.T, name string, got []byte) {
 }
 
 func TestEverySecretFormatMatchesItsGoldenFile(t *testing.T) {
-	for _, format := range []string{FormatAdmiralty, FormatArgoCD, FormatFlux, FormatKubeconfig} {
+	for _, format := range []string{config.FormatAdmiralty, config.FormatArgoCD, config.FormatFlux, config.FormatKubeconfig} {
 		t.Run(format, func(t *testing.T) {
-			s, err := renderSecret(SecretOutput{
+			s, err := renderSecret(config.SecretOutput{
 				Namespace:   "admiralty",
 				Name:        "east",
 				Format:      format,
@@ -93,8 +94,8 @@ func TestEverySecretFormatMatchesItsGoldenFile(t *testing.T) {
 	// Behind an SNI router and a proxy, with the Argo CD options: what
 	// Argo CD reads as tlsClientConfig.serverName and proxyUrl.
 	shard := int64(1)
-	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD,
-		ArgoCD: &ArgoCDOptions{Project: "team-a", Namespaces: []string{"argo"}, Shard: &shard}},
+	s, err := renderSecret(config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD,
+		ArgoCD: &config.ArgoCDOptions{Project: "team-a", Namespaces: []string{"argo"}, Shard: &shard}},
 		goldenMeta, goldenCredentialFrom(t, brokerGoldenSNIProxy))
 	require.NoError(t, err)
 	checkGolden(t, "secret-argocd-sni-proxy.yaml", readableSecret(t, s))
@@ -117,13 +118,13 @@ func readableSecret(t *testing.T, s *corev1.Secret) []byte {
 
 func TestTheFileOutputMatchesItsGoldenFiles(t *testing.T) {
 	dir := t.TempDir()
-	o := &fileOutput{cfg: FileOutput{Path: filepath.Join(dir, "east.kubeconfig")}}
+	o := &fileOutput{cfg: config.FileOutput{Path: filepath.Join(dir, "east.kubeconfig")}}
 	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
 	require.NoError(t, err)
 	kc, err := os.ReadFile(o.cfg.Path)
 	require.NoError(t, err)
 	checkGolden(t, "file.kubeconfig", kc)
-	meta, err := os.ReadFile(o.cfg.Path + metaSuffix)
+	meta, err := os.ReadFile(o.cfg.Path + config.MetaSuffix)
 	require.NoError(t, err)
 	checkGolden(t, "file.kubeconfig.meta", meta)
 }
@@ -131,7 +132,7 @@ func TestTheFileOutputMatchesItsGoldenFiles(t *testing.T) {
 func TestTheArgoCDConfigCarriesTheTokenAndTheCAAsBase64PEM(t *testing.T) {
 	t.Parallel()
 	c := goldenCredential(t)
-	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, goldenMeta, c)
+	s, err := renderSecret(config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD}, goldenMeta, c)
 	require.NoError(t, err)
 	require.Equal(t, "cluster", s.Labels["argocd.argoproj.io/secret-type"])
 	require.Equal(t, "east", string(s.Data["name"]))
@@ -154,17 +155,17 @@ func TestTheArgoCDConfigCarriesTheTokenAndTheCAAsBase64PEM(t *testing.T) {
 func TestSecretFormatsUseTheKeysTheirConsumersRead(t *testing.T) {
 	t.Parallel()
 	c := goldenCredential(t)
-	for format, key := range map[string]string{FormatAdmiralty: "config", FormatFlux: "value", FormatKubeconfig: "kubeconfig", FormatMultiKueue: "kubeconfig"} {
-		s, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: format}, goldenMeta, c)
+	for format, key := range map[string]string{config.FormatAdmiralty: "config", config.FormatFlux: "value", config.FormatKubeconfig: "kubeconfig", config.FormatMultiKueue: "kubeconfig"} {
+		s, err := renderSecret(config.SecretOutput{Namespace: "ns", Name: "n", Format: format}, goldenMeta, c)
 		require.NoError(t, err)
 		require.Equal(t, c.Kubeconfig, s.Data[key], format)
 		require.Len(t, s.Data, 1, format)
 		require.Equal(t, corev1.SecretTypeOpaque, s.Type)
-		require.Equal(t, ManagedByAgent, s.Labels[LabelManagedBy])
-		require.Equal(t, c.LeaseID, s.Annotations[AnnotationLeaseID])
-		require.Equal(t, "2030-01-02T15:04:05Z", s.Annotations[AnnotationExpiresAt])
+		require.Equal(t, config.ManagedByAgent, s.Labels[config.LabelManagedBy])
+		require.Equal(t, c.LeaseID, s.Annotations[config.AnnotationLeaseID])
+		require.Equal(t, "2030-01-02T15:04:05Z", s.Annotations[config.AnnotationExpiresAt])
 	}
-	flux, err := renderSecret(SecretOutput{Namespace: "ns", Name: "n", Format: FormatFlux}, goldenMeta, c)
+	flux, err := renderSecret(config.SecretOutput{Namespace: "ns", Name: "n", Format: config.FormatFlux}, goldenMeta, c)
 	require.NoError(t, err)
 	require.Equal(t, "Enabled", flux.Labels["reconcile.fluxcd.io/watch"])
 }
@@ -183,7 +184,7 @@ func writeActions(cs *fake.Clientset) []string {
 func TestASecretIsWrittenOnlyWhenItsContentChanges(t *testing.T) {
 	t.Parallel()
 	cs := fake.NewClientset()
-	o := &secretOutput{cfg: SecretOutput{Namespace: "admiralty", Name: "east", Format: FormatAdmiralty}, secrets: cs.CoreV1()}
+	o := &secretOutput{cfg: config.SecretOutput{Namespace: "admiralty", Name: "east", Format: config.FormatAdmiralty}, secrets: cs.CoreV1()}
 	ctx := context.Background()
 	c := goldenCredential(t)
 
@@ -219,7 +220,7 @@ func TestASecretTheAgentDoesNotManageIsNeverTakenOver(t *testing.T) {
 		Data:       map[string][]byte{"config": []byte("hand-made")},
 	}
 	cs := fake.NewClientset(foreign)
-	o := &secretOutput{cfg: SecretOutput{Namespace: "admiralty", Name: "east", Format: FormatAdmiralty}, secrets: cs.CoreV1()}
+	o := &secretOutput{cfg: config.SecretOutput{Namespace: "admiralty", Name: "east", Format: config.FormatAdmiralty}, secrets: cs.CoreV1()}
 	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
 	require.ErrorIs(t, err, ErrForeignSecret)
 	require.Empty(t, writeActions(cs))
@@ -229,7 +230,7 @@ func TestASecretTheAgentDoesNotManageIsNeverTakenOver(t *testing.T) {
 	// Through a refresher: the failure is counted, other outputs still get
 	// the credential.
 	other := &memOutput{name: "other"}
-	f := newRefresherFixture(t, RefreshConfig{}, o, other)
+	f := newRefresherFixture(t, config.RefreshConfig{}, o, other)
 	f.r.step(context.Background())
 	require.Equal(t, 1.0, counter(t, f, "writes", "east", "secret:admiralty/east", "failed"))
 	require.Equal(t, 1.0, counter(t, f, "refresh", "east", "failure"))
@@ -248,8 +249,8 @@ func TestAFailedSecretWriteIsReportedAndCounted(t *testing.T) {
 	cs.PrependReactor("create", "secrets", func(k8stesting.Action) (bool, runtimeObject, error) {
 		return true, nil, errors.New("etcd on fire")
 	})
-	o := &secretOutput{cfg: SecretOutput{Namespace: "flux-system", Name: "east", Format: FormatFlux}, secrets: cs.CoreV1()}
-	f := newRefresherFixture(t, RefreshConfig{}, o)
+	o := &secretOutput{cfg: config.SecretOutput{Namespace: "flux-system", Name: "east", Format: config.FormatFlux}, secrets: cs.CoreV1()}
+	f := newRefresherFixture(t, config.RefreshConfig{}, o)
 	f.r.step(context.Background())
 	require.Equal(t, 1.0, counter(t, f, "writes", "east", "secret:flux-system/east", "failed"))
 	require.False(t, f.r.status().ready())
@@ -259,14 +260,14 @@ func TestAFileIsWrittenAtomicallyWithMode0600OnlyWhenItChanges(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "east.kubeconfig")
-	o := &fileOutput{cfg: FileOutput{Path: path}}
+	o := &fileOutput{cfg: config.FileOutput{Path: path}}
 	ctx := context.Background()
 	c := goldenCredential(t)
 
 	wrote, err := o.write(ctx, goldenMeta, c)
 	require.NoError(t, err)
 	require.True(t, wrote)
-	for _, p := range []string{path, path + metaSuffix} {
+	for _, p := range []string{path, path + config.MetaSuffix} {
 		st, err := os.Stat(p)
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), p)
@@ -302,7 +303,7 @@ func TestAFileIsWrittenAtomicallyWithMode0600OnlyWhenItChanges(t *testing.T) {
 
 func TestAFileOutputInAMissingDirectoryFails(t *testing.T) {
 	t.Parallel()
-	o := &fileOutput{cfg: FileOutput{Path: filepath.Join(t.TempDir(), "no-such-volume", "east.kubeconfig")}}
+	o := &fileOutput{cfg: config.FileOutput{Path: filepath.Join(t.TempDir(), "no-such-volume", "east.kubeconfig")}}
 	_, err := o.write(context.Background(), goldenMeta, goldenCredential(t))
 	require.Error(t, err)
 }
@@ -342,7 +343,7 @@ func TestAClientCertificateCredentialReachesEveryFormat(t *testing.T) {
 	require.Equal(t, []byte("CERT PEM"), c.CertData)
 	require.NotContains(t, c.String(), "KEY PEM")
 
-	s, err := renderSecret(SecretOutput{Namespace: "argocd", Name: "east", Format: FormatArgoCD}, goldenMeta, c)
+	s, err := renderSecret(config.SecretOutput{Namespace: "argocd", Name: "east", Format: config.FormatArgoCD}, goldenMeta, c)
 	require.NoError(t, err)
 	var cfg map[string]any
 	require.NoError(t, json.Unmarshal(s.Data["config"], &cfg))
@@ -351,8 +352,8 @@ func TestAClientCertificateCredentialReachesEveryFormat(t *testing.T) {
 	require.Equal(t, base64.StdEncoding.EncodeToString([]byte("CERT PEM")), tls["certData"])
 	require.Equal(t, base64.StdEncoding.EncodeToString([]byte("KEY PEM")), tls["keyData"])
 
-	for _, format := range []string{FormatAdmiralty, FormatFlux, FormatKubeconfig} {
-		s, err := renderSecret(SecretOutput{Namespace: "ns", Name: "east", Format: format}, goldenMeta, c)
+	for _, format := range []string{config.FormatAdmiralty, config.FormatFlux, config.FormatKubeconfig} {
+		s, err := renderSecret(config.SecretOutput{Namespace: "ns", Name: "east", Format: format}, goldenMeta, c)
 		require.NoError(t, err, format)
 		found := false
 		for _, v := range s.Data {

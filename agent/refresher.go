@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 )
 
 // writeTimeout bounds the writes of one credential to all outputs. Writes
@@ -42,7 +43,7 @@ type brokerAPI interface {
 // after every output holds its successor, and only revokeGrace later.
 type refresher struct {
 	name    string
-	req     RequestConfig
+	req     config.RequestConfig
 	meta    outputMeta
 	api     brokerAPI
 	outputs []output

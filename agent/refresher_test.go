@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -33,7 +34,7 @@ func counter(t *testing.T, f *refresherFixture, name string, labels ...string) f
 func TestTheFirstStepFetchesWritesEveryOutputAndSchedulesAtTwoThirds(t *testing.T) {
 	t.Parallel()
 	a, b := &memOutput{name: "a"}, &memOutput{name: "b"}
-	f := newRefresherFixture(t, RefreshConfig{}, a, b)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a, b)
 	ctx := context.Background()
 
 	wake := f.r.step(ctx)
@@ -59,7 +60,7 @@ func TestTheFirstStepFetchesWritesEveryOutputAndSchedulesAtTwoThirds(t *testing.
 func TestAFailingFetchLeavesTheOutputsUntouchedAndBacksOff(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	f := newRefresherFixture(t, RefreshConfig{}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a)
 	ctx := context.Background()
 	f.r.step(ctx)
 	require.Equal(t, 1, a.writes)
@@ -91,7 +92,7 @@ func TestAFailingFetchLeavesTheOutputsUntouchedAndBacksOff(t *testing.T) {
 
 func TestTheBrokersRetryAfterDelaysTheRetry(t *testing.T) {
 	t.Parallel()
-	f := newRefresherFixture(t, RefreshConfig{}, &memOutput{name: "a"})
+	f := newRefresherFixture(t, config.RefreshConfig{}, &memOutput{name: "a"})
 	f.broker.setFail(&client.ProblemError{Status: http.StatusTooManyRequests, RetryAfter: 20 * time.Second})
 	require.Equal(t, t0.Add(20*time.Second), f.r.step(context.Background()))
 }
@@ -99,7 +100,7 @@ func TestTheBrokersRetryAfterDelaysTheRetry(t *testing.T) {
 func TestTheReplacedLeaseIsRevokedOnlyAfterEveryOutputHoldsItsSuccessorAndTheGrace(t *testing.T) {
 	t.Parallel()
 	a, b := &memOutput{name: "a"}, &memOutput{name: "b"}
-	f := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(time.Minute)}, a, b)
+	f := newRefresherFixture(t, config.RefreshConfig{RevokeGrace: brokerDuration(time.Minute)}, a, b)
 	ctx := context.Background()
 	f.r.step(ctx)
 
@@ -143,7 +144,7 @@ func TestTheReplacedLeaseIsRevokedOnlyAfterEveryOutputHoldsItsSuccessorAndTheGra
 func TestAFailedRevocationIsCountedAndNotRetried(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	f := newRefresherFixture(t, RefreshConfig{}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a)
 	ctx := context.Background()
 	f.r.step(ctx)
 	f.clock.SetTime(t0.Add(40 * time.Minute))
@@ -166,11 +167,11 @@ func TestAFailedRevocationIsCountedAndNotRetried(t *testing.T) {
 func TestARestartAdoptsAStillValidCredentialInsteadOfFetching(t *testing.T) {
 	t.Parallel()
 	a, b := &memOutput{name: "a"}, &memOutput{name: "b"}
-	first := newRefresherFixture(t, RefreshConfig{}, a, b)
+	first := newRefresherFixture(t, config.RefreshConfig{}, a, b)
 	first.r.step(context.Background())
 
 	// A new process, 10 minutes later, with the same outputs.
-	f := newRefresherFixture(t, RefreshConfig{}, a, b)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a, b)
 	f.clock.SetTime(t0.Add(10 * time.Minute))
 	wake := f.r.step(context.Background())
 	require.Zero(t, f.broker.issued(), "no fetch on restart")
@@ -189,11 +190,11 @@ func TestARestartAdoptsAStillValidCredentialInsteadOfFetching(t *testing.T) {
 func TestARestartWritesAnAdoptedCredentialToANewOutput(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	first := newRefresherFixture(t, RefreshConfig{}, a)
+	first := newRefresherFixture(t, config.RefreshConfig{}, a)
 	first.r.step(context.Background())
 
 	added := &memOutput{name: "added"}
-	f := newRefresherFixture(t, RefreshConfig{}, a, added)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a, added)
 	f.clock.SetTime(t0.Add(5 * time.Minute))
 	wake := f.r.step(context.Background())
 	require.Zero(t, f.broker.issued())
@@ -204,9 +205,9 @@ func TestARestartWritesAnAdoptedCredentialToANewOutput(t *testing.T) {
 func TestARestartFetchesWhenTheHeldCredentialExpiredAndRevokesItsLease(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	newRefresherFixture(t, RefreshConfig{}, a).r.step(context.Background())
+	newRefresherFixture(t, config.RefreshConfig{}, a).r.step(context.Background())
 
-	f := newRefresherFixture(t, RefreshConfig{}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a)
 	f.broker.n = 10 // another process of the broker: other lease ids
 	f.clock.SetTime(t0.Add(2 * time.Hour))
 	f.r.step(context.Background())
@@ -219,9 +220,9 @@ func TestARestartFetchesWhenTheHeldCredentialExpiredAndRevokesItsLease(t *testin
 func TestARestartDoesNotAdoptACredentialForAnotherRequest(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	newRefresherFixture(t, RefreshConfig{}, a).r.step(context.Background())
+	newRefresherFixture(t, config.RefreshConfig{}, a).r.step(context.Background())
 
-	f := newRefresherFixture(t, RefreshConfig{}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a)
 	f.broker.n = 10
 	f.r.req.ServiceAccount = "other"
 	f.r.meta.request = requestDigest("https://east.example.com:8443", f.r.req)
@@ -234,7 +235,7 @@ func TestARestartDoesNotAdoptACredentialForAnotherRequest(t *testing.T) {
 func TestShutdownDuringAFetchCountsNoFailure(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	f := newRefresherFixture(t, RefreshConfig{}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{}, a)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	f.broker.setFail(context.Canceled)
@@ -263,7 +264,7 @@ func TestAnAnswerWithoutAUsableCredentialIsAFailure(t *testing.T) {
 func TestTheRunLoopFollowsTheFakeClock(t *testing.T) {
 	t.Parallel()
 	a := &memOutput{name: "a"}
-	f := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(time.Minute)}, a)
+	f := newRefresherFixture(t, config.RefreshConfig{RevokeGrace: brokerDuration(time.Minute)}, a)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { f.r.run(ctx); close(done) }()
@@ -315,11 +316,11 @@ func TestAGrantedLifetimeTooShortForTheGraceIsWarnedAbout(t *testing.T) {
 	t.Parallel()
 	const warning = "revokeGrace is longer than what is left of this credential when it is replaced: consumers will see it expire before the grace ends; shorten refresh.revokeGrace or lower refresh.fraction"
 	// The fake broker grants 1h; refreshed at 2/3, 20 minutes are left.
-	short := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(30 * time.Minute)}, &memOutput{name: "a"})
+	short := newRefresherFixture(t, config.RefreshConfig{RevokeGrace: brokerDuration(30 * time.Minute)}, &memOutput{name: "a"})
 	short.r.step(context.Background())
 	require.Len(t, short.logs.FilterMessage(warning).All(), 1)
 
-	fits := newRefresherFixture(t, RefreshConfig{RevokeGrace: brokerDuration(10 * time.Minute)}, &memOutput{name: "a"})
+	fits := newRefresherFixture(t, config.RefreshConfig{RevokeGrace: brokerDuration(10 * time.Minute)}, &memOutput{name: "a"})
 	fits.r.step(context.Background())
 	require.Empty(t, fits.logs.FilterMessage(warning).All())
 }

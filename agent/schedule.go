@@ -1,6 +1,10 @@
 package agent
 
-import "time"
+import (
+	"time"
+
+	"github.com/tokenbroker/tokenbroker/agent/config"
+)
 
 // grant is the lifetime of one credential or certificate: when it was
 // obtained and when it expires. The granted lifetime is the difference,
@@ -26,7 +30,7 @@ type schedule struct {
 	rand                   Rand
 }
 
-func newSchedule(r RefreshConfig, rnd Rand) schedule {
+func newSchedule(r config.RefreshConfig, rnd Rand) schedule {
 	return schedule{
 		fraction:   r.Fraction,
 		jitter:     r.Jitter,

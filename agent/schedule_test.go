@@ -8,11 +8,12 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 func testSchedule(jitter float64, rnd Rand) schedule {
-	return schedule{fraction: DefaultFraction, jitter: jitter, minBackoff: time.Second, maxBackoff: 5 * time.Minute, rand: rnd}
+	return schedule{fraction: config.DefaultFraction, jitter: jitter, minBackoff: time.Second, maxBackoff: 5 * time.Minute, rand: rnd}
 }
 
 func TestARefreshIsDueAtTwoThirdsOfTheGrantedLifetime(t *testing.T) {

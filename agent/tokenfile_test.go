@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"k8s.io/client-go/tools/clientcmd"
 )
 
@@ -18,14 +19,14 @@ func TestATokenFileOutputRewritesOnlyTheTokenOnARefresh(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "kubeconfig")
-	o := &fileOutput{cfg: FileOutput{Path: path, TokenFile: "token"}}
+	o := &fileOutput{cfg: config.FileOutput{Path: path, TokenFile: "token"}}
 	ctx := context.Background()
 	c := goldenCredential(t)
 
 	wrote, err := o.write(ctx, goldenMeta, c)
 	require.NoError(t, err)
 	require.True(t, wrote)
-	for _, p := range []string{path, path + metaSuffix, filepath.Join(dir, "token")} {
+	for _, p := range []string{path, path + config.MetaSuffix, filepath.Join(dir, "token")} {
 		st, err := os.Stat(p)
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), p)
@@ -73,20 +74,20 @@ func TestAFileOutputThatGainsATokenFileIsRewritten(t *testing.T) {
 	t.Parallel()
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	ctx := context.Background()
-	_, err := (&fileOutput{cfg: FileOutput{Path: path}}).write(ctx, goldenMeta, goldenCredential(t))
+	_, err := (&fileOutput{cfg: config.FileOutput{Path: path}}).write(ctx, goldenMeta, goldenCredential(t))
 	require.NoError(t, err)
 
-	st, err := (&fileOutput{cfg: FileOutput{Path: path, TokenFile: "token"}}).read(ctx)
+	st, err := (&fileOutput{cfg: config.FileOutput{Path: path, TokenFile: "token"}}).read(ctx)
 	require.NoError(t, err)
 	require.True(t, st.outdated)
-	st, err = (&fileOutput{cfg: FileOutput{Path: path}}).read(ctx)
+	st, err = (&fileOutput{cfg: config.FileOutput{Path: path}}).read(ctx)
 	require.NoError(t, err)
 	require.False(t, st.outdated, "records written before token files stay valid")
 }
 
 func TestATokenFileOutputRefusesAClientCertificate(t *testing.T) {
 	t.Parallel()
-	o := &fileOutput{cfg: FileOutput{Path: filepath.Join(t.TempDir(), "kubeconfig"), TokenFile: "token"}}
+	o := &fileOutput{cfg: config.FileOutput{Path: filepath.Join(t.TempDir(), "kubeconfig"), TokenFile: "token"}}
 	c := goldenCredential(t)
 	c.Token = ""
 	_, err := o.write(context.Background(), goldenMeta, c)

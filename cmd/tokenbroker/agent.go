@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/server"
 )
 
@@ -98,7 +99,7 @@ func agentCommandConfigFrom(v *viper.Viper) (agentCommandConfig, error) {
 
 // runAgent is the composition root of the agent.
 func runAgent(ctx context.Context, cfg agentCommandConfig, log *zap.Logger) error {
-	acfg, err := agent.LoadConfig(cfg.ConfigFile)
+	acfg, err := config.Load(cfg.ConfigFile)
 	if err != nil {
 		return err
 	}

@@ -12,7 +12,7 @@ import (
 	"github.com/spf13/viper"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/api/schema"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -204,9 +204,9 @@ func plural(n int, word string) string {
 func configKindsChecked() []schema.Kind {
 	return []schema.Kind{
 		{Name: kindPolicy, Description: "a policy (cluster, ttl, peers)", Keys: schema.FieldNames(reflect.TypeFor[policy.Policy]()), Check: policy.CheckDocument},
-		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[agent.Config]()),
+		{Name: kindAgent, Description: "an agent config (identity, targets, ...)", Keys: schema.FieldNames(reflect.TypeFor[config.Config]()),
 			Check: func(path string, doc any) ([]apiv1.FieldError, []apiv1.FieldError) {
-				return agent.CheckConfigDocument(path, doc), agent.ConfigNotes(doc)
+				return config.CheckDocument(path, doc), config.Notes(doc)
 			}},
 		{Name: kindServe, Description: "a serve config (serve's flag names)", Keys: serveFileKeys(),
 			Check: func(path string, _ any) ([]apiv1.FieldError, []apiv1.FieldError) {

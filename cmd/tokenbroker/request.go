@@ -7,7 +7,7 @@ import (
 	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
 
-	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -16,7 +16,7 @@ import (
 type brokerRequest struct {
 	Broker      string
 	IdentityDir string
-	Request     agent.RequestConfig
+	Request     config.RequestConfig
 }
 
 // addBrokerRequestFlags defines the flags of brokerRequest.
@@ -37,7 +37,7 @@ func brokerRequestFrom(v *viper.Viper) (brokerRequest, []error) {
 	r := brokerRequest{
 		Broker:      v.GetString("broker"),
 		IdentityDir: v.GetString("identity-dir"),
-		Request: agent.RequestConfig{
+		Request: config.RequestConfig{
 			Namespace:      v.GetString("namespace"),
 			ServiceAccount: v.GetString("service-account"),
 			TTL:            v.GetString("ttl"),

@@ -17,7 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -143,7 +143,7 @@ func TestDeployAgent(t *testing.T) {
 	// The example as the agent reads it, with its own loader: strict, so an
 	// unknown or misspelt key fails here rather than in a user's cluster.
 	cfgFile := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
-	cfg, err := agent.LoadConfig(cfgFile)
+	cfg, err := config.Load(cfgFile)
 	require.NoError(t, err, "deploy/agent/agent.yaml must be accepted by the agent's loader")
 
 	t.Run("the example agent.yaml in the ConfigMap is accepted by the agent's loader and fits the Deployment", func(t *testing.T) {
@@ -263,7 +263,7 @@ func TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader(t *testing.T) {
 				continue
 			}
 			n++
-			_, err := agent.ParseConfig([]byte(block), "")
+			_, err := config.Parse([]byte(block), "")
 			require.NoError(t, err, "%s: the agent.yaml\n%s", doc, block)
 		}
 		require.NotZero(t, n, "%s shows an agent.yaml", doc)

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/tokenbroker/tokenbroker/agent"
+	"github.com/tokenbroker/tokenbroker/agent/config"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
@@ -219,17 +220,17 @@ func TestClusterTrustBundle(t *testing.T) {
 
 		out := filepath.Join(dir, "out")
 		require.NoError(t, os.MkdirAll(out, 0o700))
-		target := func(name, url string) agent.TargetConfig {
-			return agent.TargetConfig{Name: name, Broker: url,
-				Request: agent.RequestConfig{Namespace: "argo", ServiceAccount: "runner", TTL: "1h"},
-				Outputs: []agent.OutputConfig{{File: &agent.FileOutput{Path: filepath.Join(out, name)}}}}
+		target := func(name, url string) config.TargetConfig {
+			return config.TargetConfig{Name: name, Broker: url,
+				Request: config.RequestConfig{Namespace: "argo", ServiceAccount: "runner", TTL: "1h"},
+				Outputs: []config.OutputConfig{{File: &config.FileOutput{Path: filepath.Join(out, name)}}}}
 		}
-		cfg := agent.Config{
-			Identity: agent.IdentityConfig{Dir: string(idDir), TrustBundleFrom: &agent.TrustBundleSource{
-				ClusterTrustBundle: &agent.ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Second),
+		cfg := config.Config{
+			Identity: config.IdentityConfig{Dir: string(idDir), TrustBundleFrom: &config.TrustBundleSource{
+				ClusterTrustBundle: &config.ClusterTrustBundleSource{SignerName: ctbSigner, Interval: apiv1.Duration(time.Second),
 					LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{objects.LabelManagedBy: objects.ManagedByValue}}}}},
-			Targets: []agent.TargetConfig{target("east", s.url), target("impostor", impostor.URL), target("partner", partnerImpostor.URL)},
-			Refresh: agent.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
+			Targets: []config.TargetConfig{target("east", s.url), target("impostor", impostor.URL), target("partner", partnerImpostor.URL)},
+			Refresh: config.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
 		}
 		reg := prometheus.NewRegistry()
 		ln, err := net.Listen("tcp", "127.0.0.1:0")

@@ -1,4 +1,4 @@
-package agent
+package config
 
 import (
 	"time"
@@ -46,7 +46,7 @@ var agentAnnotations = []string{AnnotationLeaseID, AnnotationExpiresAt, Annotati
 
 // formatLabels are the labels a format sets for its consumer; a
 // configuration may not set them on that format.
-func formatLabels(format string) map[string]string {
+func FormatLabels(format string) map[string]string {
 	switch format {
 	case FormatArgoCD:
 		return map[string]string{labelArgoCDSecretType: "cluster"}
@@ -58,13 +58,13 @@ func formatLabels(format string) map[string]string {
 
 // metaSuffix names the sidecar file next to a file output that records the
 // lease, as the annotations do for a Secret.
-const metaSuffix = ".meta"
+const MetaSuffix = ".meta"
 
 // The data keys of the Secret formats.
 const (
 	keyAdmiralty  = "config"     // Admiralty's Target spec.kubeconfigSecret default key
 	keyFlux       = "value"      // Flux's kubeConfig.secretRef default key
-	keyKubeconfig = "kubeconfig" // the plain format
+	KeyKubeconfig = "kubeconfig" // the plain format
 )
 
 // DataKey is the key that holds the kubeconfig, "" for the argocd format.
@@ -81,7 +81,7 @@ func (o SecretOutput) DataKey() string {
 	case FormatFlux:
 		return keyFlux
 	}
-	return keyKubeconfig // kubeconfig and multikueue
+	return KeyKubeconfig // kubeconfig and multikueue
 }
 
 // Defaults of jwksUpload.

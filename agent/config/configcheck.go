@@ -1,4 +1,4 @@
-package agent
+package config
 
 import (
 	"encoding/json"
@@ -11,11 +11,11 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
-// CheckConfigDocument checks an agent config document (YAML decoded into
+// CheckDocument checks an agent config document (YAML decoded into
 // any) read from path, as "tokenbroker config validate" does: its shape
 // and every rule of the loader, all problems at once. No problem means
-// LoadConfig accepts the file.
-func CheckConfigDocument(path string, doc any) []apiv1.FieldError {
+// Load accepts the file.
+func CheckDocument(path string, doc any) []apiv1.FieldError {
 	var sc schema.Checker
 	clean := sc.Check("", doc, reflect.TypeFor[Config]())
 	problems := sc.Problems
@@ -23,20 +23,20 @@ func CheckConfigDocument(path string, doc any) []apiv1.FieldError {
 	if err != nil {
 		return append(problems, apiv1.FieldError{Detail: err.Error()})
 	}
-	_, err = ParseConfig(js, filepath.Dir(path))
+	_, err = Parse(js, filepath.Dir(path))
 	problems = append(problems, sc.Without(schema.LoaderProblems(err))...)
 	if len(problems) == 0 {
-		if _, err := LoadConfig(path); err != nil {
+		if _, err := Load(path); err != nil {
 			problems = append(problems, apiv1.FieldError{Detail: err.Error()})
 		}
 	}
 	return problems
 }
 
-// ConfigNotes are what "tokenbroker config validate" says of a valid agent
+// Notes are what "tokenbroker config validate" says of a valid agent
 // config besides its problems: what the broker may refuse that the file
-// cannot tell. (Lenient decoding: the problems are CheckConfigDocument's.)
-func ConfigNotes(doc any) []apiv1.FieldError {
+// cannot tell. (Lenient decoding: the problems are CheckDocument's.)
+func Notes(doc any) []apiv1.FieldError {
 	js, err := json.Marshal(doc)
 	if err != nil {
 		return nil

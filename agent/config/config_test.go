@@ -1,4 +1,4 @@
-package agent
+package config
 
 import (
 	"errors"
@@ -15,7 +15,7 @@ import (
 
 func TestTheExampleConfigParsesWithItsDefaults(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig(exampleConfig(t), "")
+	cfg, err := Parse(exampleConfigFile(t), "")
 	require.NoError(t, err)
 	require.Equal(t, "tokenbroker-agent", cfg.Identity.Secret.Namespace)
 	require.Len(t, cfg.Targets, 2)
@@ -30,7 +30,7 @@ func TestTheExampleConfigParsesWithItsDefaults(t *testing.T) {
 
 func TestAMinimalConfigGetsEveryDefault(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(`
+	cfg, err := Parse([]byte(`
 identity: {dir: /id}
 targets:
   - name: east
@@ -52,7 +52,7 @@ targets:
 
 func TestAClusterTrustBundleSourceGetsItsIntervalAndNeedsKubernetes(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(`
+	cfg, err := Parse([]byte(`
 identity:
   dir: /id
   trustBundleFrom:
@@ -82,7 +82,7 @@ targets:
     request: {namespace: argo, serviceAccount: sa}
     outputs: [{file: {path: out/east.kubeconfig}}, {file: {path: /abs/east.kubeconfig}}]
 `), 0o600))
-	cfg, err := LoadConfig(path)
+	cfg, err := Load(path)
 	require.NoError(t, err)
 	require.Equal(t, filepath.Join(dir, "identity"), cfg.Identity.Dir)
 	require.Equal(t, filepath.Join(dir, "join.token"), cfg.Identity.Enroll.TokenFile)
@@ -93,7 +93,7 @@ targets:
 
 func TestAnUnknownFieldIsRejected(t *testing.T) {
 	t.Parallel()
-	_, err := ParseConfig([]byte("identity: {dir: /id}\nrefresh: {fraktion: 0.5}\n"), "")
+	_, err := Parse([]byte("identity: {dir: /id}\nrefresh: {fraktion: 0.5}\n"), "")
 	require.ErrorContains(t, err, `unknown field "fraktion"`)
 }
 
@@ -245,7 +245,7 @@ targets:
 				"targets[1].outputs[0].file.tokenFile: holds a token, and this target asks for a client certificate",
 			}},
 	} {
-		_, err := ParseConfig([]byte(tc.yaml), "")
+		_, err := Parse([]byte(tc.yaml), "")
 		var ce *apiv1.ValidationError
 		require.True(t, errors.As(err, &ce), "%s: %v", tc.name, err)
 		for _, w := range tc.want {
@@ -256,7 +256,7 @@ targets:
 
 func TestConsumerOptionsThatFitTheirFormatAreAccepted(t *testing.T) {
 	t.Parallel()
-	cfg, err := ParseConfig([]byte(`identity: {dir: /id}
+	cfg, err := Parse([]byte(`identity: {dir: /id}
 targets:
   - name: east
     broker: https://east.example.com:8443
@@ -282,4 +282,13 @@ func TestARequestIsValidatedOnItsOwn(t *testing.T) {
 	require.NoError(t, RequestConfig{Namespace: "argo", ServiceAccount: "sa", TTL: "1h"}.Validate())
 	err := RequestConfig{Namespace: "argo", ServiceAccount: "sa", TTL: "-1h"}.Validate()
 	require.ErrorContains(t, err, "request.ttl: must be positive")
+}
+
+// exampleConfigFile is the complete example of the configuration file,
+// which the guides quote.
+func exampleConfigFile(t *testing.T) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", "example.yaml"))
+	require.NoError(t, err)
+	return b
 }

@@ -1,4 +1,4 @@
-package agent
+package config
 
 import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -7,7 +7,7 @@ import (
 )
 
 // Config is the agent's configuration file (agent.yaml), read by
-// LoadConfig: strict YAML (an unknown key is an error), defaults filled in
+// Load: strict YAML (an unknown key is an error), defaults filled in
 // by Default, every problem reported by Validate with its field path.
 // Durations are Go duration strings; every field not marked required has a
 // default; a zero number means "the default". Relative paths are relative

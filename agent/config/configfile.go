@@ -1,4 +1,4 @@
-package agent
+package config
 
 import (
 	"bytes"
@@ -38,27 +38,27 @@ const (
 // maxConfigBytes bounds the configuration file; a config is small.
 const maxConfigBytes = 1 << 20
 
-// LoadConfig reads, parses, defaults and validates the configuration file
+// Load reads, parses, defaults and validates the configuration file
 // at path. Relative paths in it (identity.dir, identity.enroll.tokenFile,
 // kubeconfig, file outputs) are taken relative to the file's directory, as
 // the broker's policy file does with caFile.
-func LoadConfig(path string) (Config, error) {
+func Load(path string) (Config, error) {
 	data, err := pki.ReadFileLimit(path, maxConfigBytes)
 	if err != nil {
 		return Config{}, fmt.Errorf("read agent config: %w", err)
 	}
-	cfg, err := ParseConfig(data, filepath.Dir(path))
+	cfg, err := Parse(data, filepath.Dir(path))
 	if err != nil {
 		return Config{}, fmt.Errorf("%s: %w", path, err)
 	}
 	return cfg, nil
 }
 
-// ParseConfig decodes a configuration document (YAML or JSON), resolves
+// Parse decodes a configuration document (YAML or JSON), resolves
 // relative paths against baseDir (empty: leave them as they are), applies
 // the defaults and validates it. Unknown fields are errors, so that a
 // misspelt key is never silently ignored.
-func ParseConfig(data []byte, baseDir string) (Config, error) {
+func Parse(data []byte, baseDir string) (Config, error) {
 	if len(data) > maxConfigBytes {
 		return Config{}, fmt.Errorf("agent config is %d bytes, over the limit of %d", len(data), maxConfigBytes)
 	}
@@ -116,7 +116,7 @@ func (c *Config) Default() {
 			u.ResyncInterval = apiv1.Duration(max(DefaultJWKSResyncInterval, time.Duration(u.Interval)))
 		}
 	}
-	c.Refresh.fill(RefreshConfig{
+	c.Refresh.Fill(RefreshConfig{
 		Fraction:    DefaultFraction,
 		Jitter:      DefaultJitter,
 		MinBackoff:  apiv1.Duration(DefaultMinBackoff),
@@ -125,7 +125,7 @@ func (c *Config) Default() {
 	})
 	for i := range c.Targets {
 		if c.Targets[i].Refresh != nil {
-			c.Targets[i].Refresh.fill(c.Refresh)
+			c.Targets[i].Refresh.Fill(c.Refresh)
 		}
 	}
 	if tb := c.Identity.TrustBundleFrom; tb != nil && tb.ClusterTrustBundle != nil && tb.ClusterTrustBundle.Interval == 0 {
@@ -142,7 +142,7 @@ func (c *Config) Default() {
 	}
 }
 
-func (r *RefreshConfig) fill(d RefreshConfig) {
+func (r *RefreshConfig) Fill(d RefreshConfig) {
 	if r.Fraction == 0 {
 		r.Fraction = d.Fraction
 	}
@@ -300,7 +300,7 @@ func (c *Config) Validate() error {
 				// The output writes PATH, PATH.meta and its token file;
 				// none may be another output's.
 				clean := filepath.Clean(o.File.Path)
-				written := map[string]string{clean: fpath, clean + metaSuffix: fpath + " (its " + metaSuffix + " file)"}
+				written := map[string]string{clean: fpath, clean + MetaSuffix: fpath + " (its " + MetaSuffix + " file)"}
 				if tf := o.File.TokenFile; tf != "" {
 					tpath := opath + ".file.tokenFile"
 					switch {
@@ -320,8 +320,8 @@ func (c *Config) Validate() error {
 						break
 					}
 				}
-				if tf := o.File.TokenFile; tf == filepath.Base(clean) || tf == filepath.Base(clean)+metaSuffix {
-					v.add(opath+".file.tokenFile", "must not be the kubeconfig or its %s file", metaSuffix)
+				if tf := o.File.TokenFile; tf == filepath.Base(clean) || tf == filepath.Base(clean)+MetaSuffix {
+					v.add(opath+".file.tokenFile", "must not be the kubeconfig or its %s file", MetaSuffix)
 					dup = true
 				}
 				if !dup {
@@ -428,7 +428,7 @@ func validateSecretOutput(v *validator, path string, s *SecretOutput) {
 		validateArgoCD(v, path+".argocd", a)
 	}
 	// The agent sets these; a configuration may not override them.
-	setByFormat := formatLabels(s.Format)
+	setByFormat := FormatLabels(s.Format)
 	for k, val := range s.Labels {
 		if msgs := validation.IsQualifiedName(k); len(msgs) > 0 {
 			v.add(path+".labels", "key %q: %s", k, strings.Join(msgs, "; "))
