@@ -122,10 +122,10 @@ func (r *Revoker) Revoke(ctx context.Context, item Unmatch) error {
 // Another replica may have deleted it first: that is no error.
 func (r *Revoker) revokeUnmatchedLease(ctx context.Context, s *corev1.Secret, item Unmatch) error {
 	bindingErr, err := r.Deleter.Revoke(ctx, s)
+	lease.LogBindingError(r.Logger.With(zap.String("lease_id", s.Labels[objects.LabelLeaseID])), bindingErr)
 	if errors.Is(err, lease.ErrGone) || apierrors.IsConflict(err) {
 		return nil // gone already (another replica), or a new Secret of that name
 	}
-	lease.LogBindingError(r.Logger.With(zap.String("lease_id", s.Labels[objects.LabelLeaseID])), bindingErr)
 	if err != nil {
 		return problem.Classify(err, "revoke lease of a namespace that left its grant", "lease not found")
 	}
