@@ -84,19 +84,28 @@ func EachSecretPage(ctx context.Context, secrets corev1client.SecretsGetter, nam
 	for k, v := range extra {
 		set[k] = v
 	}
-	opts := metav1.ListOptions{LabelSelector: labels.SelectorFromSet(set).String(), Limit: SecretPageSize}
+	return eachPage(func(opts metav1.ListOptions) (*corev1.SecretList, error) {
+		return secrets.Secrets(namespace).List(ctx, opts)
+	}, labels.SelectorFromSet(set).String(), fn)
+}
+
+// eachPage lists the Secrets matching selector through list, a page of
+// SecretPageSize at a time, and hands each page to fn; it stops at the
+// first error of either.
+func eachPage(list func(metav1.ListOptions) (*corev1.SecretList, error), selector string, fn func([]corev1.Secret) error) error {
+	opts := metav1.ListOptions{LabelSelector: selector, Limit: SecretPageSize}
 	for {
-		list, err := secrets.Secrets(namespace).List(ctx, opts)
+		page, err := list(opts)
 		if err != nil {
 			return err
 		}
-		if err := fn(list.Items); err != nil {
+		if err := fn(page.Items); err != nil {
 			return err
 		}
-		if list.Continue == "" {
+		if page.Continue == "" {
 			return nil
 		}
-		opts.Continue = list.Continue
+		opts.Continue = page.Continue
 	}
 }
 

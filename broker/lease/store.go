@@ -256,29 +256,22 @@ func (st *Store) listManaged(ctx context.Context, namespaces []string, sel label
 	return out, nil
 }
 
-// gcPageSize is the page size of eachManagedPage.
-const gcPageSize = 500
-
-// eachManagedPage is listManaged one page of at most gcPageSize Secrets
-// at a time, so that no more than a page is held.
+// eachManagedPage is listManaged one page of at most SecretPageSize
+// Secrets at a time (eachPage), so that no more than a page is held.
 func (st *Store) eachManagedPage(ctx context.Context, namespaces []string, call string, fn func([]corev1.Secret) error) error {
 	sel := labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue}).String()
 	for _, ns := range namespaces {
-		opts := metav1.ListOptions{LabelSelector: sel, Limit: gcPageSize}
-		for {
+		err := eachPage(func(opts metav1.ListOptions) (*corev1.SecretList, error) {
 			t0 := st.Clock.Now()
 			list, err := st.Secrets.Secrets(ns).List(ctx, opts)
 			st.timed(ctx, call, t0, err)
 			if err != nil {
-				return problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
+				return nil, problem.Classify(err, "list tokenbroker Secrets in "+ns, "no Secrets")
 			}
-			if err := fn(list.Items); err != nil {
-				return err
-			}
-			if list.Continue == "" {
-				break
-			}
-			opts.Continue = list.Continue
+			return list, nil
+		}, sel, fn)
+		if err != nil {
+			return err
 		}
 	}
 	return nil
