@@ -175,13 +175,7 @@ func New(cfg Config) (*Broker, error) {
 	return b, nil
 }
 
-func (b *Broker) policy() (*policy.Policy, error) {
-	p := b.cfg.Policy.Load()
-	if p == nil {
-		return nil, problem.Errorf(problem.KindUnavailable, "no policy is loaded")
-	}
-	return p, nil
-}
+func (b *Broker) policy() (*policy.Policy, error) { return b.cfg.Policy.Current() }
 
 // IssueKubeconfig authorizes req for caller, creates a lease Secret, mints
 // a credential bound to it and returns the kubeconfig. On any failure the
@@ -255,6 +249,12 @@ func (b *Broker) timeAPI(ctx context.Context, call string, start time.Time, err 
 		w.d.Add(int64(d))
 	}
 	return d
+}
+
+// timed is timeAPI for those that need no duration back (lease.Store,
+// lease.Deleter).
+func (b *Broker) timed(ctx context.Context, call string, start time.Time, err error) {
+	b.timeAPI(ctx, call, start, err)
 }
 
 // decided is what decide found: the policy it read, its decision, the
@@ -567,7 +567,7 @@ func neverSent(err error) bool {
 // deleter revokes leases with the broker's clients, clock and API timing.
 func (b *Broker) deleter() *lease.Deleter {
 	return &lease.Deleter{Secrets: b.cfg.Secrets, RoleBindings: b.cfg.RoleBindings, Now: b.cfg.Clock.Now,
-		Timed: func(ctx context.Context, call string, start time.Time, err error) { b.timeAPI(ctx, call, start, err) }}
+		Timed: b.timed}
 }
 
 // WhoAmI returns the policy name of the caller and the grants that apply:

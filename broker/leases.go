@@ -140,7 +140,7 @@ func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) 
 // lease counter and API timing.
 func (b *Broker) store() *lease.Store {
 	return &lease.Store{Secrets: b.cfg.Secrets, Counter: b.cfg.Leases, Clock: b.cfg.Clock,
-		Timed: func(ctx context.Context, call string, start time.Time, err error) { b.timeAPI(ctx, call, start, err) }}
+		Timed: b.timed}
 }
 
 // CollectGarbage runs one GC pass (lease.Store.Collect) and returns how

@@ -195,8 +195,8 @@ func (auth *Authority) enroll(ctx context.Context, addr, token string, req apiv1
 		return nil, certDisabled, errCertificatesDisabled
 	}
 	log := auth.Logger.With(zap.String("operation", opEnroll))
-	var err error = problem.Errorf(problem.KindUnavailable, "no policy is loaded")
-	if p := auth.Policy.Load(); p != nil {
+	p, err := auth.Policy.Current()
+	if err == nil {
 		err = auth.Limits.Enrollment(p, addr, token, a)
 	}
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -167,6 +168,18 @@ func NewStore(p *Policy) *Store {
 
 // Load returns the policy in force, or nil.
 func (s *Store) Load() *Policy { return s.p.Load() }
+
+// ErrNoPolicy answers a request that needs the policy before one is
+// loaded: retryable, the broker is not ready.
+var ErrNoPolicy = problem.Errorf(problem.KindUnavailable, "no policy is loaded")
+
+// Current returns the policy in force, or ErrNoPolicy.
+func (s *Store) Current() (*Policy, error) {
+	if p := s.p.Load(); p != nil {
+		return p, nil
+	}
+	return nil, ErrNoPolicy
+}
 
 // Store replaces the policy in force. p must be valid.
 func (s *Store) Store(p *Policy) {

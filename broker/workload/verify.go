@@ -105,7 +105,7 @@ func Verify(p *policy.Policy, identity, token string, store *PeerKeyStore, now f
 		return nil, BadToken(pki.TokenTooLarge, fmt.Errorf("token of %d bytes", len(token)))
 	}
 	if p == nil {
-		return nil, problem.Errorf(problem.KindUnavailable, "no policy is loaded")
+		return nil, policy.ErrNoPolicy
 	}
 	peer := p.Peer(identity)
 	if peer == nil || peer.WorkloadIdentity == nil {
