@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/client-go/kubernetes"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/rest"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/lease"
@@ -150,25 +151,19 @@ func adminSecrets(kubeconfig, context string) (corev1client.SecretsGetter, error
 // default of 5 requests a second would make a bulk revocation in an
 // incident crawl).
 func leasesClient(kubeconfig, context string) (kubernetes.Interface, error) {
-	rc, err := restConfig(kubeconfig, context)
-	if err != nil {
-		return nil, err
-	}
-	rc.QPS, rc.Burst = leasesKubeQPS, leasesKubeBurst
-	client, err := kubernetes.NewForConfig(rc)
-	if err != nil {
-		return nil, fmt.Errorf("create Kubernetes client: %w", err)
-	}
-	return client, nil
+	return adminClient(kubeconfig, context, func(rc *rest.Config) { rc.QPS, rc.Burst = leasesKubeQPS, leasesKubeBurst })
 }
 
 // adminClient is a Kubernetes client with the caller's credentials: the
 // kubeconfig file if given, else $KUBECONFIG or ~/.kube/config, in the
-// given context or the current one.
-func adminClient(kubeconfig, context string) (kubernetes.Interface, error) {
+// given context or the current one; tune, if set, adjusts its rest.Config.
+func adminClient(kubeconfig, context string, tune func(*rest.Config)) (kubernetes.Interface, error) {
 	rc, err := restConfig(kubeconfig, context)
 	if err != nil {
 		return nil, err
+	}
+	if tune != nil {
+		tune(rc)
 	}
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {

@@ -91,7 +91,7 @@ func (o revokeOptions) validate() error {
 // revocationConfigMaps returns the ConfigMaps client of namespace with the
 // caller's Kubernetes credentials.
 func revocationConfigMaps(kubeconfig, namespace string) (corev1client.ConfigMapInterface, error) {
-	client, err := adminClient(kubeconfig, "")
+	client, err := adminClient(kubeconfig, "", nil)
 	if err != nil {
 		return nil, err
 	}
