@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"os"
@@ -58,9 +59,12 @@ func TestLeasesCommandShowsWhoHoldsACredentialAndRevokesIt(t *testing.T) {
 		lines := strings.Split(strings.TrimSpace(out), "\n")
 		require.Len(t, lines, 3, out)
 		require.Equal(t, []string{"NAMESPACE", "SERVICEACCOUNT", "PEER", "IDENTITY", "LEASE", "ISSUED", "EXPIRES"}, strings.Fields(lines[0]))
-		// Issued in the same second, so in the order of their ids.
+		// Sorted by issue time (whole seconds: the two may straddle one),
+		// then by id.
 		ids := []string{first.LeaseID, second.LeaseID}
-		slices.Sort(ids)
+		slices.SortFunc(ids, func(a, b string) int {
+			return cmp.Or(strings.Compare(issuedAt(t, a), issuedAt(t, b)), strings.Compare(a, b))
+		})
 		for i, id := range ids {
 			f := strings.Fields(lines[i+1])
 			require.Equal(t, []string{"argo", "runner", "west", "spiffe://e2e.example/cluster/west", id}, f[:5])
