@@ -43,6 +43,10 @@ COMPAT_KUBE_VERSION ?= v1.35.4
 # agent, client certificates (CSR signing, RBAC revocation), tenant selectors
 # and their admission policy, per-peer limits, revocation and the audit join.
 COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters|TestClientCertificateKubeconfigs|TestTenantGrants|TestTenantLabelAdmissionPolicy|TestPerPeerLimitsAgainstARealAPIServer|TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt|TestAuditJoin
+# The node's binaries (make kube-node) and the tests that need a node
+# (make test-node, files tagged "node").
+NODE_BINARIES := kubelet kube-scheduler
+NODE_TESTS := ^TestNode
 # Time per fuzz target for `make fuzz`.
 FUZZTIME ?= 30s
 # promtool, built from the Go module proxy at the Prometheus version that
@@ -57,7 +61,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube kube-node node-image test-node kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -102,7 +106,7 @@ test: check chart-lint alerts-test unit integration ## the whole suite: static c
 check: ## gofmt and go vet on every module
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^vendor/')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
-	cd test && $(GO) vet ./...
+	cd test && $(GO) vet ./... && $(GO) vet -tags node ./testcluster/ ./e2e/
 	cd test/promqlcheck && $(GO) vet ./...
 	cd test/image && $(GO) vet ./...
 	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(GO) vet ./...); done
@@ -119,6 +123,15 @@ unit: ## unit tests with the race detector; every fuzz target's seed corpus and 
 
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
 	cd test && $(GO) test -count=1 -timeout 20m ./...
+
+kube-node: ## build the node's kubelet and kube-scheduler of KUBE_VERSION into bin/kube/<version> (cached)
+	cd test && $(GO) run ./cmd/kubebins $(NODE_BINARIES)
+
+node-image: ## build bin/node-image.tar, the image of the harness's node (its pod sandbox and stream-test container), with test/image
+	cd test/image && $(GO) run . -node-image $(BIN)/node-image.tar
+
+test-node: build kube kube-node node-image helm ## the tests that need a node (kubelet, containerd, runc: root and Debian packages): Pods, streams, workload identity from a Pod
+	cd test && $(GO) test -tags node -count=1 -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
 
 kube-compat: ## build the kube binaries of COMPAT_KUBE_VERSION, the oldest supported release, into bin/kube/<version> (cached)
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) run ./cmd/kubebins

@@ -192,11 +192,7 @@ func platformImage(o Options, p v1.Platform, bin string) (v1.Image, error) {
 func layerTar(binary []byte, mtime time.Time) ([]byte, error) {
 	passwd := "root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/nonexistent:/sbin/nologin\n"
 	group := "root:x:0:\nnonroot:x:65532:\n"
-	entries := []struct {
-		name string
-		mode int64
-		body []byte
-	}{
+	entries := []tarEntry{
 		{"etc/", 0o755, nil},
 		{"etc/group", 0o444, []byte(group)},
 		{"etc/passwd", 0o444, []byte(passwd)},
@@ -206,6 +202,19 @@ func layerTar(binary []byte, mtime time.Time) ([]byte, error) {
 		{"usr/local/bin/", 0o755, nil},
 		{strings.TrimPrefix(binaryPath, "/"), 0o555, binary},
 	}
+	return tarOf(entries, mtime)
+}
+
+// tarEntry is one file or directory (name ending in "/") of a layer.
+type tarEntry struct {
+	name string
+	mode int64
+	body []byte
+}
+
+// tarOf writes entries as an uncompressed layer, root-owned, every header
+// fixed but for mtime.
+func tarOf(entries []tarEntry, mtime time.Time) ([]byte, error) {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
 	for _, e := range entries {

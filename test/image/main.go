@@ -47,8 +47,9 @@ func run(args []string) error {
 	repository := fs.String("repository", "ghcr.io/tokenbroker/tokenbroker", "image repository")
 	version := fs.String("version", "", "image tag and main.version (required)")
 	platforms := fs.String("platforms", "linux/amd64,linux/arm64", "comma-separated os/arch list")
+	nodeImage := fs.String("node-image", "", "build only the test harness's node image ("+NodeImageRef+") into this docker-archive file")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: image -version VERSION [flags]\n\n"+
+		fmt.Fprintf(fs.Output(), "Usage: image -version VERSION [flags]\n       image -node-image FILE\n\n"+
 			"Builds the tokenbroker image for every platform into an OCI layout, one\n"+
 			"docker-archive tarball per platform, the binaries and the index digest.\n"+
 			"The labels take the revision and the creation time from the commit\n"+
@@ -57,6 +58,11 @@ func run(args []string) error {
 	}
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *nodeImage != "" {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+		return BuildNodeImage(ctx, *nodeImage)
 	}
 	if *version == "" {
 		fs.Usage()

@@ -10,8 +10,10 @@ import (
 	"testing"
 	"time"
 
+	gcrname "github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/stretchr/testify/require"
 )
@@ -260,4 +262,47 @@ func platformDigest(t *testing.T, idx v1.ImageIndex, arch string) string {
 	}
 	t.Fatalf("no linux/%s manifest in the image index", arch)
 	return ""
+}
+
+// TestTheNodeImageIsTheProbeAloneAndTheSameEveryTime builds the harness's
+// node image twice: a docker-archive that names NodeImageRef, whose one
+// layer holds nodeprobe as the entrypoint, with the same digest both times.
+func TestTheNodeImageIsTheProbeAloneAndTheSameEveryTime(t *testing.T) {
+	dir := t.TempDir()
+	var digests []v1.Hash
+	for _, name := range []string{"a.tar", "b.tar"} {
+		out := filepath.Join(dir, name)
+		require.NoError(t, BuildNodeImage(t.Context(), out))
+		tag, err := gcrname.NewTag(NodeImageRef)
+		require.NoError(t, err)
+		img, err := tarball.ImageFromPath(out, &tag)
+		require.NoError(t, err, "the archive names "+NodeImageRef)
+		cf, err := img.ConfigFile()
+		require.NoError(t, err)
+		require.Equal(t, []string{nodeProbePath}, cf.Config.Entrypoint)
+		layers, err := img.Layers()
+		require.NoError(t, err)
+		require.Len(t, layers, 1)
+		rc, err := layers[0].Uncompressed()
+		require.NoError(t, err)
+		tr := tar.NewReader(rc)
+		var files []string
+		for {
+			h, err := tr.Next()
+			if err == io.EOF {
+				break
+			}
+			require.NoError(t, err)
+			files = append(files, h.Name)
+			if h.Name == nodeProbePath[1:] {
+				require.EqualValues(t, 0o555, h.Mode)
+			}
+		}
+		require.NoError(t, rc.Close())
+		require.Equal(t, []string{"tmp/", nodeProbePath[1:]}, files)
+		d, err := img.Digest()
+		require.NoError(t, err)
+		digests = append(digests, d)
+	}
+	require.Equal(t, digests[0], digests[1])
 }

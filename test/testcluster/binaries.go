@@ -37,11 +37,24 @@ const (
 	KubeAPIServer         = "kube-apiserver"
 	KubeControllerManager = "kube-controller-manager"
 	Kubectl               = "kubectl"
+	// The node's (WithNode).
+	Kubelet       = "kubelet"
+	KubeScheduler = "kube-scheduler"
 )
 
 // AllBinaries returns the names of every binary the harness can build.
 func AllBinaries() []string {
+	return append(ControlPlaneBinaries(), NodeBinaries()...)
+}
+
+// ControlPlaneBinaries are the binaries every cluster needs, and kubectl.
+func ControlPlaneBinaries() []string {
 	return []string{KubeAPIServer, KubeControllerManager, Kubectl}
+}
+
+// NodeBinaries are the binaries of a node (WithNode).
+func NodeBinaries() []string {
+	return []string{Kubelet, KubeScheduler}
 }
 
 const (
@@ -98,7 +111,7 @@ func KubeVersions() ([]string, error) {
 }
 
 // Binary returns the path of one of the pinned kube binaries (KubeAPIServer,
-// KubeControllerManager or Kubectl) of KubeVersion, building it with `go
+// KubeControllerManager, Kubectl, Kubelet or KubeScheduler) of KubeVersion, building it with `go
 // build` from test/kube/<version> only if it is missing: a present binary is
 // trusted, so that a test never pays for a rebuild (EnsureBinaries, run by
 // the Makefile, is what replaces stale ones). binDir may be empty: then
@@ -132,7 +145,7 @@ func Binary(ctx context.Context, binDir, name string) (string, error) {
 	return path, nil
 }
 
-// EnsureBinaries builds the named binaries (all of them when names is empty)
+// EnsureBinaries builds the named binaries (ControlPlaneBinaries when names is empty)
 // of KubeVersion into binDir/kube/<version> (binDir resolved as for Binary)
 // unless each is present and was built from the current
 // test/kube/<version>/go.mod, go.sum and Go toolchain. For the default
@@ -142,7 +155,7 @@ func Binary(ctx context.Context, binDir, name string) (string, error) {
 // binaries; when nothing changed it costs a second, not a relink.
 func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
 	if len(names) == 0 {
-		names = AllBinaries()
+		names = ControlPlaneBinaries()
 	}
 	if err := checkNames(names...); err != nil {
 		return err
@@ -201,7 +214,7 @@ func kubeBinDir(binDir string) (dir, version string, err error) {
 func checkNames(names ...string) error {
 	for _, name := range names {
 		switch name {
-		case KubeAPIServer, KubeControllerManager, Kubectl:
+		case KubeAPIServer, KubeControllerManager, Kubectl, Kubelet, KubeScheduler:
 		default:
 			return fmt.Errorf("unknown kube binary %q (want one of %s)", name, strings.Join(AllBinaries(), ", "))
 		}

@@ -78,6 +78,10 @@ type Cluster struct {
 	mu        sync.Mutex // guards apiserver and kcm
 	apiserver *process
 	kcm       *process
+	node      *Node // set by startNode as soon as there is something to clean up
+
+	// Node is the cluster's node with WithNode, nil without.
+	Node *Node
 
 	stopOnce sync.Once
 	stopErr  error
@@ -126,11 +130,24 @@ func Run(ctx context.Context, opts ...Option) (*Cluster, error) {
 			return nil, err
 		}
 	}
+	var node *Node
+	if o.node {
+		reapStaleNodes()
+		if _, err := checkNodeHost(); err != nil {
+			return nil, err
+		}
+		if node, err = c.nodeBinaries(ctx); err != nil {
+			return nil, err
+		}
+		if _, err := NodeImage(ctx, o.binDir); err != nil {
+			return nil, err
+		}
+	}
 
 	begin := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, o.startTimeout)
 	defer cancel()
-	if err := c.start(ctx); err != nil {
+	if err := c.start(ctx, node); err != nil {
 		if stopErr := c.teardown(); stopErr != nil {
 			err = errors.Join(err, fmt.Errorf("clean up: %w", stopErr))
 		}
@@ -140,7 +157,7 @@ func Run(ctx context.Context, opts ...Option) (*Cluster, error) {
 	return c, nil
 }
 
-func (c *Cluster) start(ctx context.Context) error {
+func (c *Cluster) start(ctx context.Context, node *Node) error {
 	dir, err := os.MkdirTemp("", "testcluster-")
 	if err != nil {
 		return fmt.Errorf("create cluster directory: %w", err)
@@ -173,6 +190,11 @@ func (c *Cluster) start(ctx context.Context) error {
 		if err := c.setUpClients(pki); err != nil {
 			return err
 		}
+		if node != nil {
+			if err := c.writeNodePKI(pki.ca, c.URL); err != nil {
+				return fmt.Errorf("create node PKI: %w", err)
+			}
+		}
 		err = c.startAPIServer(ctx)
 		if err == nil {
 			break
@@ -188,6 +210,12 @@ func (c *Cluster) start(ctx context.Context) error {
 		if err := c.startControllerManager(ctx); err != nil {
 			return err
 		}
+	}
+	if node != nil {
+		if err := c.startNode(ctx, node); err != nil {
+			return err
+		}
+		c.Node = node
 	}
 	return nil
 }
@@ -313,6 +341,12 @@ func (c *Cluster) Stop() error {
 // teardown stops whatever has been started and removes the directory.
 func (c *Cluster) teardown() error {
 	var errs []error
+	if c.node != nil {
+		if err := c.node.stop(c.opts.stopTimeout); err != nil {
+			errs = append(errs, fmt.Errorf("stop node: %w", err))
+		}
+		c.node = nil
+	}
 	c.mu.Lock()
 	if c.kcm != nil {
 		if err := c.kcm.stop(c.opts.stopTimeout); err != nil {
@@ -362,7 +396,7 @@ func (c *Cluster) apiServerArgs() []string {
 		"--service-account-key-file=" + file(saPublicKeyFile),
 		"--service-account-signing-key-file=" + file(saPrivateKeyFile),
 		"--api-audiences=" + strings.Join(c.opts.audiences, ","),
-		"--authorization-mode=RBAC",
+		c.authorizationMode(),
 		// Not needed by tests, and each costs start time or CPU.
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
@@ -372,6 +406,9 @@ func (c *Cluster) apiServerArgs() []string {
 		// stop timeout kills it; with one, watches are ended and
 		// StopAPIServer returns in about a second.
 		"--shutdown-watch-termination-grace-period=2s",
+	}
+	if c.opts.node {
+		args = append(args, c.nodeAPIServerArgs()...)
 	}
 	if c.opts.maxTokenExpiration > 0 {
 		args = append(args, "--service-account-max-token-expiration="+c.opts.maxTokenExpiration.String())
@@ -384,6 +421,16 @@ func (c *Cluster) apiServerArgs() []string {
 		args = append(args, "--min-request-timeout="+strconv.Itoa(int(c.opts.minRequestTimeout/time.Second)))
 	}
 	return append(args, c.opts.apiServerArgs...)
+}
+
+// authorizationMode is RBAC, and Node before it with a node: the kubelet
+// then reads and writes only what its own pods need, as on a real
+// cluster.
+func (c *Cluster) authorizationMode() string {
+	if c.opts.node {
+		return "--authorization-mode=Node,RBAC"
+	}
+	return "--authorization-mode=RBAC"
 }
 
 // startAPIServer starts the kube-apiserver process and waits for /readyz.

@@ -54,6 +54,11 @@ func (c *Cluster) startControllerManagerOn(ctx context.Context, port int, contro
 		// authenticate to this API server (--client-ca-file).
 		"--cluster-signing-cert-file=" + file(caCertFile),
 		"--cluster-signing-key-file=" + file(caKeyFile),
+		// What the root CA publisher puts in every namespace's
+		// kube-root-ca.crt (the CA of the API server's serving
+		// certificate), and the key of the legacy token controller.
+		"--root-ca-file=" + file(caCertFile),
+		"--service-account-private-key-file=" + file(saPrivateKeyFile),
 		"--leader-elect=false",
 		"--bind-address=127.0.0.1",
 		"--secure-port=" + strconv.Itoa(port),

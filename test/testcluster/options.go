@@ -12,11 +12,17 @@ import (
 const DefaultServiceAccountIssuer = "https://kubernetes.default.svc.cluster.local"
 
 // DefaultControllers returns the kube-controller-manager controllers started
-// by WithControllerManager when it is given none: the ones that sign, approve
-// and clean up CertificateSigningRequests, and the garbage collector (which
-// deletes a client certificate's RoleBinding with the lease that owns it).
+// by WithControllerManager when it is given none: "*", those a real
+// cluster runs (kube-controller-manager's own default set). Among them: CSR
+// signing, approving and cleanup; the garbage collector (which deletes a
+// client certificate's RoleBinding with the lease that owns it);
+// clusterrole-aggregation (without it the view, edit and admin ClusterRoles
+// have no rules); the namespace controller (which finalizes a deleted
+// namespace); the serviceaccount controller and the root CA publisher
+// (which give every namespace its default ServiceAccount and
+// kube-root-ca.crt); and, with a node, the node lifecycle controller.
 func DefaultControllers() []string {
-	return []string{"csrsigning", "csrapproving", "csrcleaner", "garbagecollector"}
+	return []string{"*"}
 }
 
 const (
@@ -28,18 +34,20 @@ const (
 type Option func(*options)
 
 type options struct {
-	binDir             string
-	maxTokenExpiration time.Duration
-	issuer             string
-	audiences          []string
-	controllerManager  bool
-	controllers        []string
-	etcdFsync          bool
-	apiServerArgs      []string
-	auditPolicy        string
-	minRequestTimeout  time.Duration
-	startTimeout       time.Duration
-	stopTimeout        time.Duration
+	binDir               string
+	maxTokenExpiration   time.Duration
+	issuer               string
+	audiences            []string
+	controllerManager    bool
+	controllers          []string
+	node                 bool
+	streamingIdleTimeout time.Duration
+	etcdFsync            bool
+	apiServerArgs        []string
+	auditPolicy          string
+	minRequestTimeout    time.Duration
+	startTimeout         time.Duration
+	stopTimeout          time.Duration
 }
 
 // minMaxTokenExpiration is the smallest --service-account-max-token-expiration
@@ -52,6 +60,9 @@ func (o *options) validate() error {
 	}
 	if o.minRequestTimeout != 0 && (o.minRequestTimeout < time.Second || o.minRequestTimeout%time.Second != 0) {
 		return fmt.Errorf("min request timeout %s is not a whole number of seconds of at least 1s", o.minRequestTimeout)
+	}
+	if o.streamingIdleTimeout != 0 && (!o.node || o.streamingIdleTimeout < time.Second) {
+		return fmt.Errorf("streaming idle timeout %s: only with a node, and at least 1s", o.streamingIdleTimeout)
 	}
 	if o.startTimeout <= 0 || o.stopTimeout <= 0 {
 		return errors.New("start and stop timeouts must be positive")
@@ -110,14 +121,37 @@ func WithEtcdFsync() Option {
 }
 
 // WithControllerManager also starts a kube-controller-manager that runs the
-// given controllers, DefaultControllers() (CSR signing, approving and
-// cleanup) when none are given. It signs CertificateSigningRequests with the cluster
+// given controllers, DefaultControllers() (those of a real cluster) when
+// none are given; a test that wants fewer names them. It signs CertificateSigningRequests with the cluster
 // CA, so the client certificates it issues authenticate to the cluster.
 func WithControllerManager(controllers ...string) Option {
 	return func(o *options) {
 		o.controllerManager = true
 		o.controllers = append([]string(nil), controllers...)
 	}
+}
+
+// WithNode also starts a node (Cluster.Node): a kubelet built from the
+// harness's Kubernetes release, with containerd and runc from the host's
+// packages, and a kube-scheduler, so that Pods run and exec, attach and
+// port-forward work. It implies WithControllerManager. The node's images
+// are imported, never pulled: NodeImageRef is the pod sandbox, and
+// Node.ImportImage brings others. It needs root, containerd, runc, ctr,
+// iproute2's ip and the CNI plugins (Debian: containerd runc iproute2
+// containernetworking-plugins); Run says which one is missing.
+func WithNode() Option {
+	return func(o *options) {
+		o.node = true
+		o.controllerManager = true
+	}
+}
+
+// WithStreamingIdleTimeout sets the node's kubelet
+// streamingConnectionIdleTimeout: how long an exec, attach or port-forward
+// stream may be idle before the kubelet ends it
+// (DefaultStreamingIdleTimeout, 4h, unless set). Only with WithNode.
+func WithStreamingIdleTimeout(d time.Duration) Option {
+	return func(o *options) { o.streamingIdleTimeout = d }
 }
 
 // WithMinRequestTimeout sets --min-request-timeout, which bounds how long

@@ -37,6 +37,7 @@ const certValidity = 30 * 24 * time.Hour
 // key, including these, is also on disk in Cluster.Dir for the child
 // processes.
 type pkiMaterial struct {
+	ca        *keyPair
 	caCert    []byte
 	adminCert []byte
 	adminKey  []byte
@@ -97,7 +98,7 @@ func writePKI(dir string) (*pkiMaterial, error) {
 	if err := writeServiceAccountKeys(dir); err != nil {
 		return nil, err
 	}
-	return &pkiMaterial{caCert: caPEM, adminCert: adminCertPEM, adminKey: adminKeyPEM}, nil
+	return &pkiMaterial{ca: ca, caCert: caPEM, adminCert: adminCertPEM, adminKey: adminKeyPEM}, nil
 }
 
 func newCA(now time.Time) (*keyPair, error) {

@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -303,12 +302,6 @@ func TestFailedChecksPicksFailingReadyzLines(t *testing.T) {
 	t.Parallel()
 	body := "[+]ping ok\n[-]poststarthook/rbac/bootstrap-roles failed: not finished\n[+]etcd ok\n[-]informer-sync failed\nreadyz check failed\n"
 	require.Equal(t, "poststarthook/rbac/bootstrap-roles failed: not finished; informer-sync failed", failedChecks([]byte(body)))
-}
-
-// processAlive reports whether a process with this pid exists (and is not a
-// zombie we have reaped).
-func processAlive(pid int) bool {
-	return syscall.Kill(pid, 0) == nil
 }
 
 func TestRunRejectsInvalidOptionsBeforeStartingAnything(t *testing.T) {

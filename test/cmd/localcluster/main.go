@@ -95,7 +95,7 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.StringVar(&cfg.kubeconfigOut, "kubeconfig-out", ".dev/admin.kubeconfig", "where to write the admin kubeconfig (parent directories are created)")
 	fs.StringVar(&cfg.binDir, "bin-dir", "", "directory of the kube binaries (default $"+testcluster.BinDirEnv+", else bin/ at the repository root)")
 	fs.DurationVar(&cfg.maxTokenExpiration, "max-token-expiration", 0, "kube-apiserver --service-account-max-token-expiration, e.g. 1h (default: no cap)")
-	fs.BoolVar(&cfg.controllerManager, "controller-manager", false, "also run kube-controller-manager with the CSR signing/approving/cleaner controllers")
+	fs.BoolVar(&cfg.controllerManager, "controller-manager", false, "also run kube-controller-manager with the controllers a real cluster runs (CSR signing, garbage collection, clusterrole aggregation, namespaces, ServiceAccounts...)")
 	fs.DurationVar(&cfg.startTimeout, "start-timeout", 60*time.Second, "how long to wait for the cluster to become ready")
 	if err := fs.Parse(args); err != nil {
 		return config{}, err
