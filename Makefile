@@ -130,8 +130,9 @@ kube-node: ## build the node's kubelet and kube-scheduler of KUBE_VERSION into b
 node-image: ## build bin/node-image.tar, the image of the harness's node (its pod sandbox and stream-test container), with test/image
 	cd test/image && $(GO) run . -node-image $(BIN)/node-image.tar
 
-test-node: build kube kube-node node-image helm ## the tests that need a node (kubelet, containerd, runc: root and Debian packages): Pods, streams, workload identity from a Pod
-	cd test && $(GO) test -tags node -count=1 -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
+test-node: build kube kube-node node-image helm ## the tests that need a node (kubelet, containerd, runc: root and Debian packages; make image first): Pods, streams, workload identity from a Pod
+	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
+	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) $(GO) test -tags node -count=1 -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
 
 kube-compat: ## build the kube binaries of COMPAT_KUBE_VERSION, the oldest supported release, into bin/kube/<version> (cached)
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) run ./cmd/kubebins

@@ -96,23 +96,7 @@ func TestWorkloadIdentityAcrossTwoClusters(t *testing.T) {
 	require.NoError(t, err)
 
 	e := newBrokerEnv(t, east)
-	writeFile(t, e.policy, fmt.Sprintf(`cluster:
-  name: east
-  server: %s
-  caFile: cluster-ca.crt
-peers:
-  - name: west
-    identity: spiffe://e2e.example/cluster/west
-    workloadIdentity:
-      issuer: %s
-      audiences: [%s]
-      jwksFromPeer: true
-      jwksOverlap: %s
-    grants:
-      - namespaces: [argo]
-        serviceAccounts: [runner]
-        workloads: [{namespace: argo, serviceAccount: runner}]
-`, east.URL, west.ServiceAccountIssuer, workloadAudience, jwksOverlap))
+	writeFile(t, e.policy, workloadPolicy(east, west))
 	e.launch(t)
 
 	// A workload token before any key set was uploaded: no keys.
@@ -122,27 +106,7 @@ peers:
 	require.Equal(t, 401, status, out)
 	require.Equal(t, "no-keys", problemReason(t, out))
 
-	// The agent in west uploads west's own /openid/v1/jwks.
-	idDir := filepath.Join(t.TempDir(), "identity")
-	require.NoError(t, os.MkdirAll(idDir, 0o700))
-	for from, to := range map[string]string{"west.crt": "tls.crt", "west.key": "tls.key"} {
-		data, err := os.ReadFile(filepath.Join(e.dir, from))
-		require.NoError(t, err)
-		writeFile(t, filepath.Join(idDir, to), string(data))
-	}
-	caData, err := os.ReadFile(e.ca)
-	require.NoError(t, err)
-	writeFile(t, filepath.Join(idDir, "ca.crt"), string(caData))
-	agentOps := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	cfg := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), fmt.Sprintf(`identity: {dir: %s}
-kubeconfig: %s
-jwksUpload:
-  brokers: ["https://%s"]
-  interval: 1s
-opsAddress: "%s"
-`, idDir, west.KubeconfigPath, e.api, agentOps))
-	agent := startAgent(t, cfg)
-	t.Cleanup(func() { stopProcess(t, agent.proc) })
+	agent := startKeyUploader(t, e, west)
 
 	leasesBefore := countLeaseSecrets(t, east, "west")
 	var granted string
@@ -243,6 +207,62 @@ opsAddress: "%s"
 		status, out = e.postKubeconfig(t, filepath.Join(e.dir, "west"), body, "-H", "Authorization: Bearer "+newToken)
 		require.Equal(t, 201, status, out)
 	})
+}
+
+// workloadPolicy is the policy of east's broker that trusts west's
+// workload tokens (keys uploaded by west's agent) for argo/runner.
+func workloadPolicy(east, west *testcluster.Cluster) string {
+	return fmt.Sprintf(`cluster:
+  name: east
+  server: %s
+  caFile: cluster-ca.crt
+peers:
+  - name: west
+    identity: spiffe://e2e.example/cluster/west
+    workloadIdentity:
+      issuer: %s
+      audiences: [%s]
+      jwksFromPeer: true
+      jwksOverlap: %s
+    grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: argo, serviceAccount: runner}]
+`, east.URL, west.ServiceAccountIssuer, workloadAudience, jwksOverlap)
+}
+
+// identityDir writes west's identity directory (tls.crt, tls.key, ca.crt)
+// for e's broker and returns it.
+func identityDir(t *testing.T, e *brokerEnv) string {
+	t.Helper()
+	idDir := filepath.Join(t.TempDir(), "identity")
+	require.NoError(t, os.MkdirAll(idDir, 0o700))
+	for from, to := range map[string]string{"west.crt": "tls.crt", "west.key": "tls.key"} {
+		data, err := os.ReadFile(filepath.Join(e.dir, from))
+		require.NoError(t, err)
+		writeFile(t, filepath.Join(idDir, to), string(data))
+	}
+	caData, err := os.ReadFile(e.ca)
+	require.NoError(t, err)
+	writeFile(t, filepath.Join(idDir, "ca.crt"), string(caData))
+	return idDir
+}
+
+// startKeyUploader starts an agent in west that uploads west's own
+// /openid/v1/jwks to e's broker every second.
+func startKeyUploader(t *testing.T, e *brokerEnv, west *testcluster.Cluster) *agentProc {
+	t.Helper()
+	agentOps := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	cfg := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), fmt.Sprintf(`identity: {dir: %s}
+kubeconfig: %s
+jwksUpload:
+  brokers: ["https://%s"]
+  interval: 1s
+opsAddress: "%s"
+`, identityDir(t, e), west.KubeconfigPath, e.api, agentOps))
+	agent := startAgent(t, cfg)
+	t.Cleanup(func() { stopProcess(t, agent.proc) })
+	return agent
 }
 
 func whoamiStatus(t *testing.T, e *brokerEnv, token string) (int, string) {
