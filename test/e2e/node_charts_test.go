@@ -1,0 +1,152 @@
+//go:build node
+
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
+)
+
+// TestNodeBrokerChartRunsAsAPod installs the broker's chart into a cluster
+// with a node, from make image's archive imported into the node: the Pod
+// becomes Ready through the chart's own probes (with its read-only root,
+// non-root user, dropped capabilities, mounted TLS Secret and policy
+// ConfigMap, the in-cluster ServiceAccount token, GOMEMLIMIT from the
+// downward API), and a peer gets a kubeconfig through the chart's Service
+// (kubectl port-forward svc/tokenbroker) and uses it. The harness's API
+// server listens on loopback, so the Pod runs with hostNetwork and is told
+// the API server's address with extraEnv. A helm upgrade then rolls the
+// Pod; on one node with hostNetwork the old Pod must go before the new one
+// binds the ports, and the test measures how long requests then fail.
+func TestNodeBrokerChartRunsAsAPod(t *testing.T) {
+	c := testcluster.Start(t, testcluster.WithNode())
+	setUpTarget(t, c)
+	ctx := t.Context()
+	kubectl := kubectlBinary(t)
+	_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.NoError(t, c.Node.ImportImage(ctx, imageArchive(t)))
+
+	e := newBrokerEnv(t, c) // its PKI and peer certificates; the broker runs in the Pod
+	tlsSecret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-tls", Namespace: "tokenbroker"},
+		Type:       corev1.SecretTypeTLS,
+		Data:       map[string][]byte{},
+	}
+	for key, file := range map[string]string{"tls.crt": "server.crt", "tls.key": "server.key", "ca.crt": "ca.crt"} {
+		b, err := os.ReadFile(filepath.Join(e.dir, "pki", file))
+		require.NoError(t, err)
+		tlsSecret.Data[key] = b
+	}
+	_, err = c.Client.CoreV1().Secrets("tokenbroker").Create(ctx, tlsSecret, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	ref := imageRef(t)
+	httpsPort, opsPort := freePort(t), freePort(t)
+	apiPort := c.URL[strings.LastIndex(c.URL, ":")+1:]
+	values := writeFile(t, filepath.Join(t.TempDir(), "values.yaml"), fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+replicaCount: 1
+hostNetwork: true
+containerPorts: {https: %d, ops: %d}
+pki: {tlsSecret: tokenbroker-tls}
+extraEnv:
+  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
+policy:
+  cluster: {name: east, server: %s}
+  peers:
+    - name: west
+      identity: spiffe://e2e.example/cluster/west
+      grants:
+        - namespaces: [argo]
+          serviceAccounts: [runner]
+          maxTTL: 12h
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], httpsPort, opsPort, apiPort, c.URL))
+	h := newHelm(t)
+	kube := []string{"--kubeconfig", c.KubeconfigPath, "--namespace", "tokenbroker"}
+	start := time.Now()
+	h.run(t, append([]string{"install", "tokenbroker", h.chart, "-f", values, "--wait", "--timeout", "120s"}, kube...)...)
+	t.Logf("helm install --wait: the broker's Pod Ready through its probes in %s", time.Since(start).Round(100*time.Millisecond))
+
+	issue := func(t *testing.T, addr string) (int, string) {
+		t.Helper()
+		status, out, err := e.curl(t, filepath.Join(e.dir, "west"), "--max-time", "5", "-H", "Content-Type: application/json",
+			"-d", `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`, "https://"+addr+"/v1/kubeconfigs")
+		if err != nil {
+			return 0, out
+		}
+		return status, out
+	}
+
+	t.Run("a peer gets a kubeconfig through the Service and uses it", func(t *testing.T) {
+		pf := startPortForward(t, kubectl, "--kubeconfig", c.KubeconfigPath, "-n", "tokenbroker", "port-forward", "svc/tokenbroker", ":443")
+		status, body := issue(t, "127.0.0.1:"+pf.port)
+		require.Equal(t, 201, status, body)
+		var resp apiv1.KubeconfigResponse
+		require.NoError(t, json.Unmarshal([]byte(body), &resp))
+		kc := writeFile(t, filepath.Join(t.TempDir(), "lease.kubeconfig"), resp.Kubeconfig)
+		out := run(t, kubectl, "--kubeconfig", kc, "-n", "argo", "get", "configmap", "hello", "-o", "jsonpath={.data.k}")
+		require.Equal(t, "v", out)
+	})
+
+	t.Run("helm upgrade rolls the Pod", func(t *testing.T) {
+		addr := fmt.Sprintf("127.0.0.1:%d", httpsPort)
+		stop := make(chan struct{})
+		type outcome struct {
+			at     time.Time
+			status int
+		}
+		results := make(chan []outcome, 1)
+		go func() {
+			var got []outcome
+			for {
+				select {
+				case <-stop:
+					results <- got
+					return
+				default:
+				}
+				status, _ := issue(t, addr)
+				got = append(got, outcome{time.Now(), status})
+				time.Sleep(200 * time.Millisecond)
+			}
+		}()
+		h.run(t, append([]string{"upgrade", "tokenbroker", h.chart, "-f", values, "--set", "logLevel=debug", "--wait", "--timeout", "120s"}, kube...)...)
+		status, body := issue(t, addr)
+		require.Equal(t, 201, status, "the new Pod serves: %s", body)
+		close(stop)
+		got := <-results
+		var failed int
+		var first, last time.Time
+		for _, o := range got {
+			if o.status != 201 {
+				if failed == 0 {
+					first = o.at
+				}
+				failed++
+				last = o.at
+			}
+		}
+		t.Logf("during helm upgrade: %d requests, %d failed, for %s (hostNetwork on one node: the old Pod goes before the new one starts)",
+			len(got), failed, last.Sub(first).Round(100*time.Millisecond))
+		pods, err := c.Client.CoreV1().Pods("tokenbroker").List(ctx, metav1.ListOptions{})
+		require.NoError(t, err)
+		require.Len(t, pods.Items, 1)
+		require.Contains(t, pods.Items[0].Spec.Containers[0].Args, "--log-level=debug", "the Pod is the upgraded one")
+	})
+}
