@@ -25,7 +25,9 @@ import (
 // non-root user, dropped capabilities, mounted TLS Secret and policy
 // ConfigMap, the in-cluster ServiceAccount token, GOMEMLIMIT from the
 // downward API), and a peer gets a kubeconfig through the chart's Service
-// (kubectl port-forward svc/tokenbroker) and uses it. The harness's API
+// (kubectl port-forward svc/tokenbroker) and uses it; the agent's chart,
+// installed the same way, writes a kubeconfig Secret from its Pod. The
+// harness's API
 // server listens on loopback, so the Pod runs with hostNetwork and is told
 // the API server's address with extraEnv. A helm upgrade then rolls the
 // Pod; on one node with hostNetwork the old Pod must go before the new one
@@ -80,8 +82,15 @@ policy:
 	h := newHelm(t)
 	kube := []string{"--kubeconfig", c.KubeconfigPath, "--namespace", "tokenbroker"}
 	start := time.Now()
-	h.run(t, append([]string{"install", "tokenbroker", h.chart, "-f", values, "--wait", "--timeout", "120s"}, kube...)...)
-	t.Logf("helm install --wait: the broker's Pod Ready through its probes in %s", time.Since(start).Round(100*time.Millisecond))
+	h.run(t, append([]string{"install", "tokenbroker", h.chart, "-f", values}, kube...)...)
+	// Not helm's --wait: with maxUnavailable 1 of 1 replica it deems the
+	// Deployment ready at once. kubectl waits for the Pod to be available.
+	rolledOut := func(t *testing.T) {
+		t.Helper()
+		run(t, kubectl, "--kubeconfig", c.KubeconfigPath, "-n", "tokenbroker", "rollout", "status", "deployment/tokenbroker", "--timeout=120s")
+	}
+	rolledOut(t)
+	t.Logf("helm install, then the broker's Pod Ready through its probes in %s", time.Since(start).Round(100*time.Millisecond))
 
 	issue := func(t *testing.T, addr string) (int, string) {
 		t.Helper()
@@ -102,6 +111,47 @@ policy:
 		kc := writeFile(t, filepath.Join(t.TempDir(), "lease.kubeconfig"), resp.Kubeconfig)
 		out := run(t, kubectl, "--kubeconfig", kc, "-n", "argo", "get", "configmap", "hello", "-o", "jsonpath={.data.k}")
 		require.Equal(t, "v", out)
+	})
+
+	t.Run("the agent's chart installed the same way writes its Secret from a Pod", func(t *testing.T) {
+		_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-agent"}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		id := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-agent-identity", Namespace: "tokenbroker-agent"}, Data: map[string][]byte{}}
+		for key, file := range map[string]string{"tls.crt": "west.crt", "tls.key": "west.key", "ca.crt": filepath.Join("pki", "ca.crt")} {
+			b, err := os.ReadFile(filepath.Join(e.dir, file))
+			require.NoError(t, err)
+			id.Data[key] = b
+		}
+		_, err = c.Client.CoreV1().Secrets("tokenbroker-agent").Create(ctx, id, metav1.CreateOptions{})
+		require.NoError(t, err)
+		agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostNetwork: true
+containerPorts: {ops: %d}
+extraEnv:
+  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
+config:
+  targets:
+    - name: east
+      broker: https://127.0.0.1:%d
+      request: {namespace: argo, serviceAccount: runner, ttl: 1h}
+      outputs:
+        - secret: {namespace: argo, name: east, format: kubeconfig}
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, httpsPort))
+		ha := newHelm(t)
+		ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
+		ha.run(t, "install", "tokenbroker-agent", ha.chart, "-f", agentValues, "--wait", "--timeout", "120s",
+			"--kubeconfig", c.KubeconfigPath, "--namespace", "tokenbroker-agent")
+		var sec *corev1.Secret
+		require.Eventually(t, func() bool {
+			sec, err = c.Client.CoreV1().Secrets("argo").Get(ctx, "east", metav1.GetOptions{})
+			return err == nil
+		}, 30*time.Second, 200*time.Millisecond, "the agent's Pod writes argo/east")
+		kc := writeFile(t, filepath.Join(t.TempDir(), "east.kubeconfig"), string(sec.Data["kubeconfig"]))
+		require.Equal(t, "v", run(t, kubectl, "--kubeconfig", kc, "-n", "argo", "get", "configmap", "hello", "-o", "jsonpath={.data.k}"))
 	})
 
 	t.Run("helm upgrade rolls the Pod", func(t *testing.T) {
@@ -126,7 +176,8 @@ policy:
 				time.Sleep(200 * time.Millisecond)
 			}
 		}()
-		h.run(t, append([]string{"upgrade", "tokenbroker", h.chart, "-f", values, "--set", "logLevel=debug", "--wait", "--timeout", "120s"}, kube...)...)
+		h.run(t, append([]string{"upgrade", "tokenbroker", h.chart, "-f", values, "--set", "logLevel=debug"}, kube...)...)
+		rolledOut(t)
 		status, body := issue(t, addr)
 		require.Equal(t, 201, status, "the new Pod serves: %s", body)
 		close(stop)
