@@ -12,6 +12,7 @@ IMAGE_REPOSITORY ?= ghcr.io/tokenbroker/tokenbroker
 RELEASE := $(shell sed -n 's/^appVersion: *//p' deploy/helm/tokenbroker/Chart.yaml)
 IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
 IMAGE_DIR := $(CURDIR)/dist/image
+HOST_ARCH := $(shell $(GO) env GOARCH)
 # The SBOM generator, built from the Go module proxy like helm.
 CYCLONEDX_GOMOD_VERSION := v1.10.0
 # Requests per measurement and concurrency levels for `make bench`.
@@ -61,7 +62,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube kube-node node-image test-node kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube kube-node node-image test-node devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -98,8 +99,18 @@ alerts-test: promtool ## promtool test rules: every alert the charts ship (test/
 localcluster: ## build bin/localcluster, the harness as a command
 	cd test && $(GO) build -o $(BIN)/localcluster ./cmd/localcluster
 
-dev: build kube localcluster ## start a local cluster, a dev PKI and a broker with a demo policy (Ctrl-C stops everything)
+ifeq ($(NODE),)
+dev: build kube localcluster ## start a local cluster, a dev PKI and a broker with a demo policy (Ctrl-C stops everything); NODE=1: the broker as a Pod from its chart on a node (root), and a Pod to exec into
 	$(BIN)/localcluster --controller-manager --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/tokenbroker dev --dir $(CURDIR)/.dev --kubeconfig $(CURDIR)/.dev/admin.kubeconfig
+else
+dev: kube localcluster kube-node node-image helm devnode
+	@test -f $(IMAGE_DIR)/tokenbroker-$(RELEASE)-linux-$(HOST_ARCH).tar || { echo "no image in $(IMAGE_DIR): run make image first (IMAGE_PLATFORMS=linux/$(HOST_ARCH) is enough)"; exit 1; }
+	$(BIN)/localcluster --controller-manager --node --import-image $(IMAGE_DIR)/tokenbroker-$(RELEASE)-linux-$(HOST_ARCH).tar \
+	  --kubeconfig-out $(CURDIR)/.dev/admin.kubeconfig -- $(BIN)/devnode --dir $(CURDIR)/.dev --image $(IMAGE_REPOSITORY):$(RELEASE) --helm $(BIN)/helm
+endif
+
+devnode: ## build bin/devnode, the demo of make dev NODE=1
+	cd test && $(GO) build -o $(BIN)/devnode ./cmd/devnode
 
 test: check chart-lint alerts-test unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 

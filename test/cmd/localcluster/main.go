@@ -32,6 +32,8 @@ type config struct {
 	binDir             string
 	maxTokenExpiration time.Duration
 	controllerManager  bool
+	node               bool
+	importImages       []string
 	startTimeout       time.Duration
 	command            []string
 }
@@ -59,6 +61,7 @@ Examples:
   localcluster --kubeconfig-out .dev/admin.kubeconfig
   localcluster -- kubectl get namespaces
   localcluster --max-token-expiration 1h -- go run ./cmd/tokenbroker dev
+  localcluster --node --import-image dist/image/tokenbroker-v0.1.0-linux-amd64.tar -- kubectl get nodes
 
 Flags:
 `
@@ -96,11 +99,21 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.StringVar(&cfg.binDir, "bin-dir", "", "directory of the kube binaries (default $"+testcluster.BinDirEnv+", else bin/ at the repository root)")
 	fs.DurationVar(&cfg.maxTokenExpiration, "max-token-expiration", 0, "kube-apiserver --service-account-max-token-expiration, e.g. 1h (default: no cap)")
 	fs.BoolVar(&cfg.controllerManager, "controller-manager", false, "also run kube-controller-manager with the controllers a real cluster runs (CSR signing, garbage collection, clusterrole aggregation, namespaces, ServiceAccounts...)")
+	fs.BoolVar(&cfg.node, "node", false, "also run a node: kubelet, kube-scheduler, containerd and runc (root; Debian packages containerd runc containernetworking-plugins iproute2), and the controller manager")
+	fs.Func("import-image", "an image archive (make image's) to import into the node's containerd; repeatable; needs --node", func(s string) error {
+		cfg.importImages = append(cfg.importImages, s)
+		return nil
+	})
 	fs.DurationVar(&cfg.startTimeout, "start-timeout", 60*time.Second, "how long to wait for the cluster to become ready")
 	if err := fs.Parse(args); err != nil {
 		return config{}, err
 	}
 	cfg.command = fs.Args()
+	if len(cfg.importImages) > 0 && !cfg.node {
+		err := errors.New("--import-image needs --node")
+		fmt.Fprintf(out, "localcluster: %v\n", err)
+		return config{}, err
+	}
 	if cfg.kubeconfigOut == "" {
 		err := errors.New("--kubeconfig-out must not be empty")
 		fmt.Fprintf(out, "localcluster: %v\n", err)
@@ -122,6 +135,9 @@ func run(cfg config, sigs <-chan os.Signal, log io.Writer) (int, error) {
 	if cfg.controllerManager {
 		opts = append(opts, testcluster.WithControllerManager())
 	}
+	if cfg.node {
+		opts = append(opts, testcluster.WithNode())
+	}
 
 	// A signal during start-up (which may include building binaries)
 	// aborts it.
@@ -141,6 +157,12 @@ func run(cfg config, sigs <-chan os.Signal, log io.Writer) (int, error) {
 		return 1, fmt.Errorf("start cluster: %w", err)
 	}
 
+	for _, img := range cfg.importImages {
+		if err := cluster.Node.ImportImage(context.Background(), img); err != nil {
+			_ = cluster.Stop()
+			return 1, fmt.Errorf("import %s: %w", img, err)
+		}
+	}
 	code, runErr := serve(cfg, cluster, sigs, log)
 	if err := cluster.Stop(); err != nil {
 		runErr = errors.Join(runErr, fmt.Errorf("stop cluster: %w", err))
