@@ -5,6 +5,7 @@ package testcluster
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -168,4 +169,102 @@ func shimsOf(t *testing.T, socket string) []string {
 		}
 	}
 	return out
+}
+
+// nodeHelperEnv makes the test binary run TestNodeHelperProcess: a test
+// that starts a node with a Pod, prints its directory and then panics
+// ("panic") or waits to be killed ("kill").
+const nodeHelperEnv = "TESTCLUSTER_NODE_HELPER"
+
+// TestNodeLeavesNothingWhenItsTestPanicsOrIsKilled runs a test with a
+// node and a running Pod in a child process. When the test panics, its
+// cleanup still removes everything. When the process is killed with
+// SIGKILL (no cleanup runs; the kubelet and containerd die with it, the
+// containers, shims and mounts do not), the next start of a node reaps
+// what it left.
+func TestNodeLeavesNothingWhenItsTestPanicsOrIsKilled(t *testing.T) {
+	helper := func(t *testing.T, mode string) (*exec.Cmd, string) {
+		t.Helper()
+		cmd := exec.Command(os.Args[0], "-test.run", "^TestNodeHelperProcess$", "-test.v", "-test.count=1")
+		cmd.Env = append(os.Environ(), nodeHelperEnv+"="+mode)
+		stdout, err := cmd.StdoutPipe()
+		require.NoError(t, err)
+		require.NoError(t, cmd.Start())
+		dirs := make(chan string, 1)
+		go func() {
+			s := bufio.NewScanner(stdout)
+			for s.Scan() {
+				if d, ok := strings.CutPrefix(strings.TrimSpace(s.Text()), "NODE-DIR="); ok {
+					dirs <- d
+				}
+			}
+		}()
+		select {
+		case d := <-dirs:
+			return cmd, d
+		case <-time.After(2 * time.Minute):
+			_ = cmd.Process.Kill()
+			t.Fatal("the helper never started its node")
+			return nil, ""
+		}
+	}
+	requireNothingLeft := func(t *testing.T, dir string) {
+		t.Helper()
+		mounts, err := mountsUnder(dir)
+		require.NoError(t, err)
+		require.Empty(t, mounts, "no mount is left")
+		dirs, _ := cgroupDirs(cgroupNamePrefix + filepath.Base(dir))
+		for _, d := range dirs {
+			require.NoDirExists(t, d, "no cgroup is left")
+		}
+		require.Empty(t, shimsOf(t, filepath.Join(dir, nodeDirName, "containerd.sock")), "no shim is left")
+		require.NoDirExists(t, dir)
+	}
+
+	t.Run("panic", func(t *testing.T) {
+		cmd, dir := helper(t, "panic")
+		require.Error(t, cmd.Wait(), "the helper test panics")
+		requireNothingLeft(t, dir)
+	})
+
+	t.Run("SIGKILL", func(t *testing.T) {
+		cmd, dir := helper(t, "kill")
+		require.NoError(t, cmd.Process.Kill())
+		_ = cmd.Wait()
+		require.Eventually(t, func() bool {
+			mounts, _ := mountsUnder(dir)
+			return len(mounts) > 0 && !processAlive(cmd.Process.Pid)
+		}, 10*time.Second, 100*time.Millisecond, "the killed test leaves mounts behind")
+		c, err := Run(t.Context(), WithNode())
+		require.NoError(t, err)
+		require.NoError(t, c.Stop())
+		requireNothingLeft(t, dir)
+	})
+}
+
+// TestNodeHelperProcess is TestNodeLeavesNothingWhenItsTestPanicsOrIsKilled's
+// child; on its own it does nothing.
+func TestNodeHelperProcess(t *testing.T) {
+	mode := os.Getenv(nodeHelperEnv)
+	if mode == "" {
+		t.Skip("the child of TestNodeLeavesNothingWhenItsTestPanicsOrIsKilled")
+	}
+	c := Start(t, WithNode())
+	_, err := c.Client.CoreV1().Pods("default").Create(t.Context(), &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "probe", Namespace: "default"},
+		Spec: corev1.PodSpec{
+			AutomountServiceAccountToken: new(bool),
+			Containers:                   []corev1.Container{{Name: "probe", Image: NodeImageRef, ImagePullPolicy: corev1.PullNever}},
+		},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		p, err := c.Client.CoreV1().Pods("default").Get(t.Context(), "probe", metav1.GetOptions{})
+		return err == nil && p.Status.Phase == corev1.PodRunning
+	}, time.Minute, 100*time.Millisecond)
+	fmt.Printf("NODE-DIR=%s\n", c.Dir)
+	if mode == "panic" {
+		panic("a test with a node panics")
+	}
+	select {}
 }
