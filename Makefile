@@ -62,7 +62,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: all build kube kube-node node-image test-node devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube kube-node node-image test-node test-node-run devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 
@@ -141,7 +141,10 @@ kube-node: ## build the node's kubelet and kube-scheduler of KUBE_VERSION into b
 node-image: ## build bin/node-image.tar, the image of the harness's node (its pod sandbox and stream-test container), with test/image
 	cd test/image && $(GO) run . -node-image $(BIN)/node-image.tar
 
-test-node: build kube kube-node node-image helm ## the tests that need a node (kubelet, containerd, runc: root and Debian packages; make image first): Pods, streams, workload identity from a Pod
+test-node: build kube kube-node node-image helm ## the tests that need a node (kubelet, containerd, runc: root and Debian packages; make image first): Pods, streams, workload identity from a Pod, the charts, make dev NODE=1
+	$(MAKE) test-node-run
+
+test-node-run: ## (part of test-node) its tests alone, with everything they need built (.ci/run runs it beside make test-compat)
 	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
 	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) $(GO) test -tags node -count=1 -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
 

@@ -164,24 +164,34 @@ func EnsureBinaries(ctx context.Context, binDir string, names ...string) error {
 	if err != nil {
 		return err
 	}
-	if err := withBuildLock(ctx, dir, func() error {
-		inputs, err := buildInputs(ctx, version)
-		if err != nil {
-			return err
-		}
-		var stale []string
+	inputs, err := buildInputs(ctx, version)
+	if err != nil {
+		return err
+	}
+	stale := func() []string {
+		var out []string
 		for _, name := range names {
 			stamp, err := os.ReadFile(filepath.Join(dir, "."+name+stampSuffix))
 			if err != nil || string(stamp) != inputs.stamp || !isExecutable(filepath.Join(dir, name)) {
-				stale = append(stale, name)
+				out = append(out, name)
 			}
 		}
-		if len(stale) == 0 {
+		return out
+	}
+	// Up to date without the lock: a build moves each binary into place
+	// before it writes its stamp, so a matching stamp names a whole
+	// binary. Callers whose binaries are built do not wait for another
+	// process building others of the release (make kube-node while make
+	// test runs).
+	if len(stale()) > 0 {
+		if err := withBuildLock(ctx, dir, func() error {
+			if names := stale(); len(names) > 0 {
+				return buildWith(ctx, dir, names, inputs)
+			}
 			return nil
+		}); err != nil {
+			return err
 		}
-		return buildWith(ctx, dir, stale, inputs)
-	}); err != nil {
-		return err
 	}
 	if version != DefaultKubeVersion || !slices.Contains(names, Kubectl) {
 		return nil
