@@ -75,8 +75,7 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 	// written), stand-ins for the ClusterRoles Admiralty's chart installs,
 	// and the guide's objects.
 	applyYAML(t, kubectl, east, admiraltyCRDs)
-	run(t, kubectl, "--kubeconfig", east.KubeconfigPath, "wait", "--for=condition=Established", "--timeout=30s",
-		"crd/sources.multicluster.admiralty.io", "crd/targets.multicluster.admiralty.io")
+	waitEstablished(t, kubectl, east.KubeconfigPath, "crd/sources.multicluster.admiralty.io", "crd/targets.multicluster.admiralty.io")
 	applyYAML(t, kubectl, east, admiraltyClusterRoles)
 	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "# east: kubectl apply -f source.yaml"))
 	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "# east, only without Admiralty's source controller"))
@@ -125,7 +124,7 @@ func TestAgentKeepsKubeconfigsFreshAcrossTwoClusters(t *testing.T) {
 		require.NoError(t, err)
 	}
 	applyYAML(t, kubectl, west, admiraltyCRDs)
-	run(t, kubectl, "--kubeconfig", west.KubeconfigPath, "wait", "--for=condition=Established", "--timeout=30s", "crd/targets.multicluster.admiralty.io")
+	waitEstablished(t, kubectl, west.KubeconfigPath, "crd/targets.multicluster.admiralty.io")
 	var agentRBAC strings.Builder
 	for _, d := range splitManifests(t, run(t, kubectl, "kustomize", filepath.Join(root, "deploy", "agent"))) {
 		switch d.Kind {

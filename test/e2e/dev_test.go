@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -48,36 +49,7 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 		}
 	})
 
-	// Read the banner up to its last line, keeping the indented commands.
-	var commands []string
-	lines := make(chan string)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-		close(lines)
-	}()
-	timeout := time.After(90 * time.Second)
-read:
-	for {
-		select {
-		case line, ok := <-lines:
-			require.True(t, ok, "tokenbroker dev ended before it was ready")
-			if strings.HasPrefix(line, "  ") {
-				commands = append(commands, strings.TrimSpace(line))
-			}
-			if strings.HasPrefix(line, "Ctrl-C stops") {
-				break read
-			}
-		case <-timeout:
-			t.Fatal("tokenbroker dev printed no commands within 90s")
-		}
-	}
-	go func() {
-		for range lines { // keep the pipe drained
-		}
-	}()
+	commands := printedCommands(t, stdout, 90*time.Second)
 	require.Len(t, commands, 5, "curl for a kubeconfig, kubectl, curl for a certificate kubeconfig, kubectl auth whoami, curl for whoami")
 
 	for i, c := range commands {
@@ -101,4 +73,39 @@ read:
 	}
 	_, err = os.Stat(filepath.Join(dir, "admin.kubeconfig"))
 	require.ErrorIs(t, err, os.ErrNotExist, "the admin kubeconfig is removed on exit")
+}
+
+// printedCommands reads a dev banner from r up to its last line ("Ctrl-C
+// stops ...") and returns its indented lines, the commands, trimmed; it
+// keeps draining r afterwards.
+func printedCommands(t *testing.T, r io.Reader, timeout time.Duration) []string {
+	t.Helper()
+	var commands []string
+	lines := make(chan string)
+	go func() {
+		sc := bufio.NewScanner(r)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	deadline := time.After(timeout)
+	for {
+		select {
+		case line, ok := <-lines:
+			require.True(t, ok, "the dev command ended before it was ready")
+			if strings.HasPrefix(line, "  ") {
+				commands = append(commands, strings.TrimSpace(line))
+			}
+			if strings.HasPrefix(line, "Ctrl-C stops") {
+				go func() {
+					for range lines { // keep the pipe drained
+					}
+				}()
+				return commands
+			}
+		case <-deadline:
+			t.Fatalf("the dev command printed no commands within %s", timeout)
+		}
+	}
 }

@@ -689,8 +689,19 @@ metadata:
 		doc += "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: " + ns + "}\n"
 	}
 	applyYAML(t, kubectl, c, doc+"---\n"+serviceMonitorCRD+"---\n"+prometheusRuleCRD)
-	run(t, kubectl, "--kubeconfig", c.KubeconfigPath, "wait", "--for=condition=Established", "--timeout=30s",
-		"crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")
+	waitEstablished(t, kubectl, c.KubeconfigPath, "crd/servicemonitors.monitoring.coreos.com", "crd/prometheusrules.monitoring.coreos.com")
+}
+
+// waitEstablished waits until the CRDs are Established. kubectl wait
+// fails at once, instead of waiting, on a CRD whose status has no
+// conditions yet (".status.conditions accessor error"), which a CRD just
+// created can have: it is asked again until it succeeds.
+func waitEstablished(t *testing.T, kubectl, kubeconfig string, crds ...string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		_, _, err := runErr(kubectl, append([]string{"--kubeconfig", kubeconfig, "wait", "--for=condition=Established", "--timeout=5s"}, crds...)...)
+		return err == nil
+	}, 30*time.Second, 200*time.Millisecond, "the CRDs %v are established", crds)
 }
 
 // TestHelmChartAgainstAPIServer checks the chart against a real API server:

@@ -3,7 +3,6 @@
 package e2e
 
 import (
-	"bufio"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -49,35 +48,7 @@ func TestNodeMakeDevCommandsWorkAsPrinted(t *testing.T) {
 		}
 	})
 
-	var commands []string
-	lines := make(chan string)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-		close(lines)
-	}()
-	timeout := time.After(3 * time.Minute)
-read:
-	for {
-		select {
-		case line, ok := <-lines:
-			require.True(t, ok, "devnode ended before it was ready")
-			if strings.HasPrefix(line, "  ") {
-				commands = append(commands, strings.TrimSpace(line))
-			}
-			if strings.HasPrefix(line, "Ctrl-C stops") {
-				break read
-			}
-		case <-timeout:
-			t.Fatal("make dev NODE=1 printed no commands within 3 minutes")
-		}
-	}
-	go func() {
-		for range lines { // keep the pipe drained
-		}
-	}()
+	commands := printedCommands(t, stdout, 3*time.Minute)
 	require.Len(t, commands, 3, "curl for a kubeconfig, kubectl with it, kubectl exec with it")
 	require.Contains(t, commands[2], " exec ")
 

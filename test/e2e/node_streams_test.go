@@ -19,7 +19,6 @@ import (
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -81,15 +80,10 @@ func TestNodeStreamsOutliveARevocationInDirectMode(t *testing.T) {
 	revoked := time.Now()
 	brokered, err := kubernetes.NewForConfig(c.TokenConfig(lease.Token))
 	require.NoError(t, err)
-	var refused time.Time
-	require.Eventually(t, func() bool {
+	refused := whenRefused(t, func() error {
 		_, err := brokered.CoreV1().Pods("argo").List(ctx, metav1.ListOptions{})
-		if apierrors.IsUnauthorized(err) {
-			refused = time.Now()
-			return true
-		}
-		return false
-	}, 20*time.Second, 200*time.Millisecond, "a new request with the revoked credential is refused")
+		return err
+	})
 	out, err := exec.CommandContext(ctx, kubectl, "--kubeconfig", kc, "-n", "argo", "exec", "probe", "--", "/nodeprobe", "cat").CombinedOutput()
 	require.Error(t, err, "a new exec is refused: %s", out)
 

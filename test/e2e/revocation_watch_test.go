@@ -108,15 +108,10 @@ func TestAWatchOpenedBeforeARevocationOutlivesItUntilTheAPIServerEndsIt(t *testi
 
 	// New requests with the token are refused once the API server's token
 	// cache lets go (about 10 s).
-	var refused time.Time
-	require.Eventually(t, func() bool {
+	refused := whenRefused(t, func() error {
 		_, err := brokered.CoreV1().ConfigMaps("argo").List(ctx, metav1.ListOptions{})
-		if apierrors.IsUnauthorized(err) {
-			refused = time.Now()
-			return true
-		}
-		return false
-	}, 20*time.Second, 200*time.Millisecond, "a new request with the revoked token is refused")
+		return err
+	})
 	_, err = brokered.CoreV1().ConfigMaps("argo").Watch(ctx, metav1.ListOptions{})
 	require.True(t, apierrors.IsUnauthorized(err), "a new watch is refused too: %v", err)
 
@@ -157,4 +152,20 @@ wait:
 	// Re-establishing it, as an informer would, is refused.
 	_, err = brokered.CoreV1().ConfigMaps("argo").Watch(ctx, metav1.ListOptions{})
 	require.True(t, apierrors.IsUnauthorized(err), "the informer's re-watch is refused: %v", err)
+}
+
+// whenRefused polls request until the API server answers it 401 (a
+// revoked credential, once its token cache lets go: about 10 s) and
+// returns when that was; it fails the test after 20 s.
+func whenRefused(t *testing.T, request func() error) time.Time {
+	t.Helper()
+	var refused time.Time
+	require.Eventually(t, func() bool {
+		if apierrors.IsUnauthorized(request()) {
+			refused = time.Now()
+			return true
+		}
+		return false
+	}, 20*time.Second, 200*time.Millisecond, "a new request with the revoked credential is refused")
+	return refused
 }
