@@ -142,10 +142,7 @@ func (c *Cluster) startNode(ctx context.Context, n *Node) error {
 	}
 	n.Dir = filepath.Join(c.Dir, nodeDirName)
 	n.ContainerdAddress = filepath.Join(n.Dir, "containerd.sock")
-	n.cgroup = "/" + cgroupNamePrefix + filepath.Base(c.Dir)
-	h := fnv.New32a()
-	_, _ = h.Write([]byte(c.Dir))
-	n.bridge = fmt.Sprintf("tb%08x", h.Sum32()) // at most 15 characters
+	n.cgroup, n.bridge = nodeCgroup(c.Dir), nodeBridge(c.Dir)
 	if err := os.MkdirAll(n.Dir, 0o700); err != nil {
 		return err
 	}
@@ -478,12 +475,24 @@ func reapStaleNodes() {
 			continue
 		}
 		clusterDir := filepath.Dir(filepath.Dir(owner))
-		h := fnv.New32a()
-		_, _ = h.Write([]byte(clusterDir))
-		if cleanUpNode(filepath.Dir(owner), "/"+cgroupNamePrefix+filepath.Base(clusterDir), fmt.Sprintf("tb%08x", h.Sum32())) == nil {
+		if cleanUpNode(filepath.Dir(owner), nodeCgroup(clusterDir), nodeBridge(clusterDir)) == nil {
 			_ = os.RemoveAll(clusterDir)
 		}
 	}
+}
+
+// nodeCgroup is the kubelet's cgroupRoot of the node of the cluster in
+// clusterDir, e.g. /tokenbroker-testcluster-123.
+func nodeCgroup(clusterDir string) string {
+	return "/" + cgroupNamePrefix + filepath.Base(clusterDir)
+}
+
+// nodeBridge is the name of the bridge of the node of the cluster in
+// clusterDir: at most 15 characters, as Linux wants.
+func nodeBridge(clusterDir string) string {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(clusterDir))
+	return fmt.Sprintf("tb%08x", h.Sum32())
 }
 
 // processAlive reports whether a process with this pid exists (and is not a

@@ -213,7 +213,7 @@ func TestNodeLeavesNothingWhenItsTestPanicsOrIsKilled(t *testing.T) {
 		mounts, err := mountsUnder(dir)
 		require.NoError(t, err)
 		require.Empty(t, mounts, "no mount is left")
-		dirs, _ := cgroupDirs(cgroupNamePrefix + filepath.Base(dir))
+		dirs, _ := cgroupDirs(nodeCgroup(dir))
 		for _, d := range dirs {
 			require.NoDirExists(t, d, "no cgroup is left")
 		}
