@@ -192,17 +192,20 @@ func TestDeployAgent(t *testing.T) {
 	}
 	run(t, kubectl, append(admin, "apply", "-f", writeFile(t, filepath.Join(t.TempDir(), "rbac.yaml"), rbacYAML.String()))...)
 
-	sa := "system:serviceaccount:tokenbroker-agent:tokenbroker-agent"
+	sa, groups := testcluster.ServiceAccountUser("tokenbroker-agent", "tokenbroker-agent")
+	out := cfg.Targets[0].Outputs[0].Secret
+	id := cfg.Identity.Secret
+	// The authorizer sees the applied binding a moment after it is written.
+	require.NoError(t, testcluster.WaitAllowed(context.Background(), c.Client, sa, groups,
+		authzv1.ResourceAttributes{Namespace: out.Namespace, Verb: "get", Resource: "secrets", Name: out.Name}))
 	can := func(t *testing.T, attr authzv1.ResourceAttributes) bool {
 		t.Helper()
 		r, err := c.Client.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), &authzv1.SubjectAccessReview{
-			Spec: authzv1.SubjectAccessReviewSpec{User: sa, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:tokenbroker-agent", "system:authenticated"}, ResourceAttributes: &attr},
+			Spec: authzv1.SubjectAccessReviewSpec{User: sa, Groups: groups, ResourceAttributes: &attr},
 		}, metav1.CreateOptions{})
 		require.NoError(t, err)
 		return r.Status.Allowed
 	}
-	out := cfg.Targets[0].Outputs[0].Secret
-	id := cfg.Identity.Secret
 
 	t.Run("the agent's ServiceAccount can read, create and update the Secrets it writes", func(t *testing.T) {
 		t.Parallel()

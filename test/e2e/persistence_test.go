@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -38,6 +39,16 @@ func TestCLIConfigValidateWarnsOfGrantsWhoseHoldersOutliveTheLease(t *testing.T)
 			Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: "argo"}},
 			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name}}, metav1.CreateOptions{})
 		require.NoError(t, err)
+		// config validate asks the authorizer, which sees the binding a
+		// moment after it is written.
+		var attrs []authzv1.ResourceAttributes
+		for _, verb := range rule.Verbs {
+			for _, resource := range rule.Resources {
+				attrs = append(attrs, authzv1.ResourceAttributes{Namespace: "argo", Verb: verb, Resource: resource})
+			}
+		}
+		user, groups := testcluster.ServiceAccountUser("argo", name)
+		require.NoError(t, testcluster.WaitAllowed(ctx, c.Client, user, groups, attrs...))
 	}
 	file := filepath.Join(t.TempDir(), "policy.yaml")
 	require.NoError(t, os.WriteFile(file, []byte(`cluster: {name: east, server: "https://east.example.com:6443", caData: "`+strings.ReplaceAll(string(c.CAData), "\n", `\n`)+`"}

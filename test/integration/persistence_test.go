@@ -4,10 +4,10 @@ import (
 	"context"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	authnv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -81,11 +81,18 @@ func TestPersistenceIsAskedOfTheRealAPIServer(t *testing.T) {
 	bind("secret-maker", "Role", "secret-maker")
 	bind("token-maker", "Role", "token-maker")
 	bind("secret-reader", "Role", "secret-reader")
-	// edit is empty until the controller manager has aggregated it.
-	require.Eventually(t, func() bool {
-		cr, err := rbac.ClusterRoles().Get(ctx, "edit", metav1.GetOptions{})
-		return err == nil && len(cr.Rules) > 0
-	}, 30*time.Second, 100*time.Millisecond)
+	// Wait until the authorizer sees every binding, and edit aggregated
+	// by the controller manager (empty until then).
+	for sa, attrs := range map[string]authorizationv1.ResourceAttributes{
+		"reader":        {Namespace: "argo", Verb: "list", Resource: "configmaps"},
+		"editor":        {Namespace: "argo", Verb: "create", Resource: "secrets"},
+		"secret-maker":  {Namespace: "argo", Verb: "create", Resource: "secrets"},
+		"token-maker":   {Namespace: "argo", Verb: "create", Resource: "serviceaccounts", Subresource: "token"},
+		"secret-reader": {Namespace: "argo", Verb: "get", Resource: "secrets"},
+	} {
+		user, groups := testcluster.ServiceAccountUser("argo", sa)
+		require.NoError(t, testcluster.WaitAllowed(ctx, c.Client, user, groups, attrs))
+	}
 
 	p, err := policy.Parse([]byte(persistencePolicy))
 	require.NoError(t, err)

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"reflect"
 	"runtime/debug"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -40,12 +41,15 @@ import (
 	kubesecrets "github.com/hashicorp/vault-plugin-secrets-kubernetes"
 	"github.com/hashicorp/vault/sdk/logical"
 	authnv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
 // PluginModule is the Go module of the engine.
@@ -313,6 +317,17 @@ func Grant(ctx context.Context, admin kubernetes.Interface, namespace string, tt
 		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: name, Namespace: namespace}},
 	}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return "", fmt.Errorf("bind the plugin's ClusterRole: %w", err)
+	}
+	// The plugin uses the binding at once; the authorizer sees it a moment
+	// after it is written.
+	var attrs []authorizationv1.ResourceAttributes
+	for _, r := range GrantRules {
+		resource, sub, _ := strings.Cut(r.Resources[0], "/")
+		attrs = append(attrs, authorizationv1.ResourceAttributes{Group: r.APIGroups[0], Resource: resource, Subresource: sub, Verb: r.Verbs[0], Namespace: namespace})
+	}
+	user, groups := testcluster.ServiceAccountUser(namespace, name)
+	if err := testcluster.WaitAllowed(ctx, admin, user, groups, attrs...); err != nil {
+		return "", err
 	}
 	seconds := int64(ttl.Seconds())
 	tr, err := admin.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name,
