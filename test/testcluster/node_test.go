@@ -268,3 +268,54 @@ func TestNodeHelperProcess(t *testing.T) {
 	}
 	select {}
 }
+
+// TestNodeTeardownKillsAFrozenContainer freezes a process in a cgroup of
+// the node's kind, as runc does while it kills a container, and checks
+// that the teardown still kills it and removes the cgroup: a runc killed
+// mid-way would otherwise leave its container frozen and unkillable.
+func TestNodeTeardownKillsAFrozenContainer(t *testing.T) {
+	cgroup := fmt.Sprintf("/%sfrozen-%d", cgroupNamePrefix, os.Getpid())
+	v1, err := makeCgroups(cgroup)
+	require.NoError(t, err)
+	t.Cleanup(func() { killCgroup(cgroup); _ = removeCgroups(cgroup) })
+	container := filepath.Join(cgroup, "pod", "container")
+	_, err = makeCgroups(container)
+	require.NoError(t, err)
+
+	sleep := exec.Command("sleep", "600")
+	require.NoError(t, sleep.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- sleep.Wait() }()
+	// Into the freezer's hierarchy (v1), or the one tree (v2), and frozen.
+	freeze, frozen := "freezer.state", "FROZEN"
+	if !v1 {
+		freeze, frozen = "cgroup.freeze", "1"
+	}
+	dirs, _ := cgroupDirs(container)
+	var froze bool
+	for _, d := range dirs {
+		if f := filepath.Join(d, freeze); isFile(f) {
+			require.NoError(t, os.WriteFile(filepath.Join(d, "cgroup.procs"), []byte(fmt.Sprint(sleep.Process.Pid)), 0o644))
+			require.NoError(t, os.WriteFile(f, []byte(frozen), 0o644))
+			froze = true
+		}
+	}
+	require.True(t, froze, "no freezer for %s", container)
+	require.NoError(t, sleep.Process.Kill())
+	select {
+	case <-exited:
+		t.Fatal("a frozen process died of SIGKILL: the freezer did not hold it")
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	killCgroup(cgroup)
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the frozen process is still there after the teardown")
+	}
+	require.NoError(t, removeCgroups(cgroup))
+	for _, d := range dirs {
+		require.NoDirExists(t, d)
+	}
+}

@@ -63,7 +63,11 @@ func makeCgroups(cgroup string) (v1 bool, err error) {
 }
 
 // killCgroup kills every process in cgroup and below (the containers of
-// the node's pods), until none is left or five seconds have passed.
+// the node's pods), until none is left or five seconds have passed. It
+// thaws every frozen cgroup first: runc freezes a container's cgroup while
+// it kills it, and a frozen process does not die of SIGKILL, so a runc
+// killed in between (the kubelet's teardown, or a test killed) would leave
+// it frozen for good.
 func killCgroup(cgroup string) {
 	dirs, _ := cgroupDirs(cgroup)
 	deadline := time.Now().Add(5 * time.Second)
@@ -71,7 +75,16 @@ func killCgroup(cgroup string) {
 		var pids []int
 		for _, d := range dirs {
 			_ = filepath.WalkDir(d, func(path string, e fs.DirEntry, err error) error {
-				if err != nil || e.IsDir() || e.Name() != "cgroup.procs" {
+				if err != nil || e.IsDir() {
+					return nil
+				}
+				switch e.Name() {
+				case "freezer.state": // v1
+					_ = os.WriteFile(path, []byte("THAWED"), 0o644)
+				case "cgroup.freeze": // v2
+					_ = os.WriteFile(path, []byte("0"), 0o644)
+				}
+				if e.Name() != "cgroup.procs" {
 					return nil
 				}
 				b, _ := os.ReadFile(path)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -98,8 +99,32 @@ func (p *process) stop(timeout time.Duration) error {
 	if err := syscall.Kill(-pgid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
 		return fmt.Errorf("kill %s: %w", p.name, err)
 	}
-	<-p.done
+	// A process that SIGKILL does not end is stuck in the kernel (a frozen
+	// cgroup, an uninterruptible wait): say where, rather than wait for it
+	// for ever.
+	select {
+	case <-p.done:
+	case <-time.After(killTimeout):
+		return fmt.Errorf("%s did not exit within %s of SIGKILL: %s", p.name, killTimeout, kernelState(pgid))
+	}
 	return fmt.Errorf("%s did not exit within %s of SIGTERM and was killed", p.name, timeout)
+}
+
+// killTimeout is how long stop waits for a process it killed with SIGKILL.
+const killTimeout = 10 * time.Second
+
+// kernelState describes where the kernel holds process pid: its state and
+// the function it waits in.
+func kernelState(pid int) string {
+	status, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	wchan, _ := os.ReadFile(fmt.Sprintf("/proc/%d/wchan", pid))
+	state := "?"
+	for _, l := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(l, "State:"); ok {
+			state = strings.TrimSpace(v)
+		}
+	}
+	return fmt.Sprintf("pid %d state %s, waiting in %q", pid, state, string(wchan))
 }
 
 // logTail returns the end of the process's log, for error messages.
