@@ -74,6 +74,7 @@ type Agent struct {
 	targets []*refresher
 	renewer *renewer
 	jwks    *jwksUploader
+	pods    *podReporter
 	trust   *clusterTrust
 
 	runOnce sync.Once
@@ -185,6 +186,13 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		for _, b := range u.Brokers {
 			a.jwks.brokers[b] = brokerRef{b: a.brokers, url: b}
 		}
+		if p := u.LivePods; p != nil {
+			brokers := map[string]podsAPI{}
+			for _, b := range u.Brokers {
+				brokers[b] = brokerRef{b: a.brokers, url: b}
+			}
+			a.pods = newPodReporter(deps.Kubernetes, brokers, p.Interval, p.Audiences, a.clock, a.log.Named("pods"))
+		}
 	}
 
 	renewSched := newSchedule(cfg.Refresh, a.rand)
@@ -262,6 +270,9 @@ func (a *Agent) run(ctx context.Context) error {
 			wg.Go(func() { a.trust.run(ctx) })
 		}
 		wg.Go(func() { a.renewer.run(ctx) })
+		if a.pods != nil {
+			wg.Go(func() { a.pods.run(ctx) })
+		}
 		if a.jwks != nil {
 			wg.Go(func() { a.jwks.run(ctx) })
 		}

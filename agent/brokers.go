@@ -132,6 +132,14 @@ func (r brokerRef) PutJWKS(ctx context.Context, doc []byte) (*apiv1.PeerJWKS, er
 	return c.PutJWKS(ctx, doc)
 }
 
+func (r brokerRef) PutPods(ctx context.Context, uids []string) (*apiv1.PeerLivePods, error) {
+	c, err := r.b.client(r.url)
+	if err != nil {
+		return nil, err
+	}
+	return c.PutPods(ctx, uids)
+}
+
 func (r brokerRef) Kubeconfig(ctx context.Context, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	c, err := r.b.clientAs(r.url, r.workloadTokenFile)
 	if err != nil {

@@ -61,3 +61,21 @@ func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.
 	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
 }
+
+// ReportPeerPods stores the uids of the Pods that live in the caller's
+// cluster (PUT /v1/peers/self/pods). The peer's policy must say
+// livePodsFromPeer: true (else KindForbidden).
+func (b *Broker) ReportPeerPods(ctx context.Context, c Caller, uids []string) (*apiv1.PeerLivePods, error) {
+	a := &audit.Pending{Event: audit.Event{Action: audit.ActionReportPods, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	var resp *apiv1.PeerLivePods
+	p, err := b.policy()
+	if err == nil {
+		resp, err = b.cfg.PeerKeys.ReportLivePods(ctx, p, c.Identity, uids, b.cfg.Clock.Now(), &a.Event)
+	}
+	outcome := outcomeGranted
+	if err != nil {
+		outcome = outcomeFor(err)
+	}
+	b.concludeOutcome(ctx, a, outcome, err)
+	return resp, err
+}

@@ -120,6 +120,9 @@ type WorkloadAuthenticator interface {
 	// PutPeerJWKS stores the caller's cluster's key set, doc being the
 	// body as sent (at most pki.MaxJWKSBytes).
 	PutPeerJWKS(ctx context.Context, c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error)
+	// ReportPeerPods stores the uids of the Pods that live in the caller's
+	// cluster (decoded, not yet validated).
+	ReportPeerPods(ctx context.Context, c broker.Caller, uids []string) (*apiv1.PeerLivePods, error)
 }
 
 // TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which

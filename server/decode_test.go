@@ -12,6 +12,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 )
 
 func TestNegotiate(t *testing.T) {
@@ -247,6 +248,43 @@ func FuzzDecodeKubeconfigRequest(f *testing.F) {
 		if len(fields) == 0 {
 			require.NotEmpty(t, req.Namespace)
 			require.NotEmpty(t, req.ServiceAccount)
+		}
+	})
+}
+
+// FuzzDecodeLivePodsReport feeds PUT /v1/peers/self/pods bodies through
+// the server's decoder and the broker's check: whatever is accepted is at
+// most workload.MaxLivePods distinct lower-case uids.
+func FuzzDecodeLivePodsReport(f *testing.F) {
+	for _, seed := range []string{
+		`{"uids":[]}`,
+		`{"uids":["7a1e2f3c-0000-4000-8000-000000000002"]}`,
+		`{"uids":["7a1e2f3c-0000-4000-8000-000000000002","7a1e2f3c-0000-4000-8000-000000000002"]}`,
+		`{"uids":["7A1E2F3C-0000-4000-8000-000000000002"]}`,
+		`{"uids":null}`, `{"uids":[1]}`, `{"uids":["a"],"uids":["b"]}`, `{"UIDs":[]}`, `[]`, ``,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		r := httptest.NewRequest(http.MethodPut, "/v1/peers/self/pods", bytes.NewReader(body))
+		r.Header.Set("Content-Type", "application/json")
+		var report apiv1.LivePodsReport
+		if err := decodeJSONBody(r, DefaultMaxBodyBytes, &report); err != nil {
+			var be *problem.Error
+			require.ErrorAs(t, err, &be)
+			require.Contains(t, []problem.Kind{problem.KindInvalid, problem.KindTooLarge}, be.Kind)
+			return
+		}
+		if workload.CheckLivePods(report.UIDs) != nil {
+			return
+		}
+		require.LessOrEqual(t, len(report.UIDs), workload.MaxLivePods)
+		seen := map[string]bool{}
+		for _, u := range report.UIDs {
+			require.Len(t, u, 36)
+			require.Equal(t, strings.ToLower(u), u)
+			require.False(t, seen[u], "accepted %s twice", u)
+			seen[u] = true
 		}
 	})
 }

@@ -143,12 +143,7 @@ func workloadToken(h http.Header) (string, error) {
 // putPeerJWKS handles PUT /v1/peers/self/jwks: the peer uploads its own
 // cluster's key set (as served at /openid/v1/jwks).
 func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
-	if s.workloads == nil {
-		writeError(w, r, errRouteNotFound)
-		return
-	}
-	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
-		writeError(w, r, errNotAcceptable)
+	if !s.peerSelfRoute(w, r) {
 		return
 	}
 	doc, err := readJWKSBody(r, min(s.cfg.MaxBodyBytes, pki.MaxJWKSBytes))
@@ -158,6 +153,40 @@ func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
 	}
 	resp, err := s.workloads.PutPeerJWKS(r.Context(), p.caller, doc)
 	reply(w, r, http.StatusOK, resp, err)
+}
+
+// putPeerPods handles PUT /v1/peers/self/pods: the peer reports the Pods
+// that live in its cluster (workloadIdentity.livePodsFromPeer).
+func (s *Server) putPeerPods(w http.ResponseWriter, r *http.Request, p peer) {
+	if !s.peerSelfRoute(w, r) {
+		return
+	}
+	var report apiv1.LivePodsReport
+	if err := decodeJSONBody(r, s.cfg.MaxBodyBytes, &report); err != nil {
+		writeError(w, r, err)
+		return
+	}
+	if report.UIDs == nil {
+		writeError(w, r, problem.Invalid(apiv1.FieldError{Field: "uids", Detail: "is required (an empty list says no Pod lives)"}))
+		return
+	}
+	resp, err := s.workloads.ReportPeerPods(r.Context(), p.caller, report.UIDs)
+	reply(w, r, http.StatusOK, resp, err)
+}
+
+// peerSelfRoute answers a request to /v1/peers/self/* that cannot be
+// served: 404 on a broker without workload trust, 406 for an Accept
+// without JSON. It reports whether the request may go on.
+func (s *Server) peerSelfRoute(w http.ResponseWriter, r *http.Request) bool {
+	if s.workloads == nil {
+		writeError(w, r, errRouteNotFound)
+		return false
+	}
+	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+		writeError(w, r, errNotAcceptable)
+		return false
+	}
+	return true
 }
 
 func leaseNotFound(id string) error {

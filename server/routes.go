@@ -36,6 +36,7 @@ func (s *Server) routeTable() []route {
 		{method: http.MethodDelete, pattern: "/leases/{id}", api: s.withCaller(s.revokeLease)},
 		{method: http.MethodGet, pattern: "/whoami", api: s.withCaller(s.whoAmI)},
 		{method: http.MethodPut, pattern: "/peers/self/jwks", api: withPeerOnly(s.putPeerJWKS)},
+		{method: http.MethodPut, pattern: "/peers/self/pods", api: withPeerOnly(s.putPeerPods)},
 		// Renewal with the client certificate on the mTLS listener,
 		// enrollment with a join token on the enrollment listener. Its
 		// bearer token, if any, is not a workload token.

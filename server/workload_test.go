@@ -21,6 +21,7 @@ type workloadBroker struct {
 	*fakeBroker
 	auth func(c broker.Caller, token string) (broker.Caller, error)
 	put  func(c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error)
+	pods func(c broker.Caller, uids []string) (*apiv1.PeerLivePods, error)
 }
 
 var _ WorkloadAuthenticator = workloadBroker{}
@@ -31,6 +32,10 @@ func (w workloadBroker) AuthenticateWorkload(_ context.Context, c broker.Caller,
 
 func (w workloadBroker) PutPeerJWKS(_ context.Context, c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error) {
 	return w.put(c, doc)
+}
+
+func (w workloadBroker) ReportPeerPods(_ context.Context, c broker.Caller, uids []string) (*apiv1.PeerLivePods, error) {
+	return w.pods(c, uids)
 }
 
 const workloadToken1 = "eyJhbGciOiJFUzI1NiJ9.d29ya2xvYWQ.c2ln"
@@ -165,4 +170,42 @@ func TestAKeySetUploadIsNotFoundOnABrokerWithoutWorkloadTrust(t *testing.T) {
 	h := newHarness(t, nil)
 	rec := h.do(request{method: http.MethodPut, path: "/v1/peers/self/jwks", body: `{"keys":[]}`, contentType: "application/json"})
 	require.Equal(t, http.StatusNotFound, rec.Code)
+}
+
+func TestALivePodsReportIsDecodedStrictlyAndForwarded(t *testing.T) {
+	t.Parallel()
+	const uid = "7a1e2f3c-0000-4000-8000-000000000002"
+	tests := []struct {
+		name, body, contentType string
+		wantStatus              int
+		wantUIDs                []string
+	}{
+		{name: "a report is forwarded", body: `{"uids":["` + uid + `"]}`, contentType: "application/json", wantStatus: http.StatusOK, wantUIDs: []string{uid}},
+		{name: "no Pod lives", body: `{"uids":[]}`, contentType: "application/json", wantStatus: http.StatusOK, wantUIDs: []string{}},
+		{name: "uids is required", body: `{}`, contentType: "application/json", wantStatus: http.StatusBadRequest},
+		{name: "an unknown field is 400", body: `{"uids":[],"pods":[]}`, contentType: "application/json", wantStatus: http.StatusBadRequest},
+		{name: "another media type is 415", body: `{"uids":[]}`, contentType: "text/plain", wantStatus: http.StatusUnsupportedMediaType},
+		{name: "a body over the limit is 413", body: `{"uids":["` + strings.Repeat("a", DefaultMaxBodyBytes) + `"]}`, contentType: "application/json", wantStatus: http.StatusRequestEntityTooLarge},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var got []string
+			wb := workloadBroker{fakeBroker: &fakeBroker{}, pods: func(c broker.Caller, uids []string) (*apiv1.PeerLivePods, error) {
+				require.Equal(t, testIdentity, c.Identity)
+				got = uids
+				return &apiv1.PeerLivePods{Peer: "west", Pods: len(uids)}, nil
+			}}
+			h := newHarnessWith(t, wb)
+			rec := h.do(request{method: http.MethodPut, path: "/v1/peers/self/pods", body: tc.body, contentType: tc.contentType})
+			require.Equal(t, tc.wantStatus, rec.Code, rec.Body.String())
+			require.Equal(t, tc.wantUIDs, got)
+			if tc.wantStatus != http.StatusOK {
+				require.Equal(t, "application/problem+json", rec.Header().Get("Content-Type"))
+			}
+		})
+	}
+	h := newHarness(t, nil)
+	rec := h.do(request{method: http.MethodPut, path: "/v1/peers/self/pods", body: `{"uids":[]}`, contentType: "application/json"})
+	require.Equal(t, http.StatusNotFound, rec.Code, "a broker without workload trust")
 }

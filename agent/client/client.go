@@ -280,6 +280,16 @@ func (c *Client) PutJWKS(ctx context.Context, doc []byte) (*apiv1.PeerJWKS, erro
 	return &out, nil
 }
 
+// PutPods reports the uids of the Pods that live in this cluster
+// (workloadIdentity.livePodsFromPeer).
+func (c *Client) PutPods(ctx context.Context, uids []string) (*apiv1.PeerLivePods, error) {
+	var out apiv1.PeerLivePods
+	if err := c.do(ctx, http.MethodPut, "/v1/peers/self/pods", "", apiv1.LivePodsReport{UIDs: uids}, http.StatusOK, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
 // doAs is do with the workload token, if the client has one.
 func (c *Client) doAs(ctx context.Context, method, path string, in any, want int, out any) error {
 	bearer := ""

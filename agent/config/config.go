@@ -178,6 +178,24 @@ type JWKSUploadConfig struct {
 	// broker changes nothing then), so that a broker whose Secret was lost
 	// heals; default 10m.
 	ResyncInterval apiv1.Duration `json:"resyncInterval,omitempty"`
+	// LivePods, if set, also reports to the same brokers the Pods that
+	// live in this cluster, for brokers whose policy says
+	// workloadIdentity.livePodsFromPeer: they honour a Pod's token only
+	// while the Pod is in the last report. Needs list and watch on Pods.
+	LivePods *LivePodsConfig `json:"livePods,omitempty"`
+}
+
+// LivePodsConfig says which Pods the agent reports and how often.
+type LivePodsConfig struct {
+	// Audiences: a Pod is reported if one of its projected
+	// serviceAccountToken volumes is for one of them (the brokers'
+	// workloadIdentity audiences); empty reports every Pod. A report holds
+	// at most 1024 Pods.
+	Audiences []string `json:"audiences,omitempty"`
+	// Interval is how often an unchanged report is sent again, so that the
+	// brokers know the agent is alive; default 30s. Keep it well under the
+	// brokers' livePodsMaxAge (default 2m). A change is reported at once.
+	Interval apiv1.Duration `json:"interval,omitempty"`
 }
 
 // RequestConfig is the POST /v1/kubeconfigs body the target sends:

@@ -115,6 +115,9 @@ func (c *Config) Default() {
 		if u.ResyncInterval == 0 {
 			u.ResyncInterval = apiv1.Duration(max(DefaultJWKSResyncInterval, time.Duration(u.Interval)))
 		}
+		if p := u.LivePods; p != nil && p.Interval == 0 {
+			p.Interval = apiv1.Duration(DefaultLivePodsInterval)
+		}
 	}
 	c.Refresh.Fill(RefreshConfig{
 		Fraction:    DefaultFraction,
@@ -225,6 +228,19 @@ func (c *Config) Validate() error {
 		}
 		if d := time.Duration(u.ResyncInterval); d != 0 && (d < time.Duration(u.Interval) || d > 24*time.Hour) {
 			v.add("jwksUpload.resyncInterval", "must be between jwksUpload.interval and 24h")
+		}
+		if p := u.LivePods; p != nil {
+			if d := time.Duration(p.Interval); d != 0 && (d < time.Second || d > 30*time.Minute) {
+				v.add("jwksUpload.livePods.interval", "must be between 1s and 30m (and well under the brokers' livePodsMaxAge)")
+			}
+			if len(p.Audiences) > 16 {
+				v.add("jwksUpload.livePods.audiences", "at most 16 audiences")
+			}
+			for i, a := range p.Audiences {
+				if strings.TrimSpace(a) == "" || len(a) > 256 {
+					v.add(fmt.Sprintf("jwksUpload.livePods.audiences[%d]", i), "must be 1 to 256 characters")
+				}
+			}
 		}
 	}
 	names := map[string]int{}

@@ -88,6 +88,7 @@ func (o SecretOutput) DataKey() string {
 const (
 	DefaultJWKSInterval       = time.Minute
 	DefaultJWKSResyncInterval = 10 * time.Minute
+	DefaultLivePodsInterval   = 30 * time.Second
 )
 
 // APIRequest returns the wire form of the request.

@@ -194,6 +194,26 @@ type PeerJWKS struct {
 	PreviousUntil  *time.Time `json:"previousUntil,omitempty"`
 }
 
+// MaxLivePods bounds a LivePodsReport.
+const MaxLivePods = 1024
+
+// LivePodsReport is the body of PUT /v1/peers/self/pods: the uids of the
+// Pods that live in the caller's cluster (at most MaxLivePods).
+type LivePodsReport struct {
+	UIDs []string `json:"uids"`
+}
+
+// PeerLivePods is the answer of PUT /v1/peers/self/pods.
+type PeerLivePods struct {
+	Peer string `json:"peer"`
+	// Pods is how many uids the report holds.
+	Pods       int       `json:"pods"`
+	ReportedAt time.Time `json:"reportedAt"`
+	// ValidUntil is when every workload token of the peer is refused
+	// unless it reports again (reportedAt + livePodsMaxAge).
+	ValidUntil time.Time `json:"validUntil"`
+}
+
 // WorkloadRef names a ServiceAccount of the caller's (source) cluster.
 type WorkloadRef struct {
 	Namespace      string `json:"namespace"`

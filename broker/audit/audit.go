@@ -28,6 +28,9 @@ const (
 	ActionAuthenticate = "authenticate"
 	// ActionUploadJWKS is a peer uploading its cluster's key set.
 	ActionUploadJWKS = "upload_jwks"
+	// ActionReportPods is a peer reporting the Pods that live in its
+	// cluster (workloadIdentity.livePodsFromPeer).
+	ActionReportPods = "report_pods"
 
 	DecisionAllow = "allow"
 	DecisionDeny  = "deny"

@@ -124,6 +124,15 @@ type WorkloadIdentitySpec struct {
 	// RequirePodBinding accepts only tokens bound to a pod (projected
 	// tokens), not those of a TokenRequest bound to nothing or a Secret.
 	RequirePodBinding bool `json:"requirePodBinding,omitempty"`
+	// LivePodsFromPeer: the peer reports the Pods that live in its cluster
+	// (PUT /v1/peers/self/pods; the agent's jwksUpload.livePods), and a
+	// token is honoured only while its Pod is in the last report, as the
+	// peer cluster's own API server honours it only while the Pod exists.
+	// Needs jwksFromPeer and requirePodBinding.
+	LivePodsFromPeer bool `json:"livePodsFromPeer,omitempty"`
+	// LivePodsMaxAge is how old that report may be before every token of
+	// the peer is refused; zero means 2m. Only with LivePodsFromPeer.
+	LivePodsMaxAge apiv1.Duration `json:"livePodsMaxAge,omitempty"`
 
 	// keys is the parsed JWKS or JWKSFile content (nil with JWKSFromPeer).
 	keys *pki.JWKS
@@ -137,11 +146,14 @@ type WorkloadRef struct {
 
 // Bounds of a workloadIdentity.
 const (
-	MinWorkloadTokenAge  = 10 * time.Minute
-	MaxWorkloadTokenAge  = 24 * time.Hour
-	MaxJWKSOverlap       = 7 * 24 * time.Hour
-	maxWorkloadAudiences = 16
-	maxIssuerLen         = 512
+	MinWorkloadTokenAge   = 10 * time.Minute
+	MaxWorkloadTokenAge   = 24 * time.Hour
+	MaxJWKSOverlap        = 7 * 24 * time.Hour
+	MinLivePodsMaxAge     = 10 * time.Second
+	MaxLivePodsMaxAge     = time.Hour
+	DefaultLivePodsMaxAge = 2 * time.Minute
+	maxWorkloadAudiences  = 16
+	maxIssuerLen          = 512
 )
 
 // EffectiveMaxTokenAge is MaxTokenAge or its default.
@@ -150,6 +162,14 @@ func (w *WorkloadIdentitySpec) EffectiveMaxTokenAge() time.Duration {
 		return time.Duration(w.MaxTokenAge)
 	}
 	return pki.DefaultMaxWorkloadTokenAge
+}
+
+// EffectiveLivePodsMaxAge is LivePodsMaxAge or its default.
+func (w *WorkloadIdentitySpec) EffectiveLivePodsMaxAge() time.Duration {
+	if w.LivePodsMaxAge != 0 {
+		return time.Duration(w.LivePodsMaxAge)
+	}
+	return DefaultLivePodsMaxAge
 }
 
 // EffectiveJWKSOverlap is JWKSOverlap or its default, MaxTokenAge: a token
@@ -459,6 +479,21 @@ func validateWorkloadIdentity(path string, wi *WorkloadIdentitySpec, add func(fi
 			add(path+".jwksOverlap", "only applies with jwksFromPeer: true (a pinned set changes when you change it)")
 		} else if d < time.Second || d > MaxJWKSOverlap {
 			add(path+".jwksOverlap", "must be between 1s and %s", MaxJWKSOverlap)
+		}
+	}
+	if wi.LivePodsFromPeer {
+		if !wi.JWKSFromPeer {
+			add(path+".livePodsFromPeer", "needs jwksFromPeer: true (the peer's agent reports its keys and its Pods)")
+		}
+		if !wi.RequirePodBinding {
+			add(path+".livePodsFromPeer", "needs requirePodBinding: true (a token bound to no Pod could not be checked against the report)")
+		}
+	}
+	if d := time.Duration(wi.LivePodsMaxAge); d != 0 {
+		if !wi.LivePodsFromPeer {
+			add(path+".livePodsMaxAge", "only applies with livePodsFromPeer: true")
+		} else if d < MinLivePodsMaxAge || d > MaxLivePodsMaxAge {
+			add(path+".livePodsMaxAge", "must be between %s and %s", MinLivePodsMaxAge, MaxLivePodsMaxAge)
 		}
 	}
 }

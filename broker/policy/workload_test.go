@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -149,4 +150,45 @@ peers:
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "west.jwks"), []byte(`{"keys":[]}`), 0o600))
 	require.ErrorContains(t, w.Check(), "jwksFile")
 	require.Equal(t, []string{kid2}, store.Load().Peers[0].WorkloadIdentity.StaticKeys().KeyIDs(), "a bad key file keeps the policy in force")
+}
+
+func TestLivePodsFromPeerNeedsUploadedKeysAndPodBinding(t *testing.T) {
+	t.Parallel()
+	peer := func(wi string) string {
+		return `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: {issuer: "https://west.example", audiences: [tokenbroker.east], ` + wi + `}
+    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
+`
+	}
+	for _, tc := range []struct {
+		wi, field, detail string
+	}{
+		{`jwks: '{"keys":[]}', livePodsFromPeer: true, requirePodBinding: true`, "livePodsFromPeer", "needs jwksFromPeer"},
+		{`jwksFromPeer: true, livePodsFromPeer: true`, "livePodsFromPeer", "needs requirePodBinding"},
+		{`jwksFromPeer: true, requirePodBinding: true, livePodsMaxAge: 1m`, "livePodsMaxAge", "only applies with livePodsFromPeer"},
+		{`jwksFromPeer: true, requirePodBinding: true, livePodsFromPeer: true, livePodsMaxAge: 5s`, "livePodsMaxAge", "between 10s and 1h0m0s"},
+		{`jwksFromPeer: true, requirePodBinding: true, livePodsFromPeer: true, livePodsMaxAge: 2h`, "livePodsMaxAge", "between 10s and 1h0m0s"},
+	} {
+		_, err := Parse([]byte(peer(tc.wi)))
+		var ve *apiv1.ValidationError
+		require.ErrorAs(t, err, &ve, tc.wi)
+		var found bool
+		for _, p := range ve.Problems {
+			if p.Field == "peers[0].workloadIdentity."+tc.field && strings.Contains(p.Detail, tc.detail) {
+				found = true
+			}
+		}
+		require.True(t, found, "%s: want %s %q in %v", tc.wi, tc.field, tc.detail, ve.Problems)
+	}
+
+	p, err := Parse([]byte(peer(`jwksFromPeer: true, requirePodBinding: true, livePodsFromPeer: true`)))
+	require.NoError(t, err)
+	require.Equal(t, DefaultLivePodsMaxAge, p.Peers[0].WorkloadIdentity.EffectiveLivePodsMaxAge())
+	p, err = Parse([]byte(peer(`jwksFromPeer: true, requirePodBinding: true, livePodsFromPeer: true, livePodsMaxAge: 30s`)))
+	require.NoError(t, err)
+	require.Equal(t, 30*time.Second, p.Peers[0].WorkloadIdentity.EffectiveLivePodsMaxAge())
 }

@@ -35,12 +35,15 @@ import (
 //	            tokenbroker.io/kind=jwks, tokenbroker.io/peer=<peer>
 //	annotations tokenbroker.io/identity (the uploader's SPIFFE ID),
 //	            tokenbroker.io/replaced-at (when jwks.json last changed)
+//	            tokenbroker.io/pods-reported-at (when live-pods.json was
+//	            last reported)
 //	data        jwks.json (the set in force), previous.json (the one it
 //	            replaced, which verifies for workloadIdentity.jwksOverlap
-//	            after replaced-at)
+//	            after replaced-at), live-pods.json (the uids of the Pods
+//	            of the peer's last report, workloadIdentity.livePodsFromPeer)
 //
 // A peer can make the broker write exactly this one Secret, of at most
-// twice pki.MaxJWKSBytes.
+// twice pki.MaxJWKSBytes plus MaxLivePods uids.
 const (
 	PeerKeysCurrentKey       = "jwks.json"
 	PeerKeysPreviousKey      = "previous.json"
@@ -57,6 +60,10 @@ type peerKeySet struct {
 	current    *pki.JWKS
 	previous   *pki.JWKS
 	replacedAt time.Time
+	// pods are the uids of the peer's last report of its live Pods, made
+	// at podsAt (zero: none yet).
+	pods   map[string]struct{}
+	podsAt time.Time
 }
 
 // PeerKeyStore holds the key sets peers uploaded, kept current by Run,
@@ -178,6 +185,14 @@ func keySetFromSecret(sec *corev1.Secret) (*peerKeySet, error) {
 			return nil, fmt.Errorf("%s: %w", AnnotationJWKSReplacedAt, err)
 		}
 	}
+	if doc := sec.Data[PeerLivePodsKey]; len(doc) > 0 {
+		if ks.pods, err = parseLivePods(doc); err != nil {
+			return nil, fmt.Errorf("%s: %w", PeerLivePodsKey, err)
+		}
+		if ks.podsAt, err = time.Parse(time.RFC3339Nano, sec.Annotations[AnnotationPodsReportedAt]); err != nil {
+			return nil, fmt.Errorf("%s: %w", AnnotationPodsReportedAt, err)
+		}
+	}
 	return ks, nil
 }
 
@@ -243,6 +258,7 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 		next := newPeerKeysSecret(peer, identity, raw)
 		next.ResourceVersion = sec.ResourceVersion
 		if sameOwner {
+			keepLivePods(sec, next)
 			next.Data[PeerKeysPreviousKey] = sec.Data[PeerKeysCurrentKey]
 			next.Annotations[AnnotationJWKSReplacedAt] = now.UTC().Format(time.RFC3339)
 			out.Previous, out.PreviousUntil = old.current.KeyIDs(), now.Add(overlap).UTC().Truncate(time.Second)

@@ -76,6 +76,8 @@ var workloadTokenDetails = map[string]string{
 	pki.TokenPodBindingNeeded: "This broker accepts only pod-bound (projected) workload tokens from your cluster.",
 	TokenNoTrust:              "This broker has no workload identity trust for your cluster.",
 	TokenNoKeys:               "Your cluster has not uploaded its key set (PUT /v1/peers/self/jwks) to this broker.",
+	TokenPodsUnreported:       "Your cluster has not reported its live Pods (PUT /v1/peers/self/pods) within the time this broker allows; is its agent running?",
+	TokenPodNotLive:           "The workload token's Pod is not among the live Pods your cluster last reported: it was deleted, or is too new to be in the report yet (retry in a second).",
 }
 
 // BadToken returns the KindBadWorkloadToken error of reason with
@@ -134,6 +136,15 @@ func Verify(p *policy.Policy, identity, token string, store *PeerKeyStore, now f
 			return nil, BadToken(te.Reason, err)
 		}
 		return nil, BadToken(pki.TokenMalformed, err)
+	}
+	if wi.LivePodsFromPeer {
+		reason := TokenPodsUnreported
+		if store != nil {
+			reason = store.LivePod(peer.Name, identity, claims.PodUID, now(), wi.EffectiveLivePodsMaxAge())
+		}
+		if reason != "" {
+			return nil, BadToken(reason, fmt.Errorf("pod %s/%s (uid %s): %s", claims.Namespace, claims.Pod, claims.PodUID, reason))
+		}
 	}
 	return &Identity{
 		Namespace:      claims.Namespace,

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
+	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -203,6 +204,20 @@ func TestAgentChartRenders(t *testing.T) {
 		require.NotEmpty(t, manifestsOf(docs, "PrometheusRule"))
 	})
 
+	t.Run("jwksUpload.livePods adds list and watch on Pods, cluster-wide, and nothing else", func(t *testing.T) {
+		docs := h.renderAs(t, "west", "agents", "-f", h.values("everything"), "--set-json",
+			`config.jwksUpload={"brokers":["https://east.example.com:8443"],"livePods":{"audiences":["tokenbroker.east"]}}`)
+		require.ElementsMatch(t, []string{"ClusterRole/west-tokenbroker-agent-live-pods", "ClusterRole/west-tokenbroker-agent-trust-bundles"},
+			kindNames(manifestsOf(docs, "ClusterRole")))
+		role := decode[rbacv1.ClusterRole](t, findManifest(t, docs, "ClusterRole", "west-tokenbroker-agent-live-pods"))
+		require.Equal(t, []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"list", "watch"}}}, role.Rules)
+		binding := decode[rbacv1.ClusterRoleBinding](t, findManifest(t, docs, "ClusterRoleBinding", "west-tokenbroker-agent-live-pods"))
+		require.Equal(t, []rbacv1.Subject{{Kind: "ServiceAccount", Name: "west-tokenbroker-agent", Namespace: "agents"}}, binding.Subjects)
+		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "west-tokenbroker-agent-config"))
+		file := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
+		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
+	})
+
 	t.Run("without targets, rendering fails and says what is missing", func(t *testing.T) {
 		_, stderr, err := h.runErr("template", "tokenbroker-agent", h.chart)
 		require.Error(t, err)
@@ -323,8 +338,14 @@ func TestAgentChartAgainstAPIServer(t *testing.T) {
 		require.Contains(t, stdout, "deployment.apps/tokenbroker-agent")
 	}
 
-	out := h.run(t, append(admin, "install", "tokenbroker-agent", h.chart, "-n", "tokenbroker-agent", "-f", h.values("default"))...)
+	out := h.run(t, append(admin, "install", "tokenbroker-agent", h.chart, "-n", "tokenbroker-agent", "-f", h.values("default"),
+		"--set-json", `config.jwksUpload={"brokers":["https://east.example.com:8443"],"livePods":{}}`)...)
 	require.Contains(t, out, "STATUS: deployed")
+	// jwksUpload.livePods: the API server lets the agent list and watch
+	// the Pods of every namespace.
+	user, groups := testcluster.ServiceAccountUser("tokenbroker-agent", "tokenbroker-agent")
+	require.NoError(t, testcluster.WaitAllowed(context.Background(), c.Client, user, groups,
+		authzv1.ResourceAttributes{Verb: "list", Resource: "pods"}, authzv1.ResourceAttributes{Verb: "watch", Resource: "pods"}))
 	require.Contains(t, out, "delete that Secret after the first start", "NOTES.txt says what to do with the join token")
 	_, err := c.Client.RbacV1().Roles("argo").Get(context.Background(), "tokenbroker-agent-output", metav1.GetOptions{})
 	require.NoError(t, err)

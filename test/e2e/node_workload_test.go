@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clientauthv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
 
@@ -26,9 +27,10 @@ import (
 // ServiceAccount token the kubelet projects into it for the audience east's
 // broker pins. The Pod of argo/runner gets a credential that authenticates
 // to east as argo/runner; a Pod of another ServiceAccount is refused. A
-// projected token is bound to its Pod, but the broker verifies it offline
-// against the keys west's agent uploads: the test measures that a deleted
-// Pod's token is still accepted until it expires (docs/security.md).
+// projected token is bound to its Pod, and the broker verifies it offline
+// against the keys west's agent uploads; with livePodsFromPeer the agent
+// also reports west's live Pods, and the test measures how soon after its
+// Pod is deleted the token is refused (docs/security.md).
 func TestNodeWorkloadIdentityFromAPod(t *testing.T) {
 	east := testcluster.Start(t)
 	west := testcluster.Start(t, testcluster.WithNode())
@@ -37,9 +39,9 @@ func TestNodeWorkloadIdentityFromAPod(t *testing.T) {
 	_, err := east.Client.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	e := newBrokerEnv(t, east)
-	writeFile(t, e.policy, workloadPolicy(east, west))
+	writeFile(t, e.policy, workloadPolicy(east, west, "      requirePodBinding: true\n      livePodsFromPeer: true\n"))
 	e.launch(t)
-	startKeyUploader(t, e, west)
+	startKeyUploader(t, e, west, fmt.Sprintf("  livePods: {audiences: [%s], interval: 5s}\n", workloadAudience))
 	require.NoError(t, west.Node.ImportImage(t.Context(), imageArchive(t)))
 
 	// The Pods' identity: west's client certificate, as the agent chart
@@ -71,16 +73,26 @@ func TestNodeWorkloadIdentityFromAPod(t *testing.T) {
 	require.Contains(t, other.logs, "403", "the broker forbids another workload")
 
 	// The projected token the kubelet wrote for the runner Pod, read from
-	// the node's disk, presented after the Pod is gone.
+	// the node's disk: good while the Pod lives, refused once it is gone.
 	token := runner.token
+	body := `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`
+	status, out := e.postKubeconfig(t, filepath.Join(e.dir, "west"), body, "-H", "Authorization: Bearer "+token)
+	require.Equal(t, 201, status, "the live Pod's token, presented by hand: %s", out)
 	require.NoError(t, west.Client.CoreV1().Pods("argo").Delete(t.Context(), runner.name, metav1.DeleteOptions{}))
 	require.Eventually(t, func() bool {
 		_, err := west.Client.CoreV1().Pods("argo").Get(t.Context(), runner.name, metav1.GetOptions{})
-		return err != nil
+		return apierrors.IsNotFound(err)
 	}, 60*time.Second, 200*time.Millisecond, "the Pod is deleted")
-	status, out := e.postKubeconfig(t, filepath.Join(e.dir, "west"), `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`, "-H", "Authorization: Bearer "+token)
-	require.Equal(t, 201, status, "a deleted Pod's token is accepted until it expires (docs/security.md says so): %s", out)
-	t.Logf("a deleted Pod's projected token still got a kubeconfig (201); it expires %s", runner.tokenExpiry.Format(time.RFC3339))
+	gone := time.Now()
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, filepath.Join(e.dir, "west"), body, "-H", "Authorization: Bearer "+token)
+		return status != 201
+	}, 10*time.Second, 50*time.Millisecond, "a deleted Pod's token is refused once the agent reports the Pods without it")
+	refused := time.Since(gone)
+	require.Equal(t, 401, status, out)
+	require.Equal(t, "pod-not-live", problemReason(t, out))
+	t.Logf("a deleted Pod's projected token (valid until %s) was refused %s after the Pod was gone from west's API server",
+		runner.tokenExpiry.Format(time.RFC3339), refused.Round(10*time.Millisecond))
 }
 
 // credentialPod is how a Pod that ran the exec plugin went: Running when

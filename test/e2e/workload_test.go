@@ -96,7 +96,7 @@ func TestWorkloadIdentityAcrossTwoClusters(t *testing.T) {
 	require.NoError(t, err)
 
 	e := newBrokerEnv(t, east)
-	writeFile(t, e.policy, workloadPolicy(east, west))
+	writeFile(t, e.policy, workloadPolicy(east, west, ""))
 	e.launch(t)
 
 	// A workload token before any key set was uploaded: no keys.
@@ -106,7 +106,7 @@ func TestWorkloadIdentityAcrossTwoClusters(t *testing.T) {
 	require.Equal(t, 401, status, out)
 	require.Equal(t, "no-keys", problemReason(t, out))
 
-	agent := startKeyUploader(t, e, west)
+	agent := startKeyUploader(t, e, west, "")
 
 	leasesBefore := countLeaseSecrets(t, east, "west")
 	var granted string
@@ -210,8 +210,9 @@ func TestWorkloadIdentityAcrossTwoClusters(t *testing.T) {
 }
 
 // workloadPolicy is the policy of east's broker that trusts west's
-// workload tokens (keys uploaded by west's agent) for argo/runner.
-func workloadPolicy(east, west *testcluster.Cluster) string {
+// workload tokens (keys uploaded by west's agent) for argo/runner, with
+// more fields of its workloadIdentity (YAML at its indentation) in extra.
+func workloadPolicy(east, west *testcluster.Cluster, extra string) string {
 	return fmt.Sprintf(`cluster:
   name: east
   server: %s
@@ -224,11 +225,11 @@ peers:
       audiences: [%s]
       jwksFromPeer: true
       jwksOverlap: %s
-    grants:
+%s    grants:
       - namespaces: [argo]
         serviceAccounts: [runner]
         workloads: [{namespace: argo, serviceAccount: runner}]
-`, east.URL, west.ServiceAccountIssuer, workloadAudience, jwksOverlap)
+`, east.URL, west.ServiceAccountIssuer, workloadAudience, jwksOverlap, extra)
 }
 
 // identityDir writes west's identity directory (tls.crt, tls.key, ca.crt)
@@ -249,8 +250,9 @@ func identityDir(t *testing.T, e *brokerEnv) string {
 }
 
 // startKeyUploader starts an agent in west that uploads west's own
-// /openid/v1/jwks to e's broker every second.
-func startKeyUploader(t *testing.T, e *brokerEnv, west *testcluster.Cluster) *agentProc {
+// /openid/v1/jwks to e's broker every second, with more fields of its
+// jwksUpload (YAML at its indentation) in extra.
+func startKeyUploader(t *testing.T, e *brokerEnv, west *testcluster.Cluster, extra string) *agentProc {
 	t.Helper()
 	agentOps := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	cfg := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), fmt.Sprintf(`identity: {dir: %s}
@@ -258,8 +260,8 @@ kubeconfig: %s
 jwksUpload:
   brokers: ["https://%s"]
   interval: 1s
-opsAddress: "%s"
-`, identityDir(t, e), west.KubeconfigPath, e.api, agentOps))
+%sopsAddress: "%s"
+`, identityDir(t, e), west.KubeconfigPath, e.api, extra, agentOps))
 	agent := startAgent(t, cfg)
 	t.Cleanup(func() { stopProcess(t, agent.proc) })
 	return agent

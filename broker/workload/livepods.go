@@ -1,0 +1,178 @@
+package workload
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/objects"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
+)
+
+// A peer whose policy says workloadIdentity.livePodsFromPeer reports the
+// Pods that live in its cluster (its agent watches them), and the broker
+// honours a pod-bound token only while its Pod's uid is in the last
+// report, and only while that report is fresh: the check the peer
+// cluster's own API server makes of a bound token (the Pod must exist),
+// which the broker cannot ask it for.
+const (
+	// PeerLivePodsKey holds the last report, a JSON array of uids.
+	PeerLivePodsKey = "live-pods.json"
+	// AnnotationPodsReportedAt is when it was made (RFC 3339, ns).
+	AnnotationPodsReportedAt = "tokenbroker.io/pods-reported-at"
+	// MaxLivePods bounds one report: a peer scopes its agent (by the
+	// audience of its Pods' projected tokens) to the Pods that use the
+	// broker.
+	MaxLivePods = apiv1.MaxLivePods
+
+	// TokenPodsUnreported: the peer has not reported its Pods within
+	// livePodsMaxAge (or never).
+	TokenPodsUnreported = "pods-unreported"
+	// TokenPodNotLive: the token's Pod is not in the peer's last report
+	// (deleted, or too new to be in it).
+	TokenPodNotLive = "pod-not-live"
+)
+
+// podUID is a Kubernetes uid as the API server makes them (RFC 4122,
+// lower case).
+var podUID = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+
+// CheckLivePods validates the uids of a report: at most MaxLivePods, each
+// a uid, none twice. The error names the first bad one.
+func CheckLivePods(uids []string) error {
+	if len(uids) > MaxLivePods {
+		return fmt.Errorf("%d uids: at most %d Pods per report (scope the agent's livePods.audiences to the Pods that use this broker)", len(uids), MaxLivePods)
+	}
+	seen := make(map[string]struct{}, len(uids))
+	for i, u := range uids {
+		if !podUID.MatchString(u) {
+			return fmt.Errorf("uids[%d] is not a Pod uid (lower-case RFC 4122)", i)
+		}
+		if _, dup := seen[u]; dup {
+			return fmt.Errorf("uids[%d] is listed twice", i)
+		}
+		seen[u] = struct{}{}
+	}
+	return nil
+}
+
+// parseLivePods reads a stored report.
+func parseLivePods(doc []byte) (map[string]struct{}, error) {
+	var uids []string
+	if err := json.Unmarshal(doc, &uids); err != nil {
+		return nil, err
+	}
+	if err := CheckLivePods(uids); err != nil {
+		return nil, err
+	}
+	pods := make(map[string]struct{}, len(uids))
+	for _, u := range uids {
+		pods[u] = struct{}{}
+	}
+	return pods, nil
+}
+
+// keepLivePods carries the last report of from into to (a rewrite of the
+// same peer's Secret for a new key set).
+func keepLivePods(from, to *corev1.Secret) {
+	if doc, ok := from.Data[PeerLivePodsKey]; ok {
+		to.Data[PeerLivePodsKey] = doc
+		to.Annotations[AnnotationPodsReportedAt] = from.Annotations[AnnotationPodsReportedAt]
+	}
+}
+
+// LivePod says whether the Pod with uid, bound to a token of peer (whose
+// reports identity made), may be honoured at now: "" if so, else the
+// refusal's reason (TokenPodsUnreported, TokenPodNotLive).
+func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge time.Duration) string {
+	ks := (*s.sets.Load())[peer]
+	if ks == nil || ks.identity != identity || ks.podsAt.IsZero() || now.Sub(ks.podsAt) > maxAge {
+		return TokenPodsUnreported
+	}
+	if _, ok := ks.pods[uid]; !ok {
+		return TokenPodNotLive
+	}
+	return ""
+}
+
+// ReportLivePods stores the uids of the Pods that live in the cluster of a
+// peer of policy p, authenticated as identity, and names the peer in ev.
+// The peer's policy must say livePodsFromPeer: true (else KindForbidden);
+// a report that is not a list of uids is KindInvalid; one made before the
+// peer uploaded its key set is KindUnprocessable.
+func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, identity string, uids []string, now time.Time, ev *audit.Event) (*apiv1.PeerLivePods, error) {
+	peer := p.Peer(identity)
+	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.LivePodsFromPeer {
+		return nil, problem.Errorf(problem.KindForbidden, "the policy does not let this peer report its Pods")
+	}
+	ev.Peer = peer.Name
+	if s == nil {
+		return nil, problem.Errorf(problem.KindUnprocessable, "this broker keeps no uploaded key sets")
+	}
+	if err := CheckLivePods(uids); err != nil {
+		return nil, problem.Invalid(apiv1.FieldError{Field: "uids", Detail: err.Error()})
+	}
+	sorted := slices.Clone(uids)
+	slices.Sort(sorted)
+	doc, err := json.Marshal(sorted)
+	if err != nil {
+		return nil, problem.Wrap(problem.KindInternal, "", err)
+	}
+	if err := s.putLivePods(ctx, peer.Name, identity, doc, now); err != nil {
+		return nil, err
+	}
+	s.log.Debug("peer reported its live Pods", zap.String("peer", peer.Name), zap.Int("pods", len(uids)))
+	return &apiv1.PeerLivePods{
+		Peer: peer.Name, Pods: len(uids), ReportedAt: now.UTC(),
+		ValidUntil: now.Add(peer.WorkloadIdentity.EffectiveLivePodsMaxAge()).UTC(),
+	}, nil
+}
+
+// errKeysFirst refuses a report of a peer whose key set Secret does not
+// exist, or belongs to another identity.
+var errKeysFirst = problem.Errorf(problem.KindUnprocessable, "upload your cluster's key set (PUT /v1/peers/self/jwks) before reporting its Pods")
+
+// putLivePods writes doc as peer's last report, made at now, into the
+// peer's key set Secret. Conflicts with another replica are retried.
+func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, doc []byte, now time.Time) error {
+	secrets := s.secrets.Secrets(s.namespace)
+	var written *corev1.Secret
+	err := retry.OnError(retry.DefaultRetry, apierrors.IsConflict, func() error {
+		sec, err := s.read(ctx, peer)
+		if apierrors.IsNotFound(err) {
+			return errKeysFirst
+		}
+		if err != nil {
+			return err
+		}
+		if sec.Annotations[objects.AnnotationIdentity] != identity {
+			return errKeysFirst
+		}
+		next := sec.DeepCopy()
+		next.Data[PeerLivePodsKey] = doc
+		next.Annotations[AnnotationPodsReportedAt] = now.UTC().Format(time.RFC3339Nano)
+		written, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
+		return err
+	})
+	if errors.Is(err, errKeysFirst) {
+		return err
+	}
+	if err != nil {
+		return problem.Classify(fmt.Errorf("store the Pods of peer %s in Secret %s/%s: %w", peer, s.namespace, PeerKeysSecretName(peer), err), "store live pods", "namespace not found")
+	}
+	s.observe(written)
+	return nil
+}
