@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+	"k8s.io/utils/clock"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker"
@@ -278,6 +279,19 @@ type Config struct {
 	// ShutdownGrace is how long Run waits for in-flight requests after its
 	// context is cancelled before closing connections.
 	ShutdownGrace time.Duration
+	// ShutdownDelay is how long Run keeps its listeners open after its
+	// context is cancelled, before ShutdownGrace starts: /readyz answers
+	// 503 and keep-alives are off meanwhile, so that load balancers and
+	// the Service's endpoints move new connections elsewhere. Zero closes
+	// them at once. With ReusePort it ends as soon as another instance
+	// serves on the same ports (handover.go).
+	ShutdownDelay time.Duration
+	// ReusePort opens the listeners with SO_REUSEPORT, so that a new
+	// instance on the node's network (hostNetwork) listens beside the one
+	// it replaces.
+	ReusePort bool
+	// Clock times ShutdownDelay; nil means the real clock.
+	Clock clock.WithTicker
 	// Pprof serves net/http/pprof under /debug/pprof/ on the operations
 	// listener.
 	Pprof bool
@@ -348,6 +362,12 @@ func (c Config) withDefaults() (Config, error) {
 		errs = append(errs, fmt.Errorf("HandshakeTimeout (%s) must be shorter than ReadHeaderTimeout (%s)", c.HandshakeTimeout, c.ReadHeaderTimeout))
 	}
 	positive("ShutdownGrace", &c.ShutdownGrace, DefaultShutdownGrace)
+	if c.ShutdownDelay < 0 {
+		errs = append(errs, errors.New("ShutdownDelay must not be negative"))
+	}
+	if c.Clock == nil {
+		c.Clock = clock.RealClock{}
+	}
 	positive("ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout)
 
 	switch {

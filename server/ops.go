@@ -34,7 +34,15 @@ func (s *Server) opsRoutes() http.Handler {
 		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
 		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
 	}
-	return securityHeaders(mux)
+	return securityHeaders(s.withInstance(mux))
+}
+
+// withInstance names this process in every answer of h (InstanceHeader).
+func (s *Server) withInstance(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(InstanceHeader, s.instance)
+		h.ServeHTTP(w, r)
+	})
 }
 
 // readyz answers 200 while the broker is ready and the server is not

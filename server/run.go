@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/metadata/metadatainformer"
@@ -118,6 +119,9 @@ type Options struct {
 	HandshakeTimeout time.Duration
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
+	// ShutdownDelay and ReusePort: see Config.
+	ShutdownDelay time.Duration
+	ReusePort     bool
 	// Credentials are the credential kinds this broker issues (see
 	// CredentialKinds).
 	Credentials []string
@@ -413,6 +417,8 @@ func Run(ctx context.Context, opts Options) error {
 		MaxHandshakesPerIP:  opts.MaxHandshakesPerIP,
 		HandshakeTimeout:    opts.HandshakeTimeout,
 		Pprof:               opts.Pprof,
+		ShutdownDelay:       opts.ShutdownDelay,
+		ReusePort:           opts.ReusePort,
 		Logger:              log.Named("http"),
 		Registerer:          reg,
 		Gatherer:            reg,
@@ -444,7 +450,15 @@ func Run(ctx context.Context, opts Options) error {
 	go leases.Run(ctx, b.LeaseNamespaces, leaseWatchInterval(opts.ReloadInterval))
 	// Until the deny list is read every caller is refused (fail closed);
 	// wait for it a little so that a healthy start serves at once.
+	// With ReusePort the listeners open beside the instance this one
+	// replaces, which gets new connections only as long as it listens: wait
+	// for as long as it takes, so that no connection lands on an instance
+	// that would refuse it.
 	syncCtx, cancelSync := context.WithTimeout(ctx, revocationSyncWait)
+	if opts.ReusePort {
+		cancelSync()
+		syncCtx, cancelSync = context.WithCancel(ctx)
+	}
 	if err := revocations.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
 		log.Warn("revocation list not read yet; every caller is refused until it is",
 			zap.String("namespace", opts.Namespace), zap.Error(err))
@@ -455,6 +469,17 @@ func Run(ctx context.Context, opts Options) error {
 	if err := peerKeys.WaitForSync(syncCtx); err != nil && ctx.Err() == nil {
 		log.Warn("peer key sets not read yet; uploaded keys verify nothing until they are",
 			zap.String("namespace", opts.Namespace), zap.Error(err))
+	}
+	if opts.ReusePort {
+		// Everything /readyz checks, so that the first connection the
+		// kernel hands this instance is served.
+		err := wait.PollUntilContextCancel(syncCtx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+			return b.Ready(ctx) == nil, nil
+		})
+		if err != nil {
+			cancelSync()
+			return nil // stopped before it was ready: nothing served
+		}
 	}
 	cancelSync()
 	go func() {

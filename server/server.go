@@ -41,6 +41,9 @@ type Server struct {
 	// draining is set once Run starts shutting down, so /readyz tells load
 	// balancers to stop sending new requests while in-flight ones finish.
 	draining atomic.Bool
+	// instance names this process on the operations listener
+	// (InstanceHeader).
+	instance string
 
 	mu         sync.Mutex
 	started    bool
@@ -69,6 +72,7 @@ func New(cfg Config) (*Server, error) {
 		conns:      newConnCount(cfg.MaxConns),
 		handshakes: newConnCount(cfg.MaxHandshakes),
 		listening:  make(chan struct{}),
+		instance:   newInstanceID(),
 	}
 	// Optional abilities of the broker.
 	s.certs, _ = cfg.Broker.(CertificateIssuer)
@@ -210,6 +214,12 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 
 	s.draining.Store(true)
+	for _, sv := range servers {
+		if sv.name != "ops" {
+			sv.srv.SetKeepAlivesEnabled(false) // move peers off while the listeners drain
+		}
+	}
+	s.drainDelay(lns.ops.Addr())
 	s.log.Info("shutting down", zap.Duration("grace", s.cfg.ShutdownGrace))
 	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownGrace)
 	defer cancel()
@@ -259,7 +269,8 @@ func (s *Server) listen() (lns listeners, err error) {
 		if *ln != nil || addr == "" {
 			return nil
 		}
-		l, err := net.Listen("tcp", addr)
+		lc := listenConfig(s.cfg.ReusePort)
+		l, err := lc.Listen(context.Background(), "tcp", addr)
 		if err != nil {
 			return fmt.Errorf("listen on %s address %q: %w", name, addr, err)
 		}

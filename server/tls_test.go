@@ -123,6 +123,11 @@ func startServer(t *testing.T, b Broker, extraCAs []*x509.Certificate, opts ...h
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if cfg.Addr != "" { // the server opens its own listeners
+		require.NoError(t, apiLn.Close())
+		require.NoError(t, opsLn.Close())
+		cfg.Listener, cfg.OpsListener = nil, nil
+	}
 	srv, err := New(cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -125,6 +125,8 @@ func serveFlags() *pflag.FlagSet {
 	fs.Int("max-handshakes-per-ip", server.DefaultMaxHandshakesPerIP, "connections of one client address in their TLS handshake on each TLS listener; one more is closed before its handshake")
 	fs.Duration("handshake-timeout", server.DefaultHandshakeTimeout, "how long a TLS handshake may take before the connection is closed; shorter than the header timeout ("+server.DefaultReadHeaderTimeout.String()+")")
 	fs.Bool("pprof", false, "serve net/http/pprof under /debug/pprof/ on the operations listener")
+	fs.Duration("shutdown-delay", 0, "on SIGTERM, keep the listeners open this long (readyz 503, keep-alives off) before in-flight requests drain, so that the Service's endpoints stop sending new connections first (the chart sets 5s); with --reuse-port, until a successor serves on the same ports, at most this long")
+	fs.Bool("reuse-port", false, "open the listeners with SO_REUSEPORT and only once ready, so that a new broker on the node's network (hostNetwork) listens beside the one it replaces and takes over without a refused connection; set net.ipv4.tcp_migrate_req=1 on the node so that none queued on the old socket is reset")
 	fs.StringSlice("credentials", []string{apiv1.CredentialToken}, "credential kinds this broker issues ("+strings.Join(server.CredentialKinds(), ", ")+"); clientCertificate needs the RBAC of deploy/components/client-certificates")
 	fs.Duration("signing-timeout", clientcert.DefaultTimeout, "how long to wait for the cluster's signer to issue a client certificate before answering 503")
 	fs.String("publish-cluster-trust-bundle", "", `signer name (e.g. tokenbroker.io/east) under which to publish the CAs that anchor this broker's server certificate (those of --client-ca-file, --ca-cert-file and --previous-ca-cert-file that --tls-cert-file verifies to, plus the signing and previous signing CA; never partner CAs) as a ClusterTrustBundle named <signer with / as :>:trust-bundle, kept up to date as the files change; needs Kubernetes 1.37 or later and RBAC to attest for the signer; empty: off`)
@@ -162,6 +164,8 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		MaxHandshakesPerIP:        v.GetInt("max-handshakes-per-ip"),
 		HandshakeTimeout:          v.GetDuration("handshake-timeout"),
 		Pprof:                     v.GetBool("pprof"),
+		ShutdownDelay:             v.GetDuration("shutdown-delay"),
+		ReusePort:                 v.GetBool("reuse-port"),
 		Credentials:               v.GetStringSlice("credentials"),
 		SigningTimeout:            v.GetDuration("signing-timeout"),
 		AuditLog:                  v.GetString("audit-log"),

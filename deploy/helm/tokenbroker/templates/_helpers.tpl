@@ -128,3 +128,30 @@ with the API or ops port.
 {{- end }}
 {{- $port }}
 {{- end }}
+
+{{/*
+The broker's --shutdown-delay in seconds: shutdownDelay, else 30 on the
+node's network (the longest the old pod waits for its successor to serve)
+and 5 on a pod network (for the Service's endpoints to drop the pod).
+*/}}
+{{- define "tokenbroker.shutdownDelaySeconds" -}}
+{{- if .Values.shutdownDelay -}}
+{{- int .Values.shutdownDelay -}}
+{{- else if .Values.hostNetwork -}}
+30
+{{- else -}}
+5
+{{- end -}}
+{{- end }}
+
+{{/*
+The ops port as probes and Services name it: by name, but by number with
+hostNetwork, where the container declares no port.
+*/}}
+{{- define "tokenbroker.opsProbePort" -}}
+{{- if .Values.hostNetwork -}}
+{{- .Values.containerPorts.ops -}}
+{{- else -}}
+ops
+{{- end -}}
+{{- end }}
