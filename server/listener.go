@@ -159,6 +159,9 @@ type handshakeListener struct {
 	cancel    context.CancelFunc
 	closeOnce sync.Once
 	wg        sync.WaitGroup
+	// draining is set by drain: the socket is closed on purpose, and
+	// Accept keeps handing over the handshakes in progress.
+	draining atomic.Bool
 }
 
 // newHandshakeListener wraps ln and starts accepting on it; Close stops it.
@@ -205,6 +208,22 @@ func (l *handshakeListener) Accept() (net.Conn, error) {
 	}
 }
 
+// drain closes the socket, so that no new connection is taken, and waits
+// until the handshakes in progress are over and their connections handed
+// to Accept, or ctx ends: a graceful shutdown serves every connection it
+// accepted instead of dropping those still in their handshake. Close
+// follows it.
+func (l *handshakeListener) drain(ctx context.Context) {
+	l.draining.Store(true)
+	_ = l.Listener.Close()
+	done := make(chan struct{})
+	go func() { l.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+}
+
 // Close stops accepting, closes the socket and waits for the handshakes in
 // progress, closing their connections.
 func (l *handshakeListener) Close() error {
@@ -212,6 +231,9 @@ func (l *handshakeListener) Close() error {
 	l.closeOnce.Do(func() {
 		l.cancel()
 		err = l.Listener.Close()
+		if l.draining.Load() && errors.Is(err, net.ErrClosed) {
+			err = nil // drain closed it
+		}
 		l.wg.Wait()
 	})
 	return err
@@ -222,6 +244,9 @@ func (l *handshakeListener) acceptLoop() {
 	var backoff time.Duration
 	for {
 		raw, err := l.Listener.Accept()
+		if err != nil && l.draining.Load() {
+			return // the socket closed by drain: nothing for Accept to report
+		}
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) || errors.Is(err, syscall.ECONNABORTED) {

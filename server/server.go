@@ -223,6 +223,14 @@ func (s *Server) Run(ctx context.Context) error {
 	s.log.Info("shutting down", zap.Duration("grace", s.cfg.ShutdownGrace))
 	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownGrace)
 	defer cancel()
+	// The TLS listeners take no new connection, and hand the ones still in
+	// their handshake to their servers, which serve them before they shut
+	// down.
+	for _, sv := range servers {
+		if hl, ok := sv.ln.(*handshakeListener); ok {
+			hl.drain(shutdownCtx)
+		}
+	}
 	for _, sv := range servers {
 		if err := sv.srv.Shutdown(shutdownCtx); err != nil {
 			errs = append(errs, fmt.Errorf("shut down %s listener: %w", sv.name, err))

@@ -44,6 +44,15 @@ const (
 	// TokenPodNotLive: the token's Pod is not in the peer's last report
 	// (deleted, or too new to be in it).
 	TokenPodNotLive = "pod-not-live"
+
+	// MinReportInterval is how soon after a peer's report this replica
+	// takes its next one: every report is a Secret write, which a peer
+	// must not be able to repeat at will. The agent reports at most once a
+	// second.
+	MinReportInterval = 500 * time.Millisecond
+	// reportClockSkew is how far in the future a report's time may be
+	// (another replica's clock) before it counts as no report.
+	reportClockSkew = 5 * time.Second
 )
 
 // podUID is a Kubernetes uid as the API server makes them (RFC 4122,
@@ -86,11 +95,13 @@ func parseLivePods(doc []byte) (map[string]struct{}, error) {
 }
 
 // keepLivePods carries the last report of from into to (a rewrite of the
-// same peer's Secret for a new key set).
+// same peer's Secret for a new key set), if it has one whole.
 func keepLivePods(from, to *corev1.Secret) {
-	if doc, ok := from.Data[PeerLivePodsKey]; ok {
+	doc, ok := from.Data[PeerLivePodsKey]
+	at, hasAt := from.Annotations[AnnotationPodsReportedAt]
+	if ok && hasAt {
 		to.Data[PeerLivePodsKey] = doc
-		to.Annotations[AnnotationPodsReportedAt] = from.Annotations[AnnotationPodsReportedAt]
+		to.Annotations[AnnotationPodsReportedAt] = at
 	}
 }
 
@@ -99,7 +110,8 @@ func keepLivePods(from, to *corev1.Secret) {
 // refusal's reason (TokenPodsUnreported, TokenPodNotLive).
 func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge time.Duration) string {
 	ks := (*s.sets.Load())[peer]
-	if ks == nil || ks.identity != identity || ks.podsAt.IsZero() || now.Sub(ks.podsAt) > maxAge {
+	if ks == nil || ks.identity != identity || ks.podsAt.IsZero() || now.Sub(ks.podsAt) > maxAge ||
+		ks.podsAt.After(now.Add(reportClockSkew)) {
 		return TokenPodsUnreported
 	}
 	if _, ok := ks.pods[uid]; !ok {
@@ -124,6 +136,10 @@ func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, ide
 	}
 	if err := CheckLivePods(uids); err != nil {
 		return nil, problem.Invalid(apiv1.FieldError{Field: "uids", Detail: err.Error()})
+	}
+	if wait := s.reportSlot(peer.Name, now); wait > 0 {
+		return nil, &problem.Error{Kind: problem.KindTooManyRequests, RetryAfter: wait,
+			Detail: fmt.Sprintf("one report per %s per broker replica", MinReportInterval)}
 	}
 	sorted := slices.Clone(uids)
 	slices.Sort(sorted)
@@ -162,9 +178,15 @@ func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, d
 			return errKeysFirst
 		}
 		next := sec.DeepCopy()
+		if next.Data == nil {
+			next.Data = map[string][]byte{}
+		}
 		next.Data[PeerLivePodsKey] = doc
 		next.Annotations[AnnotationPodsReportedAt] = now.UTC().Format(time.RFC3339Nano)
 		written, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
+		if apierrors.IsNotFound(err) {
+			return errKeysFirst // deleted since the read
+		}
 		return err
 	})
 	if errors.Is(err, errKeysFirst) {
@@ -175,4 +197,19 @@ func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, d
 	}
 	s.observe(written)
 	return nil
+}
+
+// reportSlot takes peer's next report slot on this replica at now: zero if
+// the report may go ahead, else how long until it may.
+func (s *PeerKeyStore) reportSlot(peer string, now time.Time) time.Duration {
+	s.reportsMu.Lock()
+	defer s.reportsMu.Unlock()
+	if s.lastReport == nil {
+		s.lastReport = map[string]time.Time{}
+	}
+	if last, ok := s.lastReport[peer]; ok && now.Sub(last) < MinReportInterval && !now.Before(last) {
+		return MinReportInterval - now.Sub(last)
+	}
+	s.lastReport[peer] = now
+	return 0
 }

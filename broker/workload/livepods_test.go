@@ -108,6 +108,7 @@ func TestATokenIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) {
 	p := livePodsPolicy(t, ", livePodsFromPeer: true, livePodsMaxAge: 1m")
 	store := NewPeerKeyStore(fake.NewClientset().CoreV1(), "tokenbroker", zap.NewNop())
 	report := func(uids ...string) error {
+		now = now.Add(MinReportInterval) // the agent's pace
 		_, err := store.ReportLivePods(ctx, p, westID, uids, now, &audit.Event{})
 		return err
 	}
@@ -218,7 +219,40 @@ func TestAReportIsBoundedAndValidated(t *testing.T) {
 	require.NoError(t, err, "exactly the bound")
 	require.Equal(t, MaxLivePods, resp.Pods)
 	require.Equal(t, now.Add(policy.DefaultLivePodsMaxAge).UTC(), resp.ValidUntil)
-	resp, err = store.ReportLivePods(ctx, p, westID, []string{}, now, &audit.Event{})
+
+	// A peer cannot make this replica write its Secret at will.
+	_, err = store.ReportLivePods(ctx, p, westID, []string{}, now.Add(MinReportInterval/2), &audit.Event{})
+	var pe *problem.Error
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, problem.KindTooManyRequests, pe.Kind)
+	require.Equal(t, MinReportInterval/2, pe.RetryAfter)
+	resp, err = store.ReportLivePods(ctx, p, westID, []string{}, now.Add(MinReportInterval), &audit.Event{})
 	require.NoError(t, err, "no Pod lives")
 	require.Zero(t, resp.Pods)
+}
+
+// TestAReportFromTheFutureOrHalfWrittenCountsAsNone: a report time ahead
+// of this replica's clock by more than the skew (another replica's clock
+// runs fast, or the Secret was edited) does not extend the report's life;
+// a report without its time is not carried into a new key set.
+func TestAReportFromTheFutureOrHalfWrittenCountsAsNone(t *testing.T) {
+	ctx := context.Background()
+	now := time.Date(2026, 11, 26, 12, 0, 0, 0, time.UTC)
+	w := newWestCluster(t)
+	p := livePodsPolicy(t, ", livePodsFromPeer: true")
+	store := NewPeerKeyStore(fake.NewClientset().CoreV1(), "tokenbroker", zap.NewNop())
+	_, err := store.Upload(ctx, p, westID, w.raw, now, &audit.Event{})
+	require.NoError(t, err)
+	_, err = store.ReportLivePods(ctx, p, westID, []string{livePod}, now.Add(time.Hour), &audit.Event{})
+	require.NoError(t, err)
+	_, err = Verify(p, westID, w.token(t, livePod, now), store, func() time.Time { return now })
+	require.Equal(t, TokenPodsUnreported, reason(t, err), "a report an hour ahead")
+	require.Empty(t, store.LivePod("west", westID, livePod, now.Add(time.Hour-reportClockSkew), time.Minute))
+
+	sec, err := store.read(ctx, "west")
+	require.NoError(t, err)
+	delete(sec.Annotations, AnnotationPodsReportedAt)
+	next := newPeerKeysSecret("west", westID, w.raw)
+	keepLivePods(sec, next)
+	require.NotContains(t, next.Data, PeerLivePodsKey, "a report without its time is dropped, not kept half")
 }

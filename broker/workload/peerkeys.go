@@ -77,6 +77,9 @@ type PeerKeyStore struct {
 	mu     sync.Mutex // serialises writers of sets
 	sets   atomic.Pointer[map[string]*peerKeySet]
 	synced atomic.Bool
+
+	reportsMu  sync.Mutex
+	lastReport map[string]time.Time // per peer: this replica's last report
 }
 
 // NewPeerKeyStore returns a store of the key Secrets in namespace.
