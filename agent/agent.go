@@ -191,7 +191,7 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 			for _, b := range u.Brokers {
 				brokers[b] = brokerRef{b: a.brokers, url: b}
 			}
-			a.pods = newPodReporter(deps.Kubernetes, brokers, p.Interval, p.Audiences, a.clock, a.log.Named("pods"))
+			a.pods = newPodReporter(deps.Kubernetes, brokers, p.Interval, p.Audiences, p.Namespaces, a.clock, a.log.Named("pods"))
 		}
 	}
 

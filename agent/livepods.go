@@ -22,25 +22,49 @@ type podsAPI interface {
 	PutPods(ctx context.Context, uids []string) (*apiv1.PeerLivePods, error)
 }
 
-// podRetryInterval is how soon a report a broker refused (not reachable,
-// or the key set not uploaded yet) is sent again.
-const podRetryInterval = 2 * time.Second
+const (
+	// podRetryInterval is how soon a round that could not report (a
+	// broker refused, or the Pods could not be read) is tried again.
+	podRetryInterval = 2 * time.Second
+	// podMinGap is the least time between two rounds: a burst of Pods
+	// coming and going is reported once a second, not once a Pod (a
+	// broker takes one report per peer every 500 ms).
+	podMinGap = time.Second
+	// podCallTimeout bounds one report to one broker, so that a broker
+	// that does not answer delays the others by this much at most.
+	podCallTimeout = 5 * time.Second
+	// deletedPodLeeway is how long after a Pod's deletionTimestamp the
+	// API server still honours its tokens (jwt.DefaultLeeway in
+	// k8s.io/kubernetes/pkg/serviceaccount): the agent reports it as long.
+	deletedPodLeeway = time.Minute
+)
 
 // podReporter tells brokers which Pods live in this cluster (their uids),
 // so that they honour a Pod's token only while the Pod exists, as this
-// cluster's API server does: at once when a Pod comes or goes, and every
-// interval otherwise, which tells them the agent is alive.
+// cluster's API server does: within a second when a Pod comes or goes,
+// and every interval otherwise, which tells them the agent is alive. It
+// vouches only for what it can see: a round whose informer has lost its
+// watch, or whose fresh read of the Pods fails, reports nothing, and the
+// brokers refuse this cluster's tokens once their last report is older
+// than their livePodsMaxAge.
 type podReporter struct {
-	client    kubernetes.Interface
-	brokers   map[string]podsAPI
-	audiences []string // a Pod is reported if it has a projected token for one; empty: every Pod
-	interval  time.Duration
-	clock     clock.Clock
-	log       *zap.Logger
+	client     kubernetes.Interface
+	brokers    map[string]podsAPI
+	audiences  []string // a Pod is reported if it has a projected token for one
+	namespaces []string // and is in one of them; empty: any namespace
+	interval   time.Duration
+	clock      clock.Clock
+	log        *zap.Logger
 
-	changed chan struct{} // a Pod came or went since the last report
-	mu      sync.Mutex
+	changed chan struct{}        // a Pod came, went or started terminating
 	last    map[string]podReport // per broker: what it accepted, and when
+
+	// watchLost is set when the informer's list or watch fails, with the
+	// resource version it had then; it is cleared once the informer has
+	// listed or watched past it.
+	mu        sync.Mutex
+	watchLost bool
+	lostAtRV  string
 }
 
 type podReport struct {
@@ -48,9 +72,9 @@ type podReport struct {
 	at   time.Time
 }
 
-func newPodReporter(client kubernetes.Interface, brokers map[string]podsAPI, cfg apiv1.Duration, audiences []string, clk clock.Clock, log *zap.Logger) *podReporter {
+func newPodReporter(client kubernetes.Interface, brokers map[string]podsAPI, interval apiv1.Duration, audiences, namespaces []string, clk clock.Clock, log *zap.Logger) *podReporter {
 	return &podReporter{
-		client: client, brokers: brokers, audiences: audiences, interval: time.Duration(cfg),
+		client: client, brokers: brokers, audiences: audiences, namespaces: namespaces, interval: time.Duration(interval),
 		clock: clk, log: log, changed: make(chan struct{}, 1), last: map[string]podReport{},
 	}
 }
@@ -62,29 +86,45 @@ func (r *podReporter) run(ctx context.Context) {
 	factory := informers.NewSharedInformerFactoryWithOptions(r.client, 0, informers.WithTransform(r.trim))
 	inf := factory.Core().V1().Pods().Informer()
 	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		r.mu.Lock()
+		r.watchLost, r.lostAtRV = true, inf.LastSyncResourceVersion()
+		r.mu.Unlock()
 		if ctx.Err() == nil {
-			r.log.Warn("watch of the Pods failed; retrying (brokers refuse this cluster's tokens if it lasts past their livePodsMaxAge)", zap.Error(err))
+			r.log.Warn("watch of the Pods failed; reporting nothing until it is back (brokers refuse this cluster's tokens if it lasts past their livePodsMaxAge)", zap.Error(err))
 		}
 	})
-	notify := func(any) {
+	notify := func() {
 		select {
 		case r.changed <- struct{}{}:
 		default:
 		}
 	}
+	// Any event is a list or watch that worked: the view is current again.
+	seen := func() {
+		r.mu.Lock()
+		r.watchLost = false
+		r.mu.Unlock()
+	}
 	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    notify,
-		DeleteFunc: notify,
-		// An update changes neither a uid nor the volumes.
+		AddFunc:    func(any) { seen(); notify() },
+		DeleteFunc: func(any) { seen(); notify() },
+		UpdateFunc: func(oldObj, newObj any) {
+			seen()
+			o, ok1 := oldObj.(*corev1.Pod)
+			n, ok2 := newObj.(*corev1.Pod)
+			if ok1 && ok2 && (o.DeletionTimestamp == nil) != (n.DeletionTimestamp == nil) {
+				notify() // terminating: leaves the report deletedPodLeeway later
+			}
+		},
 	})
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 		return
 	}
-	store := inf.GetStore()
 	for {
-		retry := r.reportOnce(ctx, store)
+		round := r.clock.Now()
+		retry := r.reportOnce(ctx, inf)
 		wait := r.interval
 		if retry {
 			wait = min(wait, podRetryInterval)
@@ -95,18 +135,28 @@ func (r *podReporter) run(ctx context.Context) {
 		case <-r.changed:
 		case <-r.clock.After(wait):
 		}
+		// At most one round a podMinGap; a change after a quiet spell goes
+		// out at once (a new Pod's token is refused until it is reported).
+		if gap := podMinGap - r.clock.Since(round); gap > 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.clock.After(gap):
+			}
+		}
 	}
 }
 
-// trim keeps of a Pod only what the reporter reads, and nothing of a Pod
-// it does not report: the informer's cache holds every Pod of the cluster.
+// trim keeps of a Pod only what the reporter reads: the informer's cache
+// holds every Pod of the cluster. (Tombstones are not transformed.)
 func (r *podReporter) trim(obj any) (any, error) {
 	pod, ok := obj.(*corev1.Pod)
 	if !ok {
-		return obj, nil // a tombstone
+		return obj, nil
 	}
 	out := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{
 		Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
+		DeletionTimestamp: pod.DeletionTimestamp,
 	}}
 	if r.wanted(pod) {
 		out.Labels = map[string]string{reportedLabel: "true"}
@@ -118,11 +168,12 @@ func (r *podReporter) trim(obj any) (any, error) {
 // found to be reported.
 const reportedLabel = "tokenbroker.io/reported"
 
-// wanted says whether pod can hold a token for the brokers: one of its
-// projected serviceAccountToken volumes is for one of the audiences.
+// wanted says whether pod can hold a token for the brokers: it is in one
+// of the namespaces, and one of its projected serviceAccountToken volumes
+// is for one of the audiences.
 func (r *podReporter) wanted(pod *corev1.Pod) bool {
-	if len(r.audiences) == 0 {
-		return true
+	if len(r.namespaces) > 0 && !slices.Contains(r.namespaces, pod.Namespace) {
+		return false
 	}
 	for _, v := range pod.Spec.Volumes {
 		if v.Projected == nil {
@@ -137,34 +188,65 @@ func (r *podReporter) wanted(pod *corev1.Pod) bool {
 	return false
 }
 
-// reportOnce sends the Pods in store to every broker that has not
-// accepted this report within the interval. It returns true if a broker
-// must be retried soon.
-func (r *podReporter) reportOnce(ctx context.Context, store cache.Store) (retry bool) {
+// canVouch says whether the informer's view of the Pods is current: its
+// watch has not failed since it last listed or watched, and a fresh read
+// of the Pods works now (the API server is reachable and still lets the
+// agent list them).
+func (r *podReporter) canVouch(ctx context.Context, inf cache.SharedIndexInformer) bool {
+	r.mu.Lock()
+	if r.watchLost && inf.LastSyncResourceVersion() != r.lostAtRV {
+		r.watchLost = false
+	}
+	lost := r.watchLost
+	r.mu.Unlock()
+	if lost {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, podCallTimeout)
+	defer cancel()
+	if _, err := r.client.CoreV1().Pods("").List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+		r.log.Warn("cannot read the Pods; reporting nothing until it can", zap.Error(err))
+		return false
+	}
+	return true
+}
+
+// reportOnce sends the live Pods in inf's cache to every broker that has
+// not accepted this report within the interval. It returns true if the
+// round must be tried again soon.
+func (r *podReporter) reportOnce(ctx context.Context, inf cache.SharedIndexInformer) (retry bool) {
+	if !r.canVouch(ctx, inf) {
+		return true
+	}
+	now := r.clock.Now()
 	var uids []string
-	for _, obj := range store.List() {
-		if pod, ok := obj.(*corev1.Pod); ok && pod.Labels[reportedLabel] == "true" {
-			uids = append(uids, string(pod.UID))
+	for _, obj := range inf.GetStore().List() {
+		pod, ok := obj.(*corev1.Pod)
+		if !ok || pod.Labels[reportedLabel] != "true" {
+			continue
 		}
+		if pod.DeletionTimestamp != nil && now.After(pod.DeletionTimestamp.Add(deletedPodLeeway)) {
+			continue // its tokens are invalid at its API server too
+		}
+		uids = append(uids, string(pod.UID))
 	}
 	slices.Sort(uids)
 	if uids == nil {
 		uids = []string{}
 	}
 	if len(uids) > apiv1.MaxLivePods {
-		r.log.Error("more Pods to report than a broker accepts; narrow jwksUpload.livePods.audiences (brokers refuse this cluster's tokens until then)",
+		r.log.Error("more Pods to report than a broker accepts; narrow jwksUpload.livePods (audiences, namespaces): brokers refuse this cluster's tokens until then",
 			zap.Int("pods", len(uids)), zap.Int("max", apiv1.MaxLivePods))
 		return false
 	}
-	now := r.clock.Now()
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	for url, api := range r.brokers {
 		last := r.last[url]
 		if slices.Equal(last.uids, uids) && now.Sub(last.at) < r.interval {
 			continue
 		}
-		resp, err := api.PutPods(ctx, uids)
+		callCtx, cancel := context.WithTimeout(ctx, podCallTimeout)
+		resp, err := api.PutPods(callCtx, uids)
+		cancel()
 		if err != nil {
 			r.log.Warn("Pod report failed; retrying", zap.String("broker", url), zap.Error(err))
 			retry = true

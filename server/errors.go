@@ -176,6 +176,9 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case class.status == http.StatusTooManyRequests:
 		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(problem.RetryAfterOf(err).Seconds())))))
+	case class.status == http.StatusServiceUnavailable && problem.RetryAfterOf(err) > 0:
+		// The cause knows when (a Pod the peer has not reported yet).
+		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(problem.RetryAfterOf(err).Seconds())))))
 	case class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout:
 		h.Set("Retry-After", retryAfterSeconds)
 	}

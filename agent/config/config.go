@@ -187,11 +187,14 @@ type JWKSUploadConfig struct {
 
 // LivePodsConfig says which Pods the agent reports and how often.
 type LivePodsConfig struct {
-	// Audiences: a Pod is reported if one of its projected
+	// Audiences (required): a Pod is reported if one of its projected
 	// serviceAccountToken volumes is for one of them (the brokers'
-	// workloadIdentity audiences); empty reports every Pod. A report holds
-	// at most 1024 Pods.
-	Audiences []string `json:"audiences,omitempty"`
+	// workloadIdentity audiences). A report holds at most 1024 Pods.
+	Audiences []string `json:"audiences"`
+	// Namespaces, if set, reports only the Pods of these namespaces (those
+	// of the workloads the brokers grant): a tenant elsewhere who can
+	// create Pods cannot then push the report over its bound.
+	Namespaces []string `json:"namespaces,omitempty"`
 	// Interval is how often an unchanged report is sent again, so that the
 	// brokers know the agent is alive; default 30s. Keep it well under the
 	// brokers' livePodsMaxAge (default 2m). A change is reported at once.

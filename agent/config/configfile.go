@@ -233,8 +233,19 @@ func (c *Config) Validate() error {
 			if d := time.Duration(p.Interval); d != 0 && (d < time.Second || d > 30*time.Minute) {
 				v.add("jwksUpload.livePods.interval", "must be between 1s and 30m (and well under the brokers' livePodsMaxAge)")
 			}
+			if len(p.Audiences) == 0 {
+				v.add("jwksUpload.livePods.audiences", "list the brokers' workload audiences: a Pod is reported if it has a projected token for one")
+			}
 			if len(p.Audiences) > 16 {
 				v.add("jwksUpload.livePods.audiences", "at most 16 audiences")
+			}
+			if len(p.Namespaces) > 256 {
+				v.add("jwksUpload.livePods.namespaces", "at most 256 namespaces")
+			}
+			for i, ns := range p.Namespaces {
+				if msgs := validation.IsDNS1123Label(ns); len(msgs) > 0 {
+					v.add(fmt.Sprintf("jwksUpload.livePods.namespaces[%d]", i), "must be a namespace name: %s", strings.Join(msgs, "; "))
+				}
 			}
 			for i, a := range p.Audiences {
 				if strings.TrimSpace(a) == "" || len(a) > 256 {

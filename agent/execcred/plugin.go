@@ -212,6 +212,22 @@ type Plugin struct {
 	// error. A newly issued credential is checked too; IssueFunc should
 	// check before it issues, so that nothing is issued for a refusal.
 	Guard func(*Credential) error
+	// Wait sleeps for d or until ctx ends; nil means a real timer.
+	Wait func(ctx context.Context, d time.Duration) error
+}
+
+func (p *Plugin) wait(ctx context.Context, d time.Duration) error {
+	if p.Wait != nil {
+		return p.Wait(ctx, d)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // Get returns the credential for key, handed to parent, issuing one with
@@ -331,9 +347,30 @@ func BrokerRefused(err error) bool {
 	return errors.As(err, &pe) && (pe.Status == http.StatusUnauthorized || pe.Status == http.StatusForbidden)
 }
 
-// issue calls issue and sets the refresh point.
+// issueRetries bounds how often issue asks again when the broker says to
+// retry in a moment (a 503 or 429 with Retry-After of at most
+// issueRetryMax): e.g. a new Pod's token before the source cluster's agent
+// reported the Pod, or a broker replica handing over.
+const (
+	issueRetries  = 3
+	issueRetryMax = 2 * time.Second
+)
+
+// issue calls issue, again after the broker's Retry-After while it says to
+// retry in a moment, and sets the refresh point.
 func (p *Plugin) issue(ctx context.Context, issue IssueFunc) (*Credential, error) {
 	c, err := issue(ctx)
+	for attempt := 0; err != nil && attempt < issueRetries; attempt++ {
+		var pe *client.ProblemError
+		if !errors.As(err, &pe) || pe.Status != http.StatusServiceUnavailable && pe.Status != http.StatusTooManyRequests ||
+			pe.RetryAfter <= 0 || pe.RetryAfter > issueRetryMax {
+			break
+		}
+		if werr := p.wait(ctx, pe.RetryAfter); werr != nil {
+			break
+		}
+		c, err = issue(ctx)
+	}
 	if err != nil {
 		return nil, err
 	}

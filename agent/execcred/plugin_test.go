@@ -714,3 +714,45 @@ func TestACacheDirectoryAnotherUserCouldReplaceIsRefused(t *testing.T) {
 		require.ErrorContains(t, err, "belongs to uid 4242")
 	})
 }
+
+// TestABrokerThatSaysRetryInAMomentIsAskedAgain: a 503 or 429 with a short
+// Retry-After (a new Pod's token before its cluster's agent reported the
+// Pod) is asked again after it, at most three times; a refusal is not, nor
+// a long Retry-After.
+func TestABrokerThatSaysRetryInAMomentIsAskedAgain(t *testing.T) {
+	t.Parallel()
+	notYet := &client.ProblemError{Status: http.StatusServiceUnavailable, RetryAfter: time.Second}
+	for _, tc := range []struct {
+		name      string
+		answers   []error
+		wantCalls int
+		wantWaits []time.Duration
+		wantErr   bool
+	}{
+		{"503 then a credential", []error{notYet, nil}, 2, []time.Duration{time.Second}, false},
+		{"429 then a credential", []error{&client.ProblemError{Status: http.StatusTooManyRequests, RetryAfter: 2 * time.Second}, nil}, 2, []time.Duration{2 * time.Second}, false},
+		{"at most three retries", []error{notYet, notYet, notYet, notYet, nil}, 4, []time.Duration{time.Second, time.Second, time.Second}, true},
+		{"a 401 is an answer", []error{&client.ProblemError{Status: http.StatusUnauthorized}, nil}, 1, nil, true},
+		{"a long Retry-After is not waited for", []error{&client.ProblemError{Status: http.StatusServiceUnavailable, RetryAfter: time.Minute}, nil}, 1, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := newPluginFixture(t)
+			var waits []time.Duration
+			f.p.Wait = func(_ context.Context, d time.Duration) error { waits = append(waits, d); return nil }
+			calls := 0
+			issue := func(ctx context.Context) (*Credential, error) {
+				err := tc.answers[calls]
+				calls++
+				if err != nil {
+					return nil, err
+				}
+				return f.issuer.issue(ctx)
+			}
+			_, _, err := f.p.Get(context.Background(), testKey, kubectl1, issue)
+			require.Equal(t, tc.wantErr, err != nil, "%v", err)
+			require.Equal(t, tc.wantCalls, calls)
+			require.Equal(t, tc.wantWaits, waits)
+		})
+	}
+}

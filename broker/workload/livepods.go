@@ -107,18 +107,26 @@ func keepLivePods(from, to *corev1.Secret) {
 
 // LivePod says whether the Pod with uid, bound to a token of peer (whose
 // reports identity made), may be honoured at now: "" if so, else the
-// refusal's reason (TokenPodsUnreported, TokenPodNotLive).
-func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge time.Duration) string {
+// refusal's reason (TokenPodsUnreported, TokenPodNotLive), with the time
+// of the last report.
+func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge time.Duration) (string, time.Time) {
 	ks := (*s.sets.Load())[peer]
 	if ks == nil || ks.identity != identity || ks.podsAt.IsZero() || now.Sub(ks.podsAt) > maxAge ||
 		ks.podsAt.After(now.Add(reportClockSkew)) {
-		return TokenPodsUnreported
+		return TokenPodsUnreported, time.Time{}
 	}
 	if _, ok := ks.pods[uid]; !ok {
-		return TokenPodNotLive
+		return TokenPodNotLive, ks.podsAt
 	}
-	return ""
+	return "", ks.podsAt
 }
+
+// PodNotReportedYet is the reason of a refusal that may pass by itself:
+// the token's Pod is not in the last report, but the token was issued no
+// earlier than that report (to the second, iat's precision), so the Pod
+// existed after it and is likely too new to be in it. It is answered 503
+// with Retry-After, never honoured.
+const PodNotReportedYet = "pod-not-reported-yet"
 
 // ReportLivePods stores the uids of the Pods that live in the cluster of a
 // peer of policy p, authenticated as identity, and names the peer in ev.

@@ -29,6 +29,7 @@ const (
 	audience = "tokenbroker.east"
 	livePod  = "7a1e2f3c-0000-4000-8000-000000000002"
 	goneePod = "7a1e2f3c-0000-4000-8000-000000000003"
+	newPod   = "7a1e2f3c-0000-4000-8000-000000000004"
 )
 
 // westCluster is a peer cluster's signing key and its published set.
@@ -112,7 +113,8 @@ func TestATokenIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) {
 		_, err := store.ReportLivePods(ctx, p, westID, uids, now, &audit.Event{})
 		return err
 	}
-	live, gone := w.token(t, livePod, now), w.token(t, goneePod, now)
+	// Issued a minute ago, while both Pods lived.
+	live, gone := w.token(t, livePod, now.Add(-time.Minute)), w.token(t, goneePod, now.Add(-time.Minute))
 
 	err := report(livePod)
 	require.Equal(t, problem.KindUnprocessable, kind(t, err), "a report before the key set: %v", err)
@@ -136,6 +138,18 @@ func TestATokenIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) {
 	require.Contains(t, workloadTokenDetails[TokenPodNotLive], "deleted")
 	_, err = Verify(p, westID, live, store, clock)
 	require.NoError(t, err)
+
+	// A token issued since the last report, of a Pod not in it: the Pod
+	// lived after the report (a new one): refused for now, retryable.
+	_, err = Verify(p, westID, w.token(t, newPod, now), store, clock)
+	var pe *problem.Error
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, problem.KindUnavailable, pe.Kind)
+	require.Equal(t, PodNotReportedYet, pe.Reason)
+	require.Equal(t, time.Second, pe.RetryAfter)
+	require.NoError(t, report(livePod, newPod))
+	_, err = Verify(p, westID, w.token(t, newPod, now.Add(-time.Second)), store, clock)
+	require.NoError(t, err, "reported")
 
 	// A new key set keeps the report.
 	w2 := newWestCluster(t)
@@ -162,7 +176,7 @@ func TestATokenIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) {
 	other.observe(sec)
 	_, err = Verify(p, westID, w.token(t, livePod, now), other, clock)
 	require.NoError(t, err)
-	_, err = Verify(p, westID, w.token(t, goneePod, now), other, clock)
+	_, err = Verify(p, westID, w.token(t, goneePod, now.Add(-time.Minute)), other, clock)
 	require.Equal(t, TokenPodNotLive, reason(t, err))
 }
 
@@ -247,7 +261,8 @@ func TestAReportFromTheFutureOrHalfWrittenCountsAsNone(t *testing.T) {
 	require.NoError(t, err)
 	_, err = Verify(p, westID, w.token(t, livePod, now), store, func() time.Time { return now })
 	require.Equal(t, TokenPodsUnreported, reason(t, err), "a report an hour ahead")
-	require.Empty(t, store.LivePod("west", westID, livePod, now.Add(time.Hour-reportClockSkew), time.Minute))
+	r, _ := store.LivePod("west", westID, livePod, now.Add(time.Hour-reportClockSkew), time.Minute)
+	require.Empty(t, r)
 
 	sec, err := store.read(ctx, "west")
 	require.NoError(t, err)

@@ -77,7 +77,7 @@ var workloadTokenDetails = map[string]string{
 	TokenNoTrust:              "This broker has no workload identity trust for your cluster.",
 	TokenNoKeys:               "Your cluster has not uploaded its key set (PUT /v1/peers/self/jwks) to this broker.",
 	TokenPodsUnreported:       "Your cluster has not reported its live Pods (PUT /v1/peers/self/pods) within the time this broker allows; is its agent running?",
-	TokenPodNotLive:           "The workload token's Pod is not among the live Pods your cluster last reported: it was deleted, or is too new to be in the report yet (retry in a second).",
+	TokenPodNotLive:           "The workload token's Pod is not among the live Pods your cluster last reported, which is newer than the token: the Pod was deleted.",
 }
 
 // BadToken returns the KindBadWorkloadToken error of reason with
@@ -138,12 +138,18 @@ func Verify(p *policy.Policy, identity, token string, store *PeerKeyStore, now f
 		return nil, BadToken(pki.TokenMalformed, err)
 	}
 	if wi.LivePodsFromPeer {
-		reason := TokenPodsUnreported
+		reason, reportedAt := TokenPodsUnreported, time.Time{}
 		if store != nil {
-			reason = store.LivePod(peer.Name, identity, claims.PodUID, now(), wi.EffectiveLivePodsMaxAge())
+			reason, reportedAt = store.LivePod(peer.Name, identity, claims.PodUID, now(), wi.EffectiveLivePodsMaxAge())
+		}
+		cause := fmt.Errorf("pod %s/%s (uid %s): %s", claims.Namespace, claims.Pod, claims.PodUID, reason)
+		if reason == TokenPodNotLive && !claims.IssuedAt.Before(reportedAt.Truncate(time.Second)) {
+			// Issued after the report: the Pod lived then. Refused for now.
+			return nil, &problem.Error{Kind: problem.KindUnavailable, Reason: PodNotReportedYet, RetryAfter: time.Second,
+				Detail: "the workload token's Pod is newer than your cluster's last report of its live Pods; retry in a second", Err: cause}
 		}
 		if reason != "" {
-			return nil, BadToken(reason, fmt.Errorf("pod %s/%s (uid %s): %s", claims.Namespace, claims.Pod, claims.PodUID, reason))
+			return nil, BadToken(reason, cause)
 		}
 	}
 	return &Identity{

@@ -339,7 +339,7 @@ func TestAgentChartAgainstAPIServer(t *testing.T) {
 	}
 
 	out := h.run(t, append(admin, "install", "tokenbroker-agent", h.chart, "-n", "tokenbroker-agent", "-f", h.values("default"),
-		"--set-json", `config.jwksUpload={"brokers":["https://east.example.com:8443"],"livePods":{}}`)...)
+		"--set-json", `config.jwksUpload={"brokers":["https://east.example.com:8443"],"livePods":{"audiences":["tokenbroker.east"]}}`)...)
 	require.Contains(t, out, "STATUS: deployed")
 	// jwksUpload.livePods: the API server lets the agent list and watch
 	// the Pods of every namespace.
