@@ -183,15 +183,13 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 			log:      a.log.Named("jwks"),
 			uploaded: map[string]uploadState{},
 		}
+		podBrokers := map[string]podsAPI{}
 		for _, b := range u.Brokers {
-			a.jwks.brokers[b] = brokerRef{b: a.brokers, url: b}
+			ref := brokerRef{b: a.brokers, url: b}
+			a.jwks.brokers[b], podBrokers[b] = ref, ref
 		}
 		if p := u.LivePods; p != nil {
-			brokers := map[string]podsAPI{}
-			for _, b := range u.Brokers {
-				brokers[b] = brokerRef{b: a.brokers, url: b}
-			}
-			a.pods = newPodReporter(deps.Kubernetes, brokers, p.Interval, p.Audiences, p.Namespaces, a.clock, a.log.Named("pods"))
+			a.pods = newPodReporter(deps.Kubernetes, podBrokers, p.Interval, p.Audiences, p.Namespaces, a.clock, a.log.Named("pods"))
 		}
 	}
 

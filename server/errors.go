@@ -173,12 +173,12 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 	h := w.Header()
 	h.Set("Content-Type", apiv1.MediaTypeProblem)
 	h.Set("Content-Length", strconv.Itoa(len(body)))
+	retryAfter := problem.RetryAfterOf(err)
 	switch {
-	case class.status == http.StatusTooManyRequests:
-		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(problem.RetryAfterOf(err).Seconds())))))
-	case class.status == http.StatusServiceUnavailable && problem.RetryAfterOf(err) > 0:
+	case class.status == http.StatusTooManyRequests,
 		// The cause knows when (a Pod the peer has not reported yet).
-		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(problem.RetryAfterOf(err).Seconds())))))
+		class.status == http.StatusServiceUnavailable && retryAfter > 0:
+		h.Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(retryAfter.Seconds())))))
 	case class.status == http.StatusServiceUnavailable || class.status == http.StatusGatewayTimeout:
 		h.Set("Retry-After", retryAfterSeconds)
 	}

@@ -143,7 +143,7 @@ func workloadToken(h http.Header) (string, error) {
 // putPeerJWKS handles PUT /v1/peers/self/jwks: the peer uploads its own
 // cluster's key set (as served at /openid/v1/jwks).
 func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
-	if !s.peerSelfRoute(w, r) {
+	if !jsonRouteAnswerable(w, r, s.workloads != nil) {
 		return
 	}
 	doc, err := readJWKSBody(r, min(s.cfg.MaxBodyBytes, pki.MaxJWKSBytes))
@@ -158,7 +158,7 @@ func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
 // putPeerPods handles PUT /v1/peers/self/pods: the peer reports the Pods
 // that live in its cluster (workloadIdentity.livePodsFromPeer).
 func (s *Server) putPeerPods(w http.ResponseWriter, r *http.Request, p peer) {
-	if !s.peerSelfRoute(w, r) {
+	if !jsonRouteAnswerable(w, r, s.workloads != nil) {
 		return
 	}
 	var report apiv1.LivePodsReport
@@ -172,21 +172,6 @@ func (s *Server) putPeerPods(w http.ResponseWriter, r *http.Request, p peer) {
 	}
 	resp, err := s.workloads.ReportPeerPods(r.Context(), p.caller, report.UIDs)
 	reply(w, r, http.StatusOK, resp, err)
-}
-
-// peerSelfRoute answers a request to /v1/peers/self/* that cannot be
-// served: 404 on a broker without workload trust, 406 for an Accept
-// without JSON. It reports whether the request may go on.
-func (s *Server) peerSelfRoute(w http.ResponseWriter, r *http.Request) bool {
-	if s.workloads == nil {
-		writeError(w, r, errRouteNotFound)
-		return false
-	}
-	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
-		writeError(w, r, errNotAcceptable)
-		return false
-	}
-	return true
 }
 
 func leaseNotFound(id string) error {
@@ -422,11 +407,12 @@ func (s *Server) whoAmI(w http.ResponseWriter, r *http.Request, p peer) {
 // usable bearer token; the caller sees the same 401 as for a bad token.
 var errNoJoinToken = errors.New("no bearer token, or not one a join token can be")
 
-// certificatesAnswerable answers 404 when this server issues no
-// certificates and 406 when the client does not accept JSON, and says
-// whether the certificate handlers may go on.
-func (s *Server) certificatesAnswerable(w http.ResponseWriter, r *http.Request) bool {
-	if s.certs == nil {
+// jsonRouteAnswerable answers 404 when this server does not serve the
+// route (served is false: no certificate issuer, no workload trust) and
+// 406 when the client does not accept JSON, and says whether the handler
+// may go on.
+func jsonRouteAnswerable(w http.ResponseWriter, r *http.Request, served bool) bool {
+	if !served {
 		writeError(w, r, errRouteNotFound)
 		return false
 	}
@@ -441,7 +427,7 @@ func (s *Server) certificatesAnswerable(w http.ResponseWriter, r *http.Request) 
 // listener: a cluster without a certificate presents a join token as its
 // bearer token and a CSR for the token's identity.
 func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
-	if !s.certificatesAnswerable(w, r) {
+	if !jsonRouteAnswerable(w, r, s.certs != nil) {
 		return
 	}
 	token, ok := bearerToken(r.Header)
@@ -473,7 +459,7 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 // listener: the caller's verified certificate authorizes a new one for the
 // same identity. A bearer token is ignored here.
 func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer) {
-	if !s.certificatesAnswerable(w, r) {
+	if !jsonRouteAnswerable(w, r, s.certs != nil) {
 		return
 	}
 	req, err := s.decodeCertificateRequest(r)

@@ -197,7 +197,8 @@ type LivePodsConfig struct {
 	Namespaces []string `json:"namespaces,omitempty"`
 	// Interval is how often an unchanged report is sent again, so that the
 	// brokers know the agent is alive; default 30s. Keep it well under the
-	// brokers' livePodsMaxAge (default 2m). A change is reported at once.
+	// brokers' livePodsMaxAge (default 2m). A change is reported within a
+	// second.
 	Interval apiv1.Duration `json:"interval,omitempty"`
 }
 

@@ -34,16 +34,22 @@ const (
 	// AnnotationPodsReportedAt is when it was made (RFC 3339, ns).
 	AnnotationPodsReportedAt = "tokenbroker.io/pods-reported-at"
 	// MaxLivePods bounds one report: a peer scopes its agent (by the
-	// audience of its Pods' projected tokens) to the Pods that use the
-	// broker.
+	// audience of its Pods' projected tokens, and their namespaces) to the
+	// Pods that use the broker.
 	MaxLivePods = apiv1.MaxLivePods
 
 	// TokenPodsUnreported: the peer has not reported its Pods within
 	// livePodsMaxAge (or never).
 	TokenPodsUnreported = "pods-unreported"
-	// TokenPodNotLive: the token's Pod is not in the peer's last report
-	// (deleted, or too new to be in it).
+	// TokenPodNotLive: the token's Pod is not in the peer's last report,
+	// which is newer than the token: the Pod was deleted.
 	TokenPodNotLive = "pod-not-live"
+	// PodNotReportedYet is the reason of a refusal that may pass by
+	// itself: the token's Pod is not in the last report, but the token was
+	// issued no earlier than that report (to the second, iat's precision),
+	// so the Pod existed after it and is likely too new to be in it. It is
+	// answered 503 with Retry-After, never honoured.
+	PodNotReportedYet = "pod-not-reported-yet"
 
 	// MinReportInterval is how soon after a peer's report this replica
 	// takes its next one: every report is a Secret write, which a peer
@@ -62,20 +68,26 @@ var podUID = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4
 // CheckLivePods validates the uids of a report: at most MaxLivePods, each
 // a uid, none twice. The error names the first bad one.
 func CheckLivePods(uids []string) error {
+	_, err := livePodSet(uids)
+	return err
+}
+
+// livePodSet checks uids as CheckLivePods does and returns them as a set.
+func livePodSet(uids []string) (map[string]struct{}, error) {
 	if len(uids) > MaxLivePods {
-		return fmt.Errorf("%d uids: at most %d Pods per report (scope the agent's livePods.audiences to the Pods that use this broker)", len(uids), MaxLivePods)
+		return nil, fmt.Errorf("%d uids: at most %d Pods per report (scope the agent's livePods audiences and namespaces to the Pods that use this broker)", len(uids), MaxLivePods)
 	}
-	seen := make(map[string]struct{}, len(uids))
+	set := make(map[string]struct{}, len(uids))
 	for i, u := range uids {
 		if !podUID.MatchString(u) {
-			return fmt.Errorf("uids[%d] is not a Pod uid (lower-case RFC 4122)", i)
+			return nil, fmt.Errorf("uids[%d] is not a Pod uid (lower-case RFC 4122)", i)
 		}
-		if _, dup := seen[u]; dup {
-			return fmt.Errorf("uids[%d] is listed twice", i)
+		if _, dup := set[u]; dup {
+			return nil, fmt.Errorf("uids[%d] is listed twice", i)
 		}
-		seen[u] = struct{}{}
+		set[u] = struct{}{}
 	}
-	return nil
+	return set, nil
 }
 
 // parseLivePods reads a stored report.
@@ -84,14 +96,7 @@ func parseLivePods(doc []byte) (map[string]struct{}, error) {
 	if err := json.Unmarshal(doc, &uids); err != nil {
 		return nil, err
 	}
-	if err := CheckLivePods(uids); err != nil {
-		return nil, err
-	}
-	pods := make(map[string]struct{}, len(uids))
-	for _, u := range uids {
-		pods[u] = struct{}{}
-	}
-	return pods, nil
+	return livePodSet(uids)
 }
 
 // keepLivePods carries the last report of from into to (a rewrite of the
@@ -120,13 +125,6 @@ func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge
 	}
 	return "", ks.podsAt
 }
-
-// PodNotReportedYet is the reason of a refusal that may pass by itself:
-// the token's Pod is not in the last report, but the token was issued no
-// earlier than that report (to the second, iat's precision), so the Pod
-// existed after it and is likely too new to be in it. It is answered 503
-// with Retry-After, never honoured.
-const PodNotReportedYet = "pod-not-reported-yet"
 
 // ReportLivePods stores the uids of the Pods that live in the cluster of a
 // peer of policy p, authenticated as identity, and names the peer in ev.
