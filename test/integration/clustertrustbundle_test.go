@@ -20,7 +20,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
-	authorizationv1 "k8s.io/api/authorization/v1"
 	certificatesv1 "k8s.io/api/certificates/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -352,14 +351,9 @@ func grantTo(t *testing.T, c *testcluster.Cluster, name, user string, rules ...r
 		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: name},
 		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	// Wait until the authorizer allows each rule (its first verb, resource
-	// and name).
+	// Wait until the authorizer allows each rule.
 	for _, r := range rules {
-		attrs := authorizationv1.ResourceAttributes{Group: r.APIGroups[0], Resource: r.Resources[0], Verb: r.Verbs[0]}
-		if len(r.ResourceNames) > 0 {
-			attrs.Name = r.ResourceNames[0]
-		}
-		require.NoError(t, testcluster.WaitAllowed(ctx, c.Client, user, nil, attrs))
+		require.NoError(t, testcluster.WaitAllowed(ctx, c.Client, user, nil, testcluster.RuleAttributes(r, "")))
 	}
 }
 

@@ -3,9 +3,11 @@ package testcluster
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	authorizationv1 "k8s.io/api/authorization/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
@@ -46,4 +48,16 @@ func WaitAllowed(ctx context.Context, client kubernetes.Interface, user string, 
 func ServiceAccountUser(namespace, name string) (string, []string) {
 	return "system:serviceaccount:" + namespace + ":" + name,
 		[]string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"}
+}
+
+// RuleAttributes is what a SubjectAccessReview asks to check that rule is
+// in force in namespace: its first verb on its first resource (a
+// "resource/subresource" split) and first name, if it names any.
+func RuleAttributes(rule rbacv1.PolicyRule, namespace string) authorizationv1.ResourceAttributes {
+	resource, sub, _ := strings.Cut(rule.Resources[0], "/")
+	a := authorizationv1.ResourceAttributes{Namespace: namespace, Group: rule.APIGroups[0], Resource: resource, Subresource: sub, Verb: rule.Verbs[0]}
+	if len(rule.ResourceNames) > 0 {
+		a.Name = rule.ResourceNames[0]
+	}
+	return a
 }

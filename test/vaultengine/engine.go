@@ -33,7 +33,6 @@ import (
 	"fmt"
 	"reflect"
 	"runtime/debug"
-	"strings"
 	"time"
 	"unsafe"
 
@@ -322,8 +321,7 @@ func Grant(ctx context.Context, admin kubernetes.Interface, namespace string, tt
 	// after it is written.
 	var attrs []authorizationv1.ResourceAttributes
 	for _, r := range GrantRules {
-		resource, sub, _ := strings.Cut(r.Resources[0], "/")
-		attrs = append(attrs, authorizationv1.ResourceAttributes{Group: r.APIGroups[0], Resource: resource, Subresource: sub, Verb: r.Verbs[0], Namespace: namespace})
+		attrs = append(attrs, testcluster.RuleAttributes(r, namespace))
 	}
 	user, groups := testcluster.ServiceAccountUser(namespace, name)
 	if err := testcluster.WaitAllowed(ctx, admin, user, groups, attrs...); err != nil {
