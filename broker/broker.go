@@ -102,6 +102,26 @@ type Config struct {
 	// jwksFromPeer); nil refuses uploads and those peers' workload tokens.
 	// While it is not synced the broker is not ready.
 	PeerKeys *workload.PeerKeyStore
+	// Gateway, if set, issues gateway leases (grants with access
+	// gateway); without it they are refused with 422.
+	Gateway *Gateway
+}
+
+// Gateway is what the broker needs to issue gateway leases: the issuer of
+// lease certificates, and what their kubeconfig names as its cluster.
+type Gateway struct {
+	Issuer Issuer
+	// Server is the gateway's URL as clients reach it.
+	Server string
+	// CAData returns the PEM of the CAs a client verifies the gateway's
+	// serving certificate with, at each issuance (they rotate).
+	CAData func() []byte
+}
+
+// cluster is the kubeconfig cluster of a gateway lease: the policy's
+// cluster name, the gateway's URL and CAs.
+func (g *Gateway) cluster(c policy.ClusterSpec) policy.ClusterSpec {
+	return policy.ClusterSpec{Name: c.Name, Server: g.Server, CAData: string(g.CAData())}
 }
 
 // maxTimedExpiries bounds the leases waiting for their timer: the global
@@ -280,7 +300,7 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *audit.Pending,
 	if err != nil {
 		return decided{}, outcomeError, err
 	}
-	d, err := p.DecideAudiences(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, req.Audiences, requested, minTTL)
+	d, err := p.DecideAccess(b.namespaceLabels(), c.Identity, c.Workload.Ref(), req.Namespace, req.ServiceAccount, req.Credential, req.Access, req.Audiences, requested, minTTL)
 	if err != nil {
 		if errors.Is(err, policy.ErrAudienceNotGranted) {
 			// The caller is told only "forbidden"; the audit says why.
@@ -295,6 +315,17 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *audit.Pending,
 	}
 	a.Event.Peer, a.Event.Grant = d.Peer, d.Grant
 	issuer := b.cfg.Issuers[d.Credential]
+	if d.Access == apiv1.AccessGateway {
+		a.Event.Access = apiv1.AccessGateway
+		if issuer = nil; b.cfg.Gateway != nil {
+			issuer = b.cfg.Gateway.Issuer
+		}
+		if issuer == nil {
+			log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "gateway not enabled"))
+			a.Denial = audit.DenyCredential
+			return decided{}, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable, "access gateway is not available from this broker: it runs no lease gateway (serve --gateway-address)")
+		}
+	}
 	if issuer == nil {
 		log.Info("decision", zap.Bool("allowed", false), zap.String("reason", "credential kind not enabled"))
 		a.Denial = audit.DenyCredential
@@ -334,6 +365,17 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcomeUnprocessable, err
 	}
 
+	gateway := d.Access == apiv1.AccessGateway
+	if !gateway && d.Credential != apiv1.CredentialClientCertificate && req.CSR != "" {
+		a.Denial = audit.DenyInvalid
+		return nil, outcomeInvalid, problem.Errorf(problem.KindInvalid, "csr is only for credential clientCertificate or a gateway lease, and the grant of this request is neither")
+	}
+	if gateway && req.CSR != "" {
+		// Checked before any object is made: the issuer signs for its key.
+		if _, err := pki.ParseLeaseCSRPEM([]byte(req.CSR)); err != nil {
+			return nil, outcomeInvalid, problem.Wrap(problem.KindInvalid, "csr: "+err.Error(), err)
+		}
+	}
 	var cert *clientcert.CSR
 	if d.Credential == apiv1.CredentialClientCertificate {
 		if cert, err = b.certificateRequest(ctx, p, d, req); err != nil {
@@ -376,6 +418,12 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		ServiceAccount: req.ServiceAccount,
 		TTL:            credTTL,
 		Audiences:      req.Audiences,
+		LeaseID:        id,
+		Peer:           c.Identity,
+	}
+	if gateway {
+		ls.Annotations[objects.AnnotationAccess] = apiv1.AccessGateway
+		ireq.CSR = []byte(req.CSR)
 	}
 	if cert != nil {
 		ireq.CSR, ireq.User, ireq.Role = cert.PEM, cert.User, d.Role
@@ -474,7 +522,11 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if cert != nil {
 		subject = cert.User
 	}
-	kc, err := kubeconfig.Build(p.Cluster, req.Namespace, subject, cred)
+	cluster := p.Cluster
+	if gateway {
+		cluster = b.cfg.Gateway.cluster(cluster)
+	}
+	kc, err := kubeconfig.Build(cluster, req.Namespace, subject, cred)
 	if err != nil {
 		return fail(created, outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
@@ -517,6 +569,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		RequestedTTL: reqTTL,
 		GrantedTTL:   granted.String(),
 		ClampedBy:    clampedBy,
+		Access:       d.Access,
 	}, outcomeGranted, nil
 }
 

@@ -45,6 +45,10 @@ type Request struct {
 	// lease (a token: deleting the lease revokes it at once); an issuer
 	// that cannot says how revocation works in its Limits.
 	Lease ObjectRef
+	// LeaseID is the lease's id, and Peer the identity of the peer the
+	// credential is for; the lease certificate issuer writes both into
+	// the certificate.
+	LeaseID, Peer string
 }
 
 // RoleRef is a Role or ClusterRole a client certificate's user is bound

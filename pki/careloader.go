@@ -1,6 +1,7 @@
 package pki
 
 import (
+	"crypto"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -70,3 +71,12 @@ func (r *CAReloader) SignClient(csr *x509.CertificateRequest, identity string, l
 
 // Certificate is the certificate of the CA in service.
 func (r *CAReloader) Certificate() *x509.Certificate { return r.get().Certificate() }
+
+// SignLease signs with the CA in service (see CA.SignLease).
+func (r *CAReloader) SignLease(pub crypto.PublicKey, n LeaseName, notAfter time.Time) (*KeyPair, error) {
+	return r.get().SignLease(pub, n, notAfter)
+}
+
+// NewLeaseKey makes a key with the CA in service's randomness (see
+// CA.NewLeaseKey).
+func (r *CAReloader) NewLeaseKey() (crypto.PublicKey, []byte, error) { return r.get().NewLeaseKey() }

@@ -3,6 +3,7 @@ package pki
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"time"
 )
 
 // ServerTLSConfig is the mTLS server profile, the only server TLS settings in
@@ -75,5 +76,25 @@ func EnrollmentTLSConfig(certs *CertReloader) *tls.Config {
 		MaxVersion:     tls.VersionTLS13,
 		ClientAuth:     tls.NoClientCert,
 		GetCertificate: certs.GetCertificate,
+	}
+}
+
+// GatewayTLSConfig is the profile of the lease gateway's listener: TLS 1.3
+// only, the server certificate from certs, and a client certificate
+// required that VerifyLeaseCertificate accepts against roots() (the
+// signing CAs, pinned: nothing else verifies a lease) at now(). Session
+// tickets are off, so that every connection is verified afresh.
+func GatewayTLSConfig(certs *CertReloader, roots func() *x509.CertPool, now func() time.Time) *tls.Config {
+	return &tls.Config{
+		MinVersion:             tls.VersionTLS13,
+		MaxVersion:             tls.VersionTLS13,
+		ClientAuth:             tls.RequireAnyClientCert,
+		GetCertificate:         certs.GetCertificate,
+		SessionTicketsDisabled: true,
+		NextProtos:             []string{"h2", "http/1.1"},
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			_, err := VerifyLeaseCertificate(cs.PeerCertificates, roots(), now())
+			return err
+		},
 	}
 }

@@ -242,6 +242,16 @@ type Config struct {
 	// certificate. Required with an enrollment listener.
 	EnrollTLSConfig *tls.Config
 
+	// GatewayAddr is the address of the lease gateway's listener; empty
+	// (and no GatewayListener) means none. GatewayListener, if set, is
+	// used instead and closed by Run. GatewayTLSConfig is its TLS
+	// configuration (pki.GatewayTLSConfig) and Gateway its handler;
+	// both are required with the listener.
+	GatewayAddr      string
+	GatewayListener  net.Listener
+	GatewayTLSConfig *tls.Config
+	Gateway          GatewayHandler
+
 	// MaxBodyBytes bounds every request body; a larger one is answered 413.
 	MaxBodyBytes int64
 	// MaxHeaderBytes bounds the request line and headers.
@@ -331,6 +341,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.OpsListener == nil && c.OpsAddr == "" {
 		errs = append(errs, errors.New("OpsAddr or OpsListener is required"))
+	}
+	if (c.GatewayListener != nil || c.GatewayAddr != "") && (c.GatewayTLSConfig == nil || c.Gateway == nil) {
+		errs = append(errs, errors.New("GatewayTLSConfig and Gateway are required with a gateway listener"))
 	}
 	if c.EnrollListener != nil || c.EnrollAddr != "" {
 		if c.EnrollTLSConfig == nil {

@@ -143,7 +143,16 @@ func TestValidateKubeconfigRequest(t *testing.T) {
 		{name: "A client certificate has no audiences.", mutate: func(r *apiv1.KubeconfigRequest) {
 			r.ServiceAccount, r.Credential, r.Audiences = "", apiv1.CredentialClientCertificate, []string{"a"}
 		}, fields: []string{"audiences"}},
-		{name: "A CSR is only for a client certificate.", mutate: func(r *apiv1.KubeconfigRequest) { r.CSR = "x" }, fields: []string{"csr"}},
+		{name: "A CSR is not for a direct token.", mutate: func(r *apiv1.KubeconfigRequest) { r.CSR, r.Access = "x", apiv1.AccessDirect }, fields: []string{"csr"}},
+		{name: "A CSR with no access named waits for the grant's mode (the broker refuses it for a direct grant).", mutate: func(r *apiv1.KubeconfigRequest) { r.CSR = "x" }},
+		{name: "A gateway lease may carry a CSR.", mutate: func(r *apiv1.KubeconfigRequest) { r.CSR, r.Access = "x", apiv1.AccessGateway }},
+		{name: "An unknown access mode is reported.", mutate: func(r *apiv1.KubeconfigRequest) { r.Access = "proxy" }, fields: []string{"access"}},
+		{name: "A gateway lease has no audiences.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.Access, r.Audiences = apiv1.AccessGateway, []string{"a"}
+		}, fields: []string{"audiences"}},
+		{name: "A gateway lease is no client certificate of the CSR API.", mutate: func(r *apiv1.KubeconfigRequest) {
+			r.Access, r.ServiceAccount, r.Credential = apiv1.AccessGateway, "", apiv1.CredentialClientCertificate
+		}, fields: []string{"credential"}},
 		{name: "A CSR over 16 KiB is refused before parsing.", mutate: func(r *apiv1.KubeconfigRequest) {
 			r.ServiceAccount, r.Credential, r.CSR = "", apiv1.CredentialClientCertificate, strings.Repeat("a", 16<<10+1)
 		}, fields: []string{"csr"}},

@@ -125,14 +125,19 @@ const (
 // net/http reduces them to a line of text in its ErrorLog.
 type handshakeListener struct {
 	net.Listener
-	cfg      *tls.Config
-	name     string
-	timeout  time.Duration
-	failures func(listener, reason string)
-	refused  func(listener, reason string)
-	open     func(listener string, delta float64)
-	log      *zap.Logger
-	now      func() time.Time
+	// admitConn, if set, admits a connection once its handshake is done
+	// (the lease gateway's caps per lease and peer, and its record of the
+	// lease's connections): release runs at the connection's close; a
+	// reason refuses it.
+	admitConn func(st tls.ConnectionState, c io.Closer) (release func(), reason, who string)
+	cfg       *tls.Config
+	name      string
+	timeout   time.Duration
+	failures  func(listener, reason string)
+	refused   func(listener, reason string)
+	open      func(listener string, delta float64)
+	log       *zap.Logger
+	now       func() time.Time
 
 	// perIP bounds the connections of one client address, counted from
 	// accept (before the handshake costs anything) to close; perIdentity
@@ -340,6 +345,15 @@ func (l *handshakeListener) handshake(raw *trackedConn, handshakeDone func()) {
 			l.failed(raw.RemoteAddr(), err)
 		}
 		return
+	}
+	if l.admitConn != nil {
+		release, reason, who := l.admitConn(conn.ConnectionState(), raw)
+		if reason != "" {
+			l.refuse(reason, raw.RemoteAddr(), who)
+			_ = conn.Close()
+			return
+		}
+		raw.onClose(release)
 	}
 	if l.perIdentity != nil {
 		if id := peerIdentity(conn.ConnectionState()); id != "" {

@@ -17,6 +17,8 @@ const (
 	// certificate, for clusters that have none yet. It serves only
 	// enrollment with a join token and the trust bundle.
 	listenerEnroll = "enroll"
+	// listenerGateway is the lease gateway's listener.
+	listenerGateway = "gateway"
 )
 
 // route is one entry of the route table: a method and pattern under /v1

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -117,6 +118,20 @@ type Options struct {
 	// DefaultHandshakeTimeout. It must be shorter than the header timeout
 	// (DefaultReadHeaderTimeout).
 	HandshakeTimeout time.Duration
+	// GatewayAddress, if set, is the lease gateway's listener: grants with
+	// access gateway are issued (lease certificates from the signing CA,
+	// so --ca-cert-file is required) and their requests forwarded.
+	// GatewayURL is the gateway's URL as clients reach it, the server of
+	// every gateway kubeconfig. GatewayPodName and GatewayPodUID, from the
+	// downward API, bind the gateway's upstream tokens to the broker's
+	// Pod. GatewayMaxConnsPerLease and GatewayMaxConnsPerPeer bound the
+	// gateway's open connections (zero: the defaults).
+	GatewayAddress          string
+	GatewayURL              string
+	GatewayPodName          string
+	GatewayPodUID           string
+	GatewayMaxConnsPerLease int
+	GatewayMaxConnsPerPeer  int
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
 	// ShutdownDelay and ReusePort: see Config.
@@ -157,8 +172,9 @@ type Build struct {
 // Started is what a running broker reports to Options.Started.
 type Started struct {
 	API, Ops net.Addr
-	// Enroll is nil without an enrollment listener.
-	Enroll net.Addr
+	// Enroll is nil without an enrollment listener, Gateway without a
+	// lease gateway.
+	Enroll, Gateway net.Addr
 	// Broker is the domain core, for readiness checks in tests.
 	Broker *broker.Broker
 	// Metrics is the process's metrics registry, as /metrics serves it.
@@ -222,6 +238,17 @@ func (o Options) Validate() error {
 		if err := pki.ValidJoinTokenAudience(n); err != nil {
 			errs = append(errs, fmt.Errorf("--broker-name: %w", err))
 		}
+	}
+	if o.GatewayAddress != "" {
+		if o.CACertFile == "" {
+			errs = append(errs, errors.New("--gateway-address needs --ca-cert-file and --ca-key-file: the signing CA issues lease certificates"))
+		}
+		if u, err := url.Parse(o.GatewayURL); err != nil || u.Scheme != "https" || u.Host == "" || (u.Path != "" && u.Path != "/") || u.RawQuery != "" {
+			errs = append(errs, errors.New("--gateway-url must be the gateway's https URL as clients reach it (https://host[:port], no path): gateway kubeconfigs name it as their server"))
+		}
+	}
+	if o.GatewayMaxConnsPerLease < 0 || o.GatewayMaxConnsPerPeer < 0 {
+		errs = append(errs, errors.New("--gateway-max-conns-per-lease and --gateway-max-conns-per-peer must not be negative"))
 	}
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
@@ -314,6 +341,7 @@ func Run(ctx context.Context, opts Options) error {
 	mets.WatchCertificateExpiry(metrics.CertificateClientCA, func() time.Time { return earliestNotAfter(clientCAs.Certificates()) })
 	// A nil *pki.CAReloader must not become a non-nil interface.
 	var ca enrollment.CertificateAuthority
+	var signing *pki.CAReloader // ca, for the lease gateway
 	if opts.CACertFile != "" {
 		// Validate-then-swap like the other files; a new CA that the
 		// client-CA bundle does not trust is also warned about.
@@ -332,7 +360,7 @@ func Run(ctx context.Context, opts Options) error {
 		if err != nil {
 			return fmt.Errorf("load signing CA: %w", err)
 		}
-		ca = c
+		ca, signing = c, c
 		mets.WatchCertificateExpiry(metrics.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
@@ -374,6 +402,13 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	peerKeys := workload.NewPeerKeyStore(client.CoreV1(), opts.Namespace, log.Named("peerkeys"))
+	var gw *gatewayParts
+	if opts.GatewayAddress != "" {
+		if gw, err = newGateway(opts, client, leases, revocations, auditor, reg, log, signing, previousCA,
+			publishSources(certs, clientCAs, ca, previousCA), clientCAs, certs); err != nil {
+			return err
+		}
+	}
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),
 		RoleBindings:   client.RbacV1(),
@@ -399,6 +434,7 @@ func Run(ctx context.Context, opts Options) error {
 		Namespaces:     namespaces,
 		LiveNamespaces: client.CoreV1(),
 		PeerKeys:       peerKeys,
+		Gateway:        gw.brokerConfig(),
 	})
 	if err != nil {
 		return err
@@ -428,6 +464,9 @@ func Run(ctx context.Context, opts Options) error {
 		scfg.EnrollAddr = opts.EnrollAddress
 		scfg.EnrollTLSConfig = pki.EnrollmentTLSConfig(certs)
 	}
+	if gw != nil {
+		scfg.GatewayAddr, scfg.GatewayTLSConfig, scfg.Gateway = opts.GatewayAddress, gw.tls, gw.gateway
+	}
 	srv, err := New(scfg)
 	if err != nil {
 		return err
@@ -441,6 +480,9 @@ func Run(ctx context.Context, opts Options) error {
 	go peerKeys.Run(ctx)
 	go policyWatcher.Run(ctx)
 	go b.RunGC(ctx, opts.GCInterval)
+	if gw != nil {
+		go gw.gateway.RunDenySweeps(ctx)
+	}
 	if ctb != nil {
 		go ctb.Run(ctx)
 	}
@@ -495,9 +537,12 @@ func Run(ctx context.Context, opts Options) error {
 			if a := srv.EnrollAddr(); a != nil {
 				fields = append(fields, zap.String("enroll", a.String()))
 			}
+			if a := srv.GatewayAddr(); a != nil {
+				fields = append(fields, zap.String("gateway", a.String()), zap.String("gateway_url", opts.GatewayURL))
+			}
 			log.Info("broker listening", fields...)
 			if opts.Started != nil {
-				opts.Started(Started{API: srv.Addr(), Ops: srv.OpsAddr(), Enroll: srv.EnrollAddr(), Broker: b, Metrics: reg})
+				opts.Started(Started{API: srv.Addr(), Ops: srv.OpsAddr(), Enroll: srv.EnrollAddr(), Gateway: srv.GatewayAddr(), Broker: b, Metrics: reg})
 			}
 		case <-ctx.Done():
 		}

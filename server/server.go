@@ -5,14 +5,18 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/tokenbroker/tokenbroker/server/gateway"
 )
 
 // Server serves the tokenbroker API over mutual TLS, enrollment (when
@@ -45,12 +49,13 @@ type Server struct {
 	// (InstanceHeader).
 	instance string
 
-	mu         sync.Mutex
-	started    bool
-	apiAddr    net.Addr
-	enrollAddr net.Addr
-	opsAddr    net.Addr
-	listening  chan struct{}
+	mu          sync.Mutex
+	started     bool
+	apiAddr     net.Addr
+	enrollAddr  net.Addr
+	gatewayAddr net.Addr
+	opsAddr     net.Addr
+	listening   chan struct{}
 }
 
 // New checks cfg, fills in defaults, registers the HTTP metrics on
@@ -117,6 +122,14 @@ func (s *Server) EnrollAddr() net.Addr {
 	return s.enrollAddr
 }
 
+// GatewayAddr returns the bound address of the lease gateway's listener,
+// or nil before Run has bound it or without a gateway.
+func (s *Server) GatewayAddr() net.Addr {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.gatewayAddr
+}
+
 // OpsAddr returns the bound address of the operations listener, or nil
 // before Run has bound it.
 func (s *Server) OpsAddr() net.Addr {
@@ -175,6 +188,9 @@ func (s *Server) Run(ctx context.Context) error {
 	if lns.enroll != nil {
 		s.enrollAddr = lns.enroll.Addr()
 	}
+	if lns.gateway != nil {
+		s.gatewayAddr = lns.gateway.Addr()
+	}
 	s.mu.Unlock()
 	close(s.listening)
 
@@ -193,6 +209,11 @@ func (s *Server) Run(ctx context.Context) error {
 	if lns.enroll != nil {
 		servers = append(servers, serving{name: listenerEnroll, ln: s.newHandshakeListener(lns.enroll, listenerEnroll, withALPN(s.cfg.EnrollTLSConfig)),
 			srv: s.httpServer(s.enroll, baseCtx, listenerEnroll)})
+	}
+	if lns.gateway != nil {
+		hl := s.newHandshakeListener(lns.gateway, listenerGateway, s.cfg.GatewayTLSConfig)
+		hl.admitConn = s.cfg.Gateway.AdmitConn
+		servers = append(servers, serving{name: listenerGateway, ln: hl, srv: s.gatewayServer(baseCtx)})
 	}
 	servers = append(servers, serving{name: "ops", ln: lns.ops, srv: s.httpServer(s.ops, baseCtx, "ops")})
 
@@ -220,6 +241,12 @@ func (s *Server) Run(ctx context.Context) error {
 		}
 	}
 	s.drainDelay(lns.ops.Addr())
+	if s.cfg.Gateway != nil {
+		// Watches and streams never end by themselves: end them, so that
+		// their clients reconnect to another replica now rather than at
+		// the grace period's end.
+		s.cfg.Gateway.CloseAll()
+	}
 	s.log.Info("shutting down", zap.Duration("grace", s.cfg.ShutdownGrace))
 	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownGrace)
 	defer cancel()
@@ -258,11 +285,11 @@ func (s *Server) Run(ctx context.Context) error {
 // listeners are the sockets Run serves; enroll is nil when enrollment is
 // not configured.
 type listeners struct {
-	api, enroll, ops net.Listener
+	api, enroll, gateway, ops net.Listener
 }
 
 func (l listeners) close() {
-	for _, ln := range []net.Listener{l.api, l.enroll, l.ops} {
+	for _, ln := range []net.Listener{l.api, l.enroll, l.gateway, l.ops} {
 		if ln != nil {
 			_ = ln.Close()
 		}
@@ -272,7 +299,7 @@ func (l listeners) close() {
 // listen returns the configured listeners or opens them. On failure nothing
 // stays open.
 func (s *Server) listen() (lns listeners, err error) {
-	lns = listeners{api: s.cfg.Listener, enroll: s.cfg.EnrollListener, ops: s.cfg.OpsListener}
+	lns = listeners{api: s.cfg.Listener, enroll: s.cfg.EnrollListener, gateway: s.cfg.GatewayListener, ops: s.cfg.OpsListener}
 	open := func(ln *net.Listener, name, addr string) error {
 		if *ln != nil || addr == "" {
 			return nil
@@ -291,6 +318,7 @@ func (s *Server) listen() (lns listeners, err error) {
 	}{
 		{&lns.api, listenerAPI, s.cfg.Addr},
 		{&lns.enroll, listenerEnroll, s.cfg.EnrollAddr},
+		{&lns.gateway, listenerGateway, s.cfg.GatewayAddr},
 		{&lns.ops, "ops", s.cfg.OpsAddr},
 	} {
 		if err := open(o.ln, o.name, o.addr); err != nil {
@@ -317,6 +345,31 @@ func (s *Server) httpServer(h http.Handler, base context.Context, name string) *
 		ErrorLog:          errLog,
 		BaseContext:       func(net.Listener) context.Context { return base },
 	}
+}
+
+// gatewayServer is the lease gateway's http.Server: no read or write
+// timeout, which would cut a healthy watch or exec session (the API
+// server bounds a watch itself; an idle connection is closed after
+// IdleTimeout), and HTTP/2 with a bounded number of streams and buffers
+// per connection.
+func (s *Server) gatewayServer(base context.Context) *http.Server {
+	srv := s.httpServer(s.cfg.Gateway, base, listenerGateway)
+	srv.ReadTimeout, srv.WriteTimeout = 0, 0
+	srv.HTTP2 = &http.HTTP2Config{
+		MaxConcurrentStreams:      gateway.DefaultMaxStreamsPerConn,
+		MaxReceiveBufferPerStream: 1 << 20,
+		SendPingTimeout:           30 * time.Second,
+		PingTimeout:               15 * time.Second,
+	}
+	return srv
+}
+
+// GatewayHandler is the lease gateway (gateway.Gateway): its handler, the
+// admission of its connections, and their end at shutdown.
+type GatewayHandler interface {
+	http.Handler
+	AdmitConn(st tls.ConnectionState, c io.Closer) (release func(), reason, who string)
+	CloseAll()
 }
 
 func serveErr(name string, err error) error {

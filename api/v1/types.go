@@ -26,6 +26,18 @@ const (
 	CredentialClientCertificate = "clientCertificate"
 )
 
+// Access modes of a grant and of a request (KubeconfigRequest.Access).
+const (
+	// AccessDirect: the kubeconfig points at the target's API server and
+	// carries a credential of the API server (the default).
+	AccessDirect = "direct"
+	// AccessGateway: the kubeconfig points at the broker's lease gateway
+	// and carries a client certificate for that one lease, good nowhere
+	// else; the gateway forwards each request as the ServiceAccount and
+	// ends every open connection of the lease when it is revoked.
+	AccessGateway = "gateway"
+)
+
 // KubeconfigRequest is the body of POST /v1/kubeconfigs.
 type KubeconfigRequest struct {
 	// Namespace of the ServiceAccount in the target cluster (for a client
@@ -50,7 +62,12 @@ type KubeconfigRequest struct {
 	// name CertificateUser(peer, its public key): the key then never
 	// leaves the caller, and the kubeconfig comes without client-key-data.
 	// Empty: the broker makes an ECDSA P-256 key and returns it once.
+	// With access gateway it is the lease certificate's key, and only its
+	// public key and signature count (any subject).
 	CSR string `json:"csr,omitempty"`
+	// Access asks for a mode: AccessDirect or AccessGateway. Empty: the
+	// mode of the grant that allows the request.
+	Access string `json:"access,omitempty"`
 }
 
 // ExecKubeconfigResponse is the 200 JSON answer of POST
@@ -83,6 +100,11 @@ type KubeconfigResponse struct {
 	// expiry can be later (the TokenRequest and CSR APIs' minimum of 10m),
 	// but the broker revokes the lease at ExpiresAt.
 	ClampedBy string `json:"clampedBy,omitempty"`
+	// Access is the lease's mode: AccessDirect, or AccessGateway (the
+	// kubeconfig's server is the gateway and its user a lease certificate
+	// with client-certificate-data, and client-key-data unless the
+	// request sent a CSR; Token is empty).
+	Access string `json:"access,omitempty"`
 }
 
 // Lease describes one issued credential. The credential itself is never
@@ -104,6 +126,8 @@ type Lease struct {
 	// "grants[i]" for an unnamed one; empty for leases made before
 	// leases recorded it.
 	Grant string `json:"grant,omitempty"`
+	// Access is the lease's mode; empty for a direct lease.
+	Access string `json:"access,omitempty"`
 }
 
 // LeaseList is the answer of GET /v1/leases: one page of the caller's
@@ -147,6 +171,8 @@ type Grant struct {
 	// Audiences, for a token grant, are the audiences a request may name;
 	// absent: only requests that name none (the API server's own).
 	Audiences []string `json:"audiences,omitempty"`
+	// Access is the grant's mode: AccessDirect or AccessGateway.
+	Access string `json:"access,omitempty"`
 }
 
 // LabelSelector is a Kubernetes label selector (metav1.LabelSelector),

@@ -45,9 +45,21 @@ func ValidateKubeconfigRequest(req KubeconfigRequest, path *field.Path) field.Er
 			errs = append(errs, field.Invalid(path.Child("serviceAccount"), req.ServiceAccount, strings.Join(msgs, "; ")))
 		}
 	}
+	switch req.Access {
+	case "", AccessDirect:
+	case AccessGateway:
+		if cert {
+			errs = append(errs, field.Forbidden(path.Child("credential"), "must be token (or empty) with access gateway: the gateway forwards as the ServiceAccount"))
+		}
+		if len(req.Audiences) > 0 {
+			errs = append(errs, field.Forbidden(path.Child("audiences"), "must be empty with access gateway: the credential is a client certificate for the gateway, which has no audience"))
+		}
+	default:
+		errs = append(errs, field.Invalid(path.Child("access"), req.Access, fmt.Sprintf("must be %q or %q", AccessDirect, AccessGateway)))
+	}
 	switch {
-	case req.CSR != "" && !cert:
-		errs = append(errs, field.Forbidden(path.Child("csr"), "is only for credential clientCertificate"))
+	case req.CSR != "" && !cert && req.Access == AccessDirect:
+		errs = append(errs, field.Forbidden(path.Child("csr"), "is only for credential clientCertificate or access gateway"))
 	case len(req.CSR) > MaxCSRLen:
 		errs = append(errs, field.Invalid(path.Child("csr"), "", fmt.Sprintf("must be at most %d bytes", MaxCSRLen)))
 	}

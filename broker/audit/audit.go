@@ -31,6 +31,12 @@ const (
 	// ActionReportPods is a peer reporting the Pods that live in its
 	// cluster (workloadIdentity.livePodsFromPeer).
 	ActionReportPods = "report_pods"
+	// ActionGatewayRequest is one request the lease gateway forwarded, or
+	// refused, for a gateway lease (its method, path and status, never a
+	// body), and ActionGatewayClose the connections it ended when their
+	// lease was revoked or expired.
+	ActionGatewayRequest = "gateway_request"
+	ActionGatewayClose   = "gateway_close"
 
 	DecisionAllow = "allow"
 	DecisionDeny  = "deny"
@@ -115,6 +121,20 @@ type Event struct {
 	// Grant is the grant a lease was issued under, on issuance and on a
 	// revocation because its namespace stopped matching it.
 	Grant string `json:"grant,omitempty"`
+	// Access is "gateway" for a gateway lease's issuance, requests and
+	// closes; empty for a direct lease.
+	Access string `json:"access,omitempty"`
+	// Method, Path and Status are a gateway request's (the path without
+	// its query); APIAuditID is the Audit-ID the gateway sent the API
+	// server with it, which the API server's audit log records as the
+	// event's auditID ("tokenbroker audit" joins on it). DurationMS is how
+	// long it ran; Connections how many a gateway_close ended.
+	Method      string `json:"method,omitempty"`
+	Path        string `json:"path,omitempty"`
+	Status      int    `json:"status,omitempty"`
+	APIAuditID  string `json:"api_audit_id,omitempty"`
+	DurationMS  int64  `json:"duration_ms,omitempty"`
+	Connections int    `json:"connections,omitempty"`
 }
 
 // Auditor receives the broker's audit events. Audit must be safe for

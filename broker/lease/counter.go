@@ -74,6 +74,12 @@ type Counter struct {
 	// expired holds those that have, for the GC, by key.
 	expiring expiryHeap
 	expired  map[string]*counted
+	// gone, if set, learns of each lease Secret the counter stops knowing
+	// (deleted, relisted away, replaced under another UID, its namespace
+	// no longer watched); added is closed and replaced whenever one is
+	// added (WaitAdded).
+	gone  func(namespace, name string, uid types.UID)
+	added chan struct{}
 }
 
 // counted is a lease Secret the counter knows: its peer, its recorded
@@ -161,7 +167,7 @@ func (lc *Counter) applyLocked(r *Rules) {
 		if c.verified == verified && c.until.Equal(lc.until(c)) {
 			continue
 		}
-		lc.forget(key, c)
+		lc.drop(key, c)
 		lc.count(&counted{key: key, uid: c.uid, peer: c.peer, identity: c.identity, expires: c.expires,
 			pool: c.pool, created: c.created, verified: verified, committed: c.committed,
 			grant: c.grant, mark: c.mark, marked: c.marked})
@@ -359,7 +365,11 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 		exp = time.Time{} // no readable expiry: counts until creation plus maxAge
 	}
 	if c, seen := lc.byKey[key]; seen {
-		lc.forget(key, c)
+		if c.uid == m.UID {
+			lc.drop(key, c)
+		} else {
+			lc.forget(key, c)
+		}
 	}
 	mark, marked := m.Annotations[objects.AnnotationRevokeOnUnmatch]
 	// Anyone who may create Secrets can make one of the lease type (unless
@@ -371,6 +381,10 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
 	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
 	lc.count(c)
+	if lc.added != nil {
+		close(lc.added)
+		lc.added = nil
+	}
 	return key
 }
 
@@ -471,10 +485,57 @@ func (lc *Counter) remove(obj any) {
 }
 
 func (lc *Counter) forget(key string, c *counted) {
+	lc.drop(key, c)
+	if lc.gone != nil {
+		ns, name, _ := cache.SplitMetaNamespaceKey(key)
+		lc.gone(ns, name, c.uid)
+	}
+}
+
+// drop removes c from the counter without telling gone: it is being
+// replaced by a newer version of the same Secret.
+func (lc *Counter) drop(key string, c *counted) {
 	delete(lc.byKey, key)
 	lc.unindex(key)
 	delete(lc.expired, key)
 	lc.uncount(c)
+}
+
+// OnGone makes the counter call f with every lease Secret it stops
+// knowing: deleted, gone at a relist, replaced under another UID, or in a
+// namespace no longer watched. f runs under the counter's lock and must
+// not block or call back into the counter; the lease gateway ends the
+// lease's connections from it.
+func (lc *Counter) OnGone(f func(namespace, name string, uid types.UID)) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	lc.gone = f
+}
+
+// Holds reports whether the counter knows the lease Secret
+// namespace/name under uid, as a lease (not an unclaimed pooled Secret)
+// whose recorded expiry has not passed at now; expires is that expiry.
+// It reads memory only: a lease Secret created a moment ago may not be
+// known yet (WaitAdded).
+func (lc *Counter) Holds(namespace, name string, uid types.UID, now time.Time) (expires time.Time, ok bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, found := lc.byKey[namespace+"/"+name]
+	if !found || c.uid != uid || c.pool || c.expires.IsZero() || !now.Before(c.expires) {
+		return time.Time{}, false
+	}
+	return c.expires, true
+}
+
+// WaitAdded returns a channel closed at the next Secret the counter adds
+// or updates, for a caller waiting to learn of a lease just created.
+func (lc *Counter) WaitAdded() <-chan struct{} {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	if lc.added == nil {
+		lc.added = make(chan struct{})
+	}
+	return lc.added
 }
 
 func (lc *Counter) uncount(c *counted) {
@@ -683,12 +744,14 @@ func (p *Place) Commit(namespace, name string, expires time.Time) {
 	}
 	key := namespace + "/" + name
 	if c, seen := lc.byKey[key]; !seen || c.pool {
+		var uid types.UID
 		if seen {
-			lc.forget(key, c) // a claimed pooled Secret the informer saw unclaimed
+			lc.drop(key, c) // a claimed pooled Secret the informer saw unclaimed
+			uid = c.uid
 		}
 		// The broker made it just now: it counts until the informer's
 		// sight of it is verified in its place.
-		lc.count(&counted{key: key, peer: p.peer, expires: expires, created: lc.clock.Now(), verified: true, committed: true})
+		lc.count(&counted{key: key, uid: uid, peer: p.peer, expires: expires, created: lc.clock.Now(), verified: true, committed: true})
 	}
 }
 

@@ -30,6 +30,7 @@ func ToAPI(s *corev1.Secret) apiv1.Lease {
 		CreatedAt:      s.CreationTimestamp.UTC(),
 		ExpiresAt:      exp.UTC(),
 		Grant:          s.Annotations[objects.AnnotationGrant],
+		Access:         s.Annotations[objects.AnnotationAccess],
 	}
 }
 

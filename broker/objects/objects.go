@@ -38,7 +38,10 @@ const (
 	// client certificate. Written once the credential exists, so that
 	// "tokenbroker audit --kubeconfig" joins live leases.
 	AnnotationCredentialID = "tokenbroker.io/credential-id"
-	SecretTypeLease        = corev1.SecretType("tokenbroker.io/lease")
+	// AnnotationAccess marks a gateway lease (apiv1.AccessGateway); a
+	// direct lease has none.
+	AnnotationAccess = "tokenbroker.io/access"
+	SecretTypeLease  = corev1.SecretType("tokenbroker.io/lease")
 	// LeaseSecretPrefix starts the name of every lease Secret.
 	LeaseSecretPrefix = "tokenbroker-lease-"
 )

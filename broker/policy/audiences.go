@@ -78,5 +78,12 @@ func validateGrantAudiences(g GrantSpec, gpath string, add func(field, format st
 // it is allowed only under a grant that lists every one of them. A refusal
 // that is about the audiences alone wraps ErrAudienceNotGranted.
 func (p *Policy) DecideAudiences(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, audiences []string, requested, minTTL time.Duration) (Decision, error) {
-	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, audiences, requested, minTTL)
+	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, "", audiences, requested, minTTL)
+}
+
+// DecideAccess is DecideAudiences for a request that may ask for an
+// access mode (apiv1.AccessDirect or AccessGateway; "" for the mode of
+// the grant that matches): only grants of that mode match.
+func (p *Policy) DecideAccess(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential, access string, audiences []string, requested, minTTL time.Duration) (Decision, error) {
+	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, access, audiences, requested, minTTL)
 }

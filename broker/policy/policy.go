@@ -236,6 +236,12 @@ type GrantSpec struct {
 	// requests that name none, whose token the API server makes for its
 	// own audiences.
 	Audiences []string `json:"audiences,omitempty"`
+	// Access is how the grant's leases reach the API server:
+	// apiv1.AccessDirect (the default: the kubeconfig holds a token of the
+	// API server) or apiv1.AccessGateway (the kubeconfig holds a lease
+	// certificate for the broker's gateway, which forwards as the
+	// ServiceAccount and ends the lease's connections on revocation).
+	Access string `json:"access,omitempty"`
 }
 
 // roleRef is the grant's role, or the zero RoleRef for a token grant.
@@ -284,6 +290,9 @@ func (p *Policy) defaults() {
 		for j := range p.Peers[i].Grants {
 			if p.Peers[i].Grants[j].Credential == "" {
 				p.Peers[i].Grants[j].Credential = apiv1.CredentialToken
+			}
+			if p.Peers[i].Grants[j].Access == "" {
+				p.Peers[i].Grants[j].Access = apiv1.AccessDirect
 			}
 		}
 	}
@@ -413,6 +422,18 @@ func (p *Policy) Validate() error {
 			}
 			if g.Credential != apiv1.CredentialToken && g.Credential != apiv1.CredentialClientCertificate {
 				add(gpath+".credential", "must be %q or %q", apiv1.CredentialToken, apiv1.CredentialClientCertificate)
+			}
+			switch g.Access {
+			case apiv1.AccessDirect:
+			case apiv1.AccessGateway:
+				if g.Credential != apiv1.CredentialToken {
+					add(gpath+".access", "gateway needs credential token: the gateway forwards a lease's requests as its ServiceAccount")
+				}
+				if len(g.Audiences) > 0 {
+					add(gpath+".audiences", "must be empty with access gateway: a lease certificate is good at the gateway only, for no audience")
+				}
+			default:
+				add(gpath+".access", "must be %q or %q", apiv1.AccessDirect, apiv1.AccessGateway)
 			}
 			if len(g.Workloads) > 0 && peer.WorkloadIdentity == nil {
 				add(gpath+".workloads", "needs %s.workloadIdentity: without it no workload token can be verified", path)
@@ -575,6 +596,8 @@ type Decision struct {
 	// Grant names the grant that allowed the request (GrantSpec.Name, or
 	// its position "grants[i]" for an unnamed one): the lease records it.
 	Grant string
+	// Access is the grant's mode (apiv1.AccessDirect or AccessGateway).
+	Access string
 }
 
 // Clamp reasons, as reported in clampedBy.
@@ -604,12 +627,14 @@ func (p *Policy) DecideIn(nss NamespaceLabels, identity, namespace, serviceAccou
 // (nil: none). A grant that names workloads matches only a request whose
 // workload is one of them.
 func (p *Policy) DecideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, requested, minTTL time.Duration) (Decision, error) {
-	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, nil, requested, minTTL)
+	return p.decideFor(nss, identity, workload, namespace, serviceAccount, credential, "", nil, requested, minTTL)
 }
 
 // decideFor is DecideFor for a request that names audiences (nil: none):
 // a grant matches only if it lists every one (audiences.go).
-func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential string, audiences []string, requested, minTTL time.Duration) (Decision, error) {
+// access, if set, is the mode the request asks for: only grants of that
+// mode match.
+func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *WorkloadRef, namespace, serviceAccount, credential, access string, audiences []string, requested, minTTL time.Duration) (Decision, error) {
 	if credential == "" {
 		credential = apiv1.CredentialToken
 	}
@@ -623,7 +648,8 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 		g := &peer.Grants[i]
 		// A certificate grant names no ServiceAccount (the request none).
 		saOK := slices.Contains(g.ServiceAccounts, serviceAccount) || (credential == apiv1.CredentialClientCertificate && serviceAccount == "")
-		if g.Credential == credential && g.Covers(nss, namespace) && saOK && g.admits(workload) {
+		accessOK := access == "" || access == g.Access
+		if g.Credential == credential && accessOK && g.Covers(nss, namespace) && saOK && g.admits(workload) {
 			if !g.allowsAudiences(audiences) {
 				audienceOnly = true
 				continue
@@ -641,7 +667,7 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 	if grant == nil {
 		return Decision{}, problem.Errorf(problem.KindForbidden, "no grant allows this request")
 	}
-	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested}
+	d := Decision{Peer: peer.Name, Credential: credential, Role: grant.roleRef(), RequestedTTL: requested, Access: grant.Access}
 	d.Grant = peer.GrantRef(grant)
 	if requested == 0 {
 		requested = time.Duration(p.TTL.Default)
@@ -725,6 +751,7 @@ func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, d
 			MaxTTL:          p.grantMax(g).String(),
 			Credential:      g.Credential,
 			Audiences:       slices.Clone(g.Audiences),
+			Access:          g.Access,
 		})
 		if describe != nil {
 			describe(peer.Name, g, &out[len(out)-1])

@@ -17,6 +17,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
+	"github.com/tokenbroker/tokenbroker/server/gateway"
 )
 
 // serveConfig is the typed configuration of "tokenbroker serve": the
@@ -98,6 +99,12 @@ func serveFlags() *pflag.FlagSet {
 	fs.String("config", "", "YAML config file whose keys are these flag names")
 	fs.String("listen-address", ":8443", "address of the mutual-TLS API listener")
 	fs.String("enroll-address", "", "address of the enrollment listener (join tokens, no client certificate); empty disables it; needs --ca-cert-file")
+	fs.String("gateway-address", "", "address of the lease gateway's listener (lease certificates only), which grants with access: gateway need; empty disables it; needs --ca-cert-file and --gateway-url")
+	fs.String("gateway-url", "", "the lease gateway's https URL as clients reach it (https://host:port), the server of every gateway kubeconfig")
+	fs.String("gateway-pod-name", "", "the broker's Pod name (downward API: metadata.name), to bind the gateway's upstream tokens to the Pod")
+	fs.String("gateway-pod-uid", "", "the broker's Pod UID (downward API: metadata.uid), with --gateway-pod-name")
+	fs.Int("gateway-max-conns-per-lease", gateway.DefaultMaxConnsPerLease, "open gateway connections of one lease; one more is closed after its handshake")
+	fs.Int("gateway-max-conns-per-peer", gateway.DefaultMaxConnsPerPeer, "open gateway connections of all leases of one peer")
 	fs.String("ops-address", ":9090", "address of the operations listener (/healthz, /readyz, /metrics)")
 	fs.String("tls-cert-file", "", "server certificate (PEM); reloaded when it changes")
 	fs.String("tls-key-file", "", "server private key (PEM); reloaded when it changes")
@@ -138,6 +145,12 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 	cfg := serveConfig{Options: server.Options{
 		ListenAddress:             v.GetString("listen-address"),
 		EnrollAddress:             v.GetString("enroll-address"),
+		GatewayAddress:            v.GetString("gateway-address"),
+		GatewayURL:                v.GetString("gateway-url"),
+		GatewayPodName:            v.GetString("gateway-pod-name"),
+		GatewayPodUID:             v.GetString("gateway-pod-uid"),
+		GatewayMaxConnsPerLease:   v.GetInt("gateway-max-conns-per-lease"),
+		GatewayMaxConnsPerPeer:    v.GetInt("gateway-max-conns-per-peer"),
 		OpsAddress:                v.GetString("ops-address"),
 		TLSCertFile:               v.GetString("tls-cert-file"),
 		TLSKeyFile:                v.GetString("tls-key-file"),

@@ -51,12 +51,13 @@ type stack struct {
 	cluster *testcluster.Cluster
 	broker  *broker.Broker
 	url     string
-	// enrollURL is the enrollment listener's base URL.
-	enrollURL string
-	ca        *pki.CA
-	dir       string
-	logs      *observer.ObservedLogs
-	reg       prometheus.Gatherer
+	// enrollURL is the enrollment listener's base URL, gatewayURL the
+	// lease gateway's ("" without one).
+	enrollURL, gatewayURL string
+	ca                    *pki.CA
+	dir                   string
+	logs                  *observer.ObservedLogs
+	reg                   prometheus.Gatherer
 	// auditLog is the broker's audit log file.
 	auditLog string
 
@@ -85,6 +86,23 @@ type stackConfig struct {
 	kube          *rest.Config
 	// publishCTB is serve's --publish-cluster-trust-bundle.
 	publishCTB string
+	// gateway turns the lease gateway on, on a free port of 127.0.0.1.
+	gateway bool
+}
+
+// withGateway turns the lease gateway on (serve --gateway-address and
+// --gateway-url).
+func withGateway() stackOption { return func(c *stackConfig) { c.gateway = true } }
+
+// freeAddress is a free port of 127.0.0.1 at the time of the call, for a
+// listener whose URL must be known before it starts.
+func freeAddress(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	return addr
 }
 
 // withPublishedTrustBundle sets serve's --publish-cluster-trust-bundle.
@@ -140,6 +158,11 @@ func startStack(t *testing.T, c *testcluster.Cluster, pol string, opts ...stackO
 	if sc.kube != nil {
 		kube = sc.kube
 	}
+	var gatewayAddr string
+	if sc.gateway {
+		gatewayAddr = freeAddress(t)
+		s.gatewayURL = "https://" + gatewayAddr
+	}
 	core, logs := observer.New(zap.DebugLevel)
 	started := make(chan server.Started, 1)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -170,6 +193,8 @@ func startStack(t *testing.T, c *testcluster.Cluster, pol string, opts ...stackO
 			Credentials:               []string{apiv1.CredentialToken},
 			AuditLog:                  s.auditLog,
 			PublishClusterTrustBundle: sc.publishCTB,
+			GatewayAddress:            gatewayAddr,
+			GatewayURL:                s.gatewayURL,
 			Logger:                    zap.New(core),
 			Started:                   func(st server.Started) { started <- st },
 		})

@@ -1,0 +1,75 @@
+package gateway
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the gateway's: forwarded requests by peer and status
+// class, their duration, open connections by peer, and the connections
+// ended by revocation or expiry. Per-lease counts are in the audit
+// events, which name the lease (a lease label would grow without bound).
+// A nil *Metrics records nothing.
+type Metrics struct {
+	requests   *prometheus.CounterVec
+	duration   prometheus.Histogram
+	open       *prometheus.GaugeVec
+	endedConns *prometheus.CounterVec
+}
+
+// NewMetrics registers the gateway's metrics on reg.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_gateway_requests_total",
+			Help: "Requests of gateway leases, by peer identity and status class (2xx, 4xx, 5xx; 1xx for upgrades).",
+		}, []string{"identity", "code"}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "tokenbroker_gateway_request_duration_seconds",
+			Help:    "Duration of gateway requests, watches and streams included, until they end.",
+			Buckets: []float64{0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10, 60, 600, 3600},
+		}),
+		open: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tokenbroker_gateway_connections",
+			Help: "Open connections of gateway leases, by peer identity.",
+		}, []string{"identity"}),
+		endedConns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_gateway_connections_ended_total",
+			Help: "Connections of gateway leases the gateway ended, by reason: revoked (the lease Secret went), expired, denied (deny list).",
+		}, []string{"reason"}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.open, m.endedConns} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func (m *Metrics) request(peer string, code int, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.requests.WithLabelValues(peer, strconv.Itoa(code/100)+"xx").Inc()
+	m.duration.Observe(d.Seconds())
+}
+
+func (m *Metrics) connOpened(peer string) {
+	if m != nil {
+		m.open.WithLabelValues(peer).Inc()
+	}
+}
+
+func (m *Metrics) connClosed(peer string) {
+	if m != nil {
+		m.open.WithLabelValues(peer).Dec()
+	}
+}
+
+func (m *Metrics) ended(reason string, n int) {
+	if m != nil && n > 0 {
+		m.endedConns.WithLabelValues(reason).Add(float64(n))
+	}
+}
