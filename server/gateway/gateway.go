@@ -209,7 +209,7 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		g.leases[key] = lc
 		// The certificate is no good past its NotAfter; neither are the
 		// connections it opened.
-		lc.timer = g.cfg.Clock.AfterFunc(leaf.NotAfter.Sub(g.cfg.Clock.Now()), func() { g.end(key, reasonExpired) })
+		lc.timer = g.cfg.Clock.AfterFunc(leaf.NotAfter.Sub(g.cfg.Clock.Now()), func() { go g.end(key, reasonExpired) })
 	}
 	lc.conns[c] = struct{}{}
 	g.peers[n.Peer]++
