@@ -81,6 +81,9 @@ func (l *Lease) StateAt(t time.Time) string {
 type Index struct {
 	byID   map[string]*Lease
 	byCred map[string]*Lease
+	// byAudit names the lease of each request a lease gateway forwarded,
+	// by the Audit-ID it sent the API server (its gateway_request events).
+	byAudit map[string]string
 	// conflicts counts the claims refused; notes keeps the first few.
 	conflicts int
 	notes     []string
@@ -103,7 +106,27 @@ func (x *Index) Conflicts() (int, []string) { return x.conflicts, x.notes }
 
 // NewIndex returns an empty index.
 func NewIndex() *Index {
-	return &Index{byID: map[string]*Lease{}, byCred: map[string]*Lease{}}
+	return &Index{byID: map[string]*Lease{}, byCred: map[string]*Lease{}, byAudit: map[string]string{}}
+}
+
+// maxGatewayRequests bounds the gateway requests remembered (about 150
+// bytes each); past it later ones join nothing.
+const maxGatewayRequests = 2_000_000
+
+// maxAuditIDLen bounds an audit id kept: the gateway's are UUIDs.
+const maxAuditIDLen = 64
+
+// LookupAudit returns the lease of the gateway request the API server
+// logged under auditID, or nil. The gateway chose the id (a random UUID)
+// and wrote it in the broker's own audit event, so a client cannot claim
+// another lease's request; Join still requires the event's user to be
+// the lease's.
+func (x *Index) LookupAudit(auditID string) *Lease {
+	id, ok := x.byAudit[auditID]
+	if !ok {
+		return nil
+	}
+	return x.byID[id]
 }
 
 // Len is the number of leases whose credential id is known.
@@ -272,6 +295,13 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 			}
 			l.CredentialID = ""
 			x.claim(l, ev.CredentialID)
+		}
+	case "gateway_request":
+		if ev.APIAuditID == "" || len(ev.APIAuditID) > maxAuditIDLen || len(x.byAudit) >= maxGatewayRequests {
+			return
+		}
+		if _, seen := x.byAudit[ev.APIAuditID]; !seen { // the first stands
+			x.byAudit[ev.APIAuditID] = x.lease(ev.LeaseID).ID
 		}
 	case "revoke":
 		l := x.lease(ev.LeaseID)

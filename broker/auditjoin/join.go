@@ -73,6 +73,9 @@ type Stats struct {
 	// Duplicates are events whose auditID was already seen (overlapping
 	// log files), skipped.
 	Duplicates int `json:"duplicates"`
+	// Gateway are the joined requests a lease gateway forwarded, joined by
+	// the audit id the broker's gateway_request event recorded.
+	Gateway int `json:"gateway"`
 }
 
 // maxSeenAuditIDs bounds the events remembered to skip duplicates: the
@@ -148,12 +151,19 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 			}
 			continue
 		}
-		if ev.CredentialID == "" {
-			continue
-		}
 		l := idx.Lookup(ev.CredentialID)
+		viaGateway := false
 		if l == nil {
-			st.NoLease++
+			// A lease gateway's request: its credential is the gateway's,
+			// its audit id the one the gateway recorded.
+			if l = idx.LookupAudit(ev.AuditID); l != nil {
+				viaGateway = true
+			}
+		}
+		if l == nil {
+			if ev.CredentialID != "" {
+				st.NoLease++
+			}
 			continue
 		}
 		if want := l.ExpectedUsername(); want == "" || ev.Username != want {
@@ -161,6 +171,9 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 			continue
 		}
 		st.Joined++
+		if viaGateway {
+			st.Gateway++
+		}
 		if l.Source == SourceSecret {
 			st.FromSecret++
 		}

@@ -216,6 +216,9 @@ type BrokerEvent struct {
 	ExpiresAt         string    `json:"expires_at,omitempty"`
 	Workload          string    `json:"workload,omitempty"`
 	Grant             string    `json:"grant,omitempty"`
+	// APIAuditID is the Audit-ID a lease gateway sent the API server with
+	// a request it forwarded (action gateway_request).
+	APIAuditID string `json:"api_audit_id,omitempty"`
 }
 
 // brokerMarker is in every broker audit event's line: a cheap test that

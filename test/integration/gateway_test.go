@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -184,6 +185,27 @@ func TestAGatewayLeaseServesClientGoAndEndsItsWatchesAtRevocation(t *testing.T) 
 		}
 		return false
 	}, 10*time.Second, 100*time.Millisecond, "the API server's audit log names the forwarded request by the broker's audit id")
+
+	// "tokenbroker audit" joins them: the API server's events of the
+	// gateway's requests, to the lease.
+	idx := auditjoin.NewIndex()
+	bl, err := os.Open(s.auditLog)
+	require.NoError(t, err)
+	defer bl.Close()
+	_, err = idx.ReadBrokerLog(bl)
+	require.NoError(t, err)
+	al, err := os.Open(s.cluster.AuditLogPath())
+	require.NoError(t, err)
+	defer al.Close()
+	joined := 0
+	st, err := auditjoin.Join(al, idx, auditjoin.Filter{LeaseID: resp.LeaseID}, func(r auditjoin.Row) error {
+		require.Equal(t, "system:serviceaccount:argo:runner", r.Username)
+		joined++
+		return nil
+	})
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, joined, 10, "every forwarded request the API server logged joins its lease")
+	require.Equal(t, joined, st.Gateway)
 }
 
 func TestAGatewayCertificateIsGoodAtTheGatewayOnly(t *testing.T) {
