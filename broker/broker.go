@@ -114,14 +114,19 @@ type Gateway struct {
 	// Server is the gateway's URL as clients reach it.
 	Server string
 	// CAData returns the PEM of the CAs a client verifies the gateway's
-	// serving certificate with, at each issuance (they rotate).
+	// serving certificate with, at each issuance (they rotate); empty
+	// when there are none to give (the issuance is then refused).
 	CAData func() []byte
 }
 
 // cluster is the kubeconfig cluster of a gateway lease: the policy's
 // cluster name, the gateway's URL and CAs.
-func (g *Gateway) cluster(c policy.ClusterSpec) policy.ClusterSpec {
-	return policy.ClusterSpec{Name: c.Name, Server: g.Server, CAData: string(g.CAData())}
+func (g *Gateway) cluster(c policy.ClusterSpec) (policy.ClusterSpec, error) {
+	ca := g.CAData()
+	if len(ca) == 0 {
+		return policy.ClusterSpec{}, problem.Errorf(problem.KindUnavailable, "the lease gateway's serving certificate does not verify to the broker's CAs now, so no gateway kubeconfig can be written; see the broker's log")
+	}
+	return policy.ClusterSpec{Name: c.Name, Server: g.Server, CAData: string(ca)}, nil
 }
 
 // maxTimedExpiries bounds the leases waiting for their timer: the global
@@ -370,10 +375,17 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		a.Denial = audit.DenyInvalid
 		return nil, outcomeInvalid, problem.Errorf(problem.KindInvalid, "csr is only for credential clientCertificate or a gateway lease, and the grant of this request is neither")
 	}
-	if gateway && req.CSR != "" {
-		// Checked before any object is made: the issuer signs for its key.
-		if _, err := pki.ParseLeaseCSRPEM([]byte(req.CSR)); err != nil {
-			return nil, outcomeInvalid, problem.Wrap(problem.KindInvalid, "csr: "+err.Error(), err)
+	cluster := p.Cluster
+	if gateway {
+		// Checked before any object is made: the issuer signs for the
+		// CSR's key, and the kubeconfig needs the gateway's CAs.
+		if req.CSR != "" {
+			if _, err := pki.ParseLeaseCSRPEM([]byte(req.CSR)); err != nil {
+				return nil, outcomeInvalid, problem.Wrap(problem.KindInvalid, "csr: "+err.Error(), err)
+			}
+		}
+		if cluster, err = b.cfg.Gateway.cluster(p.Cluster); err != nil {
+			return nil, outcomeUnavailable, err
 		}
 	}
 	var cert *clientcert.CSR
@@ -497,8 +509,14 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
 	// The audit names the credential without holding it: a token's jti,
-	// a certificate's serial, and the id the API server logs for it.
+	// a certificate's serial, and the id the API server logs for it. A
+	// lease certificate never reaches the API server: it has no such id
+	// (the gateway's requests are joined by their audit ids), and nothing
+	// is written after the answer.
 	ref := cred.Ref()
+	if gateway {
+		ref.APIID = ""
+	}
 	// If the API server or the signer shortened the credential, the
 	// lease's true expiry (for listings and the GC) is written before the
 	// answer, with the credential's id; otherwise the id follows the
@@ -521,10 +539,6 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	subject := req.ServiceAccount
 	if cert != nil {
 		subject = cert.User
-	}
-	cluster := p.Cluster
-	if gateway {
-		cluster = b.cfg.Gateway.cluster(cluster)
 	}
 	kc, err := kubeconfig.Build(cluster, req.Namespace, subject, cred)
 	if err != nil {
@@ -556,7 +570,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		// expiry, not up to a GC interval later.
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
-	if !idRecorded {
+	if !idRecorded && !gateway {
 		b.credIDs.Later(ctx, b.store(), created, ref.APIID, log)
 	}
 	return &apiv1.KubeconfigResponse{

@@ -171,7 +171,7 @@ type handshakeListener struct {
 
 // newHandshakeListener wraps ln and starts accepting on it; Close stops it.
 // cfg is used as is: the caller sets NextProtos.
-func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Config) *handshakeListener {
+func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Config, opts ...func(*handshakeListener)) *handshakeListener {
 	l := &handshakeListener{
 		Listener:        ln,
 		cfg:             cfg,
@@ -194,6 +194,9 @@ func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Con
 	if name == listenerAPI {
 		// Only the mutual-TLS listener knows who connects.
 		l.perIdentity = newConnLimit(s.cfg.MaxConnsPerIdentity)
+	}
+	for _, o := range opts {
+		o(l)
 	}
 	l.ctx, l.cancel = context.WithCancel(context.Background())
 	l.wg.Add(1)

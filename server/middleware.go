@@ -228,6 +228,9 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 			now.UTC().Format("2006-01-02T15:04:05Z"), cert.NotBefore.UTC().Format("2006-01-02T15:04:05Z"),
 			cert.NotAfter.UTC().Format("2006-01-02T15:04:05Z")))
 	}
+	if pki.IsLeaseCertificate(cert) {
+		return known, refuse(audit.RefusedIdentity, errors.New("a lease certificate is for the lease gateway only: it names no cluster identity"))
+	}
 	id, err := pki.IdentityFromCert(cert)
 	if err != nil {
 		return known, refuse(audit.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))

@@ -405,7 +405,7 @@ func Run(ctx context.Context, opts Options) error {
 	var gw *gatewayParts
 	if opts.GatewayAddress != "" {
 		if gw, err = newGateway(opts, client, leases, revocations, auditor, reg, log, signing, previousCA,
-			publishSources(certs, clientCAs, ca, previousCA), clientCAs, certs); err != nil {
+			publishSources(certs, clientCAs, ca, previousCA), certs); err != nil {
 			return err
 		}
 	}

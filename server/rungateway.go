@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -43,7 +44,7 @@ func (g *gatewayParts) brokerConfig() *broker.Gateway {
 // go.
 func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter, deny gateway.DenyList, auditor audit.Auditor,
 	reg prometheus.Registerer, log *zap.Logger, signing *pki.CAReloader, previous enrollment.CACertificates,
-	sources func() enrollment.PublishSources, trust *pki.PoolReloader, certs *pki.CertReloader) (*gatewayParts, error) {
+	sources func() enrollment.PublishSources, certs *pki.CertReloader) (*gatewayParts, error) {
 	upstream, plain, upgrade, err := gateway.NewTransports(kubeRESTConfig(opts, log))
 	if err != nil {
 		return nil, err
@@ -79,16 +80,18 @@ func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter
 		return p
 	}
 	// A gateway kubeconfig trusts the CAs that anchor the serving
-	// certificate (as a published ClusterTrustBundle does), or else the
-	// whole trust bundle.
-	caData := func() []byte {
+	// certificate, as a published ClusterTrustBundle does: never the
+	// whole bundle, whose partner CAs could issue a certificate for the
+	// gateway's name. Worked out at most every caDataEvery, not per
+	// issuance.
+	caData := cachedCAData(func() []byte {
 		if cas, ok := enrollment.PublishedCAs(sources(), time.Now()); ok {
 			return pki.EncodeCertificatesPEM(cas)
 		}
-		return trust.PEM()
-	}
-	if _, ok := enrollment.PublishedCAs(sources(), time.Now()); !ok {
-		log.Warn("lease gateway: the serving certificate does not verify to any of the operator's CAs; gateway kubeconfigs carry the whole trust bundle as their certificate authority")
+		return nil
+	})
+	if len(caData()) == 0 {
+		return nil, fmt.Errorf("--gateway-address: the serving certificate (--tls-cert-file) does not verify to any of the operator's CAs (--client-ca-file, --ca-cert-file, --previous-ca-cert-file), so gateway kubeconfigs would have no CA to trust it with")
 	}
 	return &gatewayParts{
 		gateway: g,
@@ -99,4 +102,26 @@ func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter
 			CAData: caData,
 		},
 	}, nil
+}
+
+// caDataEvery is how long the gateway's CA bundle is reused before it is
+// worked out again (the serving certificate and CA files reload).
+const caDataEvery = 10 * time.Second
+
+// cachedCAData returns f's answer, worked out again at most every
+// caDataEvery.
+func cachedCAData(f func() []byte) func() []byte {
+	var (
+		mu   sync.Mutex
+		last []byte
+		at   time.Time
+	)
+	return func() []byte {
+		mu.Lock()
+		defer mu.Unlock()
+		if at.IsZero() || time.Since(at) > caDataEvery {
+			last, at = f(), time.Now()
+		}
+		return last
+	}
 }

@@ -211,8 +211,13 @@ func (s *Server) Run(ctx context.Context) error {
 			srv: s.httpServer(s.enroll, baseCtx, listenerEnroll)})
 	}
 	if lns.gateway != nil {
-		hl := s.newHandshakeListener(lns.gateway, listenerGateway, s.cfg.GatewayTLSConfig)
-		hl.admitConn = s.cfg.Gateway.AdmitConn
+		hl := s.newHandshakeListener(lns.gateway, listenerGateway, s.cfg.GatewayTLSConfig, func(l *handshakeListener) {
+			l.admitConn = s.cfg.Gateway.AdmitConn
+			// Caps of its own: the gateway's long-lived connections must
+			// not take the places of the API listener, where leases are
+			// revoked.
+			l.conns, l.handshakes = newConnCount(s.cfg.MaxConns), newConnCount(s.cfg.MaxHandshakes)
+		})
 		servers = append(servers, serving{name: listenerGateway, ln: hl, srv: s.gatewayServer(baseCtx)})
 	}
 	servers = append(servers, serving{name: "ops", ln: lns.ops, srv: s.httpServer(s.ops, baseCtx, "ops")})

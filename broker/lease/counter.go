@@ -167,6 +167,12 @@ func (lc *Counter) applyLocked(r *Rules) {
 		if c.verified == verified && c.until.Equal(lc.until(c)) {
 			continue
 		}
+		if c.verified && !verified && lc.gone != nil {
+			// The policy no longer bears it out: it holds no gateway
+			// lease from now on.
+			ns, name, _ := cache.SplitMetaNamespaceKey(key)
+			lc.gone(ns, name, c.uid)
+		}
 		lc.drop(key, c)
 		lc.count(&counted{key: key, uid: c.uid, peer: c.peer, identity: c.identity, expires: c.expires,
 			pool: c.pool, created: c.created, verified: verified, committed: c.committed,
@@ -360,6 +366,14 @@ func (lc *Counter) Observe(obj any) {
 // counter reads is kept.
 func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 	key := m.Namespace + "/" + m.Name
+	if m.DeletionTimestamp != nil {
+		// Being deleted (a finalizer holds it): revoked, whatever keeps
+		// the object, so it neither counts nor holds a gateway lease.
+		if c, seen := lc.byKey[key]; seen {
+			lc.forget(key, c)
+		}
+		return key
+	}
 	exp, err := time.Parse(time.RFC3339, m.Annotations[objects.AnnotationExpiresAt])
 	if err != nil {
 		exp = time.Time{} // no readable expiry: counts until creation plus maxAge
@@ -502,8 +516,9 @@ func (lc *Counter) drop(key string, c *counted) {
 }
 
 // OnGone makes the counter call f with every lease Secret it stops
-// knowing: deleted, gone at a relist, replaced under another UID, or in a
-// namespace no longer watched. f runs under the counter's lock and must
+// knowing or holding: deleted or being deleted, gone at a relist,
+// replaced under another UID, in a namespace no longer watched, or no
+// longer borne out by the policy. f runs under the counter's lock and must
 // not block or call back into the counter; the lease gateway ends the
 // lease's connections from it.
 func (lc *Counter) OnGone(f func(namespace, name string, uid types.UID)) {
@@ -514,14 +529,16 @@ func (lc *Counter) OnGone(f func(namespace, name string, uid types.UID)) {
 
 // Holds reports whether the counter knows the lease Secret
 // namespace/name under uid, as a lease (not an unclaimed pooled Secret)
-// whose recorded expiry has not passed at now; expires is that expiry.
+// that the policy bears out (its peer and namespace still granted, as for
+// the quotas) and whose recorded expiry has not passed at now; expires is
+// that expiry.
 // It reads memory only: a lease Secret created a moment ago may not be
 // known yet (WaitAdded).
 func (lc *Counter) Holds(namespace, name string, uid types.UID, now time.Time) (expires time.Time, ok bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	c, found := lc.byKey[namespace+"/"+name]
-	if !found || c.uid != uid || c.pool || c.expires.IsZero() || !now.Before(c.expires) {
+	if !found || c.uid != uid || c.pool || !c.verified || c.expires.IsZero() || !now.Before(c.expires) {
 		return time.Time{}, false
 	}
 	return c.expires, true

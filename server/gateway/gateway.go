@@ -146,9 +146,12 @@ func New(cfg Config) (*Gateway, error) {
 	}
 	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}}
 	g.proxy = &httputil.ReverseProxy{
-		Rewrite:       g.rewrite,
-		Transport:     upgradeSplit{plain: cfg.Transport, upgrade: cfg.UpgradeTransport},
-		FlushInterval: -1, // a watch event goes out as it comes in
+		Rewrite:   g.rewrite,
+		Transport: upgradeSplit{plain: cfg.Transport, upgrade: cfg.UpgradeTransport},
+		// A watch's answer (no Content-Length) is flushed after every
+		// write, so each event goes out as it comes in; a whole answer
+		// goes out in as few frames as it can.
+		FlushInterval: 0,
 		ErrorLog:      zap.NewStdLog(cfg.Logger.Named("proxy")),
 		ErrorHandler:  g.proxyError,
 	}
@@ -161,7 +164,9 @@ func New(cfg Config) (*Gateway, error) {
 type upgradeSplit struct{ plain, upgrade http.RoundTripper }
 
 func (u upgradeSplit) RoundTrip(r *http.Request) (*http.Response, error) {
-	if httpstream.IsUpgradeRequest(r) {
+	// exec, attach and port-forward upgrade a GET (WebSocket) or a POST
+	// (SPDY); nothing else takes the upgrade path.
+	if httpstream.IsUpgradeRequest(r) && (r.Method == http.MethodGet || r.Method == http.MethodPost) {
 		return u.upgrade.RoundTrip(r)
 	}
 	return u.plain.RoundTrip(r)
@@ -267,15 +272,17 @@ func (g *Gateway) end(key, reason string) {
 	}
 	n := lc.name
 	g.mu.Unlock()
+	// The counter calls Gone under its lock: the sockets are closed, and
+	// the close audited, beside it.
 	go func() {
 		for _, c := range conns {
 			_ = c.Close()
 		}
+		g.cfg.Metrics.ended(reason, len(conns))
+		g.audit(audit.Event{Action: audit.ActionGatewayClose, Decision: audit.DecisionDeny, Reason: reason,
+			Identity: n.Peer, Namespace: n.Namespace, ServiceAccount: n.ServiceAccount, LeaseID: n.ID, Connections: len(conns)})
+		g.cfg.Logger.Info("lease gateway: connections ended", zap.String("lease_id", n.ID), zap.String("reason", reason), zap.Int("connections", len(conns)))
 	}()
-	g.cfg.Metrics.ended(reason, len(conns))
-	g.audit(audit.Event{Action: audit.ActionGatewayClose, Decision: audit.DecisionDeny, Reason: reason,
-		Identity: n.Peer, Namespace: n.Namespace, ServiceAccount: n.ServiceAccount, LeaseID: n.ID, Connections: len(conns)})
-	g.cfg.Logger.Info("lease gateway: connections ended", zap.String("lease_id", n.ID), zap.String("reason", reason), zap.Int("connections", len(conns)))
 }
 
 // serialOf is a certificate's serial as the deny list writes it
@@ -421,7 +428,9 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.done(ev, start)
 		return
 	}
-	if r.Body != nil && r.Body != http.NoBody && !httpstream.IsUpgradeRequest(r) {
+	if r.Body != nil && r.Body != http.NoBody {
+		// Upgrades included: Kubernetes' carry no body, and a request
+		// that only claims to upgrade gets no larger one.
 		r.Body = http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes)
 	}
 	ev.APIAuditID = newAuditID()

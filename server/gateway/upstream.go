@@ -72,7 +72,7 @@ func NewTransports(cfg *rest.Config) (upstream *url.URL, plain, upgrade http.Rou
 		DialContext:         dialer.DialContext,
 		TLSClientConfig:     h1TLS,
 		TLSHandshakeTimeout: 10 * time.Second,
-		MaxIdleConnsPerHost: -1, // an upgraded connection is never reused
+		// An upgraded connection is never pooled; a refused upgrade's is.
 	}
 	h1.Protocols = new(http.Protocols)
 	h1.Protocols.SetHTTP1(true)
@@ -83,6 +83,10 @@ func NewTransports(cfg *rest.Config) (upstream *url.URL, plain, upgrade http.Rou
 // TokenRequest API's minimum, so that a token copied out of the broker's
 // memory is good for ten minutes at most.
 const TokenTTL = 10 * time.Minute
+
+// failedTokenRetry is how long a failed TokenRequest's error is answered
+// before another is made.
+const failedTokenRetry = 5 * time.Second
 
 // maxTokens bounds the ServiceAccounts whose token is kept at once; past
 // it the expired ones are dropped, then the soonest to expire.
@@ -126,8 +130,8 @@ func (t *Tokens) Token(ctx context.Context, namespace, serviceAccount string) (s
 	if e != nil {
 		select {
 		case <-e.done:
-			if e.err != nil || !now.Before(e.renewAt) {
-				e = nil // failed or due: make another
+			if !now.Before(e.renewAt) {
+				e = nil // due (or failed a while ago): make another
 			}
 		default: // being made
 		}
@@ -165,7 +169,10 @@ func (t *Tokens) make(ctx context.Context, e *tokenEntry, namespace, serviceAcco
 		err = errors.New("the API server returned no token")
 	}
 	if err != nil {
+		// Kept for a moment, so that a ServiceAccount that is gone costs
+		// one TokenRequest per failedTokenRetry, not one per request.
 		e.err = fmt.Errorf("token for %s/%s: %w", namespace, serviceAccount, err)
+		e.renewAt = start.Add(failedTokenRetry)
 		return
 	}
 	e.token, e.expires = out.Status.Token, out.Status.ExpirationTimestamp.Time

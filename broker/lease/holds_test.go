@@ -1,0 +1,102 @@
+package lease
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/tokenbroker/tokenbroker/broker/objects"
+)
+
+// goneRecorder records the counter's OnGone calls.
+type goneRecorder struct{ gone []string }
+
+func (g *goneRecorder) record(ns, name string, uid types.UID) {
+	g.gone = append(g.gone, ns+"/"+name+"/"+string(uid))
+}
+
+func heldLease(uid types.UID, expires time.Time) *metav1.PartialObjectMetadata {
+	m := secretMeta("argo", "tokenbroker-lease-a", "west", expires)
+	m.UID = uid
+	m.Annotations[objects.AnnotationIdentity] = "spiffe://oc.example/cluster/west"
+	return m
+}
+
+// A gateway lease is held while its Secret, under its UID, lives; every
+// way it stops being the lease tells the gateway.
+func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	exp := now.Add(time.Hour)
+	rules := &Rules{Peers: map[string]PeerRule{"west": {Identity: "spiffe://oc.example/cluster/west", Namespaces: map[string]struct{}{"argo": {}}}}}
+	setUp := func(t *testing.T) (*Counter, *goneRecorder) {
+		lc := NewCounter(nil, clocktesting.NewFakePassiveClock(now), zap.NewNop())
+		lc.SetRules(func() *Rules { return rules })
+		g := &goneRecorder{}
+		lc.OnGone(g.record)
+		lc.Observe(heldLease("uid-1", exp))
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		require.True(t, ok)
+		return lc, g
+	}
+
+	t.Run("an update under the same UID keeps it", func(t *testing.T) {
+		lc, g := setUp(t)
+		m := heldLease("uid-1", exp)
+		m.Annotations[objects.AnnotationCredentialID] = "X509SHA256=aa"
+		lc.Observe(m)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		require.True(t, ok)
+		require.Empty(t, g.gone)
+	})
+	t.Run("another UID under its name is another Secret", func(t *testing.T) {
+		lc, g := setUp(t)
+		lc.Observe(heldLease("uid-2", exp))
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		require.False(t, ok)
+		require.Equal(t, []string{"argo/tokenbroker-lease-a/uid-1"}, g.gone)
+	})
+	t.Run("a finalizer does not keep a deleted lease", func(t *testing.T) {
+		lc, g := setUp(t)
+		m := heldLease("uid-1", exp)
+		m.Finalizers = []string{"tenant.example/keep"}
+		m.DeletionTimestamp = &metav1.Time{Time: now}
+		lc.Observe(m)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		require.False(t, ok)
+		require.Equal(t, []string{"argo/tokenbroker-lease-a/uid-1"}, g.gone)
+		own, _ := lc.Live("west")
+		require.Zero(t, own, "nor does it count")
+	})
+	t.Run("a policy that no longer grants its namespace ends it", func(t *testing.T) {
+		lc := NewCounter(nil, clocktesting.NewFakePassiveClock(now), zap.NewNop())
+		current := rules
+		lc.SetRules(func() *Rules { return current })
+		g := &goneRecorder{}
+		lc.OnGone(g.record)
+		lc.Observe(heldLease("uid-1", exp))
+		current = &Rules{Peers: map[string]PeerRule{"west": {Identity: "spiffe://oc.example/cluster/west", Namespaces: map[string]struct{}{}}}}
+		lc.Observe(secretMeta("argo", "other", "west", exp)) // any event applies the new rules
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		require.False(t, ok)
+		require.Contains(t, g.gone, "argo/tokenbroker-lease-a/uid-1")
+	})
+	t.Run("past its recorded expiry it is not held", func(t *testing.T) {
+		lc, _ := setUp(t)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", exp)
+		require.False(t, ok)
+	})
+	t.Run("a forged copy in another namespace holds nothing", func(t *testing.T) {
+		lc, _ := setUp(t)
+		m := heldLease("uid-1", exp)
+		m.Namespace = "tenant"
+		lc.Observe(m)
+		_, ok := lc.Holds("tenant", "tokenbroker-lease-a", "uid-1", now)
+		require.False(t, ok, "the policy does not bear out a lease in a namespace it does not grant")
+	})
+}
