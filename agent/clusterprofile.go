@@ -16,6 +16,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/agent/config"
+	"github.com/tokenbroker/tokenbroker/agent/execcred"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
@@ -80,12 +81,16 @@ func (o *clusterProfileOutput) read(context.Context) (*stored, error) { return n
 
 // accessProvider is the agent's entry: the cluster of the broker's
 // kubeconfig, as a kubeconfig v1 Cluster (the JSON names of
-// clientcmdv1.Cluster), with the target as its exec extension.
+// clientcmdv1.Cluster), with the target as its exec extension. For a
+// gateway target that cluster is the lease gateway and the extension says
+// access gateway, so that the plugin hands out a gateway credential where
+// client-go will send it (the plugin's guard checks both against the
+// broker's answer).
 func accessProvider(meta outputMeta, c *Credential) (map[string]any, error) {
 	if c.Server == "" || len(c.CAData) == 0 {
 		return nil, errors.New("the broker's kubeconfig has no server or no certificate-authority-data, which a ClusterProfile entry needs")
 	}
-	ext, err := json.Marshal(apiv1.NewPluginTarget(meta.broker, meta.req.APIRequest()))
+	ext, err := json.Marshal(execcred.NewPluginTarget(meta.broker, meta.req.APIRequest()))
 	if err != nil {
 		return nil, fmt.Errorf("render the exec extension: %w", err)
 	}

@@ -31,8 +31,9 @@ type Credential struct {
 	Token    string
 	CertData []byte
 	KeyData  []byte
-	// Server is the API server URL of the kubeconfig's current context,
-	// and CAData the PEM bundle that verifies it. TLSServerName and
+	// Server is the API server URL of the kubeconfig's current context
+	// (the lease gateway's, for a gateway lease), and CAData the PEM
+	// bundle that verifies it. TLSServerName and
 	// ProxyURL are its tls-server-name and proxy-url, if any.
 	Server        string
 	CAData        []byte
@@ -47,6 +48,11 @@ type Credential struct {
 	RequestedTTL string
 	GrantedTTL   string
 	ClampedBy    string
+	// Access is the lease's mode as the broker answered it:
+	// apiv1.AccessGateway when Server is the broker's lease gateway and the
+	// credential a certificate for this one lease; empty or
+	// apiv1.AccessDirect for a credential of the API server.
+	Access string
 }
 
 // String describes the credential without its secrets.
@@ -80,6 +86,7 @@ func (c *Credential) Response() apiv1.KubeconfigResponse {
 		RequestedTTL: c.RequestedTTL,
 		GrantedTTL:   c.GrantedTTL,
 		ClampedBy:    c.ClampedBy,
+		Access:       c.Access,
 	}
 }
 
@@ -118,11 +125,20 @@ var ErrBadAnswer = errors.New("unusable answer from the broker")
 // For a client certificate it makes a new key and sends a CSR for it (the
 // user name comes from the peer name, asked with WhoAmI, and the key), so
 // that the key never leaves this process; the broker's kubeconfig, which
-// has no key then, gets it here.
+// has no key then, gets it here. A gateway request does the same without
+// WhoAmI: the broker signs a lease certificate for the CSR's key whatever
+// its subject, and the kubeconfig's server is then the lease gateway.
 func Fetch(ctx context.Context, api KubeconfigAPI, req config.RequestConfig, now func() time.Time) (*Credential, error) {
 	apiReq := req.APIRequest()
 	var keyPEM []byte
-	if req.Credential == apiv1.CredentialClientCertificate {
+	switch {
+	case req.Access == apiv1.AccessGateway:
+		csrPEM, key, _, err := pki.NewUserCSR(func(crypto.PublicKey) (string, error) { return gatewayCSRSubject, nil }, nil)
+		if err != nil {
+			return nil, err
+		}
+		apiReq.CSR, keyPEM = string(csrPEM), key
+	case req.Credential == apiv1.CredentialClientCertificate:
 		who, err := api.WhoAmI(ctx)
 		if err != nil {
 			return nil, fmt.Errorf("request kubeconfig for %s: who am I: %w", req.Subject(), err)
@@ -142,6 +158,11 @@ func Fetch(ctx context.Context, api KubeconfigAPI, req config.RequestConfig, now
 	if err != nil {
 		return nil, fmt.Errorf("request kubeconfig for %s: %w", req.Subject(), err)
 	}
+	if req.Access != "" && resp.Access != "" && resp.Access != req.Access {
+		// The outputs would point consumers at another place than the
+		// configuration says (the gateway or the API server).
+		return nil, fmt.Errorf("%w: lease %s: access %s was asked for, and the broker answered %s", ErrBadAnswer, resp.LeaseID, req.Access, resp.Access)
+	}
 	if keyPEM != nil {
 		kc, err := withClientKey([]byte(resp.Kubeconfig), keyPEM)
 		if err != nil {
@@ -151,6 +172,11 @@ func Fetch(ctx context.Context, api KubeconfigAPI, req config.RequestConfig, now
 	}
 	return credentialFromResponse(resp, now())
 }
+
+// gatewayCSRSubject is the common name of the CSR of a gateway lease: the
+// broker reads only its key and signature, and names the certificate after
+// the lease itself.
+const gatewayCSRSubject = "tokenbroker-gateway-lease"
 
 // withClientKey adds the key to the current context's user of a kubeconfig
 // that has its certificate but no key.
@@ -206,6 +232,7 @@ func credentialFromResponse(resp *apiv1.KubeconfigResponse, obtainedAt time.Time
 		RequestedTTL: resp.RequestedTTL,
 		GrantedTTL:   resp.GrantedTTL,
 		ClampedBy:    resp.ClampedBy,
+		Access:       resp.Access,
 	}
 	c.setKubeconfig([]byte(resp.Kubeconfig), kc)
 	return c, nil

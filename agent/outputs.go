@@ -204,7 +204,7 @@ func renderArgoCD(o config.SecretOutput, meta outputMeta, c *Credential, data ma
 			Broker: meta.broker, IdentityDir: e.IdentityDir,
 			Namespace: meta.req.Namespace, ServiceAccount: meta.req.ServiceAccount,
 			TTL: meta.req.TTL, MinTTL: meta.req.MinTTL, Audiences: meta.req.Audiences,
-			Credential: meta.req.Credential,
+			Credential: meta.req.Credential, Access: meta.req.Access,
 		})
 		cfg = argoClusterConfig{ProxyURL: c.ProxyURL, ExecProviderConfig: &argoExecProvider{
 			Command: ec.Command, Args: ec.Args, Env: e.Env, APIVersion: ec.APIVersion, InstallHint: ec.InstallHint,

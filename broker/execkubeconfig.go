@@ -2,19 +2,25 @@ package broker
 
 import (
 	"context"
+	"errors"
+	"fmt"
 
 	"go.uber.org/zap"
+	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/kubeconfig"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
 // ExecKubeconfig authorizes req for caller as IssueKubeconfig does, but
 // issues nothing: it returns a kubeconfig whose user runs the exec
 // credential plugin ("tokenbroker credential", found on the PATH) with
-// req against brokerURL, the URL the caller reached this broker by. The
+// req against brokerURL, the URL the caller reached this broker by. Its
+// cluster is the policy's, or for a gateway decision the lease gateway's
+// (its URL and CAs), where the plugin's lease certificate is good. The
 // plugin reads the caller's identity from $TOKENBROKER_IDENTITY_DIR, as
 // the broker cannot know where the caller keeps it. Asking now tells the
 // caller at once whether the policy grants the request, rather than at its
@@ -34,6 +40,32 @@ func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.Kubecon
 	return kc, err
 }
 
+// withPluginAccess adds the plugin's --access flag to the exec user of an
+// exec kubeconfig (apiv1.PluginArgs writes none), so that the plugin asks
+// for the mode the kubeconfig's cluster was chosen for: without it the
+// broker would use the mode of whichever grant is the most generous then.
+// Nothing for access "" (the grant's mode, as asked).
+func withPluginAccess(kc []byte, access string) ([]byte, error) {
+	if access == "" {
+		return kc, nil
+	}
+	cfg, err := clientcmd.Load(kc)
+	if err != nil {
+		return nil, fmt.Errorf("exec kubeconfig: %w", err)
+	}
+	ctx, ok := cfg.Contexts[cfg.CurrentContext]
+	if !ok || cfg.AuthInfos[ctx.AuthInfo] == nil || cfg.AuthInfos[ctx.AuthInfo].Exec == nil {
+		return nil, errors.New("exec kubeconfig: no exec user in the current context")
+	}
+	exec := cfg.AuthInfos[ctx.AuthInfo].Exec
+	exec.Args = append(exec.Args, "--access", access)
+	out, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return nil, fmt.Errorf("exec kubeconfig: %w", err)
+	}
+	return out, nil
+}
+
 func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL string, a *audit.Pending) ([]byte, string, error) {
 	log := b.cfg.Logger.With(zap.String("identity", c.Identity), zap.String("namespace", req.Namespace), zap.String("service_account", req.ServiceAccount))
 	dec, outcome, err := b.decide(c, req, a, log)
@@ -43,8 +75,23 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 	if err := b.admission().Issuance(dec.policy, c.Identity, dec.Peer, a); err != nil {
 		return nil, outcomeLimited, err
 	}
-	kc, err := kubeconfig.Exec(dec.policy.Cluster, req, brokerURL)
+	cluster := dec.policy.Cluster
+	if dec.Access == apiv1.AccessGateway {
+		// The plugin's credential will be a lease certificate, good at the
+		// gateway only: the kubeconfig names the gateway, as an issued
+		// gateway kubeconfig does. decide answered 422 without one.
+		if b.cfg.Gateway == nil {
+			return nil, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable, "access gateway is not available from this broker: it runs no lease gateway (serve --gateway-address)")
+		}
+		if cluster, err = b.cfg.Gateway.cluster(cluster); err != nil {
+			return nil, outcomeUnavailable, err
+		}
+	}
+	kc, err := kubeconfig.Exec(cluster, req, brokerURL)
 	if err != nil {
+		return nil, outcomeError, err
+	}
+	if kc, err = withPluginAccess(kc, req.Access); err != nil {
 		return nil, outcomeError, err
 	}
 	log.Info("decision", zap.Bool("allowed", true), zap.String("peer", dec.Peer), zap.String("action", audit.ActionExecKubeconfig))

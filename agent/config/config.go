@@ -28,7 +28,7 @@ import (
 //	targets:
 //	  - name: east
 //	    broker: https://east.example.com:8443
-//	    request: {namespace: argo, serviceAccount: admiralty-source, ttl: 12h, minTTL: 1h}
+//	    request: {namespace: argo, serviceAccount: admiralty-source, ttl: 12h, minTTL: 1h}  # access: gateway for the lease gateway
 //	    refresh: {revokeGrace: 5m}                 # overrides the top level, field by field
 //	    outputs:
 //	      - secret: {namespace: admiralty, name: east, format: admiralty}
@@ -215,6 +215,15 @@ type RequestConfig struct {
 	// certificate for a per-lease user with the grant's role, whose key
 	// the agent makes itself and never sends (no serviceAccount then).
 	Credential string `json:"credential,omitempty"`
+	// Access is "direct" (a credential of the API server), "gateway" (a
+	// client certificate for this one lease, good only at the broker's
+	// lease gateway, which the kubeconfig's server then is; the agent
+	// makes the key and never sends it) or empty: the mode of the grant
+	// that allows the request. Gateway takes a serviceAccount, credential
+	// token (or none) and no audiences; every output carries the
+	// certificate and key but a file output's tokenFile, which holds a
+	// token only.
+	Access string `json:"access,omitempty"`
 }
 
 // OutputConfig is one place a credential is written; exactly one of

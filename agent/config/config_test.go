@@ -292,3 +292,87 @@ func exampleConfigFile(t *testing.T) []byte {
 	require.NoError(t, err)
 	return b
 }
+
+// A gateway request is the broker's rule set (a ServiceAccount, a token
+// grant's credential, no audiences) plus the agent's own: no output that
+// can carry only a token.
+func TestAGatewayRequestTakesAServiceAccountAndOutputsThatCarryACertificate(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, yaml string
+		want       []string
+	}{
+		{"every format but a token file", `identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, access: gateway}
+    outputs:
+      - secret: {namespace: admiralty, name: east, format: admiralty}
+      - secret: {namespace: argocd, name: east, format: argocd}
+      - secret: {namespace: flux-system, name: east, format: flux}
+      - secret: {namespace: kargo, name: east, format: kubeconfig, key: kubeconfig.yaml}
+      - secret: {namespace: kueue-system, name: east, format: multikueue}
+      - clusterProfile: {namespace: kueue-system}
+      - file: {path: /out/east}`, nil},
+		{"no ServiceAccount", `identity: {dir: /id}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: argo, access: gateway}, outputs: [{file: {path: /out/east}}]}`,
+			[]string{"targets[0].request.serviceAccount: is required"}},
+		{"a client certificate", `identity: {dir: /id}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: argo, credential: clientCertificate, access: gateway}, outputs: [{file: {path: /out/east}}]}`,
+			[]string{"targets[0].request.credential: must be token (or empty) with access gateway"}},
+		{"audiences", `identity: {dir: /id}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: argo, serviceAccount: sa, audiences: [vault], access: gateway}, outputs: [{file: {path: /out/east}}]}`,
+			[]string{"targets[0].request.audiences: must be empty with access gateway"}},
+		{"an unknown mode", `identity: {dir: /id}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: argo, serviceAccount: sa, access: proxy}, outputs: [{file: {path: /out/east}}]}`,
+			[]string{`targets[0].request.access: must be "direct" or "gateway"`}},
+		{"a token file", `identity: {dir: /id}
+targets:
+  - {name: east, broker: "https://east:8443", request: {namespace: argo, serviceAccount: sa, access: gateway}, outputs: [{file: {path: /out/east, tokenFile: token}}]}`,
+			[]string{"targets[0].outputs[0].file.tokenFile: holds a token, and this target asks for access gateway, whose credential is a client certificate and key"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, err := Parse([]byte(tc.yaml), "")
+			if tc.want == nil {
+				require.NoError(t, err)
+				require.Equal(t, apiv1.AccessGateway, cfg.Targets[0].Request.APIRequest().Access, "the request sent says gateway")
+				return
+			}
+			var ve *apiv1.ValidationError
+			require.True(t, errors.As(err, &ve), "%v", err)
+			for _, w := range tc.want {
+				require.Contains(t, err.Error(), w)
+			}
+		})
+	}
+}
+
+func TestAnAccessModeIsSentAndNamedInMessages(t *testing.T) {
+	t.Parallel()
+	direct := RequestConfig{Namespace: "argo", ServiceAccount: "sa"}
+	require.Empty(t, direct.APIRequest().Access, "no access: the grant's mode")
+	gw := direct
+	gw.Access = apiv1.AccessGateway
+	require.Equal(t, apiv1.AccessGateway, gw.APIRequest().Access)
+	require.Equal(t, "argo/sa through the lease gateway", gw.Subject())
+	require.Equal(t, "argo/sa", direct.Subject())
+}
+
+func TestAGatewayTargetIsNotedWithWhatTheBrokerMustHave(t *testing.T) {
+	t.Parallel()
+	doc := map[string]any{"targets": []any{
+		map[string]any{"name": "east", "request": map[string]any{"namespace": "argo", "serviceAccount": "sa"}},
+		map[string]any{"name": "gw", "request": map[string]any{"namespace": "argo", "serviceAccount": "sa", "access": "gateway"}},
+	}}
+	notes := Notes(doc)
+	require.Len(t, notes, 1)
+	require.Equal(t, "targets[1].request.access", notes[0].Field)
+	require.Contains(t, notes[0].Detail, "grant with access: gateway")
+	require.Contains(t, notes[0].Detail, "serve --gateway-address")
+}

@@ -55,6 +55,13 @@ func Notes(doc any) []apiv1.FieldError {
 					strings.Join(t.Request.Audiences, ", ")),
 			})
 		}
+		if t.Request.Access == apiv1.AccessGateway {
+			notes = append(notes, apiv1.FieldError{
+				Field: fmt.Sprintf("targets[%d].request.access", i),
+				Detail: "the broker answers 403 unless a grant with access: gateway allows this request, and 422 unless it runs " +
+					"a lease gateway (serve --gateway-address); the outputs then point at the gateway, not at the API server",
+			})
+		}
 	}
 	return notes
 }

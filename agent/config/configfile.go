@@ -333,6 +333,8 @@ func (c *Config) Validate() error {
 					switch {
 					case t.Request.Credential == apiv1.CredentialClientCertificate:
 						v.add(tpath, "holds a token, and this target asks for a client certificate: write the kubeconfig itself (no tokenFile)")
+					case t.Request.Access == apiv1.AccessGateway:
+						v.add(tpath, "holds a token, and this target asks for access gateway, whose credential is a client certificate and key: write the kubeconfig itself (no tokenFile)")
 					case tf == "." || tf == ".." || strings.ContainsAny(tf, "/\\\x00"):
 						v.add(tpath, "must be a file name beside the kubeconfig, without a directory, not %q", tf)
 					default:

@@ -100,14 +100,19 @@ func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
 		MinTTL:         r.MinTTL,
 		Audiences:      append([]string(nil), r.Audiences...),
 		Credential:     r.Credential,
+		Access:         r.Access,
 	}
 }
 
-// Subject names what a request is for in messages: namespace/ServiceAccount,
-// or the namespace's client certificate.
+// Subject names what a request is for in messages: namespace/ServiceAccount
+// (through the lease gateway, for a gateway request), or the namespace's
+// client certificate.
 func (r RequestConfig) Subject() string {
 	if r.Credential == apiv1.CredentialClientCertificate {
 		return "a client certificate in " + r.Namespace
+	}
+	if r.Access == apiv1.AccessGateway {
+		return r.Namespace + "/" + r.ServiceAccount + " through the lease gateway"
 	}
 	return r.Namespace + "/" + r.ServiceAccount
 }

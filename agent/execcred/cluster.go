@@ -26,7 +26,31 @@ type Cluster struct {
 	CAData []byte
 	// Target is spec.cluster.config when it is a PluginTarget; nil when
 	// there is no config.
-	Target *apiv1.PluginTarget
+	Target *PluginTarget
+}
+
+// PluginTarget is the content of the client.authentication.k8s.io/exec
+// extension the plugin reads: apiv1.PluginTarget and the access mode of
+// the request, which that type does not carry. The agent's ClusterProfile
+// output writes it (NewPluginTarget); an extension without access means
+// the mode of the grant that allows the request, as before access existed.
+type PluginTarget struct {
+	apiv1.PluginTarget
+	// Access is apiv1.AccessDirect, apiv1.AccessGateway or "".
+	Access string `json:"access,omitempty"`
+}
+
+// NewPluginTarget is the target of a request to broker
+// (apiv1.NewPluginTarget), with its access mode.
+func NewPluginTarget(broker string, req apiv1.KubeconfigRequest) PluginTarget {
+	return PluginTarget{PluginTarget: apiv1.NewPluginTarget(broker, req), Access: req.Access}
+}
+
+// Request is the broker request of the target, with its access mode.
+func (t PluginTarget) Request() apiv1.KubeconfigRequest {
+	r := t.PluginTarget.Request()
+	r.Access = t.Access
+	return r
 }
 
 // execCluster is spec.cluster as client-go writes it (clientauthentication
@@ -67,7 +91,7 @@ func parseCluster(c *execCluster) (*Cluster, error) {
 // strictly, one JSON object, apiVersion and kind as apiv1 names them, a
 // broker URL and a namespace. Errors quote nothing but the apiVersion and
 // kind, shortened.
-func ParsePluginTarget(raw []byte) (*apiv1.PluginTarget, error) {
+func ParsePluginTarget(raw []byte) (*PluginTarget, error) {
 	if len(raw) > MaxExecInfoBytes {
 		return nil, fmt.Errorf("%d bytes, over the limit of %d", len(raw), MaxExecInfoBytes)
 	}
@@ -86,11 +110,13 @@ func ParsePluginTarget(raw []byte) (*apiv1.PluginTarget, error) {
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
-	var t apiv1.PluginTarget
+	var t PluginTarget
 	if err := dec.Decode(&t); err != nil {
 		var typ *json.UnmarshalTypeError
 		if errors.As(err, &typ) && typ.Field != "" {
-			return nil, fmt.Errorf("%s must not be a JSON %s", short(typ.Field), typ.Value)
+			// The embedded apiv1.PluginTarget's fields are named with its
+			// type; the extension has them at the top level.
+			return nil, fmt.Errorf("%s must not be a JSON %s", short(strings.TrimPrefix(typ.Field, "PluginTarget.")), typ.Value)
 		}
 		if strings.HasPrefix(err.Error(), "json: unknown field ") {
 			return nil, fmt.Errorf("unknown field %s: not in %s %s (written for a newer plugin, or mistyped)",
@@ -103,7 +129,7 @@ func ParsePluginTarget(raw []byte) (*apiv1.PluginTarget, error) {
 	}
 	var errs []error
 	for name, v := range map[string]string{"broker": t.Broker, "namespace": t.Namespace, "serviceAccount": t.ServiceAccount,
-		"ttl": t.TTL, "minTTL": t.MinTTL, "credential": t.Credential} {
+		"ttl": t.TTL, "minTTL": t.MinTTL, "credential": t.Credential, "access": t.Access} {
 		if len(v) > maxTargetField {
 			errs = append(errs, fmt.Errorf("%s is over %d bytes", name, maxTargetField))
 		}
@@ -129,6 +155,11 @@ func ParsePluginTarget(raw []byte) (*apiv1.PluginTarget, error) {
 	case "", apiv1.CredentialToken, apiv1.CredentialClientCertificate:
 	default:
 		errs = append(errs, fmt.Errorf("credential must be %s or %s", apiv1.CredentialToken, apiv1.CredentialClientCertificate))
+	}
+	switch t.Access {
+	case "", apiv1.AccessDirect, apiv1.AccessGateway:
+	default:
+		errs = append(errs, fmt.Errorf("access must be %s or %s", apiv1.AccessDirect, apiv1.AccessGateway))
 	}
 	if len(errs) > 0 {
 		return nil, errors.Join(errs...)

@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"math/big"
@@ -14,6 +15,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // testCAPEM returns a self-signed CA certificate in PEM named cn.
@@ -150,4 +153,22 @@ func TestGuardedPluginHandsOutOnlyForTheBrokersCluster(t *testing.T) {
 		_, _, err = f.p.Get(context.Background(), testKey, Parent{}, refused)
 		require.ErrorIs(t, err, ErrClusterMismatch)
 	})
+}
+
+// The target a ClusterProfile entry carries round-trips with its access
+// mode: what the agent writes is what the plugin asks the broker for.
+func TestAPluginTargetKeepsItsAccessMode(t *testing.T) {
+	t.Parallel()
+	req := apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Access: apiv1.AccessGateway}
+	raw, err := json.Marshal(NewPluginTarget("https://b:8443", req))
+	require.NoError(t, err)
+	require.Contains(t, string(raw), `"access":"gateway"`)
+	got, err := ParsePluginTarget(raw)
+	require.NoError(t, err)
+	require.Equal(t, req, got.Request())
+
+	req.Access = ""
+	raw, err = json.Marshal(NewPluginTarget("https://b:8443", req))
+	require.NoError(t, err)
+	require.NotContains(t, string(raw), "access", "an entry without a mode is the entry of earlier releases")
 }

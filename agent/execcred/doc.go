@@ -11,13 +11,15 @@
 //     ExecCredential of client.authentication.k8s.io/v1 or v1beta1 built
 //     from client-go's own types.
 //   - Cache keeps one credential per Key (broker, peer identity, namespace,
-//     ServiceAccount, credential kind, audiences, ttl, minTTL) as one file
+//     ServiceAccount, credential kind, access mode, audiences, ttl, minTTL) as one file
 //     in a private directory, so that each kubectl command does not create
 //     a lease. Plugin decides, under an exclusive file lock, whether the
 //     cached credential may be handed out again or a new one is issued.
 //   - Target, ExecConfig and Kubeconfig build the exec stanza that runs the
 //     plugin, for "tokenbroker get kubeconfig --exec" and for outputs that
-//     embed the same command line.
+//     embed the same command line; PluginTarget is what the plugin reads
+//     from a ClusterProfile entry (ParsePluginTarget, CheckCluster guards
+//     where its credential goes).
 //
 // The package issues nothing itself: the caller passes an IssueFunc (the
 // command wires the agent's broker client into it). That keeps this package

@@ -72,10 +72,15 @@ func FuzzPluginTargetAndGuard(f *testing.F) {
 	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","x":1}`), "https://EAST:6443/")
 	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget"}{}`), "https://east")
 	f.Add([]byte(`null`), "https://[::1]:6443")
+	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","serviceAccount":"s","access":"gateway"}`), "https://gw:8445")
+	f.Add([]byte(`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","access":{"PluginTarget":1}}`), "https://east")
 	f.Fuzz(func(t *testing.T, raw []byte, server string) {
 		if tgt, err := ParsePluginTarget(raw); err == nil {
 			if tgt.APIVersion != "tokenbroker.io/v1" || tgt.Kind != "PluginTarget" || tgt.Broker == "" || tgt.Namespace == "" {
 				t.Fatalf("accepted an incomplete target %+v", tgt)
+			}
+			if tgt.Access != "" && tgt.Access != "direct" && tgt.Access != "gateway" {
+				t.Fatalf("accepted an unknown access mode %q", tgt.Access)
 			}
 		} else if len(err.Error()) > 2048 {
 			t.Fatalf("an unbounded error: %d bytes", len(err.Error()))

@@ -43,6 +43,9 @@ type Key struct {
 	// (WorkloadOf), "" for none: two workloads never share a cached
 	// credential, since the broker may grant them different things.
 	Workload string
+	// Access is the access mode asked for ("" for the grant's): a gateway
+	// credential is good at the gateway only, a direct one never there.
+	Access string
 }
 
 // WorkloadOf names the workload of a workload token for Key.Workload: its
@@ -67,6 +70,10 @@ func (k Key) ID() string {
 		// Appended only when set, so that the entries of callers without
 		// a workload keep their names.
 		fields = append(fields, "workload", k.Workload)
+	}
+	if k.Access != "" {
+		// Likewise appended only when set.
+		fields = append(fields, "access", k.Access)
 	}
 	b, err := json.Marshal(fields)
 	if err != nil { // strings only: cannot happen

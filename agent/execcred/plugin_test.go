@@ -267,6 +267,8 @@ func TestKeysTellRequestsApart(t *testing.T) {
 		"audiences":       func(k *Key) { k.Audiences = []string{"a"} },
 		"ttl":             func(k *Key) { k.TTL = "2h" },
 		"min ttl":         func(k *Key) { k.MinTTL = "1h" },
+		"access gateway":  func(k *Key) { k.Access = "gateway" },
+		"access direct":   func(k *Key) { k.Access = "direct" },
 		"fields that run together": func(k *Key) {
 			k.Namespace, k.ServiceAccount = "argor", "unner"
 		},
@@ -275,6 +277,17 @@ func TestKeysTellRequestsApart(t *testing.T) {
 		change(&k)
 		require.NotEqual(t, testKey.ID(), k.ID(), name)
 	}
+	gw, direct := testKey, testKey
+	gw.Access, direct.Access = "gateway", "direct"
+	require.NotEqual(t, gw.ID(), direct.ID(), "a gateway credential is never handed out for a direct request")
+}
+
+// The entries written before access modes keep their names: a key
+// without one is the key it always was (the ID below is the one of the
+// plugin before access modes).
+func TestAKeyWithoutAnAccessModeKeepsItsName(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "0fe1bbd5cd3b680467379a51e47602a90d155ff7e6d6ab46a5637b2a40482f11", testKey.ID())
 }
 
 func TestABrokenCacheFileIsAMissAndIsOverwritten(t *testing.T) {

@@ -28,6 +28,13 @@ func TestTargetArgs(t *testing.T) {
 		{name: "a client certificate says so and names no ServiceAccount",
 			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", Credential: apiv1.CredentialClientCertificate},
 			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--credential", "client-certificate"}},
+		{name: "a gateway target asks for access gateway, after the request's other flags",
+			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", TTL: "1h", Access: apiv1.AccessGateway, WorkloadTokenFile: "/t"},
+			want: []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner",
+				"--ttl", "1h", "--access", "gateway", "--workload-token-file", "/t"}},
+		{name: "an explicit direct target says so: without it the grant's mode is used",
+			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessDirect},
+			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner", "--access", "direct"}},
 		{name: "an explicit token credential is the default and is left out",
 			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", Credential: apiv1.CredentialToken},
 			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner"}},
@@ -140,4 +147,46 @@ func TestAClientCertificateKubeconfigNamesItsUserAfterTheCertificate(t *testing.
 	require.NoError(t, err)
 	require.Equal(t, "argo/client-certificate@east", cfg.CurrentContext)
 	require.Contains(t, cfg.AuthInfos["client-certificate@east"].Exec.Args, "client-certificate")
+}
+
+// gatewayKubeconfig is a kubeconfig of a gateway lease as the broker
+// writes it for a caller that sent its CSR: the gateway's URL and CA, and
+// the lease certificate without a key.
+const gatewayKubeconfig = `apiVersion: v1
+kind: Config
+clusters:
+- name: "east"
+  cluster:
+    server: "https://gateway.east.example.com:8445"
+    certificate-authority-data: Z3c=
+users:
+- name: "runner@east"
+  user:
+    client-certificate-data: Y2VydC1TRUNSRVQ=
+contexts:
+- name: "argo/runner@east"
+  context:
+    cluster: "east"
+    user: "runner@east"
+    namespace: "argo"
+current-context: "argo/runner@east"
+`
+
+// An exec kubeconfig for a gateway target points at the gateway and runs
+// the plugin for a gateway credential, so that the certificate the plugin
+// hands out goes where it is good.
+func TestAGatewayExecKubeconfigPointsAtTheGatewayAndAsksForIt(t *testing.T) {
+	t.Parallel()
+	target := Target{Broker: "https://b:8443", IdentityDir: "/home/me/west", Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessGateway}
+	data, err := KubeconfigFromBroker([]byte(gatewayKubeconfig), "/usr/local/bin/tokenbroker", target)
+	require.NoError(t, err)
+	require.NotContains(t, string(data), "Y2VydC1TRUNSRVQ=", "nothing of the broker's user is kept")
+	cfg, err := clientcmd.Load(data)
+	require.NoError(t, err)
+	require.NoError(t, clientcmd.Validate(*cfg))
+	ctx := cfg.Contexts[cfg.CurrentContext]
+	require.Equal(t, "https://gateway.east.example.com:8445", cfg.Clusters[ctx.Cluster].Server)
+	require.Equal(t, []byte("gw"), cfg.Clusters[ctx.Cluster].CertificateAuthorityData)
+	args := cfg.AuthInfos[ctx.AuthInfo].Exec.Args
+	require.Equal(t, []string{"--access", "gateway"}, args[len(args)-2:])
 }

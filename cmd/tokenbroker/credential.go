@@ -46,7 +46,7 @@ is ever written there.
 The token comes from the broker (POST /v1/kubeconfigs, the request of "get
 kubeconfig", authenticated with the identity directory: tls.crt, tls.key,
 ca.crt) and is cached in --cache-dir, one file per broker, identity, namespace,
-ServiceAccount, audiences, ttl and min-ttl (directory 0700, files 0600; a
+ServiceAccount, access mode, audiences, ttl and min-ttl (directory 0700, files 0600; a
 directory or file that group or others could read is refused, and so is a
 cache directory that is a symbolic link or whose parent another user owns or
 everyone may write without the sticky bit). A cached token
@@ -70,6 +70,15 @@ command). --credential client-certificate caches a client certificate and key
 instead; its refusal after a revocation is a 403, on which client-go does not
 run the plugin again, so it is used until its refresh point.
 
+--access gateway asks for a lease of the broker's lease gateway: a client
+certificate for that one lease (the key is made here and never sent), good
+only at the gateway, which then forwards each request as the ServiceAccount.
+The answer carries the certificate and key; the kubeconfig that runs the
+plugin must point at the gateway ("get kubeconfig --exec --access gateway"
+and the broker's exec kubeconfigs do). The gateway answers a revoked lease's
+requests with 401, so it is replaced as a refused token is (above). Without
+--access the broker uses the mode of the grant that allows the request.
+
 On failure the plugin writes one line to standard error, "tokenbroker
 credential: ...", which kubectl shows, and exits with status 1. It never
 writes a token to standard error.
@@ -78,8 +87,8 @@ As a ClusterProfile access provider (docs/guides/clusterprofile.md), the
 plugin runs with provideClusterInfo: KUBERNETES_EXEC_INFO carries
 spec.cluster, and its config (the ClusterProfile entry's
 client.authentication.k8s.io/exec extension, a tokenbroker.io/v1
-PluginTarget) names the broker, namespace, ServiceAccount, ttl and
-audiences; only --identity-dir and the cache flags are then given. Whenever
+PluginTarget) names the broker, namespace, ServiceAccount, ttl,
+audiences and access; only --identity-dir and the cache flags are then given. Whenever
 spec.cluster is given, the plugin hands out a credential only if its server
 and CA are the ones the broker's kubeconfigs name (it asks the broker with
 POST /v1/kubeconfigs?format=exec, which issues nothing, before it issues):
@@ -125,7 +134,7 @@ func credentialConfigFrom(v *viper.Viper) (credentialConfig, error) {
 
 // targetFlags are the flags a ClusterProfile's exec extension (an
 // apiv1.PluginTarget in spec.cluster.config) takes the place of.
-var targetFlags = []string{"broker", "namespace", "service-account", "credential", "ttl", "min-ttl", "audience"}
+var targetFlags = []string{"broker", "namespace", "service-account", "credential", "ttl", "min-ttl", "audience", "access"}
 
 // credentialConfigFromEnv is credentialConfigFrom with the environment
 // read by lookup. When KUBERNETES_EXEC_INFO carries a PluginTarget (the
@@ -157,6 +166,7 @@ func credentialConfigFromEnv(v *viper.Viper, lookup func(string) (string, bool))
 		if tgt.Credential != "" {
 			v.Set("credential", tgt.Credential)
 		}
+		v.Set("access", tgt.Access)
 	}
 	r, errs := brokerRequestFrom(v)
 	cfg := credentialConfig{
@@ -235,6 +245,7 @@ func runCredential(cmd *cobra.Command, cfg credentialConfig) error {
 		Audiences:      cfg.Request.Audiences,
 		TTL:            cfg.Request.TTL,
 		MinTTL:         cfg.Request.MinTTL,
+		Access:         cfg.Request.Access,
 	}
 	if cfg.WorkloadTokenFile != "" {
 		// The cache is keyed by the workload the token names now: a token

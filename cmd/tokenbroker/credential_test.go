@@ -39,7 +39,23 @@ type credBroker struct {
 	// namespaces asked for.
 	execs      int
 	namespaces []string
+	// ca signs gateway lease certificates; reqs are the requests of
+	// POST /v1/kubeconfigs that issued.
+	ca   *pki.CA
+	reqs []apiv1.KubeconfigRequest
 }
+
+// The lease gateway of credBroker: a gateway request gets a kubeconfig
+// that names it (its URL and the CA of its serving certificate).
+const credGatewayServer = "https://gateway.east.example.com:8445"
+
+var credGatewayCA = func() []byte {
+	ca, err := pki.NewCA(pki.CAOptions{})
+	if err != nil {
+		panic(err)
+	}
+	return ca.BundlePEM()
+}()
 
 // credTestCA is a PEM certificate for the kubeconfig's cluster; nothing
 // connects to it.
@@ -59,7 +75,7 @@ func newCredBroker(t *testing.T) *credBroker {
 	require.NoError(t, err)
 	serverCert, err := server.TLSCertificate()
 	require.NoError(t, err)
-	b := &credBroker{}
+	b := &credBroker{ca: ca}
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
@@ -77,6 +93,9 @@ func newCredBroker(t *testing.T) *credBroker {
 		if r.URL.Query().Get("format") == "exec" {
 			b.execs++
 			cfg := testClientcmdConfig(req.Namespace, "")
+			if req.Access == apiv1.AccessGateway {
+				cfg.Clusters["east"] = &clientcmdapi.Cluster{Server: credGatewayServer, CertificateAuthorityData: credGatewayCA}
+			}
 			cfg.AuthInfos["runner@east"] = &clientcmdapi.AuthInfo{Exec: &clientcmdapi.ExecConfig{Command: "tokenbroker", APIVersion: execcred.APIVersionV1}}
 			kc, _ := clientcmd.Write(*cfg)
 			w.Header().Set("Content-Type", apiv1.MediaTypeJSON)
@@ -84,8 +103,29 @@ func newCredBroker(t *testing.T) *credBroker {
 			return
 		}
 		b.issued++
+		b.reqs = append(b.reqs, req)
+		id := fmt.Sprintf("abcdefghijklmnopqrstuvwx%c%c", 'a'+b.issued/26, 'a'+b.issued%26)
 		token := fmt.Sprintf("tok-%d-SECRET", b.issued)
-		kc, err := clientcmd.Write(*testClientcmdConfig(req.Namespace, token))
+		cfg := testClientcmdConfig(req.Namespace, token)
+		if req.Access == apiv1.AccessGateway {
+			// As the broker answers a gateway request with a CSR: a lease
+			// certificate for the CSR's key, no key, no token.
+			csr, err := pki.ParseLeaseCSRPEM([]byte(req.CSR))
+			if err != nil {
+				w.WriteHeader(http.StatusBadRequest)
+				return
+			}
+			kp, err := b.ca.SignLease(csr.PublicKey, pki.LeaseName{Namespace: req.Namespace, ServiceAccount: req.ServiceAccount, ID: id,
+				UID: "0b6f3c52-1d2e-4f3a-9b7c-5e6d7f8a9b0c", Peer: "spiffe://oc.example/cluster/west"}, time.Now().Add(time.Hour))
+			if err != nil {
+				w.WriteHeader(http.StatusInternalServerError)
+				return
+			}
+			token = ""
+			cfg.Clusters["east"] = &clientcmdapi.Cluster{Server: credGatewayServer, CertificateAuthorityData: credGatewayCA}
+			cfg.AuthInfos["runner@east"] = &clientcmdapi.AuthInfo{ClientCertificateData: kp.CertPEM}
+		}
+		kc, err := clientcmd.Write(*cfg)
 		if err != nil {
 			w.WriteHeader(http.StatusInternalServerError)
 			return
@@ -93,11 +133,12 @@ func newCredBroker(t *testing.T) *credBroker {
 		w.Header().Set("Content-Type", apiv1.MediaTypeJSON)
 		w.WriteHeader(http.StatusCreated)
 		_ = json.NewEncoder(w).Encode(apiv1.KubeconfigResponse{
-			LeaseID:    fmt.Sprintf("abcdefghijklmnopqrstuvwx%c%c", 'a'+b.issued/26, 'a'+b.issued%26),
+			LeaseID:    id,
 			Kubeconfig: string(kc),
 			Token:      token,
 			ExpiresAt:  time.Now().Add(time.Hour).UTC().Truncate(time.Second),
 			GrantedTTL: "1h0m0s",
+			Access:     req.Access,
 		})
 	}))
 	srv.TLS = &tls.Config{
@@ -342,7 +383,7 @@ func TestGetKubeconfigExecCommandAndItsChecks(t *testing.T) {
 // plugin for a ClusterProfile access provider entry (cluster-inventory-api
 // BuildConfigFromCP, provideClusterInfo): the entry's server and CA, and
 // its exec extension as spec.cluster.config.
-func clusterProfileExecInfo(t *testing.T, server string, ca []byte, target apiv1.PluginTarget) string {
+func clusterProfileExecInfo(t *testing.T, server string, ca []byte, target execcred.PluginTarget) string {
 	t.Helper()
 	cfg, err := json.Marshal(target)
 	require.NoError(t, err)
@@ -357,7 +398,7 @@ func clusterProfileExecInfo(t *testing.T, server string, ca []byte, target apiv1
 
 func TestCredentialAsAClusterProfileAccessProvider(t *testing.T) {
 	b := newCredBroker(t)
-	target := apiv1.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"})
+	target := execcred.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"})
 	identity := []string{"--identity-dir", b.identityDir}
 
 	t.Run("the target comes from spec.cluster.config and the credential is cached", func(t *testing.T) {
@@ -426,4 +467,127 @@ func TestCredentialAsAClusterProfileAccessProvider(t *testing.T) {
 		_, errLine := runCredentialCommand(t, b.args()...)
 		require.Contains(t, errLine, "refused")
 	})
+}
+
+// With --access gateway the plugin sends a CSR of a key it made, and
+// answers with the lease certificate and that key, no token; the cache
+// keeps a gateway credential apart from a direct one.
+func TestCredentialWithAccessGatewayAnswersWithACertificateAndItsKey(t *testing.T) {
+	t.Parallel()
+	b := newCredBroker(t)
+	cache := filepath.Join(t.TempDir(), "cache")
+	out, errLine := runCredentialCommand(t, b.args("--cache-dir", cache, "--access", "gateway")...)
+	require.Empty(t, errLine)
+	var cred clientauthv1.ExecCredential
+	require.NoError(t, json.Unmarshal([]byte(out), &cred))
+	require.Empty(t, cred.Status.Token)
+	_, err := tls.X509KeyPair([]byte(cred.Status.ClientCertificateData), []byte(cred.Status.ClientKeyData))
+	require.NoError(t, err, "the lease certificate and the key made here")
+	b.mu.Lock()
+	got := b.reqs[0]
+	b.mu.Unlock()
+	require.Equal(t, apiv1.AccessGateway, got.Access)
+	require.NotEmpty(t, got.CSR)
+	require.NotContains(t, got.CSR, "PRIVATE KEY", "the key never leaves")
+
+	again, errLine := runCredentialCommand(t, b.args("--cache-dir", cache, "--access", "gateway")...)
+	require.Empty(t, errLine)
+	require.Equal(t, out, again, "cached")
+	direct, errLine := runCredentialCommand(t, b.args("--cache-dir", cache)...)
+	require.Empty(t, errLine)
+	require.Contains(t, direct, "tok-2-SECRET", "a direct request is another entry")
+
+	_, errLine = runCredentialCommand(t, b.args("--cache-dir", cache, "--access", "gateway", "--audience", "vault")...)
+	require.Contains(t, errLine, "request.audiences: must be empty with access gateway")
+	_, errLine = runCredentialCommand(t, b.args("--cache-dir", cache, "--access", "tunnel")...)
+	require.Contains(t, errLine, `request.access: must be "direct" or "gateway"`)
+}
+
+// A ClusterProfile entry of a gateway target names the gateway and says
+// access gateway: the plugin asks for a gateway credential, which the
+// guard lets go to the gateway (the cluster the broker names for it) and
+// nowhere else, the API server included.
+func TestCredentialAsTheAccessProviderOfAGatewayTarget(t *testing.T) {
+	b := newCredBroker(t)
+	target := execcred.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h", Access: apiv1.AccessGateway})
+	identity := []string{"--identity-dir", b.identityDir}
+
+	t.Run("the gateway gets a gateway credential", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, credGatewayServer, credGatewayCA, target))
+		out, errLine := runCredentialCommand(t, identity...)
+		require.Empty(t, errLine)
+		var cred clientauthv1.ExecCredential
+		require.NoError(t, json.Unmarshal([]byte(out), &cred))
+		require.Empty(t, cred.Status.Token)
+		require.NotEmpty(t, cred.Status.ClientKeyData)
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		require.Equal(t, apiv1.AccessGateway, b.reqs[len(b.reqs)-1].Access)
+	})
+
+	t.Run("the API server named instead gets nothing and nothing is issued", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		before, _ := b.counts()
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, "https://east.example.com:6443", credTestCA, target))
+		out, errLine := runCredentialCommand(t, identity...)
+		require.Empty(t, out)
+		require.Contains(t, errLine, `refused: the credential would go to a cluster the broker does not name: spec.cluster.server is "https://east.example.com:6443", the broker's cluster is "`+credGatewayServer+`"`)
+		issued, _ := b.counts()
+		require.Equal(t, before, issued)
+	})
+
+	t.Run("--access beside the ClusterProfile's target is an error", func(t *testing.T) {
+		t.Setenv("TOKENBROKER_CACHE_DIR", filepath.Join(t.TempDir(), "cache"))
+		t.Setenv(execcred.ExecInfoEnv, clusterProfileExecInfo(t, credGatewayServer, credGatewayCA, target))
+		_, errLine := runCredentialCommand(t, append(identity, "--access", "direct")...)
+		require.Contains(t, errLine, "--access: the target is the ClusterProfile's (spec.cluster.config)")
+	})
+}
+
+// get kubeconfig --exec --access gateway writes a kubeconfig that points
+// at the gateway and runs the plugin for a gateway credential.
+func TestGetKubeconfigExecForTheGateway(t *testing.T) {
+	t.Parallel()
+	b := newCredBroker(t)
+	out, errOut, err := runGet(t, "--exec", "--exec-command", "tokenbroker", "--broker", b.url, "--identity-dir", b.identityDir,
+		"--namespace", "argo", "--service-account", "runner", "--access", "gateway")
+	require.NoError(t, err)
+	require.Contains(t, errOut, "exec kubeconfig for argo/runner through the lease gateway")
+	cfg, err := clientcmd.Load([]byte(out))
+	require.NoError(t, err)
+	ctx := cfg.Contexts[cfg.CurrentContext]
+	require.Equal(t, credGatewayServer, cfg.Clusters[ctx.Cluster].Server)
+	require.Equal(t, credGatewayCA, cfg.Clusters[ctx.Cluster].CertificateAuthorityData)
+	args := cfg.AuthInfos[ctx.AuthInfo].Exec.Args
+	require.Equal(t, []string{"--access", "gateway"}, args[len(args)-2:])
+	_, revoked := b.counts()
+	require.Len(t, revoked, 1, "the lease that showed the gateway is revoked")
+}
+
+// get kubeconfig --access gateway writes the gateway's kubeconfig with
+// the lease certificate and the key made here; --format json says the
+// lease's mode.
+func TestGetKubeconfigForTheGatewayHoldsTheCertificateAndItsKey(t *testing.T) {
+	t.Parallel()
+	b := newCredBroker(t)
+	out, _, err := runGet(t, "--broker", b.url, "--identity-dir", b.identityDir, "--namespace", "argo", "--service-account", "runner", "--access", "gateway")
+	require.NoError(t, err)
+	cfg, err := clientcmd.Load([]byte(out))
+	require.NoError(t, err)
+	rc, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
+	require.NoError(t, err)
+	require.Equal(t, credGatewayServer, rc.Host)
+	require.Empty(t, rc.BearerToken)
+	_, err = tls.X509KeyPair(rc.CertData, rc.KeyData)
+	require.NoError(t, err)
+
+	out, _, err = runGet(t, "--broker", b.url, "--identity-dir", b.identityDir, "--namespace", "argo", "--service-account", "runner",
+		"--access", "gateway", "--format", "json")
+	require.NoError(t, err)
+	var resp apiv1.KubeconfigResponse
+	require.NoError(t, json.Unmarshal([]byte(out), &resp))
+	require.Equal(t, apiv1.AccessGateway, resp.Access)
+	require.Equal(t, apiv1.CredentialClientCertificate, resp.Credential)
+	require.Empty(t, resp.Token)
 }

@@ -66,6 +66,13 @@ certificate instead of a token, for a per-lease user whose permissions are the
 role the broker's policy grants in --namespace (no --service-account). The key
 is made here and never sent: the broker signs a CSR for it.
 
+With --access gateway the kubeconfig points at the broker's lease gateway and
+carries a client certificate for that one lease (with --service-account, no
+--audience), good nowhere else; the gateway forwards each request as the
+ServiceAccount and ends the lease's open connections when it is revoked. The
+key is made here and never sent. Without --access the broker uses the mode of
+the grant that allows the request.
+
 With -o FILE the file is replaced atomically with mode 0600, and only if its
 content changed. --format json writes the broker's whole answer (leaseId,
 kubeconfig, token, expiresAt, grantedTTL...). Nothing revokes the lease: it
@@ -99,7 +106,11 @@ underscores), e.g. TOKENBROKER_IDENTITY_DIR.`,
 
   # a client certificate whose key never leaves this machine
   tokenbroker get kubeconfig --broker https://east.example.com:8443 \
-    --identity-dir west-identity --namespace argo --credential client-certificate -o east-cert.kubeconfig`,
+    --identity-dir west-identity --namespace argo --credential client-certificate -o east-cert.kubeconfig
+
+  # through the broker's lease gateway: revoking the lease ends its open watches
+  tokenbroker get kubeconfig --broker https://east.example.com:8443 \
+    --identity-dir west-identity --namespace argo --service-account runner --access gateway -o east-gw.kubeconfig`,
 		Args: cobra.NoArgs,
 		RunE: runE(newFlagViper, getKubeconfigConfigFrom, runGetKubeconfig),
 	}
@@ -209,6 +220,7 @@ func execKubeconfig(ctx context.Context, c *client.Client, cred *agent.Credentia
 		MinTTL:         cfg.Request.MinTTL,
 		Audiences:      cfg.Request.Audiences,
 		Credential:     cfg.Request.Credential,
+		Access:         cfg.Request.Access,
 		// The plugin reads the token at every run: the kubelet rotates it.
 		WorkloadTokenFile: tokenFile,
 	})

@@ -26,6 +26,7 @@ func addBrokerRequestFlags(fs *pflag.FlagSet) {
 	fs.String("namespace", "", "namespace of the ServiceAccount in the broker's cluster (required)")
 	fs.String("service-account", "", "the ServiceAccount (required for a token)")
 	fs.String("credential", "token", "token, or client-certificate (a certificate for a per-lease user with the grant's role; the key is made here)")
+	fs.String("access", "", "direct (a credential of the API server) or gateway (a certificate for this lease, good only at the broker's lease gateway; the key is made here); empty means the mode of the grant")
 	fs.String("ttl", "", "lifetime to ask for, e.g. 8h; empty means the broker's default")
 	fs.String("min-ttl", "", "shortest lifetime accepted; the broker refuses rather than grant less")
 	fs.StringSlice("audience", nil, "audience of the token (repeatable); empty means the API server's default")
@@ -43,6 +44,7 @@ func brokerRequestFrom(v *viper.Viper) (brokerRequest, []error) {
 			TTL:            v.GetString("ttl"),
 			MinTTL:         v.GetString("min-ttl"),
 			Audiences:      v.GetStringSlice("audience"),
+			Access:         v.GetString("access"),
 		},
 	}
 	var errs []error
