@@ -230,7 +230,7 @@ func TestHelmChartRenders(t *testing.T) {
 			set  []string
 			want string
 		}{
-			{[]string{"enrollment.enabled=true"}, "enrollment.caSecret is required when enrollment.enabled is true"},
+			{[]string{"enrollment.enabled=true"}, "enrollment.caSecret is required when enrollment.enabled or gateway.enabled is true"},
 			{[]string{"enrollment.enabled=true", "enrollment.caSecret=ca", "enrollment.port=9090"}, "enrollment.port must differ from containerPorts.https"},
 			{[]string{"containerPorts.ops=8443"}, "containerPorts.https and containerPorts.ops must differ"},
 			{[]string{"pki.clientCA.secret=a", "pki.clientCA.configMap=b"}, "pki.clientCA: set secret or configMap, not both"},
@@ -376,6 +376,9 @@ func TestHelmChartRenders(t *testing.T) {
 			"--log-level=debug", "--gc-interval=30s", "--kube-qps=500",
 			"--max-conns=4096", "--max-handshakes=2048", "--max-handshakes-per-ip=256", "--max-conns-per-ip=1024",
 			"--max-conns-per-identity=512", "--handshake-timeout=2s",
+			"--gateway-address=:8445", "--gateway-url=https://tokenbroker.east.example.com:9445",
+			"--gateway-pod-name=$(POD_NAME)", "--gateway-pod-uid=$(POD_UID)",
+			"--gateway-max-conns-per-lease=32", "--gateway-max-conns-per-peer=512",
 		} {
 			require.Contains(t, ctr.Args, a)
 		}
@@ -383,7 +386,7 @@ func TestHelmChartRenders(t *testing.T) {
 		for _, p := range ctr.Ports {
 			ports[p.Name] = p.ContainerPort
 		}
-		require.Equal(t, map[string]int32{"https": 8443, "enroll": 8444, "ops": 9090}, ports)
+		require.Equal(t, map[string]int32{"https": 8443, "enroll": 8444, "gateway": 8445, "ops": 9090}, ports)
 		require.Equal(t, "1", ctr.Resources.Limits.Cpu().String())
 		require.Equal(t, "512Mi", ctr.Resources.Limits.Memory().String())
 		require.True(t, *ctr.SecurityContext.ReadOnlyRootFilesystem)
@@ -417,6 +420,7 @@ func TestHelmChartRenders(t *testing.T) {
 		require.Equal(t, []corev1.ServicePort{
 			{Name: "https", Port: 8443, TargetPort: intstr.FromString("https"), Protocol: corev1.ProtocolTCP},
 			{Name: "enroll", Port: 9444, TargetPort: intstr.FromString("enroll"), Protocol: corev1.ProtocolTCP},
+			{Name: "gateway", Port: 9445, TargetPort: intstr.FromString("gateway"), Protocol: corev1.ProtocolTCP},
 		}, svc.Spec.Ports, "the API Service never exposes the ops port")
 		require.Equal(t, []string{"203.0.113.0/24"}, svc.Spec.LoadBalancerSourceRanges)
 	})
@@ -445,7 +449,7 @@ func TestHelmChartRenders(t *testing.T) {
 		require.ElementsMatch(t, []networkingv1.PolicyType{networkingv1.PolicyTypeIngress, networkingv1.PolicyTypeEgress}, np.Spec.PolicyTypes)
 		require.Equal(t, []networkingv1.NetworkPolicyIngressRule{
 			{
-				Ports: []networkingv1.NetworkPolicyPort{port(8443, tcp), port(8444, tcp)},
+				Ports: []networkingv1.NetworkPolicyPort{port(8443, tcp), port(8444, tcp), port(8445, tcp)},
 				From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "203.0.113.0/24"}}},
 			},
 			{

@@ -100,11 +100,20 @@ Path of the client CA bundle (--client-ca-file).
 {{- end }}
 
 {{/*
-The signing CA Secret of enrollment. Fails rendering when enrollment is
+Whether the pod mounts the signing CA (--ca-cert-file, --ca-key-file):
+enrollment issues certificates with it, the lease gateway lease
+certificates. "true" or empty.
+*/}}
+{{- define "tokenbroker.signingCA" -}}
+{{- if or .Values.enrollment.enabled .Values.gateway.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The signing CA Secret. Fails rendering when enrollment or the gateway is
 enabled without it.
 */}}
-{{- define "tokenbroker.enrollmentCASecret" -}}
-{{- required "enrollment.caSecret is required when enrollment.enabled is true: the name of a Secret with the signing CA's certificate and key (see enrollment.caSecretKeys)" .Values.enrollment.caSecret }}
+{{- define "tokenbroker.signingCASecret" -}}
+{{- required "enrollment.caSecret is required when enrollment.enabled or gateway.enabled is true: the name of a Secret with the signing CA's certificate and key (see enrollment.caSecretKeys)" .Values.enrollment.caSecret }}
 {{- end }}
 
 {{/*
@@ -127,6 +136,30 @@ with the API or ops port.
 {{- fail "enrollment.port must differ from containerPorts.https (the API) and containerPorts.ops (the ops listener)" }}
 {{- end }}
 {{- $port }}
+{{- end }}
+
+{{/*
+Container port of the lease gateway's listener. Fails rendering when it
+collides with the API, ops or enrollment port.
+*/}}
+{{- define "tokenbroker.gatewayPort" -}}
+{{- $port := int .Values.gateway.containerPort }}
+{{- $taken := list (int .Values.containerPorts.https) (int .Values.containerPorts.ops) }}
+{{- if .Values.enrollment.enabled }}
+{{- $taken = append $taken (int .Values.enrollment.port) }}
+{{- end }}
+{{- if has $port $taken }}
+{{- fail "gateway.containerPort must differ from containerPorts.https (the API), containerPorts.ops (the ops listener) and, with enrollment, enrollment.port" }}
+{{- end }}
+{{- $port }}
+{{- end }}
+
+{{/*
+The lease gateway's URL as the peers reach it (--gateway-url). Fails
+rendering when the gateway is enabled without it.
+*/}}
+{{- define "tokenbroker.gatewayURL" -}}
+{{- required "gateway.url is required when gateway.enabled is true: the gateway's https://host[:port] as the peers reach it (--gateway-url, the server of every gateway kubeconfig), e.g. https://tokenbroker.east.example:8445" .Values.gateway.url }}
 {{- end }}
 
 {{/*
