@@ -93,6 +93,7 @@ func run() error {
 	agentTargets := flag.Int("agent-targets", 0, "instead of the comparison: measure one agent with this many targets and write its figures under \"agent\" in -out, keeping the file's other keys (make bench-agent)")
 	agentBrokers := flag.Int("agent-brokers", 4, "broker processes serving the agent's targets (with -agent-targets)")
 	agentEnv := flag.String("agent-env", "", "comma-separated NAME=VALUE added to the agent's environment, e.g. GOGC=50 (with -agent-targets)")
+	gatewayOnly := flag.Bool("gateway-only", false, "measure the lease gateway's rows only (with the bare TokenRequest at c=1 they are compared with); -out then gets the key \"gateway\" only")
 	flag.Parse()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -113,6 +114,9 @@ func run() error {
 	if err := setUp(ctx, c.Client); err != nil {
 		return err
 	}
+	if err := setUpGateway(ctx, c.Client); err != nil {
+		return err
+	}
 	pprof, extraArgs := *cpuProfile != "", []string(nil)
 	if *scale != "" {
 		// The scale run forces the broker's garbage collection through
@@ -126,6 +130,28 @@ func run() error {
 	defer br.stop()
 	if *scale != "" {
 		return runScale(ctx, br, scaleOptions{levels: *scale, n: *n, out: *out, kubeconfig: c.KubeconfigPath, gcInterval: *gcInterval, heapProfile: *heapProfile})
+	}
+	if *gatewayOnly {
+		direct, err := directClient(c.KubeconfigPath)
+		if err != nil {
+			return err
+		}
+		seconds := int64(600)
+		tr := func(ctx context.Context) error {
+			_, err := direct.CoreV1().ServiceAccounts("bench").CreateToken(ctx, "runner",
+				&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &seconds}}, metav1.CreateOptions{})
+			return err
+		}
+		_ = measure(ctx, tr, 1, 20)
+		g, err := measureGateway(ctx, c, br, *n, measure(ctx, tr, 1, *n))
+		if err != nil {
+			return fmt.Errorf("gateway: %w", err)
+		}
+		g.print()
+		if *out != "" {
+			return writeResultsKey(*out, "gateway", g)
+		}
+		return nil
 	}
 	// The same broker without its lease pool: the sequential pair it
 	// replaces, measured in the same run.
@@ -257,6 +283,15 @@ func run() error {
 	if report.Vault, err = vault.report(ctx, results, br, body); err != nil {
 		return fmt.Errorf("vault: %w", err)
 	}
+	var trC1 result
+	for _, r := range results {
+		if r.Name == caseTokenRequest && r.Concurrency == 1 {
+			trC1 = r
+		}
+	}
+	if report.Gateway, err = measureGateway(ctx, c, br, *n, trC1); err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench: broker own time:", err)
@@ -378,6 +413,8 @@ type report struct {
 	Saturation []saturation `json:"apiserver_saturation"`
 	// Vault is Vault's Kubernetes secrets engine side by side (vault.go).
 	Vault *vaultReport `json:"vault,omitempty"`
+	// Gateway is the lease gateway against direct access (gateway.go).
+	Gateway *gatewayReport `json:"gateway,omitempty"`
 }
 
 // saturation is the direct pair's throughput at one concurrency and the
@@ -458,6 +495,9 @@ func (r *report) print() {
 			t.RSSBeforeMB, t.RSSAfterMB, t.RSSAfterMB-t.RSSBeforeMB, t.SyncSeconds)
 	}
 	r.Vault.print()
+	if r.Gateway != nil {
+		r.Gateway.print()
+	}
 }
 
 func printResults(rs []result) {
@@ -608,13 +648,15 @@ peers:
       - {namespaces: [bench], serviceAccounts: [runner]}
       - {namespaces: [bench], serviceAccounts: [runner], workloads: [{namespace: bench, serviceAccount: runner}]}
       - {namespaces: [bench], credential: clientCertificate, role: bench-view}
+      - {namespaces: [bench], serviceAccounts: [%s], access: gateway}
       - {name: tenant, namespaceSelector: {matchLabels: {%s: bench}}, serviceAccounts: [tenant-runner]}
-`, c.URL, id, c.ServiceAccountIssuer, benchAudience, tenantLabel)
+`, c.URL, id, c.ServiceAccountIssuer, benchAudience, gatewaySA, tenantLabel)
 	if err := os.WriteFile(f("policy.yaml"), []byte(pol), 0o644); err != nil {
 		return fail(err)
 	}
-	api, ops := freeAddr(), freeAddr()
+	api, ops, gateway := freeAddr(), freeAddr(), freeAddr()
 	b.cmd = exec.Command(bin, "serve", "--listen-address", api, "--ops-address", ops,
+		"--ca-cert-file", f("ca.crt"), "--ca-key-file", f("ca.key"), "--gateway-address", gateway, "--gateway-url", "https://"+gateway,
 		"--tls-cert-file", f("server.crt"), "--tls-key-file", f("server.key"),
 		"--client-ca-file", f("ca.crt"), "--policy-file", f("policy.yaml"),
 		"--kubeconfig", c.KubeconfigPath, "--log-level", "warn", fmt.Sprintf("--pprof=%t", pprof),

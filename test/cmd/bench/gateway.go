@@ -1,0 +1,394 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
+)
+
+// The gateway's ServiceAccount and namespaces: its leases and the direct
+// comparison act as the same ServiceAccount, with the same RBAC, so that
+// the only difference is the path.
+const (
+	gatewaySA     = "gateway-runner"
+	gatewayListNS = "bench-list"
+	// gatewayListSize is the ConfigMaps of the LIST row.
+	gatewayListSize = 5000
+)
+
+// gatewayReport is the lease gateway against direct access on the same
+// harness, in one run (issue "The lease gateway", its goals).
+type gatewayReport struct {
+	// Issue is a gateway lease's issuance at c=1 and IssueRatio its p50
+	// over a bare TokenRequest's at c=1 (the run's own row).
+	Issue      result  `json:"issue"`
+	IssueRatio float64 `json:"issue_p50_over_tokenrequest"`
+	// Get is a GET of one ConfigMap at c=1 and c=32, direct and through
+	// the gateway, and their differences.
+	GetDirect          []result `json:"get_direct"`
+	GetGateway         []result `json:"get_gateway"`
+	GetP50OverheadMs   float64  `json:"get_p50_overhead_ms_c1"`
+	GetThroughputRatio float64  `json:"get_throughput_ratio_c32"`
+	// List is a LIST of gatewayListSize ConfigMaps (no paging).
+	ListDirect          result  `json:"list_direct"`
+	ListGateway         result  `json:"list_gateway"`
+	ListThroughputRatio float64 `json:"list_throughput_ratio"`
+	// WatchOverhead is how much later an event reached the gateway's
+	// watch than the direct watch of the same objects (p50, p99, ms).
+	WatchOverheadP50Ms float64 `json:"watch_overhead_p50_ms"`
+	WatchOverheadP99Ms float64 `json:"watch_overhead_p99_ms"`
+	WatchEvents        int     `json:"watch_events"`
+	// Watches open through one lease, the broker's RSS per open watch, and
+	// how long after the DELETE's answer they were all closed.
+	Watches          int     `json:"open_watches"`
+	RSSPerWatchKiB   float64 `json:"rss_per_watch_kib"`
+	CloseP50Ms       float64 `json:"close_p50_ms"`
+	CloseP99Ms       float64 `json:"close_p99_ms"`
+	CloseMaxMs       float64 `json:"close_max_ms"`
+	RefusedAfterMs   float64 `json:"new_request_refused_after_ms"`
+	SlowReaderRSSKiB float64 `json:"slow_reader_rss_growth_kib"`
+}
+
+// setUpGateway makes the gateway's ServiceAccount, its RBAC, and the
+// ConfigMaps the rows read.
+func setUpGateway(ctx context.Context, c kubernetes.Interface) error {
+	if _, err := c.CoreV1().ServiceAccounts("bench").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: gatewaySA}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: gatewayListNS}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	if _, err := c.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "bench-gateway"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"get", "list", "watch", "create"}}}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	for _, ns := range []string{"bench", gatewayListNS} {
+		if _, err := c.RbacV1().RoleBindings(ns).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "bench-gateway"},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "bench-gateway"},
+			Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: gatewaySA, Namespace: "bench"}}}, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	if _, err := c.CoreV1().ConfigMaps("bench").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "probe"}, Data: map[string]string{"k": "v"}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	// The LIST's ConfigMaps, 16 writers at a time.
+	errc := make(chan error, 16)
+	var wg sync.WaitGroup
+	for w := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < gatewayListSize; i += 16 {
+				if _, err := c.CoreV1().ConfigMaps(gatewayListNS).Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("cm-%05d", i)},
+					Data: map[string]string{"k": "a value of a few dozen bytes, as ConfigMaps have"}}, metav1.CreateOptions{}); err != nil {
+					errc <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errc)
+	return <-errc
+}
+
+// measureGateway runs the gateway's rows against br, whose policy grants
+// bench/gateway-runner with access gateway; tokenRequestC1 is the run's
+// bare TokenRequest at c=1.
+func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProcess, n int, tokenRequestC1 result) (*gatewayReport, error) {
+	rep := &gatewayReport{}
+	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: gatewaySA, TTL: "1h", Access: apiv1.AccessGateway})
+	issue := func(ctx context.Context) error { return br.postKubeconfig(ctx, body, http.StatusCreated, nil) }
+	_ = measure(ctx, issue, 1, 20)
+	rep.Issue = measure(ctx, issue, 1, n)
+	rep.Issue.Name = "broker gateway lease (mTLS)"
+	if tokenRequestC1.P50ms > 0 {
+		rep.IssueRatio = rep.Issue.P50ms / tokenRequestC1.P50ms
+	}
+
+	var lease apiv1.KubeconfigResponse
+	if err := br.postKubeconfig(ctx, body, http.StatusCreated, &lease); err != nil {
+		return nil, err
+	}
+	gwCfg, err := clientcmd.RESTConfigFromKubeConfig([]byte(lease.Kubeconfig))
+	if err != nil {
+		return nil, err
+	}
+	// The direct comparison: the same ServiceAccount's token, at the API
+	// server, with the same client settings.
+	secs := int64(3600)
+	tr, err := c.Client.CoreV1().ServiceAccounts("bench").CreateToken(ctx, gatewaySA, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &secs}}, metav1.CreateOptions{})
+	if err != nil {
+		return nil, err
+	}
+	directCfg := &rest.Config{Host: c.URL, BearerToken: tr.Status.Token, TLSClientConfig: rest.TLSClientConfig{CAData: c.CAData}}
+	for _, cfg := range []*rest.Config{gwCfg, directCfg} {
+		cfg.QPS, cfg.Burst = brokerKubeQPS, brokerKubeBurst
+		cfg.Timeout = time.Minute
+	}
+	gw, err := kubernetes.NewForConfig(gwCfg)
+	if err != nil {
+		return nil, err
+	}
+	direct, err := kubernetes.NewForConfig(directCfg)
+	if err != nil {
+		return nil, err
+	}
+
+	// GET, c=1 and c=32, alternating the two paths' rounds.
+	get := func(cs kubernetes.Interface) func(context.Context) error {
+		return func(ctx context.Context) error {
+			_, err := cs.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
+			return err
+		}
+	}
+	for _, conc := range []int{1, 32} {
+		_ = measure(ctx, get(direct), conc, 50)
+		_ = measure(ctx, get(gw), conc, 50)
+		d := measure(ctx, get(direct), conc, 4*n)
+		g := measure(ctx, get(gw), conc, 4*n)
+		d.Name, g.Name = "direct GET", "gateway GET"
+		rep.GetDirect, rep.GetGateway = append(rep.GetDirect, d), append(rep.GetGateway, g)
+	}
+	rep.GetP50OverheadMs = rep.GetGateway[0].P50ms - rep.GetDirect[0].P50ms
+	rep.GetThroughputRatio = rep.GetGateway[1].PerSecond / rep.GetDirect[1].PerSecond
+
+	// LIST of 5,000, unpaged.
+	list := func(cs kubernetes.Interface) func(context.Context) error {
+		return func(ctx context.Context) error {
+			l, err := cs.CoreV1().ConfigMaps(gatewayListNS).List(ctx, metav1.ListOptions{})
+			if err == nil && len(l.Items) != gatewayListSize {
+				err = fmt.Errorf("listed %d ConfigMaps, want %d", len(l.Items), gatewayListSize)
+			}
+			return err
+		}
+	}
+	_ = measure(ctx, list(direct), 1, 3)
+	_ = measure(ctx, list(gw), 1, 3)
+	rep.ListDirect = measure(ctx, list(direct), 1, 20)
+	rep.ListGateway = measure(ctx, list(gw), 1, 20)
+	rep.ListDirect.Name, rep.ListGateway.Name = "direct LIST 5000", "gateway LIST 5000"
+	rep.ListThroughputRatio = rep.ListGateway.PerSecond / rep.ListDirect.PerSecond
+
+	// WATCH: one watch each way on the same ConfigMaps; each event's
+	// arrival through the gateway after its direct arrival.
+	if err := watchOverhead(ctx, c.Client, direct, gw, n, rep); err != nil {
+		return nil, fmt.Errorf("watch overhead: %w", err)
+	}
+
+	// Many open watches through one lease, then its revocation.
+	if err := watchesAndRevocation(ctx, br, lease, gw, 1000, rep); err != nil {
+		return nil, fmt.Errorf("watches and revocation: %w", err)
+	}
+	if rep.SlowReaderRSSKiB, err = slowReader(ctx, c, br, body); err != nil {
+		return nil, fmt.Errorf("slow reader: %w", err)
+	}
+	return rep, nil
+}
+
+func watchOverhead(ctx context.Context, admin kubernetes.Interface, direct, gw kubernetes.Interface, n int, rep *gatewayReport) error {
+	l, err := direct.CoreV1().ConfigMaps("bench").List(ctx, metav1.ListOptions{Limit: 1})
+	if err != nil {
+		return err
+	}
+	opts := metav1.ListOptions{ResourceVersion: l.ResourceVersion, LabelSelector: "bench=watch"}
+	wd, err := direct.CoreV1().ConfigMaps("bench").Watch(ctx, opts)
+	if err != nil {
+		return err
+	}
+	defer wd.Stop()
+	wg, err := gw.CoreV1().ConfigMaps("bench").Watch(ctx, opts)
+	if err != nil {
+		return err
+	}
+	defer wg.Stop()
+	arrivals := func(w watch.Interface, out map[string]time.Time, done chan<- error) {
+		for len(out) < n {
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					done <- errors.New("the watch ended")
+					return
+				}
+				if cm, ok := ev.Object.(*corev1.ConfigMap); ok {
+					out[cm.Name] = time.Now()
+				}
+			case <-time.After(30 * time.Second):
+				done <- errors.New("no event for 30s")
+				return
+			}
+		}
+		done <- nil
+	}
+	dAt, gAt := map[string]time.Time{}, map[string]time.Time{}
+	done := make(chan error, 2)
+	go arrivals(wd, dAt, done)
+	go arrivals(wg, gAt, done)
+	for i := range n {
+		if _, err := admin.CoreV1().ConfigMaps("bench").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("w-%05d", i), Labels: map[string]string{"bench": "watch"}}}, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+		time.Sleep(2 * time.Millisecond) // events one by one, as a controller sees them
+	}
+	for range 2 {
+		if err := <-done; err != nil {
+			return err
+		}
+	}
+	var diffs []float64
+	for name, d := range dAt {
+		if g, ok := gAt[name]; ok {
+			diffs = append(diffs, float64(g.Sub(d).Microseconds())/1000)
+		}
+	}
+	sort.Float64s(diffs)
+	rep.WatchEvents = len(diffs)
+	rep.WatchOverheadP50Ms, rep.WatchOverheadP99Ms = pctF(diffs, .50), pctF(diffs, .99)
+	return nil
+}
+
+func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.KubeconfigResponse, gw kubernetes.Interface, count int, rep *gatewayReport) error {
+	before := rssMB(br.cmd.Process.Pid)
+	ws := make([]watch.Interface, 0, count)
+	defer func() {
+		for _, w := range ws {
+			w.Stop()
+		}
+	}()
+	for range count {
+		w, err := gw.CoreV1().ConfigMaps("bench").Watch(ctx, metav1.ListOptions{LabelSelector: "bench=none"})
+		if err != nil {
+			return err
+		}
+		ws = append(ws, w)
+	}
+	time.Sleep(2 * time.Second) // every stream settled
+	rep.Watches = count
+	rep.RSSPerWatchKiB = (rssMB(br.cmd.Process.Pid) - before) * 1024 / float64(count)
+
+	ended := make([]time.Time, count)
+	var wg sync.WaitGroup
+	for i, w := range ws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range w.ResultChan() {
+			}
+			ended[i] = time.Now()
+		}()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, br.url+"/v1/leases/"+lease.LeaseID, nil)
+	if err != nil {
+		return err
+	}
+	if err := brokerDo(br, req, http.StatusNoContent, nil); err != nil {
+		return err
+	}
+	revoked := time.Now()
+	// New requests: refused how long after the DELETE's answer?
+	for {
+		_, err := gw.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
+		if apierrors.IsUnauthorized(err) {
+			rep.RefusedAfterMs = ms(time.Since(revoked))
+			break
+		}
+		if time.Since(revoked) > 30*time.Second {
+			return errors.New("requests still served 30s after the revocation")
+		}
+	}
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(30 * time.Second):
+		return errors.New("watches still open 30s after the revocation")
+	}
+	after := make([]float64, count)
+	for i, t := range ended {
+		after[i] = ms(t.Sub(revoked))
+	}
+	sort.Float64s(after)
+	rep.CloseP50Ms, rep.CloseP99Ms, rep.CloseMaxMs = pctF(after, .50), pctF(after, .99), after[len(after)-1]
+	return nil
+}
+
+// slowReader opens a watch through the gateway whose client reads
+// nothing, makes events it would receive, and reports how much the
+// broker's RSS grew meanwhile.
+func slowReader(ctx context.Context, c *testcluster.Cluster, br *brokerProcess, body []byte) (float64, error) {
+	var lease apiv1.KubeconfigResponse
+	if err := br.postKubeconfig(ctx, body, http.StatusCreated, &lease); err != nil {
+		return 0, err
+	}
+	cfg, err := clientcmd.RESTConfigFromKubeConfig([]byte(lease.Kubeconfig))
+	if err != nil {
+		return 0, err
+	}
+	tr, err := rest.TransportFor(cfg)
+	if err != nil {
+		return 0, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.Host+"/api/v1/namespaces/"+gatewayListNS+"/configmaps?watch=1", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close() // never read: the slow reader
+	time.Sleep(time.Second)
+	before := rssMB(br.cmd.Process.Pid)
+	// Every ConfigMap of the list namespace updated twice: about 2 MB of
+	// events for a client that reads none.
+	for round := range 2 {
+		for i := range gatewayListSize {
+			if _, err := c.Client.CoreV1().ConfigMaps(gatewayListNS).Update(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("cm-%05d", i)},
+				Data: map[string]string{"k": fmt.Sprintf("round %d: a value of a few dozen bytes", round)}}, metav1.UpdateOptions{}); err != nil {
+				return 0, err
+			}
+		}
+	}
+	time.Sleep(2 * time.Second)
+	return (rssMB(br.cmd.Process.Pid) - before) * 1024, nil
+}
+
+func pctF(xs []float64, p float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	return xs[int(p*float64(len(xs)-1))]
+}
+
+func (r *gatewayReport) print() {
+	fmt.Println()
+	fmt.Println("lease gateway, against direct access as the same ServiceAccount (one run):")
+	fmt.Printf("  issuance c=1: gateway lease p50 %.2f ms = %.2f× a bare TokenRequest (goal ≤ 1.3×)\n", r.Issue.P50ms, r.IssueRatio)
+	fmt.Printf("  GET c=1: direct p50 %.2f ms, gateway %.2f ms: overhead %.2f ms (goal ≤ 0.3 ms)\n", r.GetDirect[0].P50ms, r.GetGateway[0].P50ms, r.GetP50OverheadMs)
+	fmt.Printf("  GET c=32: direct %.0f/s, gateway %.0f/s: %.2f× (goal ≥ 0.9×)\n", r.GetDirect[1].PerSecond, r.GetGateway[1].PerSecond, r.GetThroughputRatio)
+	fmt.Printf("  LIST %d ConfigMaps: direct %.1f/s (p50 %.1f ms), gateway %.1f/s (p50 %.1f ms): %.2f× (goal ≥ 0.9×)\n", gatewayListSize,
+		r.ListDirect.PerSecond, r.ListDirect.P50ms, r.ListGateway.PerSecond, r.ListGateway.P50ms, r.ListThroughputRatio)
+	fmt.Printf("  WATCH event through the gateway after the direct watch's: p50 %.2f ms, p99 %.2f ms over %d events (goal p99 ≤ 1 ms)\n", r.WatchOverheadP50Ms, r.WatchOverheadP99Ms, r.WatchEvents)
+	fmt.Printf("  %d open watches through one lease: %.1f KiB RSS each (goal ≤ 64 KiB); revoked: all closed p50 %.1f ms, p99 %.1f ms, max %.1f ms after the DELETE (goal p99 ≤ 1 s); new requests refused %.1f ms after it (goal ≤ 100 ms)\n",
+		r.Watches, r.RSSPerWatchKiB, r.CloseP50Ms, r.CloseP99Ms, r.CloseMaxMs, r.RefusedAfterMs)
+	fmt.Printf("  a watch whose client reads nothing, sent 10,000 events: the broker's RSS grew %.0f KiB\n", r.SlowReaderRSSKiB)
+}
