@@ -2,11 +2,8 @@ package broker
 
 import (
 	"context"
-	"errors"
-	"fmt"
 
 	"go.uber.org/zap"
-	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
@@ -40,32 +37,6 @@ func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.Kubecon
 	return kc, err
 }
 
-// withPluginAccess adds the plugin's --access flag to the exec user of an
-// exec kubeconfig (apiv1.PluginArgs writes none), so that the plugin asks
-// for the mode the kubeconfig's cluster was chosen for: without it the
-// broker would use the mode of whichever grant is the most generous then.
-// Nothing for access "" (the grant's mode, as asked).
-func withPluginAccess(kc []byte, access string) ([]byte, error) {
-	if access == "" {
-		return kc, nil
-	}
-	cfg, err := clientcmd.Load(kc)
-	if err != nil {
-		return nil, fmt.Errorf("exec kubeconfig: %w", err)
-	}
-	ctx, ok := cfg.Contexts[cfg.CurrentContext]
-	if !ok || cfg.AuthInfos[ctx.AuthInfo] == nil || cfg.AuthInfos[ctx.AuthInfo].Exec == nil {
-		return nil, errors.New("exec kubeconfig: no exec user in the current context")
-	}
-	exec := cfg.AuthInfos[ctx.AuthInfo].Exec
-	exec.Args = append(exec.Args, "--access", access)
-	out, err := clientcmd.Write(*cfg)
-	if err != nil {
-		return nil, fmt.Errorf("exec kubeconfig: %w", err)
-	}
-	return out, nil
-}
-
 func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL string, a *audit.Pending) ([]byte, string, error) {
 	log := b.cfg.Logger.With(zap.String("identity", c.Identity), zap.String("namespace", req.Namespace), zap.String("service_account", req.ServiceAccount))
 	dec, outcome, err := b.decide(c, req, a, log)
@@ -89,9 +60,6 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 	}
 	kc, err := kubeconfig.Exec(cluster, req, brokerURL)
 	if err != nil {
-		return nil, outcomeError, err
-	}
-	if kc, err = withPluginAccess(kc, req.Access); err != nil {
 		return nil, outcomeError, err
 	}
 	log.Info("decision", zap.Bool("allowed", true), zap.String("peer", dec.Peer), zap.String("action", audit.ActionExecKubeconfig))

@@ -30,28 +30,12 @@ type Cluster struct {
 }
 
 // PluginTarget is the content of the client.authentication.k8s.io/exec
-// extension the plugin reads: apiv1.PluginTarget and the access mode of
-// the request, which that type does not carry. The agent's ClusterProfile
-// output writes it (NewPluginTarget); an extension without access means
-// the mode of the grant that allows the request, as before access existed.
-type PluginTarget struct {
-	apiv1.PluginTarget
-	// Access is apiv1.AccessDirect, apiv1.AccessGateway or "".
-	Access string `json:"access,omitempty"`
-}
+// extension the plugin reads (apiv1.PluginTarget); the agent's
+// ClusterProfile output writes it (NewPluginTarget).
+type PluginTarget = apiv1.PluginTarget
 
-// NewPluginTarget is the target of a request to broker
-// (apiv1.NewPluginTarget), with its access mode.
-func NewPluginTarget(broker string, req apiv1.KubeconfigRequest) PluginTarget {
-	return PluginTarget{PluginTarget: apiv1.NewPluginTarget(broker, req), Access: req.Access}
-}
-
-// Request is the broker request of the target, with its access mode.
-func (t PluginTarget) Request() apiv1.KubeconfigRequest {
-	r := t.PluginTarget.Request()
-	r.Access = t.Access
-	return r
-}
+// NewPluginTarget is apiv1.NewPluginTarget.
+var NewPluginTarget = apiv1.NewPluginTarget
 
 // execCluster is spec.cluster as client-go writes it (clientauthentication
 // v1 and v1beta1 Cluster): only the fields the plugin reads.
@@ -114,9 +98,7 @@ func ParsePluginTarget(raw []byte) (*PluginTarget, error) {
 	if err := dec.Decode(&t); err != nil {
 		var typ *json.UnmarshalTypeError
 		if errors.As(err, &typ) && typ.Field != "" {
-			// The embedded apiv1.PluginTarget's fields are named with its
-			// type; the extension has them at the top level.
-			return nil, fmt.Errorf("%s must not be a JSON %s", short(strings.TrimPrefix(typ.Field, "PluginTarget.")), typ.Value)
+			return nil, fmt.Errorf("%s must not be a JSON %s", short(typ.Field), typ.Value)
 		}
 		if strings.HasPrefix(err.Error(), "json: unknown field ") {
 			return nil, fmt.Errorf("unknown field %s: not in %s %s (written for a newer plugin, or mistyped)",

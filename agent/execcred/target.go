@@ -60,29 +60,16 @@ type Target struct {
 }
 
 // Args returns the arguments of the plugin's command: "credential" and its
-// flags (apiv1.PluginArgs, then --access, which apiv1.PluginArgs does not
-// write, and --workload-token-file).
+// flags (apiv1.PluginArgs, then --workload-token-file).
 func (t Target) Args() []string {
 	args := apiv1.PluginArgs(t.Broker, t.IdentityDir, apiv1.KubeconfigRequest{
 		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
-		Audiences: t.Audiences, Credential: t.Credential,
+		Audiences: t.Audiences, Credential: t.Credential, Access: t.Access,
 	})
-	args = appendAccessArg(args, t.Access)
 	if t.WorkloadTokenFile != "" {
 		args = append(args, "--workload-token-file", t.WorkloadTokenFile)
 	}
 	return args
-}
-
-// appendAccessArg appends the plugin's --access flag for access to args
-// (nothing for "": the grant's mode), so that a plugin asks for the mode
-// its kubeconfig's cluster was made for: a gateway kubeconfig points at the
-// gateway, and a credential of the API server would be refused there.
-func appendAccessArg(args []string, access string) []string {
-	if access == "" {
-		return args
-	}
-	return append(args, "--access", access)
 }
 
 // ExecConfig is the exec stanza of a kubeconfig user that runs the plugin

@@ -34,6 +34,13 @@ func PluginArgs(broker, identityDir string, req KubeconfigRequest) []string {
 	for _, a := range req.Audiences {
 		args = append(args, "--audience", a)
 	}
+	// The mode its kubeconfig's cluster was made for: a gateway
+	// kubeconfig points at the gateway, where a credential of the API
+	// server is refused. Nothing for "" (the mode of the grant that
+	// allows the request).
+	if req.Access != "" {
+		args = append(args, "--access", req.Access)
+	}
 	return args
 }
 
@@ -76,6 +83,9 @@ type PluginTarget struct {
 	// Credential is CredentialToken (the default) or
 	// CredentialClientCertificate.
 	Credential string `json:"credential,omitempty"`
+	// Access is AccessDirect, AccessGateway or "" (the mode of the grant
+	// that allows the request, as before access existed).
+	Access string `json:"access,omitempty"`
 }
 
 // NewPluginTarget is the target of a request to broker, with its
@@ -84,7 +94,7 @@ func NewPluginTarget(broker string, req KubeconfigRequest) PluginTarget {
 	t := PluginTarget{
 		APIVersion: PluginTargetAPIVersion, Kind: PluginTargetKind, Broker: broker,
 		Namespace: req.Namespace, ServiceAccount: req.ServiceAccount, TTL: req.TTL, MinTTL: req.MinTTL,
-		Audiences: req.Audiences, Credential: req.Credential,
+		Audiences: req.Audiences, Credential: req.Credential, Access: req.Access,
 	}
 	if t.Credential == CredentialToken {
 		t.Credential = ""
@@ -96,6 +106,6 @@ func NewPluginTarget(broker string, req KubeconfigRequest) PluginTarget {
 func (t PluginTarget) Request() KubeconfigRequest {
 	return KubeconfigRequest{
 		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
-		Audiences: t.Audiences, Credential: t.Credential,
+		Audiences: t.Audiences, Credential: t.Credential, Access: t.Access,
 	}
 }
