@@ -29,6 +29,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/auditjoin"
+	"github.com/tokenbroker/tokenbroker/broker/enrollment"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
@@ -390,4 +391,43 @@ func readAudit(t *testing.T, path string) []map[string]any {
 	}
 	require.NoError(t, sc.Err())
 	return out
+}
+
+// A peer put on the deny list loses its gateway leases' open watches
+// within the gateway's sweep, and every new request at once; protobuf,
+// as client-go's informers in controllers speak it, passes meanwhile.
+func TestAPeerOnTheDenyListLosesItsGatewayWatches(t *testing.T) {
+	s, west := setUpGateway(t)
+	ctx := context.Background()
+	resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessGateway})
+	_, cfg := gatewayClient(t, resp.Kubeconfig)
+	cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	cs, err := kubernetes.NewForConfig(cfg)
+	require.NoError(t, err)
+	_, err = cs.CoreV1().ConfigMaps("argo").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "proto"}, Data: map[string]string{"k": "v"}}, metav1.CreateOptions{})
+	require.NoError(t, err, "protobuf passes the gateway")
+	got, err := cs.CoreV1().ConfigMaps("argo").Get(ctx, "proto", metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, "v", got.Data["k"])
+	w, err := cs.CoreV1().ConfigMaps("argo").Watch(ctx, metav1.ListOptions{ResourceVersion: got.ResourceVersion})
+	require.NoError(t, err)
+	defer w.Stop()
+	_, err = cs.CoreV1().ConfigMaps("argo").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "watched"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	waitEvent(t, w, "watched")
+
+	// Written by the code behind "tokenbroker pki revoke --identity".
+	added, err := enrollment.AddRevocation(ctx, s.cluster.Client.CoreV1().ConfigMaps(brokerNamespace), enrollment.RevokeIdentity, identity(t, "west"), "integration test", time.Now())
+	require.NoError(t, err)
+	require.True(t, added)
+	written := time.Now()
+	select {
+	case <-drain(w):
+	case <-time.After(10 * time.Second):
+		t.Fatal("the denied peer's watch went on")
+	}
+	t.Logf("the denied peer's watch ended %s after the deny list's write", time.Since(written).Round(time.Millisecond))
+	_, err = cs.CoreV1().ConfigMaps("argo").Get(ctx, "proto", metav1.GetOptions{})
+	require.True(t, apierrors.IsForbidden(err), "refused as forbidden: %v", err)
 }
