@@ -171,7 +171,8 @@ type Grant struct {
 	// Audiences, for a token grant, are the audiences a request may name;
 	// absent: only requests that name none (the API server's own).
 	Audiences []string `json:"audiences,omitempty"`
-	// Access is the grant's mode: AccessDirect or AccessGateway.
+	// Access is AccessGateway for a gateway grant; empty for the default,
+	// direct.
 	Access string `json:"access,omitempty"`
 }
 

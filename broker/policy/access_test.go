@@ -48,7 +48,7 @@ func TestAGrantsAccessModeDecidesAndARequestMayNameIt(t *testing.T) {
 	}
 	_, grants := p.Grants(west)
 	require.Equal(t, apiv1.AccessGateway, grants[0].Access, "whoami tells the peer each grant's mode")
-	require.Equal(t, apiv1.AccessDirect, grants[1].Access)
+	require.Empty(t, grants[1].Access, "a direct grant says nothing, as before access existed")
 }
 
 func TestAGatewayGrantIsForTokensWithoutAudiences(t *testing.T) {

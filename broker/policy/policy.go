@@ -751,13 +751,22 @@ func (p *Policy) GrantsFor(identity string, w *WorkloadRef, onlyWorkload bool, d
 			MaxTTL:          p.grantMax(g).String(),
 			Credential:      g.Credential,
 			Audiences:       slices.Clone(g.Audiences),
-			Access:          g.Access,
+			Access:          gatewayOnly(g.Access),
 		})
 		if describe != nil {
 			describe(peer.Name, g, &out[len(out)-1])
 		}
 	}
 	return peer.Name, out
+}
+
+// gatewayOnly is access as whoami tells it: "gateway", or nothing for
+// the default direct mode (as before access existed).
+func gatewayOnly(access string) string {
+	if access == apiv1.AccessGateway {
+		return access
+	}
+	return ""
 }
 
 // ParseTTLs parses a request's ttl and minTTL; empty means zero. A
