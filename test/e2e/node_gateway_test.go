@@ -16,8 +16,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	rbacv1 "k8s.io/api/rbac/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -39,20 +37,7 @@ func TestNodeStreamsEndAtRevocationThroughTheGateway(t *testing.T) {
 	setUpTarget(t, c)
 	ctx := t.Context()
 	kubectl := kubectlBinary(t)
-	_, err := c.Client.RbacV1().Roles("argo").Create(ctx, &rbacv1.Role{
-		ObjectMeta: metav1.ObjectMeta{Name: "pod-streams"},
-		Rules: []rbacv1.PolicyRule{
-			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list"}},
-			{APIGroups: []string{""}, Resources: []string{"pods/exec", "pods/attach", "pods/portforward"}, Verbs: []string{"get", "create"}},
-		},
-	}, metav1.CreateOptions{})
-	require.NoError(t, err)
-	_, err = c.Client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "runner-streams"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "pod-streams"},
-		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "runner", Namespace: "argo"}},
-	}, metav1.CreateOptions{})
-	require.NoError(t, err)
+	grantPodStreams(t, c)
 	startProbePod(t, c, kubectl, "argo", "probe")
 
 	e, gatewayURL := startGatewayBroker(t, c)

@@ -43,20 +43,7 @@ func TestNodeStreamsOutliveARevocationInDirectMode(t *testing.T) {
 	setUpTarget(t, c)
 	ctx := t.Context()
 	kubectl := kubectlBinary(t)
-	_, err := c.Client.RbacV1().Roles("argo").Create(ctx, &rbacv1.Role{
-		ObjectMeta: metav1.ObjectMeta{Name: "pod-streams"},
-		Rules: []rbacv1.PolicyRule{
-			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list"}},
-			{APIGroups: []string{""}, Resources: []string{"pods/exec", "pods/attach", "pods/portforward"}, Verbs: []string{"get", "create"}},
-		},
-	}, metav1.CreateOptions{})
-	require.NoError(t, err)
-	_, err = c.Client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "runner-streams"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "pod-streams"},
-		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "runner", Namespace: "argo"}},
-	}, metav1.CreateOptions{})
-	require.NoError(t, err)
+	grantPodStreams(t, c)
 	startProbePod(t, c, kubectl, "argo", "probe")
 
 	e := startBroker(t, c)
@@ -250,4 +237,25 @@ func (e *echoConn) echo(line string) error {
 		return fmt.Errorf("got %q back, want %q", got, line)
 	}
 	return nil
+}
+
+// grantPodStreams lets argo/runner list Pods in argo and exec, attach and
+// port-forward into them.
+func grantPodStreams(t *testing.T, c *testcluster.Cluster) {
+	t.Helper()
+	ctx := t.Context()
+	_, err := c.Client.RbacV1().Roles("argo").Create(ctx, &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: "pod-streams"},
+		Rules: []rbacv1.PolicyRule{
+			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list"}},
+			{APIGroups: []string{""}, Resources: []string{"pods/exec", "pods/attach", "pods/portforward"}, Verbs: []string{"get", "create"}},
+		},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = c.Client.RbacV1().RoleBindings("argo").Create(ctx, &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "runner-streams"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "pod-streams"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "runner", Namespace: "argo"}},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
 }
