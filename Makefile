@@ -167,7 +167,7 @@ conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-invento
 	done
 
 conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers; MultiKueue end to end with Kueue's controllers
-	cd test && $(GO) test -count=1 -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
+	cd test && $(GO) test -count=1 -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestConsumersReachTheTargetThroughTheLeaseGateway|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
 
 bench: build kube ## measure the broker against direct API server calls and Vault's Kubernetes secrets engine, then the agent (bench-agent); prints tables, writes bench/results.json
 	$(GO) test -run '^$$' -bench . -benchmem ./...

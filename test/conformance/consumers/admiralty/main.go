@@ -1,5 +1,6 @@
 // Command admiralty loads a Target's kubeconfigSecret as Admiralty v0.17.0
-// does, and lists ConfigMaps with the client it gets.
+// does, and lists ConfigMaps with the client it gets; with --watch it runs
+// a client-go informer with it instead (check.InformerWatch).
 //
 // Admiralty's module cannot be required (the Go module proxy does not
 // serve admiralty.io/multicluster-scheduler), so this mirrors exactly one
@@ -22,9 +23,29 @@ import (
 	"github.com/tokenbroker/tokenbroker/test/conformance/consumers/check"
 )
 
-func main() { check.Main("admiralty", run) }
+func main() { check.Main("admiralty", run, check.WithWatch(watch)) }
 
 func run(ctx context.Context, a check.Args) (*check.Result, error) {
+	cfg, err := load(ctx, a)
+	if err != nil {
+		return nil, err
+	}
+	return check.ListWith(ctx, cfg, a)
+}
+
+// watch is the watch mode: Admiralty's controllers watch their targets
+// with client-go informers, here one of ConfigMaps, built from the REST
+// config Admiralty's loader made.
+func watch(ctx context.Context, a check.Args, w *check.Watcher) error {
+	cfg, err := load(ctx, a)
+	if err != nil {
+		return err
+	}
+	return check.InformerWatch(ctx, cfg, a, w)
+}
+
+// load turns the Secret into a REST config as addTarget does.
+func load(ctx context.Context, a check.Args) (*rest.Config, error) {
 	k, err := check.SourceClient(a)
 	if err != nil {
 		return nil, err
@@ -34,7 +55,7 @@ func run(ctx context.Context, a check.Args) (*check.Result, error) {
 	if err != nil {
 		return nil, check.ErrRefused{Err: err}
 	}
-	return check.ListWith(ctx, cfg, a)
+	return cfg, nil
 }
 
 // getConfigFromKubeconfigSecretOrDie mirrors Admiralty v0.17.0's function

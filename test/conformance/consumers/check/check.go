@@ -7,7 +7,10 @@
 //
 // Exit status: 0 when the consumer's code built a client (whether or not
 // the target cluster then accepted its credential: see Result.Status), 1
-// when it refused the Secret, 2 for a usage error.
+// when it refused the Secret, 2 for a usage error. A checker given
+// WithWatch also has a watch mode (--watch, watch.go), which starts the
+// consumer's informer or cache instead of one list and prints a line per
+// event until the consumer loses the cluster.
 package check
 
 import (
@@ -18,6 +21,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -40,6 +44,8 @@ type Args struct {
 	// ServiceAccount, where the consumer supports it, is a ServiceAccount
 	// of the target cluster to impersonate (Flux's spec.serviceAccountName).
 	ServiceAccount string
+	// Watch selects watch mode, for a checker that has one.
+	Watch bool
 }
 
 // Result is what a checker prints.
@@ -76,11 +82,19 @@ func (a Args) CommandLine() []string {
 	if a.ServiceAccount != "" {
 		args = append(args, "--service-account", a.ServiceAccount)
 	}
+	if a.Watch {
+		args = append(args, "--watch")
+	}
 	return args
 }
 
-// Main parses the flags, runs check and prints its Result as one JSON line.
-func Main(consumer string, check func(ctx context.Context, a Args) (*Result, error)) {
+// Main parses the flags, runs check and prints its Result as one JSON
+// line; with --watch it runs the checker's watch mode instead.
+func Main(consumer string, check func(ctx context.Context, a Args) (*Result, error), opts ...Option) {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
 	var a Args
 	fs := flag.NewFlagSet(consumer, flag.ContinueOnError)
 	fs.StringVar(&a.Kubeconfig, "kubeconfig", "", "kubeconfig of the cluster that holds the Secret (required)")
@@ -89,6 +103,7 @@ func Main(consumer string, check func(ctx context.Context, a Args) (*Result, err
 	fs.StringVar(&a.Key, "key", "", "data key, where the consumer lets one be chosen")
 	fs.StringVar(&a.ListNamespace, "list-namespace", "", "namespace of the target cluster to list ConfigMaps in (required)")
 	fs.StringVar(&a.ServiceAccount, "service-account", "", "ServiceAccount to impersonate, where the consumer does")
+	fs.BoolVar(&a.Watch, "watch", false, "start the consumer's informer or cache and print a line per event until it loses the cluster (exit 1)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		os.Exit(2)
 	}
@@ -96,7 +111,14 @@ func Main(consumer string, check func(ctx context.Context, a Args) (*Result, err
 		fmt.Fprintln(os.Stderr, "--kubeconfig, --namespace, --name and --list-namespace are required")
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	if a.Watch {
+		if o.watch == nil {
+			fmt.Fprintf(os.Stderr, "%s has no watch mode\n", consumer)
+			os.Exit(2)
+		}
+		os.Exit(runWatch(consumer, o.watch, a))
+	}
+	ctx, stop := signalContext()
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
@@ -107,6 +129,11 @@ func Main(consumer string, check func(ctx context.Context, a Args) (*Result, err
 	}
 	r.Consumer = consumer
 	_ = json.NewEncoder(os.Stdout).Encode(r)
+}
+
+// signalContext ends at SIGINT or SIGTERM.
+func signalContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 }
 
 // SourceClient is a client of the cluster that holds the Secret.

@@ -1,5 +1,6 @@
 // Command kargo loads a kubeconfig Secret as Kargo v1.11.2 does, and lists
-// ConfigMaps with the client it gets.
+// ConfigMaps with the client it gets; with --watch it runs a client-go
+// informer with it instead (check.InformerWatch).
 //
 // Kargo's chart (charts/kargo/templates/{api,controller}/deployment.yaml
 // at v1.11.2) projects only the key kubeconfig.yaml of the Secret named by
@@ -29,9 +30,30 @@ import (
 // chartKey is the only key Kargo's chart projects.
 const chartKey = "kubeconfig.yaml"
 
-func main() { check.Main("kargo", run) }
+func main() { check.Main("kargo", run, check.WithWatch(watch)) }
 
 func run(ctx context.Context, a check.Args) (*check.Result, error) {
+	cfg, err := load(ctx, a)
+	if err != nil {
+		return nil, err
+	}
+	return check.ListWith(ctx, cfg, a)
+}
+
+// watch is the watch mode: Kargo's controllers watch through
+// controller-runtime's client-go informers, here one of ConfigMaps built
+// from the REST config Kargo's loader made.
+func watch(ctx context.Context, a check.Args, w *check.Watcher) error {
+	cfg, err := load(ctx, a)
+	if err != nil {
+		return err
+	}
+	return check.InformerWatch(ctx, cfg, a, w)
+}
+
+// load projects the Secret's key as the chart does and loads it as
+// Kargo does at start.
+func load(ctx context.Context, a check.Args) (*rest.Config, error) {
 	secret, err := check.SourceSecret(ctx, a)
 	if err != nil {
 		return nil, err
@@ -53,7 +75,7 @@ func run(ctx context.Context, a check.Args) (*check.Result, error) {
 	if err != nil {
 		return nil, check.ErrRefused{Err: err}
 	}
-	return check.ListWith(ctx, cfg, a)
+	return cfg, nil
 }
 
 // GetRestConfig mirrors Kargo v1.11.2's function of that name
