@@ -117,7 +117,15 @@ type Gateway struct {
 	mu     sync.Mutex
 	leases map[string]*leaseConns // by leaseKey
 	peers  map[string]int         // open connections by peer
+	// gone are the leases the counter reported gone lately, by leaseKey,
+	// until when they are remembered: a young lease's request is refused
+	// at once, not after the wait for a lease the counter has not seen.
+	gone map[string]time.Time
 }
+
+// maxRecentlyGone bounds Gateway.gone; past it a young revoked lease's
+// request waits newLeaseWait before its refusal, as without it.
+const maxRecentlyGone = 100_000
 
 // leaseConns are the open connections of one lease.
 type leaseConns struct {
@@ -144,7 +152,7 @@ func New(cfg Config) (*Gateway, error) {
 	if cfg.MaxBodyBytes == 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
-	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}}
+	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}, gone: map[string]time.Time{}}
 	g.proxy = &httputil.ReverseProxy{
 		Rewrite:   g.rewrite,
 		Transport: upgradeSplit{plain: cfg.Transport, upgrade: cfg.UpgradeTransport},
@@ -254,7 +262,40 @@ const (
 // uid: the counter calls it (lease.Counter.OnGone) as the Secret goes. It
 // does not block: the sockets are closed in the background.
 func (g *Gateway) Gone(namespace, name string, uid types.UID) {
-	g.end(leaseKey(namespace, name, uid), reasonRevoked)
+	key := leaseKey(namespace, name, uid)
+	g.remember(key)
+	g.end(key, reasonRevoked)
+}
+
+// remember keeps key among the leases gone lately, for as long as a
+// request of it could wait for a new lease.
+func (g *Gateway) remember(key string) {
+	now := g.cfg.Clock.Now()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if len(g.gone) >= maxRecentlyGone {
+		for k, until := range g.gone {
+			if !now.Before(until) {
+				delete(g.gone, k)
+			}
+		}
+		if len(g.gone) >= maxRecentlyGone {
+			return
+		}
+	}
+	g.gone[key] = now.Add(newLeaseAge + newLeaseWait)
+}
+
+// goneLately reports whether the counter reported key gone lately.
+func (g *Gateway) goneLately(key string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	until, ok := g.gone[key]
+	if ok && !g.cfg.Clock.Now().Before(until) {
+		delete(g.gone, key)
+		return false
+	}
+	return ok
 }
 
 // end closes the connections of the lease key; the releases of their
@@ -449,7 +490,7 @@ func (g *Gateway) live(ctx context.Context, n pki.LeaseName, issued time.Time) b
 		return true
 	}
 	// NotBefore is backdated by pki.Backdate.
-	if g.cfg.Clock.Since(issued.Add(pki.Backdate)) > newLeaseAge {
+	if g.cfg.Clock.Since(issued.Add(pki.Backdate)) > newLeaseAge || g.goneLately(leaseKey(n.Namespace, name, uid)) {
 		return false
 	}
 	deadline := g.cfg.Clock.NewTimer(newLeaseWait)

@@ -450,3 +450,24 @@ func errorsAs(err error, target *net.Error) bool {
 	}
 	return ok
 }
+
+// A lease revoked moments after its issuance is refused at once: the
+// gateway waits for a young lease it has not seen only if the counter did
+// not report it gone.
+func TestAYoungRevokedLeaseIsRefusedAtOnce(t *testing.T) {
+	rec := &upstreamRecorder{}
+	up := httptest.NewTLSServer(rec)
+	t.Cleanup(up.Close)
+	u, _ := url.Parse(up.URL)
+	f := newFixture(t, u, up.Client().Transport, nil)
+	gw := serveGateway(t, f)
+	_, pair := f.cert(t, leaseA, time.Hour) // signed now: young
+	f.gw.Gone(leaseA.Namespace, secretName(leaseA), types.UID(leaseA.UID))
+	// The fake clock never fires the wait: without the record of the
+	// revocation this request would hang until the client's timeout.
+	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: f.ca.CertPool(), Certificates: []tls.Certificate{pair}}}}
+	resp, err := client.Get(gw.URL + "/api")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
+}
