@@ -409,9 +409,8 @@ spec:
 // startBrokerWithGateway starts startBroker's broker with the signing CA
 // and the lease gateway on a free port of 127.0.0.1, and a policy whose
 // peer west has the given grants (YAML list items indented for
-// peers[0].grants). It returns the broker and the gateway's URL. It is
-// node_gateway_test.go's startGatewayBroker with the grants as a
-// parameter, for the tests without the node build tag.
+// peers[0].grants). It returns the broker and the gateway's URL; the
+// node's stream test uses it too.
 func startBrokerWithGateway(t *testing.T, c *testcluster.Cluster, grants string) (*brokerEnv, string) {
 	t.Helper()
 	e := newBrokerEnv(t, c)

@@ -6,7 +6,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"fmt"
 	"io"
 	"os/exec"
 	"path/filepath"
@@ -40,7 +39,11 @@ func TestNodeStreamsEndAtRevocationThroughTheGateway(t *testing.T) {
 	grantPodStreams(t, c)
 	startProbePod(t, c, kubectl, "argo", "probe")
 
-	e, gatewayURL := startGatewayBroker(t, c)
+	e, gatewayURL := startBrokerWithGateway(t, c, `      - namespaces: [argo]
+        serviceAccounts: [runner]
+        maxTTL: 12h
+        access: gateway
+`)
 	west := filepath.Join(e.dir, "west")
 	status, body := e.postKubeconfig(t, west, `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`)
 	require.Equal(t, 201, status, body)
@@ -71,7 +74,7 @@ func TestNodeStreamsEndAtRevocationThroughTheGateway(t *testing.T) {
 	for name, s := range echoers {
 		require.NoError(t, s.echo("before the revocation"), name)
 	}
-	require.GreaterOrEqual(t, gatewayConnections(t, e), 5.0, "every stream holds a connection of the gateway")
+	require.GreaterOrEqual(t, gatewayConnCount(t, e), 5.0, "every stream holds a connection of the gateway")
 	// Left unused for longer than client-go's ping periods (5 s exec and
 	// attach, 10 s port-forward), they still work: what ends them below is
 	// the revocation, not a timeout of the gateway.
@@ -128,7 +131,7 @@ func TestNodeStreamsEndAtRevocationThroughTheGateway(t *testing.T) {
 
 	// The gateway holds none of the lease's connections any more, and a new
 	// request with the lease is refused.
-	require.Eventually(t, func() bool { return gatewayConnections(t, e) == 0 }, 5*time.Second, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return gatewayConnCount(t, e) == 0 }, 5*time.Second, 20*time.Millisecond,
 		"the gateway still counts connections of the revoked lease")
 	out, err := exec.CommandContext(ctx, kubectl, withLease("exec", "probe", "--", "/nodeprobe", "cat")...).CombinedOutput()
 	require.Error(t, err, "a new exec is refused: %s", out)
@@ -158,47 +161,6 @@ func TestNodeStreamsEndAtRevocationThroughTheGateway(t *testing.T) {
 		slices.Sort(got)
 		return closed && slices.Equal(want, got)
 	}, 5*time.Second, 20*time.Millisecond, "the audit names every stream the gateway forwarded, and the revocation that ended them")
-}
-
-// startGatewayBroker starts startBroker's broker with the signing CA and
-// the lease gateway on a free port of 127.0.0.1, and a policy whose one
-// grant (west, runner in argo) has access: gateway. It returns the broker
-// and the gateway's URL.
-func startGatewayBroker(t *testing.T, c *testcluster.Cluster) (*brokerEnv, string) {
-	t.Helper()
-	e := newBrokerEnv(t, c)
-	pkiDir := filepath.Join(e.dir, "pki")
-	// The URL is in every gateway kubeconfig, so the port is chosen before
-	// the broker starts; the serving certificate names 127.0.0.1.
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	e.args = append(e.args, "--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"),
-		"--gateway-address", addr, "--gateway-url", "https://"+addr)
-	writeFile(t, e.policy, fmt.Sprintf(`cluster:
-  name: east
-  server: %s
-  caFile: cluster-ca.crt
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://e2e.example/cluster/west
-    grants:
-      - namespaces: [argo]
-        serviceAccounts: [runner]
-        maxTTL: 12h
-        access: gateway
-`, c.URL))
-	e.launch(t)
-	t.Logf("broker with the lease gateway at %s ready %s after start", addr, e.startup.Round(time.Millisecond))
-	return e, "https://" + addr
-}
-
-// gatewayConnections is the broker's tokenbroker_gateway_connections: the
-// open connections of its gateway leases, of every peer (west's alone
-// here).
-func gatewayConnections(t *testing.T, e *brokerEnv) float64 {
-	t.Helper()
-	n, _ := sumSamples(t, run(t, "curl", "-sSf", "http://"+e.ops+"/metrics"), "tokenbroker_gateway_connections")
-	return n
 }
 
 // stampEnd sends the time done closes.
