@@ -50,21 +50,11 @@ const revocationBound = 2 * time.Second
 // them are refused, and so is every consumer's next request.
 func TestConsumersReachTheTargetThroughTheLeaseGatewayAndLoseItsWatchesAtRevocation(t *testing.T) {
 	t.Parallel()
-	bins := map[string]string{}
-	var bmu sync.Mutex
-	var built sync.WaitGroup
-	for _, c := range []string{consumerAdmiralty, consumerArgoCD, consumerFlux, consumerKargo} {
-		built.Go(func() {
-			p := consumerBinary(t, c)
-			bmu.Lock()
-			bins[c] = p
-			bmu.Unlock()
-		})
-	}
+	bins, built := consumerBinaries(t, consumerAdmiralty, consumerArgoCD, consumerFlux, consumerKargo)
 	east, west := startTwoClusters(t)
 	setUpTarget(t, east)
 	grantWatch(t, east, "argo", "runner", "configmaps")
-	built.Wait()
+	built()
 
 	e, gatewayURL := startBrokerWithGateway(t, east, `      - namespaces: [argo]
         serviceAccounts: [runner]
@@ -278,13 +268,7 @@ func TestMultiKueueDispatchesThroughTheLeaseGatewayAndLosesTheWorkerAtRevocation
 	// The worker, east: the ServiceAccount with the guide's RBAC, the
 	// broker and its gateway, Kueue and its queues.
 	ctx := context.Background()
-	for _, c := range []*testcluster.Cluster{east, west} {
-		_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kueue-system"}}, metav1.CreateOptions{})
-		require.NoError(t, err)
-	}
-	_, err := east.Client.CoreV1().ServiceAccounts("kueue-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "multikueue"}}, metav1.CreateOptions{})
-	require.NoError(t, err)
-	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: multikueue-remote}"))
+	setUpMultiKueueWorker(t, kubectl, guide, east, west)
 	e, gatewayURL := startBrokerWithGateway(t, east, `      - namespaces: [kueue-system]
         serviceAccounts: [multikueue]
         access: gateway

@@ -53,6 +53,24 @@ func consumerBinary(t *testing.T, consumer string) string {
 	return p
 }
 
+// consumerBinaries builds the checkers of consumers in the background; the
+// map holds their paths once wait has returned.
+func consumerBinaries(t *testing.T, consumers ...string) (bins map[string]string, wait func()) {
+	t.Helper()
+	bins = map[string]string{}
+	var mu sync.Mutex
+	var built sync.WaitGroup
+	for _, c := range consumers {
+		built.Go(func() {
+			p := consumerBinary(t, c)
+			mu.Lock()
+			bins[c] = p
+			mu.Unlock()
+		})
+	}
+	return bins, built.Wait
+}
+
 // consumerCheck is one Secret loaded by one consumer.
 type consumerCheck struct {
 	consumer  string
@@ -93,20 +111,10 @@ func (c consumerCheck) run(t *testing.T, bins map[string]string, source *testclu
 // tls-server-name could not verify the certificate.
 func TestConsumersLoadTheAgentsSecretsWithTheirOwnCode(t *testing.T) {
 	t.Parallel()
-	bins := map[string]string{}
-	var bmu sync.Mutex
-	var built sync.WaitGroup
-	for _, c := range []string{consumerAdmiralty, consumerArgoCD, consumerFlux, consumerKargo} {
-		built.Go(func() {
-			p := consumerBinary(t, c)
-			bmu.Lock()
-			bins[c] = p
-			bmu.Unlock()
-		})
-	}
+	bins, built := consumerBinaries(t, consumerAdmiralty, consumerArgoCD, consumerFlux, consumerKargo)
 	east, west := startTwoClusters(t)
 	setUpTarget(t, east)
-	built.Wait()
+	built()
 
 	// east's API server as peers see it: https://east.tokenbroker.test,
 	// a name only the proxy knows, with SNI kubernetes.default (in the

@@ -265,13 +265,7 @@ rules:
 	// The worker: the ServiceAccount with the guide's RBAC, a broker
 	// granting it to west, Kueue and its queues.
 	ctx := context.Background()
-	for _, c := range []*testcluster.Cluster{east, west} {
-		_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kueue-system"}}, metav1.CreateOptions{})
-		require.NoError(t, err)
-	}
-	_, err := east.Client.CoreV1().ServiceAccounts("kueue-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "multikueue"}}, metav1.CreateOptions{})
-	require.NoError(t, err)
-	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: multikueue-remote}"))
+	setUpMultiKueueWorker(t, kubectl, guide, east, west)
 	e := newBrokerEnv(t, east)
 	writeFile(t, e.policy, fmt.Sprintf(`cluster:
   name: east
@@ -494,4 +488,18 @@ spec:
 	default:
 	}
 	require.Equal(t, 1, strings.Count(manager.logs.String(), "starting Kueue"), "Kueue was not restarted")
+}
+
+// setUpMultiKueueWorker makes kueue-system in both clusters and, in the
+// worker east, the ServiceAccount multikueue with the guide's RBAC.
+func setUpMultiKueueWorker(t *testing.T, kubectl, guide string, east, west *testcluster.Cluster) {
+	t.Helper()
+	ctx := t.Context()
+	for _, c := range []*testcluster.Cluster{east, west} {
+		_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kueue-system"}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	}
+	_, err := east.Client.CoreV1().ServiceAccounts("kueue-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "multikueue"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: multikueue-remote}"))
 }

@@ -23,26 +23,10 @@ import (
 	"github.com/tokenbroker/tokenbroker/test/conformance/consumers/check"
 )
 
-func main() { check.Main("admiralty", run, check.WithWatch(watch)) }
-
-func run(ctx context.Context, a check.Args) (*check.Result, error) {
-	cfg, err := load(ctx, a)
-	if err != nil {
-		return nil, err
-	}
-	return check.ListWith(ctx, cfg, a)
-}
-
-// watch is the watch mode: Admiralty's controllers watch their targets
-// with client-go informers, here one of ConfigMaps, built from the REST
-// config Admiralty's loader made.
-func watch(ctx context.Context, a check.Args, w *check.Watcher) error {
-	cfg, err := load(ctx, a)
-	if err != nil {
-		return err
-	}
-	return check.InformerWatch(ctx, cfg, a, w)
-}
+// main lists with the REST config Admiralty's loader made and, in watch
+// mode, runs a client-go informer of ConfigMaps on it, as Admiralty's
+// controllers watch their targets.
+func main() { check.Loaded("admiralty", load) }
 
 // load turns the Secret into a REST config as addTarget does.
 func load(ctx context.Context, a check.Args) (*rest.Config, error) {

@@ -316,3 +316,22 @@ func runWatch(consumer string, fn WatchFunc, a Args) int {
 		return 0
 	}
 }
+
+// Loaded is Main for a consumer whose own code turns the Secret into a
+// REST config (load): the check lists with it, and the watch mode runs a
+// client-go informer on it, as the consumer's controllers do.
+func Loaded(consumer string, load func(ctx context.Context, a Args) (*rest.Config, error)) {
+	Main(consumer, func(ctx context.Context, a Args) (*Result, error) {
+		cfg, err := load(ctx, a)
+		if err != nil {
+			return nil, err
+		}
+		return ListWith(ctx, cfg, a)
+	}, WithWatch(func(ctx context.Context, a Args, w *Watcher) error {
+		cfg, err := load(ctx, a)
+		if err != nil {
+			return err
+		}
+		return InformerWatch(ctx, cfg, a, w)
+	}))
+}

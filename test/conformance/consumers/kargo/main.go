@@ -30,26 +30,10 @@ import (
 // chartKey is the only key Kargo's chart projects.
 const chartKey = "kubeconfig.yaml"
 
-func main() { check.Main("kargo", run, check.WithWatch(watch)) }
-
-func run(ctx context.Context, a check.Args) (*check.Result, error) {
-	cfg, err := load(ctx, a)
-	if err != nil {
-		return nil, err
-	}
-	return check.ListWith(ctx, cfg, a)
-}
-
-// watch is the watch mode: Kargo's controllers watch through
-// controller-runtime's client-go informers, here one of ConfigMaps built
-// from the REST config Kargo's loader made.
-func watch(ctx context.Context, a check.Args, w *check.Watcher) error {
-	cfg, err := load(ctx, a)
-	if err != nil {
-		return err
-	}
-	return check.InformerWatch(ctx, cfg, a, w)
-}
+// main lists with the REST config Kargo's loader made and, in watch
+// mode, runs a client-go informer of ConfigMaps on it, as Kargo's
+// controllers watch through controller-runtime.
+func main() { check.Loaded("kargo", load) }
 
 // load projects the Secret's key as the chart does and loads it as
 // Kargo does at start.
