@@ -6,8 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"sort"
 	"sync"
+	"syscall"
 	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
@@ -65,7 +69,14 @@ type gatewayReport struct {
 	CloseMaxMs       float64 `json:"close_max_ms"`
 	RefusedAfterMs   float64 `json:"new_request_refused_after_ms"`
 	SlowReaderRSSKiB float64 `json:"slow_reader_rss_growth_kib"`
+	// TwoReplicas is gatewayReplicaWatches watches through one lease,
+	// half on each of two replicas, and its revocation.
+	TwoReplicas *replicaReport `json:"two_replicas,omitempty"`
 }
+
+// gatewayReplicaWatches is the watches of the two-replica row (the
+// issue's 10,000 through two replicas).
+const gatewayReplicaWatches = 10000
 
 // setUpGateway makes the gateway's ServiceAccount, its RBAC, and the
 // ConfigMaps the rows read.
@@ -201,6 +212,9 @@ func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProce
 	}
 	if rep.SlowReaderRSSKiB, err = slowReader(ctx, c, br, body); err != nil {
 		return nil, fmt.Errorf("slow reader: %w", err)
+	}
+	if rep.TwoReplicas, err = watchesOnTwoReplicas(ctx, br, body, gatewayReplicaWatches); err != nil {
+		return nil, fmt.Errorf("two replicas: %w", err)
 	}
 	return rep, nil
 }
@@ -391,4 +405,146 @@ func (r *gatewayReport) print() {
 	fmt.Printf("  %d open watches through one lease: %.1f KiB RSS each (goal ≤ 64 KiB); revoked: all closed p50 %.1f ms, p99 %.1f ms, max %.1f ms after the DELETE (goal p99 ≤ 1 s); new requests refused %.1f ms after it (goal ≤ 100 ms)\n",
 		r.Watches, r.RSSPerWatchKiB, r.CloseP50Ms, r.CloseP99Ms, r.CloseMaxMs, r.RefusedAfterMs)
 	fmt.Printf("  a watch whose client reads nothing, sent 10,000 events: the broker's RSS grew %.0f KiB\n", r.SlowReaderRSSKiB)
+	if t := r.TwoReplicas; t != nil {
+		fmt.Printf("  %d open watches through one lease, half on each of two replicas: RSS per watch %.1f and %.1f KiB (goal ≤ 64 KiB); revoked: closed p99 %.0f and %.0f ms, max %.0f and %.0f ms after the DELETE (goal p99 ≤ 1 s on every replica)\n",
+			t.Watches, t.RSSPerWatchKiB[0], t.RSSPerWatchKiB[1], t.CloseP99Ms[0], t.CloseP99Ms[1], t.CloseMaxMs[0], t.CloseMaxMs[1])
+	}
+}
+
+// startReplica starts a second "tokenbroker serve" of b's files (its CA,
+// certificates and policy: a replica of the same broker) on ports of its
+// own, and returns it with its gateway's URL.
+func startReplica(ctx context.Context, b *brokerProcess) (*brokerProcess, string, error) {
+	args := append([]string(nil), b.cmd.Args[1:]...)
+	api, ops, gateway := freeAddr(), freeAddr(), freeAddr()
+	for i := 0; i+1 < len(args); i++ {
+		switch args[i] {
+		case "--listen-address":
+			args[i+1] = api
+		case "--ops-address":
+			args[i+1] = ops
+		case "--gateway-address":
+			args[i+1] = gateway
+		case "--gateway-url":
+			args[i+1] = "https://" + gateway
+		}
+	}
+	r := &brokerProcess{cmd: exec.CommandContext(ctx, b.cmd.Path, args...), url: "https://" + api, opsURL: "http://" + ops, client: b.client, bin: b.bin}
+	logFile, err := os.Create(filepath.Join(b.dir, "replica.log"))
+	if err != nil {
+		return nil, "", err
+	}
+	defer logFile.Close()
+	r.cmd.Stdout, r.cmd.Stderr = logFile, logFile
+	r.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := r.cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	for start := time.Now(); ; time.Sleep(5 * time.Millisecond) {
+		if resp, err := http.Get(r.opsURL + "/readyz"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return r, "https://" + gateway, nil
+			}
+		}
+		if time.Since(start) > 30*time.Second {
+			r.stop()
+			return nil, "", fmt.Errorf("replica not ready after 30s; log in %s", filepath.Join(b.dir, "replica.log"))
+		}
+	}
+}
+
+// watchesOnTwoReplicas opens count watches through one lease, half
+// through br's gateway and half through a replica's, and measures each
+// broker's RSS per open watch and how long after the DELETE's answer the
+// watches of each were all closed.
+func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, count int) (*replicaReport, error) {
+	replica, replicaGateway, err := startReplica(ctx, br)
+	if err != nil {
+		return nil, err
+	}
+	defer replica.stop()
+	var lease apiv1.KubeconfigResponse
+	if err := br.postKubeconfig(ctx, body, http.StatusCreated, &lease); err != nil {
+		return nil, err
+	}
+	cfg, err := clientcmd.RESTConfigFromKubeConfig([]byte(lease.Kubeconfig))
+	if err != nil {
+		return nil, err
+	}
+	cfg.QPS, cfg.Burst = brokerKubeQPS, brokerKubeBurst
+	other := rest.CopyConfig(cfg)
+	other.Host = replicaGateway
+	procs := []*brokerProcess{br, replica}
+	rep := &replicaReport{Watches: count}
+	var ws []watch.Interface
+	defer func() {
+		for _, w := range ws {
+			w.Stop()
+		}
+	}()
+	owner := make([]int, 0, count)
+	for i, c := range []*rest.Config{cfg, other} {
+		cs, err := kubernetes.NewForConfig(c)
+		if err != nil {
+			return nil, err
+		}
+		before := rssMB(procs[i].cmd.Process.Pid)
+		for range count / 2 {
+			w, err := cs.CoreV1().ConfigMaps("bench").Watch(ctx, metav1.ListOptions{LabelSelector: "bench=none"})
+			if err != nil {
+				return nil, err
+			}
+			ws = append(ws, w)
+			owner = append(owner, i)
+		}
+		time.Sleep(2 * time.Second) // every stream settled
+		rep.RSSPerWatchKiB = append(rep.RSSPerWatchKiB, (rssMB(procs[i].cmd.Process.Pid)-before)*1024/float64(count/2))
+	}
+	ended := make([]time.Time, len(ws))
+	var wg sync.WaitGroup
+	for i, w := range ws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range w.ResultChan() {
+			}
+			ended[i] = time.Now()
+		}()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, br.url+"/v1/leases/"+lease.LeaseID, nil)
+	if err != nil {
+		return nil, err
+	}
+	if err := brokerDo(br, req, http.StatusNoContent, nil); err != nil {
+		return nil, err
+	}
+	revoked := time.Now()
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(60 * time.Second):
+		return nil, errors.New("watches still open 60s after the revocation")
+	}
+	for p := range procs {
+		var after []float64
+		for i, t := range ended {
+			if owner[i] == p {
+				after = append(after, ms(t.Sub(revoked)))
+			}
+		}
+		sort.Float64s(after)
+		rep.CloseP99Ms = append(rep.CloseP99Ms, pctF(after, .99))
+		rep.CloseMaxMs = append(rep.CloseMaxMs, after[len(after)-1])
+	}
+	return rep, nil
+}
+
+// replicaReport is watchesOnTwoReplicas' figures, one per replica.
+type replicaReport struct {
+	Watches        int       `json:"open_watches"`
+	RSSPerWatchKiB []float64 `json:"rss_per_watch_kib"`
+	CloseP99Ms     []float64 `json:"close_p99_ms"`
+	CloseMaxMs     []float64 `json:"close_max_ms"`
 }
