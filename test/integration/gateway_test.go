@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"strings"
@@ -14,15 +15,18 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/serializer/cbor"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	applycorev1 "k8s.io/client-go/applyconfigurations/core/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
@@ -58,9 +62,9 @@ rules:
 
 // setUpGateway starts a cluster with an audit log and a broker with the
 // lease gateway; runner in argo may read and write ConfigMaps there.
-func setUpGateway(t *testing.T) (*stack, *http.Client) {
+func setUpGateway(t *testing.T, opts ...testcluster.Option) (*stack, *http.Client) {
 	t.Helper()
-	c := testcluster.Start(t, testcluster.WithAuditPolicy(gatewayAuditPolicy))
+	c := testcluster.Start(t, append([]testcluster.Option{testcluster.WithAuditPolicy(gatewayAuditPolicy)}, opts...)...)
 	ctx := context.Background()
 	ensureNamespace(t, c, "argo")
 	for _, sa := range []string{"runner", "direct-runner"} {
@@ -430,4 +434,56 @@ func TestAPeerOnTheDenyListLosesItsGatewayWatches(t *testing.T) {
 	t.Logf("the denied peer's watch ended %s after the deny list's write", time.Since(written).Round(time.Millisecond))
 	_, err = cs.CoreV1().ConfigMaps("argo").Get(ctx, "proto", metav1.GetOptions{})
 	require.True(t, apierrors.IsForbidden(err), "refused as forbidden: %v", err)
+}
+
+// The gateway does not look at bodies: whatever encoding the API server
+// serves (JSON, protobuf, CBOR, YAML), the gateway answers alike, for the
+// same ServiceAccount: byte for byte, or the same object for CBOR.
+func TestTheGatewayAnswersEveryEncodingAsTheAPIServerDoes(t *testing.T) {
+	// CBOR is served behind a feature gate (off by default in 1.37).
+	s, west := setUpGateway(t, testcluster.WithAPIServerArgs("--feature-gates=CBORServingAndStorage=true"))
+	ctx := context.Background()
+	resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessGateway})
+	_, gwCfg := gatewayClient(t, resp.Kubeconfig)
+	_, err := s.cluster.Client.CoreV1().ConfigMaps("argo").Create(ctx, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "enc"}, Data: map[string]string{"k": "v"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	secs := int64(600)
+	tr, err := s.cluster.Client.CoreV1().ServiceAccounts("argo").CreateToken(ctx, "runner", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &secs}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	directCfg := &rest.Config{Host: s.cluster.URL, BearerToken: tr.Status.Token, TLSClientConfig: rest.TLSClientConfig{CAData: s.cluster.CAData}}
+	get := func(cfg *rest.Config, accept string) (int, string, []byte) {
+		t.Helper()
+		rt, err := rest.TransportFor(cfg)
+		require.NoError(t, err)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.Host+"/api/v1/namespaces/argo/configmaps/enc", nil)
+		require.NoError(t, err)
+		req.Header.Set("Accept", accept)
+		res, err := (&http.Client{Transport: rt, Timeout: 10 * time.Second}).Do(req)
+		require.NoError(t, err)
+		defer res.Body.Close()
+		body, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		return res.StatusCode, res.Header.Get("Content-Type"), body
+	}
+	for _, accept := range []string{"application/json", "application/vnd.kubernetes.protobuf", "application/cbor", "application/yaml"} {
+		t.Run(accept, func(t *testing.T) {
+			dStatus, dType, dBody := get(directCfg, accept)
+			gStatus, gType, gBody := get(gwCfg, accept)
+			t.Logf("the API server answers %s with %d %s", accept, dStatus, dType)
+			require.Equal(t, dStatus, gStatus)
+			require.Equal(t, dType, gType)
+			if accept != "application/cbor" {
+				require.Equal(t, dBody, gBody)
+				return
+			}
+			// The API server's CBOR encoder orders map keys as it pleases:
+			// the same object, decoded.
+			dec := cbor.NewSerializer(scheme.Scheme, scheme.Scheme)
+			d, _, err := dec.Decode(dBody, nil, nil)
+			require.NoError(t, err)
+			g, _, err := dec.Decode(gBody, nil, nil)
+			require.NoError(t, err)
+			require.Equal(t, d, g)
+		})
+	}
 }
