@@ -46,7 +46,9 @@ func consumerBinary(t *testing.T, consumer string) string {
 		dir = filepath.Join(repoRoot(t), "bin")
 	}
 	p := filepath.Join(dir, "conformance-"+consumer)
-	cmd := exec.Command("go", "build", "-o", p, ".")
+	// The flags of make conformance-bins, so that a binary it built is up
+	// to date here rather than linked again.
+	cmd := exec.Command("go", "build", "-ldflags", "-s -w", "-o", p, ".")
 	cmd.Dir = filepath.Join(repoRoot(t), "test", "conformance", "consumers", consumer)
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "build the %s checker:\n%s", consumer, out)
