@@ -299,42 +299,21 @@ func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.Ku
 	rep.Watches = count
 	rep.RSSPerWatchKiB = (rssMB(br.cmd.Process.Pid) - before) * 1024 / float64(count)
 
-	ended := make([]time.Time, count)
-	var wg sync.WaitGroup
-	for i, w := range ws {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range w.ResultChan() {
+	revoked, ended, err := revokeWhileWatching(ctx, br, lease.LeaseID, ws, 30*time.Second, func(revoked time.Time) error {
+		// New requests: refused how long after the DELETE's answer?
+		for {
+			_, err := gw.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
+			if apierrors.IsUnauthorized(err) {
+				rep.RefusedAfterMs = ms(time.Since(revoked))
+				return nil
 			}
-			ended[i] = time.Now()
-		}()
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, br.url+"/v1/leases/"+lease.LeaseID, nil)
+			if time.Since(revoked) > 30*time.Second {
+				return errors.New("requests still served 30s after the revocation")
+			}
+		}
+	})
 	if err != nil {
 		return err
-	}
-	if err := brokerDo(br, req, http.StatusNoContent, nil); err != nil {
-		return err
-	}
-	revoked := time.Now()
-	// New requests: refused how long after the DELETE's answer?
-	for {
-		_, err := gw.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
-		if apierrors.IsUnauthorized(err) {
-			rep.RefusedAfterMs = ms(time.Since(revoked))
-			break
-		}
-		if time.Since(revoked) > 30*time.Second {
-			return errors.New("requests still served 30s after the revocation")
-		}
-	}
-	waited := make(chan struct{})
-	go func() { wg.Wait(); close(waited) }()
-	select {
-	case <-waited:
-	case <-time.After(30 * time.Second):
-		return errors.New("watches still open 30s after the revocation")
 	}
 	after := make([]float64, count)
 	for i, t := range ended {
@@ -501,31 +480,9 @@ func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, c
 		time.Sleep(2 * time.Second) // every stream settled
 		rep.RSSPerWatchKiB = append(rep.RSSPerWatchKiB, (rssMB(procs[i].cmd.Process.Pid)-before)*1024/float64(count/2))
 	}
-	ended := make([]time.Time, len(ws))
-	var wg sync.WaitGroup
-	for i, w := range ws {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range w.ResultChan() {
-			}
-			ended[i] = time.Now()
-		}()
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, br.url+"/v1/leases/"+lease.LeaseID, nil)
+	revoked, ended, err := revokeWhileWatching(ctx, br, lease.LeaseID, ws, 60*time.Second, nil)
 	if err != nil {
 		return nil, err
-	}
-	if err := brokerDo(br, req, http.StatusNoContent, nil); err != nil {
-		return nil, err
-	}
-	revoked := time.Now()
-	waited := make(chan struct{})
-	go func() { wg.Wait(); close(waited) }()
-	select {
-	case <-waited:
-	case <-time.After(60 * time.Second):
-		return nil, errors.New("watches still open 60s after the revocation")
 	}
 	for p := range procs {
 		var after []float64
@@ -547,4 +504,43 @@ type replicaReport struct {
 	RSSPerWatchKiB []float64 `json:"rss_per_watch_kib"`
 	CloseP99Ms     []float64 `json:"close_p99_ms"`
 	CloseMaxMs     []float64 `json:"close_max_ms"`
+}
+
+// revokeWhileWatching notes when each of ws ends, revokes the lease id
+// through br, runs afterDelete (if set) with the moment the DELETE was
+// answered, and waits at most timeout for every watch to end. It returns
+// that moment and each watch's end.
+func revokeWhileWatching(ctx context.Context, br *brokerProcess, id string, ws []watch.Interface, timeout time.Duration, afterDelete func(revoked time.Time) error) (time.Time, []time.Time, error) {
+	ended := make([]time.Time, len(ws))
+	var wg sync.WaitGroup
+	for i, w := range ws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range w.ResultChan() {
+			}
+			ended[i] = time.Now()
+		}()
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, br.url+"/v1/leases/"+id, nil)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	if err := brokerDo(br, req, http.StatusNoContent, nil); err != nil {
+		return time.Time{}, nil, err
+	}
+	revoked := time.Now()
+	if afterDelete != nil {
+		if err := afterDelete(revoked); err != nil {
+			return time.Time{}, nil, err
+		}
+	}
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(timeout):
+		return time.Time{}, nil, fmt.Errorf("watches still open %s after the revocation", timeout)
+	}
+	return revoked, ended, nil
 }
