@@ -297,21 +297,7 @@ opsAddress: %q
 	lease := sec.Annotations[annLeaseID]
 
 	startProcess(t, bin, "--role", "manager", "--kubeconfig", west.KubeconfigPath)
-	applyYAML(t, kubectl, west, kueueQueues("multikueue")+`---
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: AdmissionCheck
-metadata: {name: multikueue}
-spec:
-  controllerName: kueue.x-k8s.io/multikueue
-  parameters: {apiGroup: kueue.x-k8s.io, kind: MultiKueueConfig, name: workers}
----
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: MultiKueueConfig
-metadata: {name: workers}
-spec:
-  clusters: [worker1]
----
-`+fencedBlock(t, guide, "yaml", "apiVersion: kueue.x-k8s.io/v1beta2\nkind: MultiKueueCluster\nmetadata: {name: worker1}\nspec:\n  clusterSource:\n    kubeConfig"))
+	applyYAML(t, kubectl, west, multiKueueManagerObjects(fencedBlock(t, guide, "yaml", "apiVersion: kueue.x-k8s.io/v1beta2\nkind: MultiKueueCluster\nmetadata: {name: worker1}\nspec:\n  clusterSource:\n    kubeConfig")))
 
 	westDyn := dynamic.NewForConfigOrDie(west.Config)
 	mkc := westDyn.Resource(multiKueueClusterGVR)

@@ -324,21 +324,7 @@ opsAddress: %q
 	}
 	agentProc.waitReady(t)
 	manager := startProcess(t, bin, managerArgs...)
-	applyYAML(t, kubectl, west, kueueQueues("multikueue")+`---
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: AdmissionCheck
-metadata: {name: multikueue}
-spec:
-  controllerName: kueue.x-k8s.io/multikueue
-  parameters: {apiGroup: kueue.x-k8s.io, kind: MultiKueueConfig, name: workers}
----
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: MultiKueueConfig
-metadata: {name: workers}
-spec:
-  clusters: [worker1]
----
-`+mkCluster)
+	applyYAML(t, kubectl, west, multiKueueManagerObjects(mkCluster))
 
 	westDyn := dynamic.NewForConfigOrDie(west.Config)
 	mkc := westDyn.Resource(multiKueueClusterGVR)
@@ -502,4 +488,25 @@ func setUpMultiKueueWorker(t *testing.T, kubectl, guide string, east, west *test
 	_, err := east.Client.CoreV1().ServiceAccounts("kueue-system").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "multikueue"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	applyYAML(t, kubectl, east, fencedBlock(t, guide, "yaml", "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: multikueue-remote}"))
+}
+
+// multiKueueManagerObjects are the manager's queues, its MultiKueue
+// AdmissionCheck and config naming the worker worker1, and cluster, the
+// worker's MultiKueueCluster.
+func multiKueueManagerObjects(cluster string) string {
+	return kueueQueues("multikueue") + `---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: AdmissionCheck
+metadata: {name: multikueue}
+spec:
+  controllerName: kueue.x-k8s.io/multikueue
+  parameters: {apiGroup: kueue.x-k8s.io, kind: MultiKueueConfig, name: workers}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: MultiKueueConfig
+metadata: {name: workers}
+spec:
+  clusters: [worker1]
+---
+` + cluster
 }
