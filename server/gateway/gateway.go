@@ -42,18 +42,6 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// Leases is what the gateway reads of the live leases: the lease counter
-// (lease.Counter).
-type Leases interface {
-	// Holds reports whether namespace/name is a live lease under uid at
-	// now.
-	Holds(namespace, name string, uid types.UID, now time.Time) (time.Time, bool)
-	// WaitAdded is closed at the next lease Secret the counter learns of.
-	WaitAdded() <-chan struct{}
-	// Synced reports whether every watched namespace was listed once.
-	Synced() bool
-}
-
 // DenyList is the revocation deny list (enrollment.RevocationList).
 type DenyList interface {
 	Revoked(identity string, serials ...string) bool
@@ -267,37 +255,6 @@ func (g *Gateway) Gone(namespace, name string, uid types.UID) {
 	g.end(key, reasonRevoked)
 }
 
-// remember keeps key among the leases gone lately, for as long as a
-// request of it could wait for a new lease.
-func (g *Gateway) remember(key string) {
-	now := g.cfg.Clock.Now()
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if len(g.gone) >= maxRecentlyGone {
-		for k, until := range g.gone {
-			if !now.Before(until) {
-				delete(g.gone, k)
-			}
-		}
-		if len(g.gone) >= maxRecentlyGone {
-			return
-		}
-	}
-	g.gone[key] = now.Add(newLeaseAge + newLeaseWait)
-}
-
-// goneLately reports whether the counter reported key gone lately.
-func (g *Gateway) goneLately(key string) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	until, ok := g.gone[key]
-	if ok && !g.cfg.Clock.Now().Before(until) {
-		delete(g.gone, key)
-		return false
-	}
-	return ok
-}
-
 // end closes the connections of the lease key; the releases of their
 // close remove the lease.
 func (g *Gateway) end(key, reason string) {
@@ -479,35 +436,6 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	g.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), ctxKey{}, &forwarded{lease: n, token: token, auditID: ev.APIAuditID})))
 	ev.Decision, ev.Status = audit.DecisionAllow, sw.status()
 	g.done(ev, start)
-}
-
-// live reports whether the lease n names is live. A lease whose
-// certificate was signed moments ago may not have reached the counter
-// yet: wait a little for it.
-func (g *Gateway) live(ctx context.Context, n pki.LeaseName, issued time.Time) bool {
-	name, uid := secretName(n), types.UID(n.UID)
-	if _, ok := g.cfg.Leases.Holds(n.Namespace, name, uid, g.cfg.Clock.Now()); ok {
-		return true
-	}
-	// NotBefore is backdated by pki.Backdate.
-	if g.cfg.Clock.Since(issued.Add(pki.Backdate)) > newLeaseAge || g.goneLately(leaseKey(n.Namespace, name, uid)) {
-		return false
-	}
-	deadline := g.cfg.Clock.NewTimer(newLeaseWait)
-	defer deadline.Stop()
-	for {
-		added := g.cfg.Leases.WaitAdded()
-		if _, ok := g.cfg.Leases.Holds(n.Namespace, name, uid, g.cfg.Clock.Now()); ok {
-			return true
-		}
-		select {
-		case <-added:
-		case <-deadline.C():
-			return false
-		case <-ctx.Done():
-			return false
-		}
-	}
 }
 
 func (g *Gateway) done(ev audit.Event, start time.Time) {
