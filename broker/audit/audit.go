@@ -37,6 +37,17 @@ const (
 	// lease was revoked or expired.
 	ActionGatewayRequest = "gateway_request"
 	ActionGatewayClose   = "gateway_close"
+	// ActionGatewayForward is a long-running request (a watch, an exec,
+	// attach or port-forward upgrade, a followed log) the lease gateway
+	// has just forwarded, written before it ends so that a stream running
+	// now, or cut by a replica that died, is on the record with the
+	// Audit-ID it carries (api_audit_id); ActionGatewayRequest follows
+	// when it ends, however it ends.
+	ActionGatewayForward = "gateway_forward"
+	// ActionGatewayUpgrade is the API server's 101 to an upgrade the lease
+	// gateway forwarded (status 101), written as the stream begins, before
+	// it ends; ActionGatewayRequest follows when it ends.
+	ActionGatewayUpgrade = "gateway_upgrade"
 
 	DecisionAllow = "allow"
 	DecisionDeny  = "deny"
