@@ -122,14 +122,11 @@ type Options struct {
 	// access gateway are issued (lease certificates from the signing CA,
 	// so --ca-cert-file is required) and their requests forwarded.
 	// GatewayURL is the gateway's URL as clients reach it, the server of
-	// every gateway kubeconfig. GatewayPodName and GatewayPodUID, from the
-	// downward API, bind the gateway's upstream tokens to the broker's
-	// Pod. GatewayMaxConnsPerLease and GatewayMaxConnsPerPeer bound the
-	// gateway's open connections (zero: the defaults).
+	// every gateway kubeconfig. GatewayMaxConnsPerLease and
+	// GatewayMaxConnsPerPeer bound the gateway's open connections (zero:
+	// the defaults).
 	GatewayAddress          string
 	GatewayURL              string
-	GatewayPodName          string
-	GatewayPodUID           string
 	GatewayMaxConnsPerLease int
 	GatewayMaxConnsPerPeer  int
 	// Pprof serves net/http/pprof on the operations listener.

@@ -40,8 +40,8 @@ func (g *gatewayParts) brokerConfig() *broker.Gateway {
 // newGateway builds the lease gateway of opts: lease certificates from the
 // signing CA, verified at the gateway against it and the previous CA
 // only; requests forwarded with tokens of the lease's ServiceAccount bound
-// to the broker's Pod; connections ended as the lease counter sees a lease
-// go.
+// to the lease Secret; connections ended as the lease counter sees a
+// lease go.
 func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter, deny gateway.DenyList, auditor audit.Auditor,
 	reg prometheus.Registerer, log *zap.Logger, signing *pki.CAReloader, previous enrollment.CACertificates,
 	sources func() enrollment.PublishSources, certs *pki.CertReloader) (*gatewayParts, error) {
@@ -53,10 +53,7 @@ func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter
 	if err != nil {
 		return nil, fmt.Errorf("register gateway metrics: %w", err)
 	}
-	tokens := &gateway.Tokens{SA: client.CoreV1(), Bound: gateway.PodRef(opts.GatewayPodName, opts.GatewayPodUID)}
-	if tokens.Bound == nil {
-		log.Warn("lease gateway: no --gateway-pod-name and --gateway-pod-uid (the downward API gives them): its upstream tokens are bound to no Pod and live 10 minutes")
-	}
+	tokens := &gateway.Tokens{SA: client.CoreV1()}
 	g, err := gateway.New(gateway.Config{
 		Upstream: upstream, Transport: plain, UpgradeTransport: upgrade,
 		Tokens: tokens.Token, Leases: leases, Deny: deny, Auditor: auditor, Metrics: m,

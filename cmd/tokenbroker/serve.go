@@ -101,8 +101,13 @@ func serveFlags() *pflag.FlagSet {
 	fs.String("enroll-address", "", "address of the enrollment listener (join tokens, no client certificate); empty disables it; needs --ca-cert-file")
 	fs.String("gateway-address", "", "address of the lease gateway's listener (lease certificates only), which grants with access: gateway need; empty disables it; needs --ca-cert-file and --gateway-url")
 	fs.String("gateway-url", "", "the lease gateway's https URL as clients reach it (https://host:port), the server of every gateway kubeconfig")
-	fs.String("gateway-pod-name", "", "the broker's Pod name (downward API: metadata.name), to bind the gateway's upstream tokens to the Pod")
-	fs.String("gateway-pod-uid", "", "the broker's Pod UID (downward API: metadata.uid), with --gateway-pod-name")
+	// Charts before the gateway's tokens were bound to the lease Secret
+	// pass these: accepted, with a warning, so that such a chart still
+	// starts the broker.
+	fs.String("gateway-pod-name", "", "")
+	fs.String("gateway-pod-uid", "", "")
+	_ = fs.MarkDeprecated("gateway-pod-name", "the gateway's upstream tokens are bound to each lease Secret; it does nothing")
+	_ = fs.MarkDeprecated("gateway-pod-uid", "the gateway's upstream tokens are bound to each lease Secret; it does nothing")
 	fs.Int("gateway-max-conns-per-lease", gateway.DefaultMaxConnsPerLease, "open gateway connections of one lease; one more is closed after its handshake")
 	fs.Int("gateway-max-conns-per-peer", gateway.DefaultMaxConnsPerPeer, "open gateway connections of all leases of one peer")
 	fs.String("ops-address", ":9090", "address of the operations listener (/healthz, /readyz, /metrics)")
@@ -147,8 +152,6 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		EnrollAddress:             v.GetString("enroll-address"),
 		GatewayAddress:            v.GetString("gateway-address"),
 		GatewayURL:                v.GetString("gateway-url"),
-		GatewayPodName:            v.GetString("gateway-pod-name"),
-		GatewayPodUID:             v.GetString("gateway-pod-uid"),
 		GatewayMaxConnsPerLease:   v.GetInt("gateway-max-conns-per-lease"),
 		GatewayMaxConnsPerPeer:    v.GetInt("gateway-max-conns-per-peer"),
 		OpsAddress:                v.GetString("ops-address"),

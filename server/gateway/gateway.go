@@ -6,8 +6,8 @@
 // (pki.GatewayTLSConfig). Every request is then checked against the live
 // lease Secret — the lease counter's memory, fed by a watch — and forwarded
 // to the API server as the lease's ServiceAccount with a token the
-// gateway holds (Tokens: one per ServiceAccount and replica, short-lived,
-// never sent to a client). The gateway keeps every connection of every
+// gateway holds (Tokens: one per lease and replica, short-lived, bound
+// to the lease Secret, never sent to a client). The gateway keeps every connection of every
 // lease; when the lease Secret goes (revoked through the API or the CLI,
 // collected, expired, its namespace out of its grant) or its peer is on
 // the deny list, it closes them all at once, open watches and exec,
@@ -77,7 +77,7 @@ type Config struct {
 	UpgradeTransport http.RoundTripper
 	// Tokens gives the token a request of namespace/serviceAccount is
 	// forwarded with.
-	Tokens func(ctx context.Context, namespace, serviceAccount string) (string, error)
+	Tokens func(ctx context.Context, lease pki.LeaseName) (string, error)
 	Leases Leases
 	// Deny, if set, refuses the leases of a revoked peer identity or a
 	// revoked lease certificate serial, and ends their connections.
@@ -417,7 +417,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		refuse(http.StatusUnauthorized, metav1.StatusReasonUnauthorized, "the lease is revoked or expired", "lease_gone")
 		return
 	}
-	token, err := g.cfg.Tokens(r.Context(), n.Namespace, n.ServiceAccount)
+	token, err := g.cfg.Tokens(r.Context(), n)
 	if err != nil {
 		g.cfg.Logger.Warn("lease gateway: no token to forward with", zap.String("lease_id", n.ID), zap.Error(err))
 		w.Header().Set("Retry-After", "1")

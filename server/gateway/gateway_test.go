@@ -140,7 +140,7 @@ func newFixture(t *testing.T, upstream *url.URL, transport http.RoundTripper, cf
 		transport = http.DefaultTransport
 	}
 	c := Config{Upstream: upstream, Transport: transport, UpgradeTransport: transport,
-		Tokens: func(context.Context, string, string) (string, error) { return "upstream-token", nil },
+		Tokens: func(context.Context, pki.LeaseName) (string, error) { return "upstream-token", nil },
 		Leases: f.leases, Deny: f.deny, Auditor: f.audit, Logger: zap.NewNop(), Clock: f.clock}
 	if cfg != nil {
 		cfg(&c)

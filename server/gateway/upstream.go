@@ -16,6 +16,8 @@ import (
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
+
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Per-stream and per-connection buffers of the upstream HTTP/2 client: a
@@ -88,20 +90,20 @@ const TokenTTL = 10 * time.Minute
 // before another is made.
 const failedTokenRetry = 5 * time.Second
 
-// maxTokens bounds the ServiceAccounts whose token is kept at once; past
-// it the expired ones are dropped, then the soonest to expire.
+// maxTokens bounds the leases whose token is kept at once; past it the
+// expired ones are dropped, then the soonest to expire.
 const maxTokens = 4096
 
-// Tokens keeps one token per ServiceAccount for the gateway to forward
-// with: made with the TokenRequest API when first needed, bound to the
-// broker's own Pod when Bound is set (so that it dies with the replica),
-// and made again at two thirds of its life. A token is never written
-// anywhere: it lives in this replica's memory only.
+// Tokens keeps one token per lease for the gateway to forward with: made
+// with the TokenRequest API when the lease's first request comes, bound
+// to the lease Secret (which lives in the ServiceAccount's namespace, as
+// the API server requires of a bound object), and made again at two
+// thirds of its life. Deleting the lease Secret — its revocation, by
+// whatever means — makes the API server refuse the token too, so a token
+// copied out of a replica's memory dies with the lease, or within
+// TokenTTL, whichever is first. A token is never written anywhere.
 type Tokens struct {
-	SA corev1client.ServiceAccountsGetter
-	// Bound, if set, is the broker's Pod (name and UID from the downward
-	// API): the tokens are bound to it.
-	Bound *authnv1.BoundObjectReference
+	SA    corev1client.ServiceAccountsGetter
 	Clock clock.PassiveClock
 
 	mu    sync.Mutex
@@ -116,11 +118,10 @@ type tokenEntry struct {
 	expires time.Time
 }
 
-// Token returns the token of namespace/serviceAccount, making one if
-// there is none or it is due for renewal. Concurrent callers wait on one
-// TokenRequest.
-func (t *Tokens) Token(ctx context.Context, namespace, serviceAccount string) (string, error) {
-	key := namespace + "/" + serviceAccount
+// Token returns the token of lease n, making one if there is none or it
+// is due for renewal. Concurrent callers wait on one TokenRequest.
+func (t *Tokens) Token(ctx context.Context, n pki.LeaseName) (string, error) {
+	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
 	now := t.now()
 	t.mu.Lock()
 	if t.cache == nil {
@@ -141,7 +142,7 @@ func (t *Tokens) Token(ctx context.Context, namespace, serviceAccount string) (s
 		t.evictLocked(now)
 		t.cache[key] = e
 		t.mu.Unlock()
-		t.make(ctx, e, namespace, serviceAccount)
+		t.make(ctx, e, n)
 	} else {
 		t.mu.Unlock()
 	}
@@ -156,14 +157,15 @@ func (t *Tokens) Token(ctx context.Context, namespace, serviceAccount string) (s
 	return e.token, nil
 }
 
-func (t *Tokens) make(ctx context.Context, e *tokenEntry, namespace, serviceAccount string) {
+func (t *Tokens) make(ctx context.Context, e *tokenEntry, n pki.LeaseName) {
 	defer close(e.done)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	secs := int64(TokenTTL / time.Second)
 	start := t.now()
-	out, err := t.SA.ServiceAccounts(namespace).CreateToken(ctx, serviceAccount, &authnv1.TokenRequest{
-		Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &secs, BoundObjectRef: t.Bound},
+	bound := &authnv1.BoundObjectReference{Kind: "Secret", APIVersion: "v1", Name: secretName(n), UID: types.UID(n.UID)}
+	out, err := t.SA.ServiceAccounts(n.Namespace).CreateToken(ctx, n.ServiceAccount, &authnv1.TokenRequest{
+		Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &secs, BoundObjectRef: bound},
 	}, metav1.CreateOptions{})
 	if err == nil && (out.Status.Token == "" || out.Status.ExpirationTimestamp.IsZero()) {
 		err = errors.New("the API server returned no token")
@@ -171,7 +173,7 @@ func (t *Tokens) make(ctx context.Context, e *tokenEntry, namespace, serviceAcco
 	if err != nil {
 		// Kept for a moment, so that a ServiceAccount that is gone costs
 		// one TokenRequest per failedTokenRetry, not one per request.
-		e.err = fmt.Errorf("token for %s/%s: %w", namespace, serviceAccount, err)
+		e.err = fmt.Errorf("token for %s/%s (lease %s): %w", n.Namespace, n.ServiceAccount, n.ID, err)
 		e.renewAt = start.Add(failedTokenRetry)
 		return
 	}
@@ -209,14 +211,4 @@ func (t *Tokens) now() time.Time {
 		return time.Now()
 	}
 	return t.Clock.Now()
-}
-
-// PodRef is the bound object of a replica's tokens: its Pod, when the
-// downward API gives its name and UID; nil otherwise (the tokens are
-// then bound to nothing, and live TokenTTL).
-func PodRef(name, uid string) *authnv1.BoundObjectReference {
-	if name == "" || uid == "" {
-		return nil
-	}
-	return &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: name, UID: types.UID(uid)}
 }

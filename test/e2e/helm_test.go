@@ -377,7 +377,6 @@ func TestHelmChartRenders(t *testing.T) {
 			"--max-conns=4096", "--max-handshakes=2048", "--max-handshakes-per-ip=256", "--max-conns-per-ip=1024",
 			"--max-conns-per-identity=512", "--handshake-timeout=2s",
 			"--gateway-address=:8445", "--gateway-url=https://tokenbroker.east.example.com:9445",
-			"--gateway-pod-name=$(POD_NAME)", "--gateway-pod-uid=$(POD_UID)",
 			"--gateway-max-conns-per-lease=32", "--gateway-max-conns-per-peer=512",
 		} {
 			require.Contains(t, ctr.Args, a)
