@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -20,7 +21,8 @@ import (
 
 // The demo environment of "tokenbroker dev": a dev PKI, demo objects in
 // the local cluster and a policy that lets one peer, DevPeer, obtain
-// kubeconfigs for DevNamespace/DevServiceAccount.
+// kubeconfigs for DevNamespace/DevServiceAccount (directly, and through
+// the lease gateway when the demo runs one).
 const (
 	DevTrustDomain    = "dev.tokenbroker.local"
 	DevPeer           = "west"
@@ -35,8 +37,11 @@ const (
 type DevFiles struct{ CACert, CAKey, ServerCert, ServerKey, ClientCert, ClientKey string }
 
 // devPKI keeps an existing dev CA (so a browser or script that trusts it
-// keeps working) and issues fresh leaf certificates on every start.
-func devPKI(dir, listen string) (DevFiles, error) {
+// keeps working) and issues fresh leaf certificates on every start. The
+// server certificate is valid for localhost, the loopback addresses and
+// the IP of each of listen (the broker's listeners) that is neither
+// loopback nor unspecified.
+func devPKI(dir string, listen []string) (DevFiles, error) {
 	f := DevFiles{
 		CACert: filepath.Join(dir, "ca.crt"), CAKey: filepath.Join(dir, "ca.key"),
 		ServerCert: filepath.Join(dir, "server.crt"), ServerKey: filepath.Join(dir, "server.key"),
@@ -53,9 +58,11 @@ func devPKI(dir, listen string) (DevFiles, error) {
 		return f, fmt.Errorf("dev CA: %w", err)
 	}
 	ips := []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}
-	if host, _, err := net.SplitHostPort(listen); err == nil {
-		if ip := net.ParseIP(host); ip != nil && !ip.IsUnspecified() && !ip.IsLoopback() {
-			ips = append(ips, ip)
+	for _, l := range listen {
+		if host, _, err := net.SplitHostPort(l); err == nil {
+			if ip := net.ParseIP(host); ip != nil && !ip.IsUnspecified() && !ip.IsLoopback() && !slices.ContainsFunc(ips, ip.Equal) {
+				ips = append(ips, ip)
+			}
 		}
 	}
 	srv, err := ca.IssueServer(pki.ServerOptions{DNSNames: []string{"localhost"}, IPAddresses: ips})
@@ -86,7 +93,7 @@ func clusterCAData(rc *rest.Config) ([]byte, error) {
 	return nil, errors.New("the admin kubeconfig has no certificate-authority; the dev broker needs the cluster's CA")
 }
 
-func writeDevPolicy(path, server string, clusterCA []byte) error {
+func writeDevPolicy(path, server string, clusterCA []byte, gateway bool) error {
 	caFile := filepath.Join(filepath.Dir(path), "cluster-ca.crt")
 	if err := os.WriteFile(caFile, clusterCA, 0o644); err != nil {
 		return err
@@ -111,6 +118,19 @@ peers:
         role: %s
         maxTTL: 2h
 `, server, DevPeer, DevTrustDomain, DevPeer, DevNamespace, DevServiceAccount, DevRole, DevNamespace, DevRole)
+	if gateway {
+		// After the direct grant, with the same maxTTL: a request that
+		// names no access keeps getting a direct lease (the first of
+		// equally generous grants wins).
+		pol += fmt.Sprintf(`      # The same ServiceAccount through the lease gateway: a request
+      # with "access":"gateway" gets a certificate good only there, and
+      # revoking the lease ends its open watches (docs/guides/gateway.md).
+      - namespaces: [%s]
+        serviceAccounts: [%s]
+        access: gateway
+        maxTTL: 2h
+`, DevNamespace, DevServiceAccount)
+	}
 	return os.WriteFile(path, []byte(pol), 0o644)
 }
 
@@ -160,16 +180,35 @@ func devObjects(ctx context.Context, c kubernetes.Interface) error {
 	return create("ConfigMap", err)
 }
 
-// PrepareDev sets up what a demo broker needs against a local cluster:
-// the demo namespace, ServiceAccount, Role and ConfigMap (existing ones
-// are kept), a dev PKI in dir (an existing dev CA is kept) and a policy
-// that lets the peer DevPeer obtain kubeconfigs for the demo
-// ServiceAccount. It returns the files and the policy file.
+// DevOptions are what SetUpDev prepares.
+type DevOptions struct {
+	// Dir holds the dev PKI and the policy.
+	Dir string
+	// Listen are the broker's listeners' addresses: the server
+	// certificate is valid for their IPs besides loopback.
+	Listen []string
+	// Gateway adds a grant with access gateway for the demo
+	// ServiceAccount, for a broker that runs the lease gateway.
+	Gateway bool
+}
+
+// PrepareDev is SetUpDev for a broker without the lease gateway listening
+// on listen.
 func PrepareDev(ctx context.Context, client kubernetes.Interface, admin *rest.Config, dir, listen string) (DevFiles, string, error) {
+	return SetUpDev(ctx, client, admin, DevOptions{Dir: dir, Listen: []string{listen}})
+}
+
+// SetUpDev sets up what a demo broker needs against a local cluster:
+// the demo namespace, ServiceAccount, Role and ConfigMap (existing ones
+// are kept), a dev PKI in o.Dir (an existing dev CA is kept) and a policy
+// that lets the peer DevPeer obtain kubeconfigs for the demo
+// ServiceAccount (and, with o.Gateway, gateway leases for it). It returns
+// the files and the policy file.
+func SetUpDev(ctx context.Context, client kubernetes.Interface, admin *rest.Config, o DevOptions) (DevFiles, string, error) {
 	if err := devObjects(ctx, client); err != nil {
 		return DevFiles{}, "", err
 	}
-	files, err := devPKI(dir, listen)
+	files, err := devPKI(o.Dir, o.Listen)
 	if err != nil {
 		return DevFiles{}, "", err
 	}
@@ -177,6 +216,6 @@ func PrepareDev(ctx context.Context, client kubernetes.Interface, admin *rest.Co
 	if err != nil {
 		return DevFiles{}, "", err
 	}
-	policyFile := filepath.Join(dir, "policy.yaml")
-	return files, policyFile, writeDevPolicy(policyFile, admin.Host, clusterCA)
+	policyFile := filepath.Join(o.Dir, "policy.yaml")
+	return files, policyFile, writeDevPolicy(policyFile, admin.Host, clusterCA, o.Gateway)
 }
