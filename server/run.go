@@ -123,12 +123,15 @@ type Options struct {
 	// so --ca-cert-file is required) and their requests forwarded.
 	// GatewayURL is the gateway's URL as clients reach it, the server of
 	// every gateway kubeconfig. GatewayMaxConnsPerLease and
-	// GatewayMaxConnsPerPeer bound the gateway's open connections (zero:
-	// the defaults).
-	GatewayAddress          string
-	GatewayURL              string
-	GatewayMaxConnsPerLease int
-	GatewayMaxConnsPerPeer  int
+	// GatewayMaxConnsPerPeer bound the gateway's open connections,
+	// GatewayMaxRequestsPerLease and GatewayMaxRequestsPerPeer its
+	// requests under way (zero: the defaults).
+	GatewayAddress             string
+	GatewayURL                 string
+	GatewayMaxConnsPerLease    int
+	GatewayMaxRequestsPerLease int
+	GatewayMaxRequestsPerPeer  int
+	GatewayMaxConnsPerPeer     int
 	// Pprof serves net/http/pprof on the operations listener.
 	Pprof bool
 	// ShutdownDelay and ReusePort: see Config.
@@ -246,6 +249,9 @@ func (o Options) Validate() error {
 	}
 	if o.GatewayMaxConnsPerLease < 0 || o.GatewayMaxConnsPerPeer < 0 {
 		errs = append(errs, errors.New("--gateway-max-conns-per-lease and --gateway-max-conns-per-peer must not be negative"))
+	}
+	if o.GatewayMaxRequestsPerLease < 0 || o.GatewayMaxRequestsPerPeer < 0 {
+		errs = append(errs, errors.New("--gateway-max-requests-per-lease and --gateway-max-requests-per-peer must not be negative"))
 	}
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
@@ -405,6 +411,8 @@ func Run(ctx context.Context, opts Options) error {
 			publishSources(certs, clientCAs, ca, previousCA), certs); err != nil {
 			return err
 		}
+	} else if n := pol.GatewayGrants(); n > 0 {
+		log.Warn("the policy has grants with access: gateway, but this broker runs no lease gateway (--gateway-address): their requests are answered 422", zap.Int("gateway_grants", n))
 	}
 	b, err := broker.New(broker.Config{
 		Secrets:        client.CoreV1(),

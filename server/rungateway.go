@@ -59,6 +59,7 @@ func newGateway(opts Options, client kubernetes.Interface, leases *lease.Counter
 		Tokens: tokens.Token, Leases: leases, Deny: deny, Auditor: auditor, Metrics: m,
 		Logger: log.Named("gateway"), Clock: clock.RealClock{},
 		MaxConnsPerLease: opts.GatewayMaxConnsPerLease, MaxConnsPerPeer: opts.GatewayMaxConnsPerPeer,
+		MaxRequestsPerLease: opts.GatewayMaxRequestsPerLease, MaxRequestsPerPeer: opts.GatewayMaxRequestsPerPeer,
 	})
 	if err != nil {
 		return nil, err

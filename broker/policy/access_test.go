@@ -70,3 +70,21 @@ peers:
 		})
 	}
 }
+
+func TestGatewayGrantsAreCounted(t *testing.T) {
+	p, err := Parse([]byte(`
+cluster: {name: east, server: "https://east.example:6443", caData: x}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    grants:
+      - {namespaces: [a], serviceAccounts: [sa-x], access: gateway}
+      - {namespaces: [a], serviceAccounts: [sa-y]}
+  - name: north
+    identity: spiffe://oc.example/cluster/north
+    grants:
+      - {namespaces: [b], serviceAccounts: [sa-z], access: gateway}
+`))
+	require.NoError(t, err)
+	require.Equal(t, 2, p.GatewayGrants())
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"reflect"
 	"strings"
 
@@ -11,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 	"github.com/spf13/viper"
 	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/yaml"
 
 	"github.com/tokenbroker/tokenbroker/agent/config"
 	"github.com/tokenbroker/tokenbroker/api/schema"
@@ -244,7 +246,7 @@ func validateServeConfig(path string) (problems, notes []apiv1.FieldError) {
 	}
 	flags := serveFlags()
 	problems, clean := schema.FlagFileProblems(flags, fv.AllSettings())
-	notes = joinTokenNotes(clean)
+	notes = append(joinTokenNotes(clean), gatewayNotes(clean)...)
 
 	// serve's checks, on the file's values and the defaults only: no
 	// environment, and the required flags set to something, since flags
@@ -288,6 +290,40 @@ func joinTokenNotes(settings map[string]any) []apiv1.FieldError {
 	}
 	return []apiv1.FieldError{{Field: "enroll-address",
 		Detail: "join tokens must name this broker: make them with \"pki join-token --audience\" " + name + "; tokens without an audience (made before the upgrade) are refused (401) unless accept-unbound-join-tokens: true"}}
+}
+
+// gatewayNotes explains, for a serve file, what keeps the lease gateway
+// from forwarding: the Pod flags older charts passed (ignored now), and a
+// policy whose gateway grants this broker would answer 422 because it
+// runs no gateway.
+func gatewayNotes(settings map[string]any) []apiv1.FieldError {
+	var notes []apiv1.FieldError
+	for _, k := range []string{"gateway-pod-name", "gateway-pod-uid"} {
+		if _, ok := settings[k]; ok {
+			notes = append(notes, apiv1.FieldError{Field: k,
+				Detail: "ignored: the gateway's upstream tokens are bound to each lease Secret (a token bound to the broker's Pod is refused for a ServiceAccount of another namespace); remove it"})
+		}
+	}
+	addr, _ := settings["gateway-address"].(string)
+	file, _ := settings["policy-file"].(string)
+	if addr != "" || file == "" {
+		return notes
+	}
+	// The policy's own problems are its validation's ("config validate
+	// policy.yaml"): only its grants are read here.
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return notes
+	}
+	var p policy.Policy
+	if yaml.Unmarshal(data, &p) != nil {
+		return notes
+	}
+	if n := p.GatewayGrants(); n > 0 {
+		notes = append(notes, apiv1.FieldError{Field: "gateway-address",
+			Detail: fmt.Sprintf("the policy (%s) has %d %s with access: gateway, but no gateway-address: this broker runs no lease gateway and answers their requests 422", file, n, plural(n, "grant"))})
+	}
+	return notes
 }
 
 // unjoin returns the errors errors.Join joined, or err alone.

@@ -352,6 +352,32 @@ func TestConfigValidateExplainsWhichJoinTokensAServeConfigRefuses(t *testing.T) 
 	}
 }
 
+func TestConfigValidateSaysWhatKeepsTheLeaseGatewayFromForwarding(t *testing.T) {
+	t.Parallel()
+	pol := writeTemp(t, "policy.yaml", `cluster: {name: east, server: 'https://east.example.com', caData: x}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    grants:
+      - {namespaces: [argo], serviceAccounts: [runner], access: gateway}
+`)
+	t.Run("gateway grants without a gateway are answered 422", func(t *testing.T) {
+		t.Parallel()
+		file := writeTemp(t, "broker.yaml", "policy-file: "+pol+"\n")
+		stdout, stderr, failed := validateArgs(t, "--kind", "serve", file)
+		require.False(t, failed, stdout+stderr)
+		require.Contains(t, stderr, "gateway-address: the policy ("+pol+") has 1 grant with access: gateway, but no gateway-address")
+	})
+	t.Run("the Pod flags of older charts are ignored, and said so", func(t *testing.T) {
+		t.Parallel()
+		file := writeTemp(t, "broker.yaml", "gateway-pod-name: tokenbroker-0\ngateway-pod-uid: 0f8fad5b-d9cb-469f-a165-70867728950e\n")
+		stdout, stderr, failed := validateArgs(t, "--kind", "serve", file)
+		require.False(t, failed, stdout+stderr)
+		require.Contains(t, stderr, "gateway-pod-name: ignored: the gateway's upstream tokens are bound to each lease Secret")
+		require.Contains(t, stderr, "gateway-pod-uid: ignored")
+	})
+}
+
 func TestConfigValidateExplainsTheAudienceRefusal(t *testing.T) {
 	t.Parallel()
 	t.Run("an agent target that names audiences is told what its grant must list", func(t *testing.T) {

@@ -26,6 +26,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -56,6 +57,16 @@ const (
 	// DefaultMaxStreamsPerConn bounds the HTTP/2 streams of one
 	// connection: client-go's informers of one process share one.
 	DefaultMaxStreamsPerConn = 250
+	// DefaultMaxRequestsPerLease and DefaultMaxRequestsPerPeer bound the
+	// requests under way (watches and streams included) of one lease and
+	// of all one peer's leases. Each open stream costs the broker up to
+	// about 64 KiB (the upstream HTTP/2 window and the copy buffer) and
+	// two goroutines; Argo CD's cluster cache opens a watch per API
+	// resource, well under 256. A peer's whole allowance, about 64 MiB at
+	// worst, fits in the chart's 256 Mi limit with room for everyone
+	// else (docs/testing.md, the gateway's memory rows).
+	DefaultMaxRequestsPerLease = 256
+	DefaultMaxRequestsPerPeer  = 1024
 	// DefaultMaxBodyBytes is the API server's own limit on a request body
 	// (its MaxRequestBodyBytes, 3 MiB), so that the gateway refuses only
 	// what the API server would.
@@ -75,7 +86,7 @@ type Config struct {
 	Upstream         *url.URL
 	Transport        http.RoundTripper
 	UpgradeTransport http.RoundTripper
-	// Tokens gives the token a request of namespace/serviceAccount is
+	// Tokens gives the token a request of a lease is
 	// forwarded with.
 	Tokens func(ctx context.Context, lease pki.LeaseName) (string, error)
 	Leases Leases
@@ -88,11 +99,13 @@ type Config struct {
 	Metrics *Metrics
 	Logger  *zap.Logger
 	Clock   Clock
-	// MaxConnsPerLease, MaxConnsPerPeer and MaxBodyBytes: zero means the
-	// defaults above.
-	MaxConnsPerLease int
-	MaxConnsPerPeer  int
-	MaxBodyBytes     int64
+	// MaxConnsPerLease, MaxConnsPerPeer, MaxRequestsPerLease,
+	// MaxRequestsPerPeer and MaxBodyBytes: zero means the defaults above.
+	MaxConnsPerLease    int
+	MaxConnsPerPeer     int
+	MaxRequestsPerLease int
+	MaxRequestsPerPeer  int
+	MaxBodyBytes        int64
 }
 
 // Gateway serves gateway leases. Make one with New; serve ServeHTTP on a
@@ -109,6 +122,12 @@ type Gateway struct {
 	// until when they are remembered: a young lease's request is refused
 	// at once, not after the wait for a lease the counter has not seen.
 	gone map[string]time.Time
+	// inflight and inflightPeers are the requests under way, by
+	// leaseKey and by peer.
+	inflight, inflightPeers map[string]int
+	// rechecks are the answers of the API server while the counter is
+	// blind (live.go).
+	rechecks rechecks
 }
 
 // maxRecentlyGone bounds Gateway.gone; past it a young revoked lease's
@@ -117,10 +136,13 @@ const maxRecentlyGone = 100_000
 
 // leaseConns are the open connections of one lease.
 type leaseConns struct {
-	name   pki.LeaseName
-	serial string // the certificate's, as the deny list names it
-	conns  map[io.Closer]struct{}
-	timer  clock.Timer // closes them at the certificate's expiry
+	name pki.LeaseName
+	// serials are those of every certificate of the verified chains, as
+	// the deny list names them: revoking the signing CA (or an
+	// intermediate) ends the connections as revoking the leaf does.
+	serials []string
+	conns   map[io.Closer]struct{}
+	timer   clock.Timer // closes them at the certificate's expiry
 }
 
 // New checks cfg and makes a Gateway.
@@ -140,16 +162,24 @@ func New(cfg Config) (*Gateway, error) {
 	if cfg.MaxBodyBytes == 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
-	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}, gone: map[string]time.Time{}}
+	if cfg.MaxRequestsPerLease == 0 {
+		cfg.MaxRequestsPerLease = DefaultMaxRequestsPerLease
+	}
+	if cfg.MaxRequestsPerPeer == 0 {
+		cfg.MaxRequestsPerPeer = DefaultMaxRequestsPerPeer
+	}
+	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}, gone: map[string]time.Time{},
+		inflight: map[string]int{}, inflightPeers: map[string]int{}}
 	g.proxy = &httputil.ReverseProxy{
 		Rewrite:   g.rewrite,
 		Transport: upgradeSplit{plain: cfg.Transport, upgrade: cfg.UpgradeTransport},
 		// A watch's answer (no Content-Length) is flushed after every
 		// write, so each event goes out as it comes in; a whole answer
 		// goes out in as few frames as it can.
-		FlushInterval: 0,
-		ErrorLog:      zap.NewStdLog(cfg.Logger.Named("proxy")),
-		ErrorHandler:  g.proxyError,
+		FlushInterval:  0,
+		ErrorLog:       zap.NewStdLog(cfg.Logger.Named("proxy")),
+		ErrorHandler:   g.proxyError,
+		ModifyResponse: g.upgraded,
 	}
 	return g, nil
 }
@@ -179,7 +209,116 @@ func secretName(n pki.LeaseName) string { return objects.LeaseSecretPrefix + n.I
 const (
 	RefusedPerLease = "per_lease"
 	RefusedPerPeer  = "per_peer"
+	// RefusedDenied: the peer or a certificate of the chain is on the
+	// deny list. RefusedGone: the lease is known revoked or expired.
+	RefusedDenied = "denied"
+	RefusedGone   = "lease_gone"
 )
+
+// goneAtAdmission reports whether the lease of a connection's certificate
+// is known to be gone: reported gone lately, or not held by a counter
+// that can see its namespace although the certificate is too old to be
+// on its way there. A blind counter's leases are left to the request's
+// recheck.
+func (g *Gateway) goneAtAdmission(n pki.LeaseName, leaf *x509.Certificate) bool {
+	name, uid := secretName(n), types.UID(n.UID)
+	if g.goneLately(leaseKey(n.Namespace, name, uid)) {
+		return true
+	}
+	now := g.cfg.Clock.Now()
+	if !now.Before(leaf.NotAfter) {
+		return true
+	}
+	if _, ok := g.cfg.Leases.Holds(n.Namespace, name, uid, n.Peer, now); ok {
+		return false
+	}
+	young := g.cfg.Clock.Since(leaf.NotBefore.Add(pki.Backdate)) <= newLeaseAge
+	return !young && g.cfg.Leases.Synced() && !g.cfg.Leases.Blind(n.Namespace, now)
+}
+
+// denied reports whether peer, or any certificate of st's verified
+// chains, is on the deny list.
+func (g *Gateway) denied(peer string, st *tls.ConnectionState) bool {
+	if g.cfg.Deny == nil {
+		return false
+	}
+	return g.cfg.Deny.Revoked(peer, chainSerials(st)...)
+}
+
+// chainSerials are the serials of every certificate of st's verified
+// chains (the leaf's first), each once.
+func chainSerials(st *tls.ConnectionState) []string {
+	var out []string
+	for _, chain := range st.VerifiedChains {
+		for _, c := range chain {
+			if s := serialOf(c); !slices.Contains(out, s) {
+				out = append(out, s)
+			}
+		}
+	}
+	if len(out) == 0 && len(st.PeerCertificates) > 0 {
+		out = append(out, serialOf(st.PeerCertificates[0]))
+	}
+	return out
+}
+
+// Over-cap reasons of acquire.
+const (
+	overPerLease = "per_lease"
+	overPerPeer  = "per_peer"
+)
+
+// acquire takes a place for one request of the lease key and its peer
+// under their caps, or says which cap is full.
+func (g *Gateway) acquire(key, peer string) (release func(), over string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.inflight[key] >= g.cfg.MaxRequestsPerLease {
+		return nil, overPerLease
+	}
+	if g.inflightPeers[peer] >= g.cfg.MaxRequestsPerPeer {
+		return nil, overPerPeer
+	}
+	g.inflight[key]++
+	g.inflightPeers[peer]++
+	g.cfg.Metrics.inflight(1)
+	return func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if g.inflight[key]--; g.inflight[key] <= 0 {
+			delete(g.inflight, key)
+		}
+		if g.inflightPeers[peer]--; g.inflightPeers[peer] <= 0 {
+			delete(g.inflightPeers, peer)
+		}
+		g.cfg.Metrics.inflight(-1)
+	}, ""
+}
+
+// InFlight is the number of requests under way of the lease
+// namespace/name under uid, for tests and the bench.
+func (g *Gateway) InFlight(namespace, name string, uid types.UID) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.inflight[leaseKey(namespace, name, uid)]
+}
+
+// upgraded audits the API server's 101 to an upgrade (ModifyResponse):
+// exec, attach and port-forward are on the record from their start.
+func (g *Gateway) upgraded(resp *http.Response) error {
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		return nil
+	}
+	f, ok := resp.Request.Context().Value(ctxKey{}).(*forwarded)
+	if !ok {
+		return nil
+	}
+	f.upgraded = true
+	ev := f.ev
+	ev.Action, ev.Status = audit.ActionGatewayUpgrade, http.StatusSwitchingProtocols
+	g.audit(ev)
+	return nil
+}
 
 // AdmitConn takes an open connection's place under its lease's and peer's
 // caps and keeps it, so that the lease's revocation closes it. c is the
@@ -196,6 +335,14 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		return nil, "not_a_lease", ""
 	}
 	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
+	// A revoked lease or a denied peer gets no place to wait in for its
+	// first request's refusal.
+	if g.denied(n.Peer, &st) {
+		return nil, RefusedDenied, n.Peer
+	}
+	if g.goneAtAdmission(n, leaf) {
+		return nil, RefusedGone, n.ID
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	lc := g.leases[key]
@@ -206,7 +353,7 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		return nil, RefusedPerPeer, n.Peer
 	}
 	if lc == nil {
-		lc = &leaseConns{name: n, serial: serialOf(leaf), conns: map[io.Closer]struct{}{}}
+		lc = &leaseConns{name: n, serials: chainSerials(&st), conns: map[io.Closer]struct{}{}}
 		g.leases[key] = lc
 		// The certificate is no good past its NotAfter; neither are the
 		// connections it opened.
@@ -296,7 +443,7 @@ func (g *Gateway) SweepDenied() {
 	g.mu.Lock()
 	var denied []string
 	for key, lc := range g.leases {
-		if g.cfg.Deny.Revoked(lc.name.Peer, lc.serial) {
+		if g.cfg.Deny.Revoked(lc.name.Peer, lc.serials...) {
 			denied = append(denied, key)
 		}
 	}
@@ -382,6 +529,11 @@ type forwarded struct {
 	lease   pki.LeaseName
 	token   string
 	auditID string
+	// ev is the request's audit event as forwarded (the upgrade event
+	// copies it); upgraded is set at the API server's 101.
+	ev       audit.Event
+	upgraded bool
+	body     *bodyReader
 }
 
 // ServeHTTP checks the request's lease and forwards it.
@@ -397,8 +549,10 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeStatus(w, http.StatusUnauthorized, metav1.StatusReasonUnauthorized, "the lease gateway needs a lease certificate")
 		return
 	}
+	// The path as it is forwarded (rewrite keeps the raw path), so that
+	// the audit names what the API server was asked.
 	ev := audit.Event{Action: audit.ActionGatewayRequest, Identity: n.Peer, Namespace: n.Namespace,
-		ServiceAccount: n.ServiceAccount, LeaseID: n.ID, Access: "gateway", Method: r.Method, Path: r.URL.Path,
+		ServiceAccount: n.ServiceAccount, LeaseID: n.ID, Access: "gateway", Method: r.Method, Path: r.URL.EscapedPath(),
 		RequestID: audit.RequestID(r.Context())}
 	refuse := func(code int, reason metav1.StatusReason, msg, why string) {
 		w.Header().Set("Connection", "close")
@@ -406,17 +560,47 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, code, why
 		g.done(ev, start)
 	}
+	// HTTP/1.1 framing by Transfer-Encoding: Go's server reads the body
+	// by it and drops a Content-Length beside it, so that a request
+	// carrying both (a smuggling attempt: RFC 9112, section 6.1) could
+	// not be told from one carrying Transfer-Encoding alone. Kubernetes'
+	// clients send a Content-Length or speak HTTP/2, so both are refused,
+	// and the connection closed.
+	if r.ProtoMajor == 1 && len(r.TransferEncoding) > 0 {
+		refuse(http.StatusBadRequest, metav1.StatusReasonBadRequest, "the lease gateway takes HTTP/1.1 request bodies with a Content-Length only (or over HTTP/2)", "transfer_encoding")
+		return
+	}
 	// A refused request's connection closes after its answer (Connection:
 	// close; GOAWAY in HTTP/2); the lease's other connections were ended
 	// when it went (Gone, SweepDenied).
-	if g.cfg.Deny != nil && g.cfg.Deny.Revoked(n.Peer, serialOf(leaf)) {
+	if g.denied(n.Peer, r.TLS) {
 		refuse(http.StatusForbidden, metav1.StatusReasonForbidden, "this lease's peer or certificate is revoked", "revoked")
 		return
 	}
-	if !g.live(r.Context(), n, leaf.NotBefore) {
+	switch g.live(r.Context(), n, leaf.NotBefore) {
+	case leaseGone:
 		refuse(http.StatusUnauthorized, metav1.StatusReasonUnauthorized, "the lease is revoked or expired", "lease_gone")
 		return
+	case leaseUnconfirmed:
+		// Blind to the leases and the API server did not answer: another
+		// replica may see them.
+		w.Header().Set("Retry-After", "1")
+		refuse(http.StatusServiceUnavailable, metav1.StatusReasonServiceUnavailable, "the lease gateway cannot confirm this lease with the API server now; retry", "lease_unconfirmed")
+		return
 	}
+	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
+	release, over := g.acquire(key, n.Peer)
+	if over != "" {
+		// As the API server answers its own overload: the client backs
+		// off and retries (client-go does), and the connection stays.
+		w.Header().Set("Retry-After", "1")
+		writeStatus(w, http.StatusTooManyRequests, metav1.StatusReasonTooManyRequests,
+			fmt.Sprintf("too many requests of this %s under way at the lease gateway; retry", strings.TrimPrefix(over, "per_")))
+		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, http.StatusTooManyRequests, "too_many_requests_"+over
+		g.done(ev, start)
+		return
+	}
+	defer release()
 	token, err := g.cfg.Tokens(r.Context(), n)
 	if err != nil {
 		g.cfg.Logger.Warn("lease gateway: no token to forward with", zap.String("lease_id", n.ID), zap.Error(err))
@@ -426,17 +610,105 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.done(ev, start)
 		return
 	}
+	f := &forwarded{lease: n, token: token}
 	if r.Body != nil && r.Body != http.NoBody {
 		// Upgrades included: Kubernetes' carry no body, and a request
 		// that only claims to upgrade gets no larger one.
-		r.Body = http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes)
+		f.body = &bodyReader{rc: http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes)}
+		r.Body = f.body
 	}
 	ev.APIAuditID = newAuditID()
+	ev.Decision = audit.DecisionAllow
+	f.auditID, f.ev = ev.APIAuditID, ev
+	if longRunning(r) {
+		// On the record while it runs, and if the replica dies before it
+		// ends.
+		fwd := ev
+		fwd.Action = audit.ActionGatewayForward
+		g.audit(fwd)
+	}
 	sw := &statusWriter{ResponseWriter: w}
-	g.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), ctxKey{}, &forwarded{lease: n, token: token, auditID: ev.APIAuditID})))
-	ev.Decision, ev.Status = audit.DecisionAllow, sw.status()
-	g.done(ev, start)
+	// However the request ends — its answer complete, the client gone, the
+	// lease revoked, the API server's stream broken — it is audited and
+	// measured. ReverseProxy panics with http.ErrAbortHandler when copying
+	// a streamed answer fails, which is how every watch ends when its
+	// client (or a revocation) closes it.
+	defer func() {
+		p := recover()
+		ev.Status = sw.status(f.upgraded)
+		switch {
+		case p != nil && p != http.ErrAbortHandler:
+			ev.Decision, ev.Reason = audit.DecisionError, "panic"
+		case p != nil || r.Context().Err() != nil || ev.Status == statusClientGone:
+			ev.Reason = g.endedBy(n, leaf, r)
+		case ev.Status == http.StatusBadGateway:
+			ev.Reason = "upstream_error"
+		}
+		g.done(ev, start)
+		if p != nil {
+			panic(p)
+		}
+	}()
+	g.proxy.ServeHTTP(sw, r.WithContext(context.WithValue(r.Context(), ctxKey{}, f)))
 }
+
+// statusClientGone is the status of a request whose client went before
+// its answer (nginx's 499): recorded, never sent.
+const statusClientGone = 499
+
+// endedBy says why a forwarded request ended early: its lease revoked or
+// expired, its peer denied, or its client gone (or a failed upstream
+// stream, when the client is still there).
+func (g *Gateway) endedBy(n pki.LeaseName, leaf *x509.Certificate, r *http.Request) string {
+	switch {
+	case g.goneLately(leaseKey(n.Namespace, secretName(n), types.UID(n.UID))):
+		return reasonRevoked
+	case g.denied(n.Peer, r.TLS):
+		return reasonDenied
+	case !g.cfg.Clock.Now().Before(leaf.NotAfter):
+		return reasonExpired
+	case r.Context().Err() != nil:
+		return "client_gone"
+	default:
+		return "upstream_error"
+	}
+}
+
+// longRunning reports whether r is a request whose answer is a stream
+// (the API server's long-running requests: watches, exec, attach,
+// port-forward, proxy, followed logs), audited when it is forwarded as
+// well as when it ends.
+func longRunning(r *http.Request) bool {
+	if httpstream.IsUpgradeRequest(r) {
+		return true
+	}
+	q := r.URL.Query()
+	if w := q.Get("watch"); w == "true" || w == "1" || strings.Contains(r.URL.Path, "/watch/") {
+		return true
+	}
+	if q.Get("follow") == "true" && strings.HasSuffix(r.URL.Path, "/log") {
+		return true
+	}
+	return strings.HasSuffix(r.URL.Path, "/proxy") || strings.Contains(r.URL.Path, "/proxy/")
+}
+
+// bodyReader keeps the error a request body's read failed with, so that
+// a body the client broke off or framed wrong is answered 400 (or 413),
+// not as an upstream failure.
+type bodyReader struct {
+	rc  io.ReadCloser
+	err error
+}
+
+func (b *bodyReader) Read(p []byte) (int, error) {
+	n, err := b.rc.Read(p)
+	if err != nil && err != io.EOF && b.err == nil {
+		b.err = err
+	}
+	return n, err
+}
+
+func (b *bodyReader) Close() error { return b.rc.Close() }
 
 func (g *Gateway) done(ev audit.Event, start time.Time) {
 	d := g.cfg.Clock.Since(start)
@@ -491,13 +763,22 @@ func (g *Gateway) rewrite(pr *httputil.ProxyRequest) {
 
 func (g *Gateway) proxyError(w http.ResponseWriter, r *http.Request, err error) {
 	var mbe *http.MaxBytesError
+	var bodyErr error
+	if f, ok := r.Context().Value(ctxKey{}).(*forwarded); ok && f.body != nil {
+		bodyErr = f.body.err
+	}
 	switch {
-	case errors.As(err, &mbe):
+	case errors.As(err, &mbe) || errors.As(bodyErr, &mbe):
 		writeStatus(w, http.StatusRequestEntityTooLarge, metav1.StatusReasonRequestEntityTooLarge,
 			fmt.Sprintf("the request body is over the limit of %d bytes", mbe.Limit))
+	case bodyErr != nil:
+		// The client's body broke off or was framed wrong: its error,
+		// not the API server's (a client that half-closed may still read
+		// the answer).
+		writeStatus(w, http.StatusBadRequest, metav1.StatusReasonBadRequest, "the request body could not be read")
 	case r.Context().Err() != nil:
 		// The client went away (or the lease's connection was closed).
-		w.WriteHeader(499)
+		w.WriteHeader(statusClientGone)
 	default:
 		g.cfg.Logger.Warn("lease gateway: forward failed", zap.Error(err))
 		writeStatus(w, http.StatusBadGateway, metav1.StatusReasonServiceUnavailable, "the lease gateway could not reach the API server")
@@ -548,11 +829,18 @@ func (s *statusWriter) Write(b []byte) (int, error) {
 
 func (s *statusWriter) Unwrap() http.ResponseWriter { return s.ResponseWriter }
 
-func (s *statusWriter) status() int {
-	if s.code == 0 {
-		return http.StatusSwitchingProtocols // hijacked: an upgrade
+// status is the status the client was answered with: upgraded, the
+// API server's 101 (the connection was hijacked, nothing written here);
+// nothing written otherwise, the client went first.
+func (s *statusWriter) status(upgraded bool) int {
+	switch {
+	case s.code != 0:
+		return s.code
+	case upgraded:
+		return http.StatusSwitchingProtocols
+	default:
+		return statusClientGone
 	}
-	return s.code
 }
 
 // Clock is what the gateway needs of a clock: timers for expiries and

@@ -31,7 +31,7 @@ type fakeLeases struct {
 	live map[string]time.Time
 }
 
-func (f *fakeLeases) Holds(namespace, name string, uid types.UID, now time.Time) (time.Time, bool) {
+func (f *fakeLeases) Holds(namespace, name string, uid types.UID, _ string, now time.Time) (time.Time, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	exp, ok := f.live[leaseKey(namespace, name, uid)]
@@ -343,6 +343,7 @@ func TestAForwardedRequestCarriesTheGatewaysCredentialOnly(t *testing.T) {
 	req.Header.Set("User-Agent", "kubectl/v1.37")
 	resp, err := client.Do(req)
 	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body) // the connection goes back to the pool
 	resp.Body.Close()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 
@@ -374,8 +375,9 @@ func TestAForwardedRequestCarriesTheGatewaysCredentialOnly(t *testing.T) {
 	require.Equal(t, http.StatusOK, ev.Status)
 	require.Equal(t, "/api/v1/namespaces/argo/configmaps", ev.Path)
 
-	// Once the lease is gone, the same certificate is refused as the API
-	// server refuses a bad credential.
+	// Once the lease is gone, the same certificate is refused on its open
+	// connection as the API server refuses a bad credential, and the
+	// connection closed.
 	f.leases.remove(leaseA)
 	f.clock.Step(time.Minute) // past the wait for a lease signed moments ago
 	resp, err = client.Get(gw.URL + "/api")
@@ -385,6 +387,11 @@ func TestAForwardedRequestCarriesTheGatewaysCredentialOnly(t *testing.T) {
 	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
 	require.Contains(t, string(body), `"kind":"Status"`)
 	require.Contains(t, string(body), "revoked or expired")
+	require.True(t, resp.Close, "the refused request's connection closes")
+	// A new connection gets no place at all: it is closed after its
+	// handshake.
+	_, err = client.Get(gw.URL + "/api")
+	require.Error(t, err)
 }
 
 func TestABodyOverTheAPIServersLimitIsRefused(t *testing.T) {
@@ -434,6 +441,12 @@ func TestAnUpgradedStreamPassesAndEndsWithItsLease(t *testing.T) {
 	line, err := br.ReadString('\n')
 	require.NoError(t, err)
 	require.Equal(t, "echo hello\n", line)
+	// On the record from its start: forwarded, then upgraded.
+	var actions []string
+	for _, e := range f.audit.all() {
+		actions = append(actions, e.Action)
+	}
+	require.Equal(t, []string{audit.ActionGatewayForward, audit.ActionGatewayUpgrade}, actions)
 
 	f.gw.Gone(leaseA.Namespace, secretName(leaseA), types.UID(leaseA.UID))
 	require.NoError(t, conn.SetReadDeadline(time.Now().Add(5*time.Second)))
@@ -466,8 +479,7 @@ func TestAYoungRevokedLeaseIsRefusedAtOnce(t *testing.T) {
 	// The fake clock never fires the wait: without the record of the
 	// revocation this request would hang until the client's timeout.
 	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: f.ca.CertPool(), Certificates: []tls.Certificate{pair}}}}
-	resp, err := client.Get(gw.URL + "/api")
-	require.NoError(t, err)
-	resp.Body.Close()
-	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
+	_, err := client.Get(gw.URL + "/api")
+	require.Error(t, err, "refused at admission: a revoked lease gets no connection place")
+	require.Zero(t, f.gw.OpenConns(leaseA.Namespace, secretName(leaseA), types.UID(leaseA.UID)))
 }

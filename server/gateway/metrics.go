@@ -9,7 +9,8 @@ import (
 
 // Metrics are the gateway's: forwarded requests by peer and status
 // class, their duration, open connections by peer, and the connections
-// ended by revocation or expiry. Per-lease counts are in the audit
+// ended by revocation or expiry, and the rechecks of leases with the API
+// server while the lease counter is blind. Per-lease counts are in the audit
 // events, which name the lease (a lease label would grow without bound).
 // A nil *Metrics records nothing.
 type Metrics struct {
@@ -17,7 +18,16 @@ type Metrics struct {
 	duration   prometheus.Histogram
 	open       *prometheus.GaugeVec
 	endedConns *prometheus.CounterVec
+	rechecks   *prometheus.CounterVec
+	inFlight   prometheus.Gauge
 }
+
+// Outcomes of a recheck (Metrics.rechecks).
+const (
+	recheckLive  = "live"
+	recheckGone  = "gone"
+	recheckError = "error"
+)
 
 // NewMetrics registers the gateway's metrics on reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -39,8 +49,19 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "tokenbroker_gateway_connections_ended_total",
 			Help: "Connections of gateway leases the gateway ended, by reason: revoked (the lease Secret went), expired, denied (deny list).",
 		}, []string{"reason"}),
+		rechecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tokenbroker_gateway_lease_rechecks_total",
+			Help: "Leases the gateway asked the API server about because the lease counter was blind to their namespace (its watch broken), by outcome: live, gone, error (no answer: the request was refused 503).",
+		}, []string{"outcome"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.open, m.endedConns} {
+	m.inFlight = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "tokenbroker_gateway_requests_in_flight",
+		Help: "Requests of gateway leases under way (watches and streams included), counted from their forwarding to their end.",
+	})
+	for _, outcome := range []string{recheckLive, recheckGone, recheckError} {
+		m.rechecks.WithLabelValues(outcome)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.open, m.endedConns, m.rechecks, m.inFlight} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -72,4 +93,17 @@ func (m *Metrics) ended(reason string, n int) {
 	if m != nil && n > 0 {
 		m.endedConns.WithLabelValues(reason).Add(float64(n))
 	}
+}
+
+func (m *Metrics) recheck(outcome string) {
+	if m != nil {
+		m.rechecks.WithLabelValues(outcome).Inc()
+	}
+}
+
+func (m *Metrics) inflight(delta float64) {
+	if m == nil {
+		return
+	}
+	m.inFlight.Add(delta)
 }

@@ -378,6 +378,7 @@ func TestHelmChartRenders(t *testing.T) {
 			"--max-conns-per-identity=512", "--handshake-timeout=2s",
 			"--gateway-address=:8445", "--gateway-url=https://tokenbroker.east.example.com:9445",
 			"--gateway-max-conns-per-lease=32", "--gateway-max-conns-per-peer=512",
+			"--gateway-max-requests-per-lease=128", "--gateway-max-requests-per-peer=768",
 		} {
 			require.Contains(t, ctr.Args, a)
 		}
