@@ -123,6 +123,11 @@ type reservation struct{ done bool }
 type nsWatch struct {
 	stop   chan struct{}
 	synced atomic.Bool // the first list has been counted
+	// open: a watch stream of the reflector is open now; since is when
+	// it last stopped being open (or when the reflector started, before
+	// its first watch). Both are guarded by the counter's mu (Blind).
+	open  bool
+	since time.Time
 }
 
 // NewCounter makes a counter; Run starts it.
@@ -263,7 +268,7 @@ func (lc *Counter) setWatches(namespaces []string, keepMarked bool) {
 		if lc.watches[ns] != nil {
 			continue
 		}
-		w := &nsWatch{stop: make(chan struct{})}
+		w := &nsWatch{stop: make(chan struct{}), since: lc.clock.Now()}
 		lw := &cache.ListWatch{
 			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
@@ -271,7 +276,11 @@ func (lc *Counter) setWatches(namespaces []string, keepMarked bool) {
 			},
 			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
-				return lc.client.Resource(SecretsGVR).Namespace(ns).Watch(ctx, o)
+				wi, err := lc.client.Resource(SecretsGVR).Namespace(ns).Watch(ctx, o)
+				if err != nil {
+					return nil, err
+				}
+				return lc.tracked(w, wi), nil
 			},
 		}
 		r := cache.NewReflectorWithOptions(lw, &metav1.PartialObjectMetadata{}, &counterStore{lc: lc, ns: ns, w: w},
@@ -529,16 +538,20 @@ func (lc *Counter) OnGone(f func(namespace, name string, uid types.UID)) {
 
 // Holds reports whether the counter knows the lease Secret
 // namespace/name under uid, as a lease (not an unclaimed pooled Secret)
-// that the policy bears out (its peer and namespace still granted, as for
-// the quotas) and whose recorded expiry has not passed at now; expires is
-// that expiry.
+// issued to the peer identity identity (its AnnotationIdentity, which the
+// policy bears out as its peer label's identity: a lease certificate
+// names its peer by identity, as pki.LeaseName.Peer, and one naming
+// another peer holds nothing), that the policy bears out (its peer and
+// namespace still granted, as for the quotas) and whose recorded expiry
+// has not passed at now; expires is that expiry.
 // It reads memory only: a lease Secret created a moment ago may not be
-// known yet (WaitAdded).
-func (lc *Counter) Holds(namespace, name string, uid types.UID, now time.Time) (expires time.Time, ok bool) {
+// known yet (WaitAdded), and one deleted while the counter is Blind may
+// still be (Recheck asks the API server).
+func (lc *Counter) Holds(namespace, name string, uid types.UID, identity string, now time.Time) (expires time.Time, ok bool) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	c, found := lc.byKey[namespace+"/"+name]
-	if !found || c.uid != uid || c.pool || !c.verified || c.expires.IsZero() || !now.Before(c.expires) {
+	if !found || c.uid != uid || c.identity != identity || c.pool || !c.verified || c.expires.IsZero() || !now.Before(c.expires) {
 		return time.Time{}, false
 	}
 	return c.expires, true

@@ -20,10 +20,13 @@ func (g *goneRecorder) record(ns, name string, uid types.UID) {
 	g.gone = append(g.gone, ns+"/"+name+"/"+string(uid))
 }
 
+// westID is west's identity, as its lease certificates name it.
+const westID = "spiffe://oc.example/cluster/west"
+
 func heldLease(uid types.UID, expires time.Time) *metav1.PartialObjectMetadata {
 	m := secretMeta("argo", "tokenbroker-lease-a", "west", expires)
 	m.UID = uid
-	m.Annotations[objects.AnnotationIdentity] = "spiffe://oc.example/cluster/west"
+	m.Annotations[objects.AnnotationIdentity] = westID
 	return m
 }
 
@@ -40,7 +43,7 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		g := &goneRecorder{}
 		lc.OnGone(g.record)
 		lc.Observe(heldLease("uid-1", exp))
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.True(t, ok)
 		return lc, g
 	}
@@ -50,14 +53,14 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		m := heldLease("uid-1", exp)
 		m.Annotations[objects.AnnotationCredentialID] = "X509SHA256=aa"
 		lc.Observe(m)
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.True(t, ok)
 		require.Empty(t, g.gone)
 	})
 	t.Run("another UID under its name is another Secret", func(t *testing.T) {
 		lc, g := setUp(t)
 		lc.Observe(heldLease("uid-2", exp))
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.False(t, ok)
 		require.Equal(t, []string{"argo/tokenbroker-lease-a/uid-1"}, g.gone)
 	})
@@ -67,7 +70,7 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		m.Finalizers = []string{"tenant.example/keep"}
 		m.DeletionTimestamp = &metav1.Time{Time: now}
 		lc.Observe(m)
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.False(t, ok)
 		require.Equal(t, []string{"argo/tokenbroker-lease-a/uid-1"}, g.gone)
 		own, _ := lc.Live("west")
@@ -82,13 +85,28 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		lc.Observe(heldLease("uid-1", exp))
 		current = &Rules{Peers: map[string]PeerRule{"west": {Identity: "spiffe://oc.example/cluster/west", Namespaces: map[string]struct{}{}}}}
 		lc.Observe(secretMeta("argo", "other", "west", exp)) // any event applies the new rules
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.False(t, ok)
 		require.Contains(t, g.gone, "argo/tokenbroker-lease-a/uid-1")
 	})
 	t.Run("past its recorded expiry it is not held", func(t *testing.T) {
 		lc, _ := setUp(t)
-		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", exp)
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, exp)
+		require.False(t, ok)
+	})
+	t.Run("a certificate of another peer holds nothing", func(t *testing.T) {
+		lc, _ := setUp(t)
+		for _, id := range []string{"spiffe://oc.example/cluster/east", "west", ""} {
+			_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", id, now)
+			require.False(t, ok, "the Secret was issued to %s, not %q", westID, id)
+		}
+	})
+	t.Run("nor does a certificate of another peer when the policy verifies everything", func(t *testing.T) {
+		lc := NewCounter(nil, clocktesting.NewFakePassiveClock(now), zap.NewNop()) // no rules
+		lc.Observe(heldLease("uid-1", exp))
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
+		require.True(t, ok)
+		_, ok = lc.Holds("argo", "tokenbroker-lease-a", "uid-1", "spiffe://oc.example/cluster/east", now)
 		require.False(t, ok)
 	})
 	t.Run("a forged copy in another namespace holds nothing", func(t *testing.T) {
@@ -96,7 +114,7 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		m := heldLease("uid-1", exp)
 		m.Namespace = "tenant"
 		lc.Observe(m)
-		_, ok := lc.Holds("tenant", "tokenbroker-lease-a", "uid-1", now)
+		_, ok := lc.Holds("tenant", "tokenbroker-lease-a", "uid-1", westID, now)
 		require.False(t, ok, "the policy does not bear out a lease in a namespace it does not grant")
 	})
 }
