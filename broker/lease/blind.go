@@ -31,8 +31,9 @@ const BlindAfter = 3 * time.Second
 
 // Blind reports whether the counter's view of the leases of namespace may
 // be stale at now: a watch that would hold them (the namespace's own, or
-// the cluster-wide one) has been closed for longer than BlindAfter, or has
-// not listed once BlindAfter after it started. A blind counter may still
+// the cluster-wide one) has been closed for longer than BlindAfter (or
+// open but still streaming the initial list of a relist), or has not
+// listed once BlindAfter after it started. A blind counter may still
 // hold a lease deleted since: ask the API server (Recheck). A namespace
 // the counter does not watch is not blind: the counter holds nothing
 // there.
@@ -48,16 +49,20 @@ func (lc *Counter) Blind(namespace string, now time.Time) bool {
 }
 
 // tracked wraps the watch wi that the reflector of w opened, so that w is
-// open until its events end.
-func (lc *Counter) tracked(w *nsWatch, wi watch.Interface) watch.Interface {
+// open until its events end: from now, or, for a streaming list
+// (initial), from the Replace of its initial events.
+func (lc *Counter) tracked(w *nsWatch, wi watch.Interface, initial bool) watch.Interface {
 	lc.mu.Lock()
-	w.open = true
+	w.watching, w.open = true, !initial
 	lc.mu.Unlock()
 	t := &trackedWatch{inner: wi, out: make(chan watch.Event), stop: make(chan struct{})}
 	go t.run(func() {
 		lc.mu.Lock()
 		defer lc.mu.Unlock()
-		w.open, w.since = false, lc.clock.Now()
+		if w.open {
+			w.since = lc.clock.Now()
+		}
+		w.watching, w.open = false, false
 	})
 	return t
 }

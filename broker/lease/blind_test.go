@@ -219,3 +219,38 @@ func TestRecheckForgetsWhatTheAPIServerNoLongerHas(t *testing.T) {
 	_, ok = lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
 	require.False(t, ok)
 }
+
+// With streaming lists (client-go's WatchListClient) a relist is a watch
+// whose initial events reach the counter only at their Replace: until
+// then the memory is the old one, and an open watch does not make it
+// current.
+func TestAStreamingRelistSeesOnlyOnceItsInitialEventsAreIn(t *testing.T) {
+	t.Parallel()
+	start := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	clk := clocktesting.NewFakePassiveClock(start)
+	lc := NewCounter(nil, clk, zap.NewNop())
+	w := &nsWatch{stop: make(chan struct{}), since: start}
+	lc.watches["argo"] = w
+	store := &counterStore{lc: lc, ns: "argo", w: w}
+
+	first := lc.tracked(w, watch.NewRaceFreeFake(), true)
+	require.True(t, lc.Blind("argo", start.Add(BlindAfter+time.Millisecond)), "open, but its initial list is not in")
+	clk.SetTime(start.Add(time.Minute))
+	require.NoError(t, store.Replace(nil, ""))
+	require.False(t, lc.Blind("argo", start.Add(time.Hour)), "caught up: it sees for as long as the watch is open")
+
+	closedAt := start.Add(2 * time.Minute)
+	clk.SetTime(closedAt)
+	first.Stop()
+	require.Eventually(t, func() bool { return lc.Blind("argo", closedAt.Add(BlindAfter+time.Millisecond)) }, 10*time.Second, time.Millisecond)
+	require.False(t, lc.Blind("argo", closedAt.Add(BlindAfter)))
+
+	// The relist streams for longer than the bound: blind from the
+	// close, however open its watch.
+	second := lc.tracked(w, watch.NewRaceFreeFake(), true)
+	defer second.Stop()
+	require.True(t, lc.Blind("argo", closedAt.Add(BlindAfter+time.Millisecond)))
+	clk.SetTime(closedAt.Add(10 * time.Second))
+	require.NoError(t, store.Replace(nil, ""))
+	require.False(t, lc.Blind("argo", closedAt.Add(time.Hour)))
+}

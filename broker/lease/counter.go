@@ -123,11 +123,14 @@ type reservation struct{ done bool }
 type nsWatch struct {
 	stop   chan struct{}
 	synced atomic.Bool // the first list has been counted
-	// open: a watch stream of the reflector is open now; since is when
-	// it last stopped being open (or when the reflector started, before
-	// its first watch). Both are guarded by the counter's mu (Blind).
-	open  bool
-	since time.Time
+	// watching: a watch of the reflector is open now; open: and the
+	// counter's memory is caught up with it (a watch from a resource
+	// version at once, a streaming list once its initial events are
+	// replaced in); since is when the memory was last known current (the
+	// end of a caught-up watch, a list replaced in, or the reflector's
+	// start). All are guarded by the counter's mu (Blind).
+	watching, open bool
+	since          time.Time
 }
 
 // NewCounter makes a counter; Run starts it.
@@ -280,7 +283,10 @@ func (lc *Counter) setWatches(namespaces []string, keepMarked bool) {
 				if err != nil {
 					return nil, err
 				}
-				return lc.tracked(w, wi), nil
+				// A streaming list (client-go's WatchListClient) starts
+				// with the initial events, which the counter sees only
+				// at their Replace.
+				return lc.tracked(w, wi, o.SendInitialEvents != nil && *o.SendInitialEvents), nil
 			},
 		}
 		r := cache.NewReflectorWithOptions(lw, &metav1.PartialObjectMetadata{}, &counterStore{lc: lc, ns: ns, w: w},
@@ -348,6 +354,10 @@ func (s *counterStore) Replace(list []any, _ string) error {
 			lc.forget(key, c)
 		}
 	}
+	// The memory is the list's now; a streaming list's watch goes on
+	// from it.
+	s.w.since = lc.clock.Now()
+	s.w.open = s.w.watching
 	lc.mu.Unlock()
 	s.w.synced.Store(true)
 	return nil
