@@ -5,11 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -25,6 +28,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/server/gateway"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -60,23 +64,124 @@ type gatewayReport struct {
 	WatchOverheadP50Ms float64 `json:"watch_overhead_p50_ms"`
 	WatchOverheadP99Ms float64 `json:"watch_overhead_p99_ms"`
 	WatchEvents        int     `json:"watch_events"`
-	// Watches open through one lease, the broker's RSS per open watch, and
-	// how long after the DELETE's answer they were all closed.
-	Watches          int     `json:"open_watches"`
-	RSSPerWatchKiB   float64 `json:"rss_per_watch_kib"`
-	CloseP50Ms       float64 `json:"close_p50_ms"`
-	CloseP99Ms       float64 `json:"close_p99_ms"`
-	CloseMaxMs       float64 `json:"close_max_ms"`
-	RefusedAfterMs   float64 `json:"new_request_refused_after_ms"`
-	SlowReaderRSSKiB float64 `json:"slow_reader_rss_growth_kib"`
-	// TwoReplicas is gatewayReplicaWatches watches through one lease,
-	// half on each of two replicas, and its revocation.
+	// Watches open through one lease, as many as its cap on requests
+	// under way (LeaseCap, the broker's --gateway-max-requests-per-lease):
+	// the broker's RSS growth at the cap and per open watch, how one
+	// more request was answered, and how long after the DELETE's answer
+	// the watches were all closed.
+	LeaseCap         int      `json:"lease_cap"`
+	Watches          int      `json:"open_watches"`
+	LeaseCapRSSMiB   float64  `json:"lease_cap_rss_growth_mib"`
+	RSSPerWatchKiB   float64  `json:"rss_per_watch_kib"`
+	LeaseCapNext     capCheck `json:"lease_cap_next_request"`
+	CloseP50Ms       float64  `json:"close_p50_ms"`
+	CloseP99Ms       float64  `json:"close_p99_ms"`
+	CloseMaxMs       float64  `json:"close_max_ms"`
+	RefusedAfterMs   float64  `json:"new_request_refused_after_ms"`
+	SlowReaderRSSKiB float64  `json:"slow_reader_rss_growth_kib"`
+	// PeerCap is one peer's whole allowance of watches, over as many of
+	// its leases as the per-lease cap needs, on a replica of its own.
+	PeerCap *peerCapReport `json:"peer_cap,omitempty"`
+	// TwoReplicas is a lease's cap of watches through one lease on each
+	// of two replicas, and its revocation.
 	TwoReplicas *replicaReport `json:"two_replicas,omitempty"`
 }
 
-// gatewayReplicaWatches is the watches of the two-replica row (the
-// issue's 10,000 through two replicas).
-const gatewayReplicaWatches = 10000
+// The goals of the RSS rows at the caps: a peer's whole allowance fits
+// the chart's 256 Mi memory limit with room for the others (the
+// broker's own working set, issuance, the other peers' streams), and a
+// lease's is its share of a peer's.
+const (
+	gatewayPeerCapGoalMiB  = 96
+	gatewayLeaseCapGoalMiB = 24
+)
+
+// capCheck is how the request after a cap's last one was answered: a
+// raw request, since client-go retries a 429 until it passes.
+type capCheck struct {
+	Status     int    `json:"status"`
+	RetryAfter string `json:"retry_after,omitempty"`
+	Reason     string `json:"reason,omitempty"`
+}
+
+func (c capCheck) String() string {
+	if c.Status != http.StatusTooManyRequests {
+		return fmt.Sprintf("%d, NOT REFUSED (goal 429)", c.Status)
+	}
+	return fmt.Sprintf("%d %s, Retry-After %s (goal 429)", c.Status, c.Reason, c.RetryAfter)
+}
+
+// peerCapReport is peerCap's figures.
+type peerCapReport struct {
+	// Cap is the broker's --gateway-max-requests-per-peer; Watches (=
+	// Cap) were open over Leases leases of one peer.
+	Cap            int     `json:"cap"`
+	Leases         int     `json:"leases"`
+	Watches        int     `json:"open_watches"`
+	RSSGrowthMiB   float64 `json:"rss_growth_mib"`
+	RSSPerWatchKiB float64 `json:"rss_per_watch_kib"`
+	// Next is one more request, through another lease of the same peer.
+	Next capCheck `json:"next_request"`
+}
+
+// gatewayCaps are br's caps on the gateway's requests under way, per
+// lease and per peer: its flags where the bench set them, else the
+// broker's defaults.
+func gatewayCaps(br *brokerProcess) (perLease, perPeer int, err error) {
+	if perLease, err = brokerFlagInt(br, "--gateway-max-requests-per-lease", gateway.DefaultMaxRequestsPerLease); err != nil {
+		return 0, 0, err
+	}
+	perPeer, err = brokerFlagInt(br, "--gateway-max-requests-per-peer", gateway.DefaultMaxRequestsPerPeer)
+	return perLease, perPeer, err
+}
+
+// brokerFlagInt is the value of br's flag name (the last one given, as
+// pflag takes it), or def if it was not given or is 0 (the default).
+func brokerFlagInt(br *brokerProcess, name string, def int) (int, error) {
+	args, v := br.cmd.Args[1:], ""
+	for i, a := range args {
+		if a == name && i+1 < len(args) {
+			v = args[i+1]
+		} else if s, ok := strings.CutPrefix(a, name+"="); ok {
+			v = s
+		}
+	}
+	if v == "" {
+		return def, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("the broker's %s=%q: not a cap", name, v)
+	}
+	if n == 0 {
+		return def, nil
+	}
+	return n, nil
+}
+
+// nextRequest sends one GET through cfg's lease as a raw request and
+// says how the gateway answered it.
+func nextRequest(ctx context.Context, cfg *rest.Config) (capCheck, error) {
+	tr, err := rest.TransportFor(cfg)
+	if err != nil {
+		return capCheck{}, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.Host+"/api/v1/namespaces/bench/configmaps/probe", nil)
+	if err != nil {
+		return capCheck{}, err
+	}
+	resp, err := (&http.Client{Transport: tr, Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		return capCheck{}, err
+	}
+	defer resp.Body.Close()
+	c := capCheck{Status: resp.StatusCode, RetryAfter: resp.Header.Get("Retry-After")}
+	var st metav1.Status
+	if b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10)); err == nil && json.Unmarshal(b, &st) == nil && st.Kind == "Status" {
+		c.Reason = string(st.Reason)
+	}
+	return c, nil
+}
 
 // setUpGateway makes the gateway's ServiceAccount, its RBAC, and the
 // ConfigMaps the rows read.
@@ -206,14 +311,22 @@ func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProce
 		return nil, fmt.Errorf("watch overhead: %w", err)
 	}
 
-	// Many open watches through one lease, then its revocation.
-	if err := watchesAndRevocation(ctx, br, lease, gw, 1000, rep); err != nil {
+	// A lease's cap of open watches, the request after them, then its
+	// revocation; a peer's cap of them on a replica of its own.
+	perLease, perPeer, err := gatewayCaps(br)
+	if err != nil {
+		return nil, err
+	}
+	if err := watchesAndRevocation(ctx, br, lease, gwCfg, gw, perLease, rep); err != nil {
 		return nil, fmt.Errorf("watches and revocation: %w", err)
+	}
+	if rep.PeerCap, err = peerCap(ctx, br, body, perLease, perPeer); err != nil {
+		return nil, fmt.Errorf("a peer's cap: %w", err)
 	}
 	if rep.SlowReaderRSSKiB, err = slowReader(ctx, c, br, body); err != nil {
 		return nil, fmt.Errorf("slow reader: %w", err)
 	}
-	if rep.TwoReplicas, err = watchesOnTwoReplicas(ctx, br, body, gatewayReplicaWatches); err != nil {
+	if rep.TwoReplicas, err = watchesOnTwoReplicas(ctx, br, body, perLease); err != nil {
 		return nil, fmt.Errorf("two replicas: %w", err)
 	}
 	return rep, nil
@@ -280,7 +393,11 @@ func watchOverhead(ctx context.Context, admin kubernetes.Interface, direct, gw k
 	return nil
 }
 
-func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.KubeconfigResponse, gw kubernetes.Interface, count int, rep *gatewayReport) error {
+// watchesAndRevocation opens count watches (the lease's cap) through
+// gw, the lease's client, measures the broker's RSS growth, sends one
+// more request through gwCfg, then revokes the lease and times the
+// watches' ends and the refusal of a new request.
+func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.KubeconfigResponse, gwCfg *rest.Config, gw kubernetes.Interface, count int, rep *gatewayReport) error {
 	before := rssMB(br.cmd.Process.Pid)
 	ws := make([]watch.Interface, 0, count)
 	defer func() {
@@ -296,8 +413,13 @@ func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.Ku
 		ws = append(ws, w)
 	}
 	time.Sleep(2 * time.Second) // every stream settled
-	rep.Watches = count
-	rep.RSSPerWatchKiB = (rssMB(br.cmd.Process.Pid) - before) * 1024 / float64(count)
+	rep.LeaseCap, rep.Watches = count, count
+	rep.LeaseCapRSSMiB = rssMB(br.cmd.Process.Pid) - before
+	rep.RSSPerWatchKiB = rep.LeaseCapRSSMiB * 1024 / float64(count)
+	var err error
+	if rep.LeaseCapNext, err = nextRequest(ctx, gwCfg); err != nil {
+		return fmt.Errorf("the request after the lease's cap: %w", err)
+	}
 
 	revoked, ended, err := revokeWhileWatching(ctx, br, lease.LeaseID, ws, 30*time.Second, func(revoked time.Time) error {
 		// New requests: refused how long after the DELETE's answer?
@@ -322,6 +444,82 @@ func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.Ku
 	sort.Float64s(after)
 	rep.CloseP50Ms, rep.CloseP99Ms, rep.CloseMaxMs = pctF(after, .50), pctF(after, .99), after[len(after)-1]
 	return nil
+}
+
+// peerCap opens perPeer watches, perLease through each of as many
+// leases of one peer as that needs, on a replica of br started for it
+// (so that the growth is the whole allowance's, not what the process
+// had left from the rows before), measures the replica's RSS growth,
+// sends one more request through another lease of the same peer, and
+// revokes every lease, which ends the watches.
+func peerCap(ctx context.Context, br *brokerProcess, body []byte, perLease, perPeer int) (*peerCapReport, error) {
+	replica, replicaGateway, err := startReplica(ctx, br)
+	if err != nil {
+		return nil, err
+	}
+	defer replica.stop()
+	leases := (perPeer + perLease - 1) / perLease
+	cfgs, ids := make([]*rest.Config, leases+1), make([]string, leases+1) // the last one is the next request's
+	revoked := make([]bool, leases+1)
+	defer func() {
+		// After a failure: no lease of this row left for the next ones.
+		for i, id := range ids {
+			if id != "" && !revoked[i] {
+				if req, err := http.NewRequestWithContext(context.WithoutCancel(ctx), http.MethodDelete, br.url+"/v1/leases/"+id, nil); err == nil {
+					_ = brokerDo(br, req, http.StatusNoContent, nil)
+				}
+			}
+		}
+	}()
+	for i := range cfgs {
+		var lease apiv1.KubeconfigResponse
+		if err := br.postKubeconfig(ctx, body, http.StatusCreated, &lease); err != nil {
+			return nil, err
+		}
+		ids[i] = lease.LeaseID
+		if cfgs[i], err = clientcmd.RESTConfigFromKubeConfig([]byte(lease.Kubeconfig)); err != nil {
+			return nil, err
+		}
+		cfgs[i].QPS, cfgs[i].Burst = brokerKubeQPS, brokerKubeBurst
+		cfgs[i].Host = replicaGateway
+	}
+	time.Sleep(time.Second) // the replica has seen the leases
+	pid := replica.cmd.Process.Pid
+	before := rssMB(pid)
+	ws := make([][]watch.Interface, leases)
+	defer func() {
+		for _, l := range ws {
+			for _, w := range l {
+				w.Stop()
+			}
+		}
+	}()
+	for i, left := 0, perPeer; i < leases; i, left = i+1, left-perLease {
+		cs, err := kubernetes.NewForConfig(cfgs[i])
+		if err != nil {
+			return nil, err
+		}
+		for range min(perLease, left) {
+			w, err := cs.CoreV1().ConfigMaps("bench").Watch(ctx, metav1.ListOptions{LabelSelector: "bench=none"})
+			if err != nil {
+				return nil, err
+			}
+			ws[i] = append(ws[i], w)
+		}
+	}
+	time.Sleep(2 * time.Second) // every stream settled
+	rep := &peerCapReport{Cap: perPeer, Leases: leases, Watches: perPeer, RSSGrowthMiB: rssMB(pid) - before}
+	rep.RSSPerWatchKiB = rep.RSSGrowthMiB * 1024 / float64(perPeer)
+	if rep.Next, err = nextRequest(ctx, cfgs[leases]); err != nil {
+		return nil, fmt.Errorf("the request after the peer's cap: %w", err)
+	}
+	for i := range leases {
+		if _, _, err := revokeWhileWatching(ctx, br, ids[i], ws[i], 30*time.Second, nil); err != nil {
+			return nil, err
+		}
+		revoked[i] = true
+	}
+	return rep, nil
 }
 
 // slowReader opens a watch through the gateway whose client reads
@@ -381,11 +579,19 @@ func (r *gatewayReport) print() {
 	fmt.Printf("  LIST %d ConfigMaps: direct %.1f/s (p50 %.1f ms), gateway %.1f/s (p50 %.1f ms): %.2f× (goal ≥ 0.9×)\n", gatewayListSize,
 		r.ListDirect.PerSecond, r.ListDirect.P50ms, r.ListGateway.PerSecond, r.ListGateway.P50ms, r.ListThroughputRatio)
 	fmt.Printf("  WATCH event through the gateway after the direct watch's: p50 %.2f ms, p99 %.2f ms over %d events (goal p99 ≤ 1 ms)\n", r.WatchOverheadP50Ms, r.WatchOverheadP99Ms, r.WatchEvents)
-	fmt.Printf("  %d open watches through one lease: %.1f KiB RSS each (goal ≤ 64 KiB); revoked: all closed p50 %.1f ms, p99 %.1f ms, max %.1f ms after the DELETE (goal p99 ≤ 1 s); new requests refused %.1f ms after it (goal ≤ 100 ms)\n",
-		r.Watches, r.RSSPerWatchKiB, r.CloseP50Ms, r.CloseP99Ms, r.CloseMaxMs, r.RefusedAfterMs)
+	fmt.Printf("  a lease's cap, %d open watches through one lease: the broker's RSS grew %.1f MiB (goal ≤ %d MiB: fits the chart's 256 Mi limit with room for the others), %.1f KiB per watch (goal ≤ 64 KiB)\n",
+		r.Watches, r.LeaseCapRSSMiB, gatewayLeaseCapGoalMiB, r.RSSPerWatchKiB)
+	fmt.Printf("  the lease's cap's next request: %s\n", r.LeaseCapNext)
+	fmt.Printf("  that lease revoked: all %d watches closed p50 %.1f ms, p99 %.1f ms, max %.1f ms after the DELETE (goal p99 ≤ 1 s); new requests refused %.1f ms after it (goal ≤ 100 ms)\n",
+		r.Watches, r.CloseP50Ms, r.CloseP99Ms, r.CloseMaxMs, r.RefusedAfterMs)
+	if p := r.PeerCap; p != nil {
+		fmt.Printf("  a peer's cap, %d open watches over %d leases of one peer, on a fresh replica: its RSS grew %.1f MiB (goal ≤ %d MiB: fits the chart's 256 Mi limit with room for the others), %.1f KiB per watch\n",
+			p.Watches, p.Leases, p.RSSGrowthMiB, gatewayPeerCapGoalMiB, p.RSSPerWatchKiB)
+		fmt.Printf("  the peer's cap's next request, through another lease of the peer: %s\n", p.Next)
+	}
 	fmt.Printf("  a watch whose client reads nothing, sent 10,000 events: the broker's RSS grew %.0f KiB\n", r.SlowReaderRSSKiB)
 	if t := r.TwoReplicas; t != nil {
-		fmt.Printf("  %d open watches through one lease, half on each of two replicas: RSS per watch %.1f and %.1f KiB (goal ≤ 64 KiB); revoked: closed p99 %.0f and %.0f ms, max %.0f and %.0f ms after the DELETE (goal p99 ≤ 1 s on every replica)\n",
+		fmt.Printf("  %d open watches through one lease, its cap on each of two replicas: RSS per watch %.1f and %.1f KiB (goal ≤ 64 KiB); revoked: closed p99 %.0f and %.0f ms, max %.0f and %.0f ms after the DELETE (goal p99 ≤ 1 s on every replica)\n",
 			t.Watches, t.RSSPerWatchKiB[0], t.RSSPerWatchKiB[1], t.CloseP99Ms[0], t.CloseP99Ms[1], t.CloseMaxMs[0], t.CloseMaxMs[1])
 	}
 }
@@ -433,11 +639,12 @@ func startReplica(ctx context.Context, b *brokerProcess) (*brokerProcess, string
 	}
 }
 
-// watchesOnTwoReplicas opens count watches through one lease, half
-// through br's gateway and half through a replica's, and measures each
-// broker's RSS per open watch and how long after the DELETE's answer the
-// watches of each were all closed.
-func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, count int) (*replicaReport, error) {
+// watchesOnTwoReplicas opens perReplica watches (the lease's cap, which
+// each replica counts on its own) through one lease on br's gateway and
+// as many on a replica's, and measures each broker's RSS per open watch
+// and how long after the DELETE's answer the watches of each were all
+// closed.
+func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, perReplica int) (*replicaReport, error) {
 	replica, replicaGateway, err := startReplica(ctx, br)
 	if err != nil {
 		return nil, err
@@ -455,6 +662,7 @@ func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, c
 	other := rest.CopyConfig(cfg)
 	other.Host = replicaGateway
 	procs := []*brokerProcess{br, replica}
+	count := 2 * perReplica
 	rep := &replicaReport{Watches: count}
 	var ws []watch.Interface
 	defer func() {
@@ -469,7 +677,7 @@ func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, c
 			return nil, err
 		}
 		before := rssMB(procs[i].cmd.Process.Pid)
-		for range count / 2 {
+		for range perReplica {
 			w, err := cs.CoreV1().ConfigMaps("bench").Watch(ctx, metav1.ListOptions{LabelSelector: "bench=none"})
 			if err != nil {
 				return nil, err
@@ -478,7 +686,7 @@ func watchesOnTwoReplicas(ctx context.Context, br *brokerProcess, body []byte, c
 			owner = append(owner, i)
 		}
 		time.Sleep(2 * time.Second) // every stream settled
-		rep.RSSPerWatchKiB = append(rep.RSSPerWatchKiB, (rssMB(procs[i].cmd.Process.Pid)-before)*1024/float64(count/2))
+		rep.RSSPerWatchKiB = append(rep.RSSPerWatchKiB, (rssMB(procs[i].cmd.Process.Pid)-before)*1024/float64(perReplica))
 	}
 	revoked, ended, err := revokeWhileWatching(ctx, br, lease.LeaseID, ws, 60*time.Second, nil)
 	if err != nil {
