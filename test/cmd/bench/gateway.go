@@ -20,7 +20,6 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
@@ -102,13 +101,14 @@ type capCheck struct {
 	Status     int    `json:"status"`
 	RetryAfter string `json:"retry_after,omitempty"`
 	Reason     string `json:"reason,omitempty"`
+	Message    string `json:"message,omitempty"`
 }
 
 func (c capCheck) String() string {
 	if c.Status != http.StatusTooManyRequests {
 		return fmt.Sprintf("%d, NOT REFUSED (goal 429)", c.Status)
 	}
-	return fmt.Sprintf("%d %s, Retry-After %s (goal 429)", c.Status, c.Reason, c.RetryAfter)
+	return fmt.Sprintf("%d %s, Retry-After %s, %q (goal 429)", c.Status, c.Reason, c.RetryAfter, c.Message)
 }
 
 // peerCapReport is peerCap's figures.
@@ -162,25 +162,39 @@ func brokerFlagInt(br *brokerProcess, name string, def int) (int, error) {
 // nextRequest sends one GET through cfg's lease as a raw request and
 // says how the gateway answered it.
 func nextRequest(ctx context.Context, cfg *rest.Config) (capCheck, error) {
+	get, err := rawGet(cfg)
+	if err != nil {
+		return capCheck{}, err
+	}
+	return get(ctx)
+}
+
+// rawGet is a GET of the probe ConfigMap through cfg's lease, sent as a
+// raw request with the lease's TLS configuration: client-go would wait
+// out a 429's Retry-After and send it again.
+func rawGet(cfg *rest.Config) (func(context.Context) (capCheck, error), error) {
 	tr, err := rest.TransportFor(cfg)
 	if err != nil {
-		return capCheck{}, err
+		return nil, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.Host+"/api/v1/namespaces/bench/configmaps/probe", nil)
-	if err != nil {
-		return capCheck{}, err
-	}
-	resp, err := (&http.Client{Transport: tr, Timeout: 30 * time.Second}).Do(req)
-	if err != nil {
-		return capCheck{}, err
-	}
-	defer resp.Body.Close()
-	c := capCheck{Status: resp.StatusCode, RetryAfter: resp.Header.Get("Retry-After")}
-	var st metav1.Status
-	if b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10)); err == nil && json.Unmarshal(b, &st) == nil && st.Kind == "Status" {
-		c.Reason = string(st.Reason)
-	}
-	return c, nil
+	client := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	return func(ctx context.Context) (capCheck, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, cfg.Host+"/api/v1/namespaces/bench/configmaps/probe", nil)
+		if err != nil {
+			return capCheck{}, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return capCheck{}, err
+		}
+		defer resp.Body.Close()
+		c := capCheck{Status: resp.StatusCode, RetryAfter: resp.Header.Get("Retry-After")}
+		var st metav1.Status
+		if b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10)); err == nil && json.Unmarshal(b, &st) == nil && st.Kind == "Status" {
+			c.Reason, c.Message = string(st.Reason), st.Message
+		}
+		return c, nil
+	}, nil
 }
 
 // setUpGateway makes the gateway's ServiceAccount, its RBAC, and the
@@ -416,16 +430,24 @@ func watchesAndRevocation(ctx context.Context, br *brokerProcess, lease apiv1.Ku
 	rep.LeaseCap, rep.Watches = count, count
 	rep.LeaseCapRSSMiB = rssMB(br.cmd.Process.Pid) - before
 	rep.RSSPerWatchKiB = rep.LeaseCapRSSMiB * 1024 / float64(count)
-	var err error
-	if rep.LeaseCapNext, err = nextRequest(ctx, gwCfg); err != nil {
+	get, err := rawGet(gwCfg)
+	if err != nil {
+		return err
+	}
+	if rep.LeaseCapNext, err = get(ctx); err != nil {
 		return fmt.Errorf("the request after the lease's cap: %w", err)
 	}
 
 	revoked, ended, err := revokeWhileWatching(ctx, br, lease.LeaseID, ws, 30*time.Second, func(revoked time.Time) error {
-		// New requests: refused how long after the DELETE's answer?
+		// New requests: refused how long after the DELETE's answer? Raw
+		// requests: until the gateway learns of the deletion the lease
+		// is at its cap, and client-go would wait out each 429's second.
 		for {
-			_, err := gw.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
-			if apierrors.IsUnauthorized(err) {
+			c, err := get(ctx)
+			if err != nil {
+				return err
+			}
+			if c.Status == http.StatusUnauthorized {
 				rep.RefusedAfterMs = ms(time.Since(revoked))
 				return nil
 			}
