@@ -341,6 +341,9 @@ func FuzzParseBrokerEvent(f *testing.F) {
 	for _, line := range strings.Split(brokerLog, "\n") {
 		f.Add([]byte(line))
 	}
+	for _, action := range []string{"gateway_forward", "gateway_upgrade", "gateway_request"} {
+		f.Add([]byte(`{"time":"2030-01-01T10:01:00Z","audit":"tokenbroker.io/v1","action":"` + action + `","decision":"allow","lease_id":"` + tokenLease + `","method":"GET","path":"/api/v1/pods","status":101,"api_audit_id":"5b0d6c1e-0000-4000-8000-000000000001"}`))
+	}
 	f.Fuzz(func(t *testing.T, line []byte) {
 		ev, err := auditjoin.ParseBrokerEvent(line)
 		if err != nil {
@@ -349,8 +352,13 @@ func FuzzParseBrokerEvent(f *testing.F) {
 		if ev.Audit != auditjoin.BrokerAuditSchema {
 			t.Fatalf("accepted an event of schema %q", ev.Audit)
 		}
-		idx := auditjoin.NewIndex()
+		idx := auditjoin.NewIndex(auditjoin.WithMaxGatewayRequests(1))
 		idx.AddBrokerEvent(ev) // never panics
+		ev.APIAuditID += "x"
+		idx.AddBrokerEvent(ev) // nor past the limit
+		if g := idx.Gateway(); g.Requests > 1 || g.Open > g.Requests || g.NotIndexed > g.NotIndexedEvents {
+			t.Fatalf("gateway counts out of bounds: %+v", g)
+		}
 	})
 }
 

@@ -15,6 +15,16 @@
 // requests per lease and per RBAC subject, and Unused lists the RBAC rule
 // entries a subject never exercised.
 //
+// A request a lease gateway forwarded reaches the API server with the
+// gateway's credential, not the lease's: it joins by the Audit-ID the
+// gateway sent, which the broker records as api_audit_id in its
+// gateway_forward and gateway_upgrade events (written while a stream runs)
+// and its gateway_request event (when the request ends). The events of one
+// id are one request, and any one of them joins it, so a stream whose
+// replica died mid-stream is still attributed. The index holds a bounded
+// number of gateway requests (WithMaxGatewayRequests); the events of the
+// requests past it are counted (Index.Gateway), never dropped silently.
+//
 // A request that fails authentication has no user and so no credential id
 // in its audit event: it cannot be joined (Stats.Unauthenticated counts
 // them). A revoked token's later requests are such requests; a revoked

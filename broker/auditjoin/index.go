@@ -82,8 +82,16 @@ type Index struct {
 	byID   map[string]*Lease
 	byCred map[string]*Lease
 	// byAudit names the lease of each request a lease gateway forwarded,
-	// by the Audit-ID it sent the API server (its gateway_request events).
-	byAudit map[string]string
+	// by the Audit-ID it sent the API server: its gateway_forward and
+	// gateway_upgrade events (written while the request runs) and its
+	// gateway_request event (when it ends) name one request.
+	byAudit map[string]gatewayRequest
+	// maxGateway bounds byAudit; gateway counts what was (not) indexed.
+	maxGateway int
+	gateway    GatewayStats
+	// skipped counts the gateway events not indexed by kind: forward,
+	// upgrade, request.
+	skipped [3]int
 	// conflicts counts the claims refused; notes keeps the first few.
 	conflicts int
 	notes     []string
@@ -99,22 +107,78 @@ func (x *Index) conflict(format string, args ...any) {
 	}
 }
 
-// Conflicts returns how many claims of a lease id or credential id were
-// refused because another source claimed it first or with more
-// authority, and a description of the first few.
+// Conflicts returns how many claims of a lease id, a credential id or a
+// gateway request's api_audit_id were refused because another source
+// claimed it first or with more authority, and a description of the
+// first few.
 func (x *Index) Conflicts() (int, []string) { return x.conflicts, x.notes }
 
-// NewIndex returns an empty index.
-func NewIndex() *Index {
-	return &Index{byID: map[string]*Lease{}, byCred: map[string]*Lease{}, byAudit: map[string]string{}}
+// gatewayRequest is what the index keeps of one request a lease gateway
+// forwarded.
+type gatewayRequest struct {
+	lease string
+	// ended is set once its gateway_request event is read: a request known
+	// only from the start of its stream has not (the replica died, or the
+	// log ends before the stream did).
+	ended bool
 }
 
-// maxGatewayRequests bounds the gateway requests remembered (about 150
-// bytes each); past it later ones join nothing.
-const maxGatewayRequests = 2_000_000
+// IndexOption configures an Index.
+type IndexOption func(*Index)
 
-// maxAuditIDLen bounds an audit id kept: the gateway's are UUIDs.
-const maxAuditIDLen = 64
+// WithMaxGatewayRequests bounds the gateway requests the index remembers
+// to n (DefaultMaxGatewayRequests without it; n < 1 is 1).
+func WithMaxGatewayRequests(n int) IndexOption {
+	return func(x *Index) { x.maxGateway = max(n, 1) }
+}
+
+// NewIndex returns an empty index.
+func NewIndex(opts ...IndexOption) *Index {
+	x := &Index{byID: map[string]*Lease{}, byCred: map[string]*Lease{}, byAudit: map[string]gatewayRequest{},
+		maxGateway: DefaultMaxGatewayRequests}
+	for _, o := range opts {
+		o(x)
+	}
+	x.gateway.Limit = x.maxGateway
+	return x
+}
+
+// DefaultMaxGatewayRequests is how many gateway requests an index
+// remembers by default (about 150 bytes each: 300 MB at the limit). The
+// events of requests past it are counted (GatewayStats), never dropped
+// silently: their API server events cannot be joined.
+const DefaultMaxGatewayRequests = 2_000_000
+
+// MaxAuditIDBytes bounds an api_audit_id indexed: the gateway's are
+// UUIDs (36 bytes). A gateway event with a longer one is counted
+// (GatewayStats.BadAuditID), not indexed.
+const MaxAuditIDBytes = 64
+
+// GatewayStats counts the lease gateway's events an index read.
+type GatewayStats struct {
+	// Requests are the gateway requests indexed (one per api_audit_id,
+	// however many of its events were read), Open those of them known only
+	// from the start of their stream (gateway_forward or gateway_upgrade),
+	// with no gateway_request read: the replica died, or the log ends
+	// before the stream did.
+	Requests int `json:"requests"`
+	Open     int `json:"open"`
+	// NotIndexedEvents are gateway events of requests not indexed because
+	// the index held Limit requests already; NotIndexed is at least the
+	// number of those requests (a stream has a gateway_forward, maybe a
+	// gateway_upgrade and a gateway_request: the events of one kind, the
+	// most numerous, each name another request). The API server's events
+	// of those requests join nothing.
+	NotIndexedEvents int `json:"notIndexedEvents"`
+	NotIndexed       int `json:"notIndexed"`
+	Limit            int `json:"limit"`
+	// BadAuditID are gateway events whose api_audit_id is longer than
+	// MaxAuditIDBytes: not the gateway's, not indexed.
+	BadAuditID int `json:"badAuditID"`
+}
+
+// Gateway returns what the index read of the lease gateway's events.
+func (x *Index) Gateway() GatewayStats { return x.gateway }
 
 // LookupAudit returns the lease of the gateway request the API server
 // logged under auditID, or nil. The gateway chose the id (a random UUID)
@@ -122,11 +186,18 @@ const maxAuditIDLen = 64
 // another lease's request; Join still requires the event's user to be
 // the lease's.
 func (x *Index) LookupAudit(auditID string) *Lease {
-	id, ok := x.byAudit[auditID]
+	l, _ := x.lookupAudit(auditID)
+	return l
+}
+
+// lookupAudit is LookupAudit, and whether the request is known only from
+// the start of its stream (no gateway_request read).
+func (x *Index) lookupAudit(auditID string) (l *Lease, open bool) {
+	r, ok := x.byAudit[auditID]
 	if !ok {
-		return nil
+		return nil, false
 	}
-	return x.byID[id]
+	return x.byID[r.lease], !r.ended
 }
 
 // Len is the number of leases whose credential id is known.
@@ -249,11 +320,33 @@ func boundLease(l Lease) Lease {
 	return l
 }
 
+// Lease gateway actions (audit.ActionGatewayForward, ActionGatewayUpgrade,
+// ActionGatewayRequest).
+const (
+	actionGatewayForward = "gateway_forward"
+	actionGatewayUpgrade = "gateway_upgrade"
+	actionGatewayRequest = "gateway_request"
+)
+
 // AddBrokerEvent adds what a broker audit event says of a lease: an
 // allowed issuance names the lease and its credential; an allowed
-// revocation says when it ended. Other events are ignored.
+// revocation says when it ended; a lease gateway's event with an
+// api_audit_id (gateway_forward and gateway_upgrade while a stream runs,
+// gateway_request when a request ends) names the lease of the request the
+// API server logged under that id. Other events are ignored.
 func (x *Index) AddBrokerEvent(ev BrokerEvent) {
-	if ev.LeaseID == "" || ev.Decision != "allow" {
+	if ev.LeaseID == "" {
+		return
+	}
+	switch ev.Action {
+	case actionGatewayForward, actionGatewayUpgrade, actionGatewayRequest:
+		// Whatever its decision: an api_audit_id is there only if the
+		// request was sent to the API server (a request that failed
+		// upstream was still seen, and maybe logged, there).
+		x.addGateway(ev)
+		return
+	}
+	if ev.Decision != "allow" {
 		return
 	}
 	switch ev.Action {
@@ -296,13 +389,6 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 			l.CredentialID = ""
 			x.claim(l, ev.CredentialID)
 		}
-	case "gateway_request":
-		if ev.APIAuditID == "" || len(ev.APIAuditID) > maxAuditIDLen || len(x.byAudit) >= maxGatewayRequests {
-			return
-		}
-		if _, seen := x.byAudit[ev.APIAuditID]; !seen { // the first stands
-			x.byAudit[ev.APIAuditID] = x.lease(ev.LeaseID).ID
-		}
 	case "revoke":
 		l := x.lease(ev.LeaseID)
 		// The first revocation counts; a retried DELETE is not a new one.
@@ -315,6 +401,56 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 		if l.Peer == "" {
 			l.Peer, l.Identity, l.Namespace = ev.Peer, ev.Identity, ev.Namespace
 		}
+	}
+}
+
+// addGateway indexes one lease gateway event. The events of one request
+// (its api_audit_id) are one request: the first names its lease, a later
+// one naming another lease is a conflict, refused. Past maxGateway
+// requests, a new request's events are counted, not indexed.
+func (x *Index) addGateway(ev BrokerEvent) {
+	id := ev.APIAuditID
+	switch {
+	case id == "":
+		return
+	case len(id) > MaxAuditIDBytes:
+		x.gateway.BadAuditID++
+		return
+	}
+	lid, ended := bound(ev.LeaseID), ev.Action == actionGatewayRequest
+	if r, seen := x.byAudit[id]; seen {
+		if r.lease != lid {
+			// The gateway draws a random id per request: two leases with
+			// one id is a forged or corrupted event.
+			x.byID[r.lease].Disputed, x.lease(lid).Disputed = true, true
+			x.conflict("gateway events name api_audit_id %q for leases %q and %q: the first is used", id, r.lease, lid)
+			return
+		}
+		if ended && !r.ended {
+			r.ended = true
+			x.byAudit[id] = r
+			x.gateway.Open--
+		}
+		return
+	}
+	if len(x.byAudit) >= x.maxGateway {
+		g := &x.gateway
+		g.NotIndexedEvents++
+		k := 0
+		switch ev.Action {
+		case actionGatewayUpgrade:
+			k = 1
+		case actionGatewayRequest:
+			k = 2
+		}
+		x.skipped[k]++
+		g.NotIndexed = max(x.skipped[0], x.skipped[1], x.skipped[2])
+		return
+	}
+	x.byAudit[id] = gatewayRequest{lease: x.lease(lid).ID, ended: ended}
+	x.gateway.Requests++
+	if !ended {
+		x.gateway.Open++
 	}
 }
 

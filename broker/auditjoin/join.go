@@ -74,8 +74,13 @@ type Stats struct {
 	// log files), skipped.
 	Duplicates int `json:"duplicates"`
 	// Gateway are the joined requests a lease gateway forwarded, joined by
-	// the audit id the broker's gateway_request event recorded.
-	Gateway int `json:"gateway"`
+	// the audit id the broker's gateway events recorded (gateway_forward,
+	// gateway_upgrade or gateway_request: one request however many of
+	// them were read). GatewayOpen are those of them known only from the
+	// start of their stream: no gateway_request was read for them (the
+	// replica died mid-stream, or the broker's log ends before it did).
+	Gateway     int `json:"gateway"`
+	GatewayOpen int `json:"gatewayOpen"`
 }
 
 // maxSeenAuditIDs bounds the events remembered to skip duplicates: the
@@ -152,11 +157,11 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 			continue
 		}
 		l := idx.Lookup(ev.CredentialID)
-		viaGateway := false
+		viaGateway, open := false, false
 		if l == nil {
 			// A lease gateway's request: its credential is the gateway's,
 			// its audit id the one the gateway recorded.
-			if l = idx.LookupAudit(ev.AuditID); l != nil {
+			if l, open = idx.lookupAudit(ev.AuditID); l != nil {
 				viaGateway = true
 			}
 		}
@@ -173,6 +178,9 @@ func Join(r io.Reader, idx *Index, f Filter, emit func(Row) error) (st Stats, er
 		st.Joined++
 		if viaGateway {
 			st.Gateway++
+			if open {
+				st.GatewayOpen++
+			}
 		}
 		if l.Source == SourceSecret {
 			st.FromSecret++

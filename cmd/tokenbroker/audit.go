@@ -36,6 +36,8 @@ type auditOptions struct {
 	Peer            string
 	Output          string
 	Summary         bool
+	// MaxGatewayRequests bounds the lease gateway's requests indexed.
+	MaxGatewayRequests int
 
 	since time.Time
 }
@@ -94,6 +96,17 @@ approve, sign, impersonate and create on pods/exec, attach and portforward
 never show as requests: they are listed as "not observable in the audit
 log". At most 4096 distinct permissions are kept per lease and subject;
 the rest are counted as other requests.
+
+A request forwarded by the lease gateway reaches the API server with the
+gateway's credential; it is joined to its lease by the Audit-Id the gateway
+sent and recorded as api_audit_id in its gateway_forward and gateway_upgrade
+events (written while a watch, an exec or a followed log runs) and its
+gateway_request event (when the request ends): one request, however many of
+them were read. A stream whose replica died, or whose end is past the broker
+log read, still joins by its gateway_forward event. At most
+--max-gateway-requests gateway requests are indexed (about 150 bytes each);
+the events of requests past it are counted on standard error, never dropped
+silently: those requests' API server events cannot be joined.
 
 ISSUE-REQUEST is the X-Request-Id the client sent with its issuance: the
 peer chooses it. Find the issuance in the broker's log by the lease id.
@@ -154,6 +167,8 @@ roles, clusterroles and clusterrolebindings; nothing is written.`,
 	fs.StringVar(&o.Peer, "peer", "", "only the requests made with credentials of this peer (its name in the policy)")
 	fs.StringVarP(&o.Output, "output", "o", "table", "output format: table or json (one object a line)")
 	fs.BoolVar(&o.Summary, "summary", false, "per lease, the verbs and resources used; per grant and subject, the permissions never used")
+	fs.IntVar(&o.MaxGatewayRequests, "max-gateway-requests", auditjoin.DefaultMaxGatewayRequests,
+		"at most this many lease gateway requests are indexed (about 150 bytes each); those past it are counted, and their API server events are not joined")
 	_ = cmd.RegisterFlagCompletionFunc("output", cobra.FixedCompletions(auditOutputs, cobra.ShellCompDirectiveNoFileComp))
 	return cmd
 }
@@ -192,6 +207,9 @@ func (o *auditOptions) validate(now time.Time) error {
 			return err
 		}
 		o.since = t
+	}
+	if o.MaxGatewayRequests < 1 {
+		return fmt.Errorf("--max-gateway-requests must be at least 1, not %d", o.MaxGatewayRequests)
 	}
 	return nil
 }
@@ -239,7 +257,11 @@ type auditClients struct {
 
 func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin io.Reader, out, errOut io.Writer) error {
 	client := clients.kube
-	idx := auditjoin.NewIndex()
+	var opts []auditjoin.IndexOption
+	if o.MaxGatewayRequests > 0 { // else the default
+		opts = append(opts, auditjoin.WithMaxGatewayRequests(o.MaxGatewayRequests))
+	}
+	idx := auditjoin.NewIndex(opts...)
 	for _, name := range o.BrokerAuditLogs {
 		f, err := openInput(name, stdin)
 		if err != nil {
@@ -274,7 +296,7 @@ func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin i
 		}
 	}
 	if n, notes := idx.Conflicts(); n > 0 {
-		fmt.Fprintf(errOut, "warning: %d claims of a lease id or credential id were refused (a forged lease Secret or issue event; the broker's issue event wins, then the earliest created Secret); their leases are marked disputed:\n", n)
+		fmt.Fprintf(errOut, "warning: %d claims of a lease id, credential id or gateway api_audit_id were refused (a forged lease Secret or broker event; the broker's issue event wins, then the earliest created Secret; the first gateway event of an api_audit_id); their leases are marked disputed:\n", n)
 		for _, note := range notes {
 			fmt.Fprintf(errOut, "  %s\n", printableText(note))
 		}
@@ -332,6 +354,21 @@ func runAudit(ctx context.Context, o auditOptions, clients auditClients, stdin i
 	}
 	if st.Disputed > 0 {
 		fmt.Fprintf(errOut, "warning: %d of the joined requests are of disputed leases (STATE ends in \",disputed\")\n", st.Disputed)
+	}
+	gw := idx.Gateway()
+	if st.Gateway > 0 {
+		fmt.Fprintf(errOut, "%d of the joined requests came through the lease gateway, joined by the api_audit_id of its events", st.Gateway)
+		if st.GatewayOpen > 0 {
+			fmt.Fprintf(errOut, "; %d of them known only from the start of their stream (gateway_forward or gateway_upgrade, no gateway_request: the replica died mid-stream, or the broker log ends before the stream did)", st.GatewayOpen)
+		}
+		fmt.Fprintln(errOut)
+	}
+	if gw.NotIndexed > 0 {
+		fmt.Fprintf(errOut, "warning: at least %d gateway requests not indexed (over the limit of %d; %d gateway events skipped): their API server events are unjoined, among those made with credentials of no known lease; raise --max-gateway-requests (about 150 bytes each) or give fewer broker logs at a time\n",
+			gw.NotIndexed, gw.Limit, gw.NotIndexedEvents)
+	}
+	if gw.BadAuditID > 0 {
+		fmt.Fprintf(errOut, "warning: %d gateway events have an api_audit_id over %d bytes (the gateway's are UUIDs): skipped\n", gw.BadAuditID, auditjoin.MaxAuditIDBytes)
 	}
 	if st.Duplicates > 0 {
 		fmt.Fprintf(errOut, "%d events repeated an audit id already read (overlapping log files) and were counted once\n", st.Duplicates)

@@ -39,6 +39,8 @@ func TestAuditOptionsAreCheckedWithMessagesThatSayWhatToGive(t *testing.T) {
 		})
 	}
 	o := auditOptions{APIAuditLog: "a", Kubeconfig: "k", Since: "2h", Output: "json"}
+	require.ErrorContains(t, o.validate(now), "--max-gateway-requests must be at least 1, not 0")
+	o.MaxGatewayRequests = 1
 	require.NoError(t, o.validate(now))
 	require.Equal(t, now.Add(-2*time.Hour), o.since)
 }
@@ -103,4 +105,30 @@ func TestAuditFromLeaseSecretsListsTheirMetadataOfTheLeaseTypeAndMarksTheirSourc
 	require.Equal(t, []string{"2030-01-01T10:01:00Z", "list", "configmaps", "argo", "<none>", "200", lease, "live,secret", "west", "<none>", "<none>", "<none>"}, strings.Fields(lines[1]))
 	require.Contains(t, errOut.String(), "1 of the joined requests are of leases known only from their lease Secrets")
 	require.Contains(t, errOut.String(), "1 requests name a lease's credential id but were made by another user than the lease's subject")
+}
+
+// Gateway requests past --max-gateway-requests are reported, never
+// dropped silently; a stream known only from its start still joins.
+func TestAuditReportsTheGatewayRequestsItCouldNotIndex(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	const lease = "cccccccccccccccccccccccccc"
+	gw := func(action, id string) string {
+		return `{"time":"2030-01-01T10:01:00Z","audit":"tokenbroker.io/v1","action":"` + action + `","decision":"allow","lease_id":"` + lease + `","namespace":"argo","service_account":"runner","api_audit_id":"` + id + `"}` + "\n"
+	}
+	broker := `{"time":"2030-01-01T10:00:00Z","audit":"tokenbroker.io/v1","action":"issue","decision":"allow","peer":"west","namespace":"argo","service_account":"runner","credential":"token","lease_id":"` + lease + `","credential_id":"X509SHA256=cc","expires_at":"2030-01-01T12:00:00Z"}` + "\n" +
+		gw("gateway_forward", "id-1") + gw("gateway_request", "id-2") + gw("gateway_request", "id-3")
+	api := ""
+	for _, id := range []string{"id-1", "id-2", "id-3"} {
+		api += `{"kind":"Event","apiVersion":"audit.k8s.io/v1","auditID":"` + id + `","stage":"ResponseComplete","verb":"watch","requestURI":"/api/v1/namespaces/argo/configmaps","user":{"username":"system:serviceaccount:argo:runner","extra":{"authentication.kubernetes.io/credential-id":["JTI=gateway"]}},"objectRef":{"resource":"configmaps","namespace":"argo"},"responseStatus":{"code":200},"requestReceivedTimestamp":"2030-01-01T10:01:00.000000Z"}` + "\n"
+	}
+	brokerFile := filepath.Join(dir, "broker.log")
+	require.NoError(t, os.WriteFile(brokerFile, []byte(broker), 0o600))
+	var out, errOut bytes.Buffer
+	o := auditOptions{APIAuditLog: "-", BrokerAuditLogs: []string{brokerFile}, Output: "json", MaxGatewayRequests: 2}
+	require.NoError(t, runAudit(t.Context(), o, auditClients{}, strings.NewReader(api), &out, &errOut))
+	require.Len(t, strings.Split(strings.TrimSpace(out.String()), "\n"), 2, out.String())
+	require.Contains(t, errOut.String(), "3 requests read, 2 made with a broker credential, 2 selected;")
+	require.Contains(t, errOut.String(), "2 of the joined requests came through the lease gateway, joined by the api_audit_id of its events; 1 of them known only from the start of their stream")
+	require.Contains(t, errOut.String(), "warning: at least 1 gateway requests not indexed (over the limit of 2; 1 gateway events skipped): their API server events are unjoined")
 }
