@@ -116,9 +116,9 @@ var leaseOnlySelector = labels.Set{objects.LabelManagedBy: objects.ManagedByValu
 // the one Secret (a field selector on metadata.name), so that the Secret's
 // type is checked by the API server as the counter's own watch has it
 // checked (metadata carries no type), and with the RBAC the counter
-// already needs (list). A lease it finds deleted or replaced that the
-// counter still holds is forgotten, which tells OnGone: its open
-// connections end as if the watch had seen it go.
+// already needs (list). It changes nothing in the counter: ending a gone
+// lease's connections from here would close the connection of the
+// request that asked before its answer; they end when the watch is back.
 func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid types.UID, identity string, now time.Time) (expires time.Time, ok bool, err error) {
 	if lc.client == nil {
 		return time.Time{}, false, errors.New("recheck lease: the counter has no API client")
@@ -138,7 +138,6 @@ func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid type
 		}
 	}
 	if m == nil || m.UID != uid || m.DeletionTimestamp != nil {
-		lc.forgetHeld(namespace, name, uid)
 		return time.Time{}, false, nil
 	}
 	id := bounded(m.Annotations[objects.AnnotationIdentity], maxKeptIdentity)
@@ -153,15 +152,4 @@ func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid type
 		return time.Time{}, false, nil
 	}
 	return exp, true, nil
-}
-
-// forgetHeld forgets the lease Secret namespace/name under uid if the
-// counter still knows it: the API server said it is gone.
-func (lc *Counter) forgetHeld(namespace, name string, uid types.UID) {
-	lc.mu.Lock()
-	defer lc.mu.Unlock()
-	key := namespace + "/" + name
-	if c, ok := lc.byKey[key]; ok && c.uid == uid {
-		lc.forget(key, c)
-	}
 }

@@ -150,8 +150,7 @@ func (g *Gateway) live(ctx context.Context, n pki.LeaseName, issued time.Time) l
 
 // recheck asks the API server whether the lease n names (the Secret name
 // under uid) is live, or reuses an answer given less than recheckFor ago
-// or under way. A lease the API server no longer has is forgotten by the
-// counter, which ends its connections (OnGone).
+// or under way.
 func (g *Gateway) recheck(ctx context.Context, n pki.LeaseName, name string, uid types.UID) liveness {
 	key := leaseKey(n.Namespace, name, uid) + "/" + n.Peer
 	now := g.cfg.Clock.Now()
