@@ -18,7 +18,9 @@ import (
 // TestMakeDevCommandsWorkAsPrinted runs what `make dev` runs — localcluster
 // around `tokenbroker dev` — then pastes the printed curl and kubectl
 // commands into a shell exactly as printed, and stops everything with
-// Ctrl-C (SIGINT).
+// Ctrl-C (SIGINT). The gateway's lines are pasted as a user would: the
+// watch left running, the revocation from "another terminal", which must
+// end the watch.
 func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 	bin := filepath.Dir(tokenbrokerBinary(t))
 	localcluster := filepath.Join(bin, "localcluster")
@@ -32,7 +34,8 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 	cmd := exec.Command(localcluster, "--controller-manager", "--kubeconfig-out", filepath.Join(dir, "admin.kubeconfig"), "--",
 		filepath.Join(bin, "tokenbroker"), "dev", "--dir", filepath.Join(dir, "dev"),
 		"--listen-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)),
-		"--ops-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)))
+		"--ops-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		"--gateway-address", fmt.Sprintf("127.0.0.1:%d", freePort(t)))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
@@ -50,17 +53,27 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 	})
 
 	commands := printedCommands(t, stdout, 90*time.Second)
-	require.Len(t, commands, 5, "curl for a kubeconfig, kubectl, curl for a certificate kubeconfig, kubectl auth whoami, curl for whoami")
+	require.Len(t, commands, 8, "curl for a kubeconfig, kubectl, curl for a gateway kubeconfig, a watch through it, "+
+		"the DELETE of its lease, curl for a certificate kubeconfig, kubectl auth whoami, curl for whoami")
 
 	for i, c := range commands {
+		switch i {
+		case 3:
+			watchThroughGatewayUntilRevoked(t, c, commands[4], filepath.Join(dir, "admin.kubeconfig"))
+			continue
+		case 4: // pasted by watchThroughGatewayUntilRevoked
+			continue
+		}
 		out, err := exec.Command("bash", "-c", c).CombinedOutput()
 		require.NoError(t, err, "command %d as printed: %s\n%s", i+1, c, out)
 		switch i {
 		case 1:
 			require.Contains(t, string(out), "hello", "kubectl lists the demo ConfigMap")
-		case 3:
+		case 2:
+			require.Contains(t, c, `"access":"gateway"`)
+		case 6:
 			require.Regexp(t, `tokenbroker:west:[0-9a-f]{32}`, string(out), "kubectl is the certificate's per-lease user")
-		case 4:
+		case 7:
 			require.Contains(t, string(out), `"peer":"west"`)
 		}
 	}
@@ -73,6 +86,64 @@ func TestMakeDevCommandsWorkAsPrinted(t *testing.T) {
 	}
 	_, err = os.Stat(filepath.Join(dir, "admin.kubeconfig"))
 	require.ErrorIs(t, err, os.ErrNotExist, "the admin kubeconfig is removed on exit")
+}
+
+// watchThroughGatewayUntilRevoked pastes the printed watch through the
+// gateway and leaves it running, sees it list the demo ConfigMap and
+// stream a ConfigMap the admin creates, pastes the printed revocation
+// (as from another terminal) and requires the watch to end within 2 s of
+// the DELETE's answer; the gateway kubeconfig gets nothing from then on.
+func watchThroughGatewayUntilRevoked(t *testing.T, watchLine, revokeLine, adminKubeconfig string) {
+	t.Helper()
+	require.True(t, strings.HasSuffix(watchLine, " get configmaps -w"), "the printed watch: %s", watchLine)
+	require.Contains(t, revokeLine, "-X DELETE")
+	watch := exec.Command("bash", "-c", watchLine)
+	watch.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out := &syncBuffer{}
+	watch.Stdout, watch.Stderr = out, out
+	require.NoError(t, watch.Start())
+	ended := make(chan error, 1)
+	go func() { ended <- watch.Wait() }()
+	t.Cleanup(func() { _ = watch.Process.Kill() })
+
+	// shows waits for the watch's output to show name, or fails if the
+	// watch ends first.
+	shows := func(name string) {
+		t.Helper()
+		deadline := time.After(30 * time.Second)
+		for !strings.Contains(out.String(), name) {
+			select {
+			case err := <-ended:
+				t.Fatalf("the watch through the gateway ended before it showed %s: %v\n%s", name, err, out.String())
+			case <-deadline:
+				t.Fatalf("the watch through the gateway did not show %s within 30s:\n%s", name, out.String())
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}
+	shows("hello")
+	// Listed is not yet watching: an event proves the watch is open
+	// through the gateway before the revocation.
+	kubectl := kubectlBinary(t)
+	run(t, kubectl, "--kubeconfig", adminKubeconfig, "-n", "demo", "create", "configmap", "watched")
+	shows("watched")
+
+	revokeOut, err := exec.Command("bash", "-c", revokeLine).CombinedOutput()
+	require.NoError(t, err, "the revocation as printed: %s\n%s", revokeLine, revokeOut)
+	answered := time.Now()
+	select {
+	case <-ended:
+		t.Logf("the watch through the gateway had ended at most %s after the DELETE answered", time.Since(answered).Round(100*time.Microsecond))
+	case <-time.After(2 * time.Second):
+		t.Fatalf("the watch through the gateway went on 2s after its lease's DELETE answered:\n%s", out.String())
+	}
+
+	gatewayKubeconfig := strings.Fields(watchLine)[2]
+	refusedOut, err := exec.Command(kubectl, "--kubeconfig", gatewayKubeconfig, "get", "configmaps").CombinedOutput()
+	// Refused at the TLS handshake or with a 401, depending on where the
+	// gateway stops a revoked lease's certificate: either way no list.
+	require.Error(t, err, "the revoked lease's kubeconfig still works:\n%s", refusedOut)
+	require.NotContains(t, string(refusedOut), "hello")
 }
 
 // printedCommands reads a dev banner from r up to its last line ("Ctrl-C
