@@ -12,18 +12,47 @@ import (
 // the server certificate comes from certs on every handshake, so rotating the
 // files rotates the certificate without a restart.
 //
-// The profile checks the chain, not the peer's identity: the caller maps the
-// verified leaf to a cluster with IdentityFromCert. NextProtos is left empty
-// so that net/http can fill in its own ("h2", "http/1.1"). certs must not be
-// nil.
+// A lease certificate fails the handshake (RefuseLeaseCertificate), although
+// it chains to clientCAs when the signing CA is in the bundle: it is good at
+// the lease gateway only, and names no peer that the listener's caps per
+// identity could count.
+//
+// Otherwise the profile checks the chain, not the peer's identity: the caller
+// maps the verified leaf to a cluster with IdentityFromCert. NextProtos is
+// left empty so that net/http can fill in its own ("h2", "http/1.1"). certs
+// must not be nil.
 func ServerTLSConfig(certs *CertReloader, clientCAs *x509.CertPool) *tls.Config {
 	return &tls.Config{
-		MinVersion:     tls.VersionTLS13,
-		MaxVersion:     tls.VersionTLS13,
-		ClientAuth:     tls.RequireAndVerifyClientCert,
-		ClientCAs:      clientCAs,
-		GetCertificate: certs.GetCertificate,
+		MinVersion:       tls.VersionTLS13,
+		MaxVersion:       tls.VersionTLS13,
+		ClientAuth:       tls.RequireAndVerifyClientCert,
+		ClientCAs:        clientCAs,
+		GetCertificate:   certs.GetCertificate,
+		VerifyConnection: RefuseLeaseCertificate,
 	}
+}
+
+// LeaseCertificateError is the refusal of a lease certificate by a listener
+// other than the lease gateway's (RefuseLeaseCertificate). Certificate is the
+// refused leaf, whose subject names the lease and its peer, for the log.
+type LeaseCertificateError struct {
+	Certificate *x509.Certificate
+}
+
+func (e *LeaseCertificateError) Error() string {
+	return "tls: a lease certificate is good at the lease gateway only, not at the broker's API"
+}
+
+// RefuseLeaseCertificate is the API profile's tls.Config.VerifyConnection:
+// it fails the handshake, with a *LeaseCertificateError, of a client whose
+// leaf is a lease certificate (IsLeaseCertificate). crypto/tls answers the
+// client with a bad_certificate alert, which a TLS 1.3 client reads on its
+// first read.
+func RefuseLeaseCertificate(cs tls.ConnectionState) error {
+	if len(cs.PeerCertificates) > 0 && IsLeaseCertificate(cs.PeerCertificates[0]) {
+		return &LeaseCertificateError{Certificate: cs.PeerCertificates[0]}
+	}
+	return nil
 }
 
 // ClientTLSConfig is the mTLS client profile: TLS 1.3 only, the server must
@@ -49,7 +78,7 @@ func ClientTLSConfig(rootCAs *x509.CertPool, cert *CertReloader) *tls.Config {
 // (during a CA rotation) is trusted or distrusted without a restart. Each
 // handshake gets, through GetConfigForClient, a config with the pool in
 // force; everything else is the ServerTLSConfig profile (TLS 1.3 only,
-// RequireAndVerifyClientCert).
+// RequireAndVerifyClientCert, lease certificates refused).
 //
 // Session tickets are off: a resumed TLS 1.3 session is not verified against
 // the client CA pool again, so it would let a client whose CA was just removed

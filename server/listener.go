@@ -37,6 +37,15 @@ const (
 	// HandshakeWrongUsage: the certificate chains to the bundle but is not
 	// for client authentication (a server certificate used as a client's).
 	HandshakeWrongUsage = "wrong_usage"
+	// HandshakeLeaseCertificate: the client certificate is a lease
+	// certificate (pki.IsLeaseCertificate), good at the lease gateway only.
+	// It chains to the client-CA bundle when the signing CA is in it, but
+	// names no peer identity: were it admitted, no per-identity cap would
+	// count its connections. The API profile refuses it in the handshake
+	// (pki.RefuseLeaseCertificate); the listener also closes one that a
+	// TLS configuration without that check let through, before any request
+	// is read.
+	HandshakeLeaseCertificate = "lease_certificate"
 	// HandshakeProtocolVersion: the client offers no TLS 1.3.
 	HandshakeProtocolVersion = "protocol_version"
 	// HandshakeRefusedByClient: the client aborted with an alert, usually
@@ -61,8 +70,8 @@ const (
 func HandshakeReasons() []string {
 	return []string{
 		HandshakeNoCertificate, HandshakeUnknownAuthority, HandshakeExpired, HandshakeWrongUsage,
-		HandshakeProtocolVersion, HandshakeRefusedByClient, HandshakeNotTLS, HandshakeTimeout,
-		HandshakeClosed, HandshakeOther,
+		HandshakeLeaseCertificate, HandshakeProtocolVersion, HandshakeRefusedByClient, HandshakeNotTLS,
+		HandshakeTimeout, HandshakeClosed, HandshakeOther,
 	}
 }
 
@@ -77,10 +86,13 @@ func HandshakeFailureReason(err error) string {
 		record  tls.RecordHeaderError
 		op      *net.OpError
 		netErr  net.Error
+		lease   *pki.LeaseCertificateError
 	)
 	switch {
 	case err == nil:
 		return ""
+	case errors.As(err, &lease):
+		return HandshakeLeaseCertificate
 	case errors.As(err, &unknown):
 		return HandshakeUnknownAuthority
 	case errors.As(err, &invalid) && invalid.Reason == x509.Expired:
@@ -151,6 +163,11 @@ type handshakeListener struct {
 	conns, handshakes *connCount
 	// handshaking moves the gauge of connections in their handshake.
 	handshaking func(listener string, delta float64)
+	// refuseLeases closes a connection whose client certificate is a lease
+	// certificate right after its handshake, before it takes any place
+	// beyond the handshake's: set on every listener but the lease
+	// gateway's, whatever its TLS configuration checks.
+	refuseLeases bool
 
 	logLimit   *rate.Limiter
 	mu         sync.Mutex
@@ -190,6 +207,7 @@ func (s *Server) newHandshakeListener(ln net.Listener, name string, cfg *tls.Con
 		logLimit:        rate.NewLimiter(rate.Every(handshakeLogEvery), handshakeLogBurst),
 		ready:           make(chan net.Conn),
 		errc:            make(chan error, 1),
+		refuseLeases:    name != listenerGateway,
 	}
 	if name == listenerAPI {
 		// Only the mutual-TLS listener knows who connects.
@@ -349,6 +367,16 @@ func (l *handshakeListener) handshake(raw *trackedConn, handshakeDone func()) {
 		}
 		return
 	}
+	if l.refuseLeases {
+		// pki.ServerTLSConfig refused it in the handshake already; this
+		// is for a configuration without that check. No place beyond the
+		// handshake's, and the same count and log line.
+		if st := conn.ConnectionState(); len(st.PeerCertificates) > 0 && pki.IsLeaseCertificate(st.PeerCertificates[0]) {
+			l.failed(raw.RemoteAddr(), &pki.LeaseCertificateError{Certificate: st.PeerCertificates[0]})
+			_ = conn.Close()
+			return
+		}
+	}
 	if l.admitConn != nil {
 		release, reason, who := l.admitConn(conn.ConnectionState(), raw)
 		if reason != "" {
@@ -377,7 +405,8 @@ func (l *handshakeListener) handshake(raw *trackedConn, handshakeDone func()) {
 
 // peerIdentity is the SPIFFE identity of the verified client certificate,
 // or "" (a certificate without one is refused by the authentication
-// middleware with 401 and not counted per identity).
+// middleware with 401 and not counted per identity; a lease certificate,
+// which names none either, never gets this far).
 func peerIdentity(st tls.ConnectionState) string {
 	if len(st.PeerCertificates) == 0 {
 		return ""
@@ -411,8 +440,15 @@ func (l *handshakeListener) failed(remote net.Addr, err error) {
 		level = zapcore.DebugLevel
 	}
 	fields := []zap.Field{zap.String("reason", reason), zap.String("remote", addrString(remote))}
-	var verr *tls.CertificateVerificationError
-	if errors.As(err, &verr) && len(verr.UnverifiedCertificates) > 0 {
+	var (
+		verr  *tls.CertificateVerificationError
+		lease *pki.LeaseCertificateError
+	)
+	if errors.As(err, &lease) && lease.Certificate != nil {
+		// Its subject names the lease and the peer it was issued to:
+		// whose lease certificate is knocking at the API.
+		fields = append(fields, zap.String("subject", lease.Certificate.Subject.String()))
+	} else if errors.As(err, &verr) && len(verr.UnverifiedCertificates) > 0 {
 		leaf := verr.UnverifiedCertificates[0]
 		fields = append(fields, zap.String("subject", leaf.Subject.String()))
 		if id, err := pki.IdentityFromCert(leaf); err == nil {

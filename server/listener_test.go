@@ -204,7 +204,7 @@ func TestHandshakeFailureReason(t *testing.T) {
 			require.Equal(t, tc.want, HandshakeFailureReason(tc.err))
 		})
 	}
-	require.Len(t, HandshakeReasons(), 10)
+	require.Len(t, HandshakeReasons(), 11)
 }
 
 // dialFrom opens a TCP connection to addr from the loopback address src.

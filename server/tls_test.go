@@ -173,6 +173,10 @@ func TestMutualTLS(t *testing.T) {
 		{name: "A client without a certificate is refused during the handshake.", wantErr: "certificate required"},
 		{name: "A client certificate from an untrusted CA is refused during the handshake.", cert: untrusted, wantErr: "unknown certificate authority"},
 		{name: "A TLS 1.2 client is refused during the handshake.", cert: r.goodClientCert(t), tls12: true, wantErr: "protocol version"},
+		// It chains to the client CA, but is good at the lease gateway
+		// only: a 401 would leave it a connection that no per-identity
+		// cap counts.
+		{name: "A lease certificate is refused during the handshake.", cert: leaseCertificate(t, r.pki.ca), wantErr: "bad certificate"},
 	}
 	for _, tc := range handshakeTests {
 		t.Run(tc.name, func(t *testing.T) {

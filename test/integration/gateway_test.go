@@ -227,12 +227,55 @@ func TestAGatewayCertificateIsGoodAtTheGatewayOnly(t *testing.T) {
 	_, err = dcs.CoreV1().ConfigMaps("argo").List(ctx, metav1.ListOptions{})
 	require.True(t, apierrors.IsUnauthorized(err), "the API server does not know the lease certificate: %v", err)
 
-	// At the broker's API, it is no peer.
-	leaseClient := s.clientWith(t, cfg.CertData, cfg.KeyData, s.ca.CertPool())
-	status, _, err := tryDo(leaseClient, http.MethodGet, s.url+"/v1/whoami", "", nil, nil)
-	if err == nil {
-		require.Equal(t, http.StatusUnauthorized, status, "a lease certificate is no peer identity")
+	// At the broker's API, it fails the handshake: it chains to the client
+	// CA (the signing CA is in the bundle), but names no peer, so that a
+	// connection of it would be one that no per-identity cap counts.
+	refused := func() float64 {
+		return counter(t, s.reg, "tokenbroker_tls_handshake_failures_total", map[string]string{"listener": "api", "reason": "lease_certificate"})
 	}
+	openAPI := func() float64 {
+		return counter(t, s.reg, "tokenbroker_connections_open", map[string]string{"listener": "api"})
+	}
+	leaseClient := s.clientWith(t, cfg.CertData, cfg.KeyData, s.ca.CertPool())
+	_, _, err = tryDo(leaseClient, http.MethodGet, s.url+"/v1/whoami", "", nil, nil)
+	require.Error(t, err, "a lease certificate gets no answer from the broker's API")
+	require.Eventually(t, func() bool { return refused() == 1 }, 10*time.Second, 10*time.Millisecond, "counted by its reason")
+
+	// However many connections its holder opens, and keeps open on its
+	// side (here more than one address's cap: kept by the broker, they
+	// would lock every peer of this address out), none stays open at the
+	// broker, and a peer is served meanwhile.
+	status, body := do(t, west, http.MethodGet, s.url+"/v1/leases", nil, nil)
+	require.Equal(t, http.StatusOK, status, string(body))
+	peerConns := openAPI()
+	pair, err := tls.X509KeyPair(cfg.CertData, cfg.KeyData)
+	require.NoError(t, err)
+	// More than server.DefaultMaxConnsPerIP (512), the stack's cap per
+	// client address.
+	const attempts = 520
+	for i := range attempts {
+		conn, err := tls.Dial("tcp", strings.TrimPrefix(s.url, "https://"), &tls.Config{
+			RootCAs: s.ca.CertPool(), MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{pair},
+		})
+		// In TLS 1.3 the client's handshake is over before the broker has
+		// looked at its certificate: the refusal is what it reads first.
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.Close() })
+		_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = conn.Read(make([]byte, 1))
+		require.ErrorContains(t, err, "bad certificate", "attempt %d", i)
+		if i%64 == 0 {
+			status, body := do(t, west, http.MethodGet, s.url+"/v1/leases", nil, nil)
+			require.Equal(t, http.StatusOK, status, string(body))
+		}
+	}
+	require.Eventually(t, func() bool { return refused() == attempts+1 }, 10*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return openAPI() <= peerConns }, 10*time.Second, 10*time.Millisecond,
+		"only the peer's connections are open")
+	fresh := s.client(t, "west")
+	status, body = do(t, fresh, http.MethodGet, s.url+"/v1/leases", nil, nil)
+	require.Equal(t, http.StatusOK, status, "a peer's new connection from the same address: %s", body)
+	require.Zero(t, counter(t, s.reg, "tokenbroker_connections_refused_total", map[string]string{"listener": "api"}), "no cap was reached")
 
 	// At the gateway, a peer's certificate, a certificate from another
 	// CA and no certificate fail the handshake.
@@ -253,7 +296,7 @@ func TestAGatewayCertificateIsGoodAtTheGatewayOnly(t *testing.T) {
 	require.Error(t, gatewayHandshake(t, s, nil, nil), "no certificate, no connection")
 
 	// A direct grant gets no gateway lease, and the gateway grant no token.
-	status, body := do(t, west, http.MethodPost, s.url+"/v1/kubeconfigs", apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "direct-runner", Access: apiv1.AccessGateway}, nil)
+	status, body = do(t, west, http.MethodPost, s.url+"/v1/kubeconfigs", apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "direct-runner", Access: apiv1.AccessGateway}, nil)
 	require.Equal(t, http.StatusForbidden, status, string(body))
 	status, body = do(t, west, http.MethodPost, s.url+"/v1/kubeconfigs", apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessDirect}, nil)
 	require.Equal(t, http.StatusForbidden, status, string(body))
