@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	authnv1 "k8s.io/api/authentication/v1"
@@ -50,6 +51,7 @@ func TestTheGatewaysUpstreamTokenIsAcceptedAndDiesWithItsLeaseSecret(t *testing.
 	require.Equal(t, "system:serviceaccount:argo:runner", st.User.Username)
 
 	require.NoError(t, c.Client.CoreV1().Secrets("argo").Delete(ctx, secret.Name, metav1.DeleteOptions{}))
-	st = review()
-	require.False(t, st.Authenticated, "the token died with its lease Secret")
+	// The API server caches an authentication for about 10 s.
+	require.Eventually(t, func() bool { return !review().Authenticated }, 30*time.Second, 250*time.Millisecond,
+		"the token died with its lease Secret")
 }
