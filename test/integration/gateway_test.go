@@ -371,17 +371,7 @@ func gatewayHandshake(t *testing.T, s *stack, certPEM, keyPEM []byte) error {
 // its metric tells.
 func (s *stack) gatewayConns(t *testing.T) float64 {
 	t.Helper()
-	mfs, err := s.reg.Gather()
-	require.NoError(t, err)
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() == "tokenbroker_gateway_connections" {
-			for _, m := range mf.GetMetric() {
-				total += m.GetGauge().GetValue()
-			}
-		}
-	}
-	return total
+	return s.gauge(t, "tokenbroker_gateway_connections")
 }
 
 // waitEvent waits for the watch's event of the object named name.

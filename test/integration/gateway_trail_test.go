@@ -1,0 +1,153 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
+)
+
+// TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds is
+// what a user tried: `kubectl get cm -w` through a gateway kubeconfig,
+// ended after a while, left one gateway_request for the list and none for
+// the watch, nor any count in the duration metric. Now the watch is
+// audited when it is forwarded, with the id the API server's audit log
+// records, and again when it ends, whether its client ends it or the
+// revocation does; the metrics count both.
+func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing.T) {
+	s, west := setUpGateway(t)
+	kubectl, err := testcluster.Binary(context.Background(), "", testcluster.Kubectl)
+	require.NoError(t, err)
+	resp := issue(t, s, west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+	kubeconfig := filepath.Join(t.TempDir(), "gateway.kubeconfig")
+	require.NoError(t, os.WriteFile(kubeconfig, []byte(resp.Kubeconfig), 0o600))
+
+	watches := func() (forwards, ends []map[string]any) {
+		for _, ev := range readAudit(t, s.auditLog) {
+			path, _ := ev["path"].(string)
+			if ev["lease_id"] != resp.LeaseID || !strings.Contains(path, "/configmaps") {
+				continue
+			}
+			switch ev["action"] {
+			case "gateway_forward":
+				forwards = append(forwards, ev)
+			case "gateway_request":
+				if ev["status"] == float64(http.StatusOK) && ev["reason"] != nil {
+					ends = append(ends, ev) // a watch ends with a reason; a list by itself
+				}
+			}
+		}
+		return forwards, ends
+	}
+	// kubectl get -w: the list, then the watch; it prints the header once
+	// the list is in.
+	_, err = s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "listed"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	startWatch := func() *exec.Cmd {
+		t.Helper()
+		cmd := exec.Command(kubectl, "--kubeconfig", kubeconfig, "-n", "argo", "get", "configmaps", "-w")
+		out, err := cmd.StdoutPipe()
+		require.NoError(t, err)
+		require.NoError(t, cmd.Start())
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		listed := make(chan string, 1)
+		go func() {
+			lines := bufio.NewScanner(out)
+			for lines.Scan() {
+				select {
+				case listed <- lines.Text():
+				default:
+				}
+			}
+		}()
+		select {
+		case <-listed: // the header, then "listed"
+		case <-time.After(20 * time.Second):
+			t.Fatal("kubectl listed nothing through the gateway")
+		}
+		// The watch is open once it is on the record.
+		require.Eventually(t, func() bool { f, _ := watches(); return len(f) >= 1 }, 10*time.Second, 20*time.Millisecond)
+		return cmd
+	}
+
+	// Ended by its client.
+	cmd := startWatch()
+	forwards, ends := watches()
+	require.Len(t, forwards, 1, "the watch is on the record while it runs")
+	require.Empty(t, ends)
+	require.NotEmpty(t, forwards[0]["api_audit_id"])
+	require.Equal(t, 1.0, s.gauge(t, "tokenbroker_gateway_requests_in_flight"))
+	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
+	_ = cmd.Wait()
+	require.Eventually(t, func() bool { _, e := watches(); return len(e) == 1 }, 10*time.Second, 20*time.Millisecond)
+	_, ends = watches()
+	require.Equal(t, forwards[0]["api_audit_id"], ends[0]["api_audit_id"], "one request, forwarded and ended")
+	require.Equal(t, "client_gone", ends[0]["reason"])
+	require.Eventually(t, func() bool { return s.gauge(t, "tokenbroker_gateway_requests_in_flight") == 0 }, 5*time.Second, 20*time.Millisecond)
+
+	// Ended by the revocation.
+	startWatch()
+	require.Eventually(t, func() bool { f, _ := watches(); return len(f) == 2 }, 10*time.Second, 20*time.Millisecond)
+	status, body := do(t, west, http.MethodDelete, s.url+"/v1/leases/"+resp.LeaseID, nil, nil)
+	require.Equal(t, http.StatusNoContent, status, string(body))
+	require.Eventually(t, func() bool { _, e := watches(); return len(e) == 2 }, 10*time.Second, 20*time.Millisecond)
+	_, ends = watches()
+	require.Equal(t, "revoked", ends[1]["reason"])
+
+	// Every request of the lease is in the duration histogram: the lists,
+	// the watches, and whatever kubectl asked besides.
+	require.Eventually(t, func() bool {
+		var requests int
+		for _, ev := range readAudit(t, s.auditLog) {
+			if ev["lease_id"] == resp.LeaseID && ev["action"] == "gateway_request" {
+				requests++
+			}
+		}
+		return float64(requests) == s.histogramCount(t, "tokenbroker_gateway_request_duration_seconds")
+	}, 5*time.Second, 20*time.Millisecond)
+}
+
+// gauge is the sum of the broker's gauge name over its labels.
+func (s *stack) gauge(t *testing.T, name string) float64 {
+	t.Helper()
+	mfs, err := s.reg.Gather()
+	require.NoError(t, err)
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				total += m.GetGauge().GetValue()
+			}
+		}
+	}
+	return total
+}
+
+// histogramCount is the count of the broker's histogram name.
+func (s *stack) histogramCount(t *testing.T, name string) float64 {
+	t.Helper()
+	mfs, err := s.reg.Gather()
+	require.NoError(t, err)
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				total += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return total
+}
