@@ -255,7 +255,7 @@ func TestTheDenyListCoversEveryCertificateOfTheChain(t *testing.T) {
 	leaf, _ := f.cert(t, leaseA, time.Hour)
 	st := tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}, VerifiedChains: [][]*x509.Certificate{{leaf, f.ca.Certificate()}}}
 	c := newCloser()
-	_, reason, _ := f.gw.AdmitConn(st, c)
+	release, reason, _ := f.gw.AdmitConn(st, c)
 	require.Empty(t, reason)
 
 	f.deny.mu.Lock()
@@ -263,27 +263,48 @@ func TestTheDenyListCoversEveryCertificateOfTheChain(t *testing.T) {
 	f.deny.mu.Unlock()
 	f.gw.SweepDenied()
 	require.True(t, c.isClosed(t), "the open connection ends")
-	_, reason, _ = f.gw.AdmitConn(st, newCloser())
-	require.Equal(t, RefusedDenied, reason, "a new one gets no place")
+	release() // as the listener does at the close
+	requireNoPlace(t, f, st, leaseA)
 }
 
-// A lease known gone gets no connection place to wait in for its first
-// request's refusal; an older certificate whose lease the counter does
-// not hold neither.
+// requireNoPlace admits a connection of st and checks that it holds no
+// place of n's and lives only refusedConnLinger, for its refusal.
+func requireNoPlace(t *testing.T, f *fixture, st tls.ConnectionState, n pki.LeaseName) {
+	t.Helper()
+	c := newCloser()
+	release, reason, _ := f.gw.AdmitConn(st, c)
+	require.Empty(t, reason, "answered, so that the client learns why")
+	defer release()
+	require.Zero(t, f.gw.OpenConns(n.Namespace, secretName(n), types.UID(n.UID)), "no place under the lease's caps")
+	select {
+	case <-c.closed:
+		t.Fatal("closed before its refusal could be answered")
+	default:
+	}
+	f.clock.Step(refusedConnLinger)
+	require.True(t, c.isClosed(t), "closed after the linger")
+}
+
+// A lease known gone gets no connection place, only the time to answer
+// its first request's refusal; an older certificate whose lease the
+// counter does not hold neither.
 func TestARevokedLeaseGetsNoConnectionPlace(t *testing.T) {
 	f := newFixture(t, nil, nil, nil)
 	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
-	_, reason := f.admit(t, leaseA, newCloser())
+	release, reason := f.admit(t, leaseA, newCloser())
 	require.Empty(t, reason)
 	f.gw.Gone(leaseA.Namespace, secretName(leaseA), types.UID(leaseA.UID))
 	f.leases.remove(leaseA)
-	_, reason = f.admit(t, leaseA, newCloser())
-	require.Equal(t, RefusedGone, reason)
+	release() // as the listener does at the close
+	leafA, _ := f.cert(t, leaseA, time.Hour)
+	requireNoPlace(t, f, tls.ConnectionState{PeerCertificates: []*x509.Certificate{leafA}}, leaseA)
 
 	leaf, _ := f.cert(t, leaseB, time.Hour) // young, not held yet: admitted
-	_, reason, _ = f.gw.AdmitConn(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, newCloser())
+	c := newCloser()
+	release, reason, _ = f.gw.AdmitConn(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, c)
 	require.Empty(t, reason)
+	require.Equal(t, 1, f.gw.OpenConns(leaseB.Namespace, secretName(leaseB), types.UID(leaseB.UID)))
+	release()
 	f.clock.Step(time.Minute) // old, never held
-	_, reason, _ = f.gw.AdmitConn(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, newCloser())
-	require.Equal(t, RefusedGone, reason)
+	requireNoPlace(t, f, tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, leaseB)
 }

@@ -209,11 +209,24 @@ func secretName(n pki.LeaseName) string { return objects.LeaseSecretPrefix + n.I
 const (
 	RefusedPerLease = "per_lease"
 	RefusedPerPeer  = "per_peer"
-	// RefusedDenied: the peer or a certificate of the chain is on the
-	// deny list. RefusedGone: the lease is known revoked or expired.
-	RefusedDenied = "denied"
-	RefusedGone   = "lease_gone"
 )
+
+// refusedConnLinger is how long the connection of a lease known gone, or
+// of a denied peer, is kept for its refusal's answer.
+const refusedConnLinger = time.Second
+
+// refusedAtAdmission says why a connection's lease gets no place: its peer
+// or a certificate of its chain denied, or the lease known gone; "" if
+// none.
+func (g *Gateway) refusedAtAdmission(n pki.LeaseName, leaf *x509.Certificate, st *tls.ConnectionState) string {
+	switch {
+	case g.denied(n.Peer, st):
+		return reasonDenied
+	case g.goneAtAdmission(n, leaf):
+		return reasonRevoked
+	}
+	return ""
+}
 
 // goneAtAdmission reports whether the lease of a connection's certificate
 // is known to be gone: reported gone lately, or not held by a counter
@@ -335,13 +348,14 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		return nil, "not_a_lease", ""
 	}
 	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
-	// A revoked lease or a denied peer gets no place to wait in for its
-	// first request's refusal.
-	if g.denied(n.Peer, &st) {
-		return nil, RefusedDenied, n.Peer
-	}
-	if g.goneAtAdmission(n, leaf) {
-		return nil, RefusedGone, n.ID
+	// A revoked lease or a denied peer takes no place under the caps: its
+	// connection lives only for its first request's refusal (401 or 403,
+	// which kubectl shows, where a closed connection shows as EOF), and
+	// at most refusedConnLinger.
+	if reason := g.refusedAtAdmission(n, leaf, &st); reason != "" {
+		t := g.cfg.Clock.AfterFunc(refusedConnLinger, func() { _ = c.Close() })
+		g.cfg.Metrics.ended(reason, 1)
+		return func() { t.Stop() }, "", ""
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
