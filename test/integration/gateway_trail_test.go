@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -122,22 +123,16 @@ func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing
 
 // gauge is the sum of the broker's gauge name over its labels.
 func (s *stack) gauge(t *testing.T, name string) float64 {
-	t.Helper()
-	mfs, err := s.reg.Gather()
-	require.NoError(t, err)
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				total += m.GetGauge().GetValue()
-			}
-		}
-	}
-	return total
+	return s.metricSum(t, name, func(m *dto.Metric) float64 { return m.GetGauge().GetValue() })
 }
 
 // histogramCount is the count of the broker's histogram name.
 func (s *stack) histogramCount(t *testing.T, name string) float64 {
+	return s.metricSum(t, name, func(m *dto.Metric) float64 { return float64(m.GetHistogram().GetSampleCount()) })
+}
+
+// metricSum sums value over the series of the broker's metric name.
+func (s *stack) metricSum(t *testing.T, name string, value func(*dto.Metric) float64) float64 {
 	t.Helper()
 	mfs, err := s.reg.Gather()
 	require.NoError(t, err)
@@ -145,7 +140,7 @@ func (s *stack) histogramCount(t *testing.T, name string) float64 {
 	for _, mf := range mfs {
 		if mf.GetName() == name {
 			for _, m := range mf.GetMetric() {
-				total += float64(m.GetHistogram().GetSampleCount())
+				total += value(m)
 			}
 		}
 	}
