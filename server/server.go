@@ -361,10 +361,13 @@ func (s *Server) gatewayServer(base context.Context) *http.Server {
 	srv := s.httpServer(s.cfg.Gateway, base, listenerGateway)
 	srv.ReadTimeout, srv.WriteTimeout = 0, 0
 	srv.HTTP2 = &http.HTTP2Config{
-		MaxConcurrentStreams:      gateway.DefaultMaxStreamsPerConn,
-		MaxReceiveBufferPerStream: 1 << 20,
-		SendPingTimeout:           30 * time.Second,
-		PingTimeout:               15 * time.Second,
+		MaxConcurrentStreams: gateway.DefaultMaxStreamsPerConn,
+		// What a client may send before the gateway reads it: a body
+		// the API server has not asked for yet waits here.
+		MaxReceiveBufferPerStream:     256 << 10,
+		MaxReceiveBufferPerConnection: 1 << 20,
+		SendPingTimeout:               30 * time.Second,
+		PingTimeout:                   15 * time.Second,
 	}
 	return srv
 }

@@ -308,3 +308,47 @@ func TestARevokedLeaseGetsNoConnectionPlace(t *testing.T) {
 	f.clock.Step(time.Minute) // old, never held
 	requireNoPlace(t, f, tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, leaseB)
 }
+
+// The API server may answer a GET without reading its body, which would
+// then sit in the broker's receive buffers: a body on a GET, a HEAD or an
+// upgrade is refused.
+func TestABodyOnAGetIsRefused(t *testing.T) {
+	rec := &upstreamRecorder{}
+	up := httptest.NewTLSServer(rec)
+	t.Cleanup(up.Close)
+	u, _ := url.Parse(up.URL)
+	f := newFixture(t, u, up.Client().Transport, nil)
+	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
+	gw := serveGateway(t, f)
+	req, err := http.NewRequest(http.MethodGet, gw.URL+"/api/v1/namespaces/argo/configmaps?watch=1", strings.NewReader(strings.Repeat("x", 1<<20)))
+	require.NoError(t, err)
+	resp, err := f.client(t, leaseA).Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	require.Empty(t, rec.got)
+}
+
+// A watch or a followed log is recognised as the API server recognises
+// it, whatever true-ish value it is asked with, so that no stream runs off
+// the record.
+func TestLongRunningRequestsAreReadAsTheAPIServerReadsThem(t *testing.T) {
+	for target, want := range map[string]bool{
+		"/api/v1/namespaces/a/configmaps?watch=true":  true,
+		"/api/v1/namespaces/a/configmaps?watch=1":     true,
+		"/api/v1/namespaces/a/configmaps?watch=yes":   true,
+		"/api/v1/namespaces/a/configmaps?watch=":      true,
+		"/api/v1/namespaces/a/configmaps?watch=False": false,
+		"/api/v1/namespaces/a/configmaps?watch=0":     false,
+		"/api/v1/namespaces/a/configmaps":             false,
+		"/api/v1/watch/namespaces/a/configmaps":       true,
+		"/api/v1/namespaces/a/pods/p/log?follow=1":    true,
+		"/api/v1/namespaces/a/pods/p/log":             false,
+		"/api/v1/namespaces/a/services/s/proxy/x":     true,
+	} {
+		r := httptest.NewRequest(http.MethodGet, target, nil)
+		require.Equal(t, want, longRunning(r), target)
+	}
+}

@@ -584,6 +584,29 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		refuse(http.StatusBadRequest, metav1.StatusReasonBadRequest, "the lease gateway takes HTTP/1.1 request bodies with a Content-Length only (or over HTTP/2)", "transfer_encoding")
 		return
 	}
+	// A body on a request that takes none (or that upgrades) is refused:
+	// the API server may answer a GET without reading it, and an unread
+	// body holds the connection's receive buffer in the broker.
+	if (r.ContentLength != 0 || len(r.TransferEncoding) > 0) && (r.Method == http.MethodGet || r.Method == http.MethodHead || httpstream.IsUpgradeRequest(r)) {
+		refuse(http.StatusBadRequest, metav1.StatusReasonBadRequest, "the lease gateway takes no request body on GET, HEAD or an upgrade", "body_not_allowed")
+		return
+	}
+	// The request's place under the caps is taken first, so that the
+	// waits below (a young lease, a blind replica's recheck) are bounded
+	// by it too.
+	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
+	release, over := g.acquire(key, n.Peer)
+	if over != "" {
+		// As the API server answers its own overload: the client backs
+		// off and retries (client-go does), and the connection stays.
+		w.Header().Set("Retry-After", "1")
+		writeStatus(w, http.StatusTooManyRequests, metav1.StatusReasonTooManyRequests,
+			fmt.Sprintf("too many requests of this %s under way at the lease gateway; retry", strings.TrimPrefix(over, "per_")))
+		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, http.StatusTooManyRequests, "too_many_requests_"+over
+		g.done(ev, start)
+		return
+	}
+	defer release()
 	// A refused request's connection closes after its answer (Connection:
 	// close; GOAWAY in HTTP/2); the lease's other connections were ended
 	// when it went (Gone, SweepDenied).
@@ -602,19 +625,6 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		refuse(http.StatusServiceUnavailable, metav1.StatusReasonServiceUnavailable, "the lease gateway cannot confirm this lease with the API server now; retry", "lease_unconfirmed")
 		return
 	}
-	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
-	release, over := g.acquire(key, n.Peer)
-	if over != "" {
-		// As the API server answers its own overload: the client backs
-		// off and retries (client-go does), and the connection stays.
-		w.Header().Set("Retry-After", "1")
-		writeStatus(w, http.StatusTooManyRequests, metav1.StatusReasonTooManyRequests,
-			fmt.Sprintf("too many requests of this %s under way at the lease gateway; retry", strings.TrimPrefix(over, "per_")))
-		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, http.StatusTooManyRequests, "too_many_requests_"+over
-		g.done(ev, start)
-		return
-	}
-	defer release()
 	token, err := g.cfg.Tokens(r.Context(), n)
 	if err != nil {
 		g.cfg.Logger.Warn("lease gateway: no token to forward with", zap.String("lease_id", n.ID), zap.Error(err))
@@ -697,13 +707,25 @@ func longRunning(r *http.Request) bool {
 		return true
 	}
 	q := r.URL.Query()
-	if w := q.Get("watch"); w == "true" || w == "1" || strings.Contains(r.URL.Path, "/watch/") {
+	if queryTrue(q, "watch") || strings.Contains(r.URL.Path, "/watch/") {
 		return true
 	}
-	if q.Get("follow") == "true" && strings.HasSuffix(r.URL.Path, "/log") {
+	if queryTrue(q, "follow") && strings.HasSuffix(r.URL.Path, "/log") {
 		return true
 	}
 	return strings.HasSuffix(r.URL.Path, "/proxy") || strings.Contains(r.URL.Path, "/proxy/")
+}
+
+// queryTrue reads a boolean query parameter as the API server does
+// (apimachinery's Convert_Slice_string_To_bool): present, and neither
+// "0" nor "false" in any case, is true.
+func queryTrue(q url.Values, name string) bool {
+	v, ok := q[name]
+	if !ok || len(v) == 0 {
+		return false
+	}
+	s := strings.ToLower(v[0])
+	return s != "0" && s != "false"
 }
 
 // bodyReader keeps the error a request body's read failed with, so that
@@ -746,7 +768,7 @@ func (g *Gateway) audit(ev audit.Event) {
 // Headers a client may not send upstream: the gateway sets the
 // credential and the audit id itself, and the front-proxy headers are
 // stripped, whatever the API server's configuration.
-var strippedHeaders = []string{"Authorization", "Audit-Id", "X-Remote-User", "X-Remote-Group", "Proxy-Authorization", "Cookie"}
+var strippedHeaders = []string{"Authorization", "Audit-Id", "Proxy-Authorization", "Cookie"}
 
 // UserAgentSuffix is appended to the user agent of every forwarded
 // request, with the lease id, so that the API server's audit log names
@@ -763,7 +785,9 @@ func (g *Gateway) rewrite(pr *httputil.ProxyRequest) {
 		pr.Out.Header.Del(h)
 	}
 	for k := range pr.Out.Header {
-		if strings.HasPrefix(strings.ToLower(k), "x-remote-extra-") {
+		// The front-proxy headers, whatever the API server's
+		// configuration names (X-Remote-User, -Group, -Uid, -Extra-*).
+		if strings.HasPrefix(strings.ToLower(k), "x-remote-") {
 			pr.Out.Header.Del(k)
 		}
 	}

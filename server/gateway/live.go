@@ -193,6 +193,12 @@ func (g *Gateway) recheck(ctx context.Context, n pki.LeaseName, name string, uid
 	defer cancel()
 	exp, ok, err := g.cfg.Leases.Recheck(qctx, n.Namespace, name, uid, n.Peer, now)
 	result := g.rechecked(n, ok, err)
+	if result == leaseGone {
+		// Refused from memory from now on, as a lease the counter saw
+		// go: a blind replica asks about a gone lease once, not at every
+		// request of its holder.
+		g.remember(leaseKey(n.Namespace, name, uid))
+	}
 	rc.mu.Lock()
 	e.expires, e.ok, e.result = exp, ok, result
 	if !ok && rc.m[key] == e {

@@ -126,7 +126,11 @@ func TestABlindGatewayAsksTheAPIServerAndRefusesWhenItCannot(t *testing.T) {
 	require.Equal(t, http.StatusUnauthorized, code, "the memory still holds it; the API server does not")
 	require.Contains(t, body, "revoked or expired")
 	require.Equal(t, 2, bl.questions())
+	code, _, _ = get(t, client, gw.URL)
+	require.Equal(t, http.StatusUnauthorized, code)
+	require.Equal(t, 2, bl.questions(), "a lease found gone is refused from memory, not asked about again")
 
+	f.clock.Step(newLeaseAge + newLeaseWait) // past that memory
 	bl.set(leaseA, exp, errors.New("dial tcp: connection refused"))
 	code, retry, body := get(t, client, gw.URL)
 	require.Equal(t, http.StatusServiceUnavailable, code)
