@@ -397,9 +397,11 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 	if err != nil {
 		exp = time.Time{} // no readable expiry: counts until creation plus maxAge
 	}
+	var was *counted
 	if c, seen := lc.byKey[key]; seen {
 		if c.uid == m.UID {
 			lc.drop(key, c)
+			was = c
 		} else {
 			lc.forget(key, c)
 		}
@@ -413,6 +415,12 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 		pool: m.Labels[objects.LabelKind] == objects.PoolKind, created: m.CreationTimestamp.Time,
 		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
 	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
+	if was != nil && was.verified && !was.pool && lc.gone != nil && (!c.verified || c.identity != was.identity) {
+		// Edited under its UID (by whoever may write Secrets there) so
+		// that it no longer holds the lease it held: its gateway
+		// connections end, as at a deletion.
+		lc.gone(m.Namespace, m.Name, m.UID)
+	}
 	lc.count(c)
 	if lc.added != nil {
 		close(lc.added)

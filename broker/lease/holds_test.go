@@ -57,6 +57,25 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 		require.True(t, ok)
 		require.Empty(t, g.gone)
 	})
+	t.Run("an edit under the same UID that unmakes it ends it", func(t *testing.T) {
+		for name, edit := range map[string]func(m *metav1.PartialObjectMetadata){
+			"another identity": func(m *metav1.PartialObjectMetadata) {
+				m.Annotations[objects.AnnotationIdentity] = "spiffe://oc.example/cluster/east"
+			},
+			"a peer the policy lacks": func(m *metav1.PartialObjectMetadata) { m.Labels[objects.LabelPeer] = "nobody" },
+			"made a pooled Secret":    func(m *metav1.PartialObjectMetadata) { m.Labels[objects.LabelKind] = objects.PoolKind },
+		} {
+			t.Run(name, func(t *testing.T) {
+				lc, g := setUp(t)
+				m := heldLease("uid-1", exp)
+				edit(m)
+				lc.Observe(m)
+				_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
+				require.False(t, ok)
+				require.Equal(t, []string{"argo/tokenbroker-lease-a/uid-1"}, g.gone, "its open streams end")
+			})
+		}
+	})
 	t.Run("another UID under its name is another Secret", func(t *testing.T) {
 		lc, g := setUp(t)
 		lc.Observe(heldLease("uid-2", exp))
