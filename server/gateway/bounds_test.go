@@ -187,6 +187,19 @@ func TestAWatchIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing.T) {
 	require.Equal(t, 2.0, testutil.ToFloat64(m.requests.WithLabelValues(leaseA.Peer, "2xx")), "both watches counted")
 }
 
+// recordingGateway serves a gateway in front of an upstreamRecorder, with
+// leaseA live.
+func recordingGateway(t *testing.T) (*upstreamRecorder, *fixture, *httptest.Server) {
+	t.Helper()
+	rec := &upstreamRecorder{}
+	up := httptest.NewTLSServer(rec)
+	t.Cleanup(up.Close)
+	u, _ := url.Parse(up.URL)
+	f := newFixture(t, u, up.Client().Transport, nil)
+	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
+	return rec, f, serveGateway(t, f)
+}
+
 // rawHTTP1 opens a lease's HTTP/1.1 connection to the gateway.
 func rawHTTP1(t *testing.T, f *fixture, gw *httptest.Server, n pki.LeaseName) *tls.Conn {
 	t.Helper()
@@ -203,13 +216,7 @@ func rawHTTP1(t *testing.T, f *fixture, gw *httptest.Server, n pki.LeaseName) *t
 // after the answer, so that a second request hidden in the body is never
 // read.
 func TestARequestWithBothContentLengthAndTransferEncodingIsRefusedAndItsConnectionClosed(t *testing.T) {
-	rec := &upstreamRecorder{}
-	up := httptest.NewTLSServer(rec)
-	t.Cleanup(up.Close)
-	u, _ := url.Parse(up.URL)
-	f := newFixture(t, u, up.Client().Transport, nil)
-	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
-	gw := serveGateway(t, f)
+	rec, f, gw := recordingGateway(t)
 	conn := rawHTTP1(t, f, gw, leaseA)
 	fmt.Fprint(conn, "POST /api/v1/namespaces/argo/configmaps HTTP/1.1\r\nHost: gw\r\nContent-Length: 44\r\nTransfer-Encoding: chunked\r\n\r\n"+
 		"0\r\n\r\nGET /api/v1/secrets HTTP/1.1\r\nHost: gw\r\n\r\n")
@@ -313,13 +320,7 @@ func TestARevokedLeaseGetsNoConnectionPlace(t *testing.T) {
 // then sit in the broker's receive buffers: a body on a GET, a HEAD or an
 // upgrade is refused.
 func TestABodyOnAGetIsRefused(t *testing.T) {
-	rec := &upstreamRecorder{}
-	up := httptest.NewTLSServer(rec)
-	t.Cleanup(up.Close)
-	u, _ := url.Parse(up.URL)
-	f := newFixture(t, u, up.Client().Transport, nil)
-	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
-	gw := serveGateway(t, f)
+	rec, f, gw := recordingGateway(t)
 	req, err := http.NewRequest(http.MethodGet, gw.URL+"/api/v1/namespaces/argo/configmaps?watch=1", strings.NewReader(strings.Repeat("x", 1<<20)))
 	require.NoError(t, err)
 	resp, err := f.client(t, leaseA).Do(req)

@@ -568,11 +568,15 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ev := audit.Event{Action: audit.ActionGatewayRequest, Identity: n.Peer, Namespace: n.Namespace,
 		ServiceAccount: n.ServiceAccount, LeaseID: n.ID, Access: "gateway", Method: r.Method, Path: r.URL.EscapedPath(),
 		RequestID: audit.RequestID(r.Context())}
+	// answer answers without forwarding, and audits it.
+	answer := func(decision string, code int, reason metav1.StatusReason, msg, why string) {
+		writeStatus(w, code, reason, msg)
+		ev.Decision, ev.Status, ev.Reason = decision, code, why
+		g.done(ev, start)
+	}
 	refuse := func(code int, reason metav1.StatusReason, msg, why string) {
 		w.Header().Set("Connection", "close")
-		writeStatus(w, code, reason, msg)
-		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, code, why
-		g.done(ev, start)
+		answer(audit.DecisionDeny, code, reason, msg, why)
 	}
 	// HTTP/1.1 framing by Transfer-Encoding: Go's server reads the body
 	// by it and drops a Content-Length beside it, so that a request
@@ -600,10 +604,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// As the API server answers its own overload: the client backs
 		// off and retries (client-go does), and the connection stays.
 		w.Header().Set("Retry-After", "1")
-		writeStatus(w, http.StatusTooManyRequests, metav1.StatusReasonTooManyRequests,
-			fmt.Sprintf("too many requests of this %s under way at the lease gateway; retry", strings.TrimPrefix(over, "per_")))
-		ev.Decision, ev.Status, ev.Reason = audit.DecisionDeny, http.StatusTooManyRequests, "too_many_requests_"+over
-		g.done(ev, start)
+		answer(audit.DecisionDeny, http.StatusTooManyRequests, metav1.StatusReasonTooManyRequests,
+			fmt.Sprintf("too many requests of this %s under way at the lease gateway; retry", strings.TrimPrefix(over, "per_")), "too_many_requests_"+over)
 		return
 	}
 	defer release()
@@ -629,9 +631,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		g.cfg.Logger.Warn("lease gateway: no token to forward with", zap.String("lease_id", n.ID), zap.Error(err))
 		w.Header().Set("Retry-After", "1")
-		writeStatus(w, http.StatusServiceUnavailable, metav1.StatusReasonServiceUnavailable, "the lease gateway cannot reach the API server as this lease's ServiceAccount now; retry")
-		ev.Decision, ev.Status, ev.Reason = audit.DecisionError, http.StatusServiceUnavailable, "no_upstream_token"
-		g.done(ev, start)
+		answer(audit.DecisionError, http.StatusServiceUnavailable, metav1.StatusReasonServiceUnavailable,
+			"the lease gateway cannot reach the API server as this lease's ServiceAccount now; retry", "no_upstream_token")
 		return
 	}
 	f := &forwarded{lease: n, token: token}

@@ -324,13 +324,7 @@ func serveGateway(t *testing.T, f *fixture) *httptest.Server {
 }
 
 func TestAForwardedRequestCarriesTheGatewaysCredentialOnly(t *testing.T) {
-	rec := &upstreamRecorder{}
-	up := httptest.NewTLSServer(rec)
-	t.Cleanup(up.Close)
-	u, _ := url.Parse(up.URL)
-	f := newFixture(t, u, up.Client().Transport, nil)
-	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
-	gw := serveGateway(t, f)
+	rec, f, gw := recordingGateway(t)
 	_, pair := f.cert(t, leaseA, time.Hour)
 	client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: f.ca.CertPool(), Certificates: []tls.Certificate{pair}}}}
 
@@ -430,11 +424,8 @@ func TestAnUpgradedStreamPassesAndEndsWithItsLease(t *testing.T) {
 	f := newFixture(t, u, up.Client().Transport, func(c *Config) { c.UpgradeTransport = &http.Transport{TLSClientConfig: upTLS} })
 	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
 	gw := serveGateway(t, f)
-	_, pair := f.cert(t, leaseA, time.Hour)
 
-	conn, err := tls.Dial("tcp", strings.TrimPrefix(gw.URL, "https://"), &tls.Config{RootCAs: f.ca.CertPool(), Certificates: []tls.Certificate{pair}, NextProtos: []string{"http/1.1"}})
-	require.NoError(t, err)
-	defer conn.Close()
+	conn := rawHTTP1(t, f, gw, leaseA)
 	fmt.Fprintf(conn, "POST /api/v1/namespaces/argo/pods/p/exec?command=sh HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: v4.channel.k8s.io\r\n\r\n")
 	br := bufio.NewReader(conn)
 	resp, err := http.ReadResponse(br, nil)
