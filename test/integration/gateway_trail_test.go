@@ -3,6 +3,7 @@ package integration
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -53,39 +54,55 @@ func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing
 		}
 		return forwards, ends
 	}
-	// kubectl get -w: the list, then the watch; it prints the header once
-	// the list is in.
+	// kubectl get -w: the list, then the watch; it prints "listed" once the
+	// list is in.
 	_, err = s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "listed"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	startWatch := func() *exec.Cmd {
+	// startWatch runs kubectl get -w and returns once its watch is open
+	// at the API server: an object created after its gateway_forward is
+	// printed. (Revoking before the API server answered the watch would end
+	// a request that never became a watch.)
+	startWatch := func(n int) *exec.Cmd {
 		t.Helper()
-		cmd := exec.Command(kubectl, "--kubeconfig", kubeconfig, "-n", "argo", "get", "configmaps", "-w")
+		cmd := exec.Command(kubectl, "--kubeconfig", kubeconfig, "-n", "argo", "get", "configmaps", "-w", "--no-headers", "-o", "name")
 		out, err := cmd.StdoutPipe()
 		require.NoError(t, err)
 		require.NoError(t, cmd.Start())
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		listed := make(chan string, 1)
+		printed := make(chan string, 64)
 		go func() {
 			lines := bufio.NewScanner(out)
 			for lines.Scan() {
+				printed <- lines.Text()
+			}
+			close(printed)
+		}()
+		await := func(name string) {
+			t.Helper()
+			deadline := time.After(20 * time.Second)
+			for {
 				select {
-				case listed <- lines.Text():
-				default:
+				case line, ok := <-printed:
+					require.True(t, ok, "kubectl ended before it printed %s", name)
+					if line == "configmap/"+name {
+						return
+					}
+				case <-deadline:
+					t.Fatalf("kubectl printed no %s through the gateway", name)
 				}
 			}
-		}()
-		select {
-		case <-listed: // the header, then "listed"
-		case <-time.After(20 * time.Second):
-			t.Fatal("kubectl listed nothing through the gateway")
 		}
-		// The watch is open once it is on the record.
-		require.Eventually(t, func() bool { f, _ := watches(); return len(f) >= 1 }, 10*time.Second, 20*time.Millisecond)
+		await("listed")
+		require.Eventually(t, func() bool { f, _ := watches(); return len(f) >= n }, 10*time.Second, 20*time.Millisecond)
+		name := fmt.Sprintf("watched-%d", n)
+		_, err = s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+		await(name)
 		return cmd
 	}
 
 	// Ended by its client.
-	cmd := startWatch()
+	cmd := startWatch(1)
 	forwards, ends := watches()
 	require.Len(t, forwards, 1, "the watch is on the record while it runs")
 	require.Empty(t, ends)
@@ -100,8 +117,9 @@ func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing
 	require.Eventually(t, func() bool { return s.gauge(t, "tokenbroker_gateway_requests_in_flight") == 0 }, 5*time.Second, 20*time.Millisecond)
 
 	// Ended by the revocation.
-	startWatch()
-	require.Eventually(t, func() bool { f, _ := watches(); return len(f) == 2 }, 10*time.Second, 20*time.Millisecond)
+	startWatch(2)
+	forwards, _ = watches()
+	require.Len(t, forwards, 2)
 	status, body := do(t, west, http.MethodDelete, s.url+"/v1/leases/"+resp.LeaseID, nil, nil)
 	require.Equal(t, http.StatusNoContent, status, string(body))
 	require.Eventually(t, func() bool { _, e := watches(); return len(e) == 2 }, 10*time.Second, 20*time.Millisecond)
