@@ -48,8 +48,20 @@ COMPAT_E2E := TestBrokerEndToEnd|TestAgentKeepsKubeconfigsFreshAcrossTwoClusters
 # (make test-node, files tagged "node").
 NODE_BINARIES := kubelet kube-scheduler
 NODE_TESTS := ^TestNode
-# Time per fuzz target for `make fuzz`.
+# Time per fuzz target for `make fuzz` (.ci/run fuzzes each for 2s).
 FUZZTIME ?= 30s
+# go vet as make check runs it: the toolchain's vet through bin/ownvet,
+# which skips the facts of third-party dependencies (test/cmd/ownvet). The
+# tests run with -vet=off: make check has vetted them, with every analyzer
+# (go test's own vet runs a subset, and recomputes every dependency's
+# facts for its flags and again for -race).
+VET = TOKENBROKER_GO_VET=$$($(GO) env GOTOOLDIR)/vet $(GO) vet -vettool=$(BIN)/ownvet
+# The e2e package is the suite's longest (about 15 minutes of tests): it
+# runs as two processes beside the rest of the test module, the tests of
+# E2E_SLOW in one (the longest, about half of the package's time) and
+# every other in the second (a new test lands there), so that both cores
+# are busy while tests wait on their API servers (docs/testing.md).
+E2E_SLOW := TestMemoryStaysUnderTheShippedLimit|TestTenThousandIssuances|TestClientCertificateKubeconfigs|TestClientGoPicksUpATokenFileTheAgentRotates|TestPerPeerLimitsAgainstARealAPIServer|TestLeasesCommandShowsWhoHoldsACredentialAndRevokesIt|TestExecCredentialPluginWithKubectl|TestTenantGrants|TestConsumersLoadTheAgentsSecretsWithTheirOwnCode
 # promtool, built from the Go module proxy at the Prometheus version that
 # test/promqlcheck pins (one Prometheus for the PromQL parser and the rule tests),
 # without the service discoveries (remove_all_sd: check rules and test rules
@@ -62,6 +74,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
+.PHONY: integration-rest e2e-slow e2e-rest
 .PHONY: all build kube kube-node node-image test-node test-node-run devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
@@ -114,13 +127,14 @@ devnode: ## build bin/devnode, the demo of make dev NODE=1
 
 test: check chart-lint alerts-test unit integration ## the whole suite: static checks, unit tests, tests against a real kube-apiserver, e2e
 
-check: ## gofmt and go vet on every module
+check: ## gofmt, and go vet (through bin/ownvet: without third-party packages' facts) on every module, test files included
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^vendor/')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	$(GO) vet ./...
-	cd test && $(GO) vet ./... && $(GO) vet -tags node ./testcluster/ ./e2e/
-	cd test/promqlcheck && $(GO) vet ./...
-	cd test/image && $(GO) vet ./...
-	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(GO) vet ./...); done
+	cd test && $(GO) build -o $(BIN)/ownvet ./cmd/ownvet
+	$(VET) ./...
+	cd test && $(VET) ./... && $(VET) -tags node ./testcluster/ ./e2e/
+	cd test/promqlcheck && $(VET) ./...
+	cd test/image && $(VET) ./...
+	@set -e; for m in check $(CONSUMERS); do (cd test/conformance/consumers/$$m && $(VET) ./...); done
 
 chart-lint: helm alerts-test ## helm lint --strict of the broker's and the agent's chart, with their defaults and each ci/ values file; the charts' alerts evaluated
 	@set -e; for c in $(CHARTS); do \
@@ -129,11 +143,22 @@ chart-lint: helm alerts-test ## helm lint --strict of the broker's and the agent
 	done
 
 unit: ## unit tests with the race detector; every fuzz target's seed corpus and saved inputs run as test cases (make fuzz fuzzes)
-	$(GO) test -race -short -count=1 ./...
-	cd test/image && $(GO) test -short -count=1 ./...
+	$(GO) test -race -short -count=1 -vet=off ./...
+	cd test/image && $(GO) test -short -count=1 -vet=off ./...
 
-integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included)
-	cd test && $(GO) test -count=1 -timeout 20m ./...
+integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included): the test module, its e2e package in two processes beside the rest
+	@# The e2e test binary compiled once, not by both of its processes at once.
+	cd test && $(GO) test -c -vet=off -o /dev/null ./e2e/
+	$(MAKE) -j3 -Otarget integration-rest e2e-slow e2e-rest
+
+integration-rest: ## (part of integration) every package of the test module but e2e
+	cd test && $(GO) test -count=1 -vet=off -timeout 20m $$($(GO) list ./... | grep -v '/test/e2e$$')
+
+e2e-slow: ## (part of integration) the e2e tests of E2E_SLOW
+	cd test && $(GO) test -count=1 -vet=off -timeout 20m -run '^($(E2E_SLOW))$$' ./e2e/
+
+e2e-rest: ## (part of integration) every other e2e test
+	cd test && $(GO) test -count=1 -vet=off -timeout 20m -skip '^($(E2E_SLOW))$$' ./e2e/
 
 kube-node: ## build the node's kubelet and kube-scheduler of KUBE_VERSION into bin/kube/<version> (cached)
 	cd test && $(GO) run ./cmd/kubebins $(NODE_BINARIES)
@@ -146,7 +171,7 @@ test-node: build kube kube-node node-image helm ## the tests that need a node (k
 
 test-node-run: ## (part of test-node) its tests alone, with everything they need built (.ci/run runs it beside make test-compat)
 	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
-	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) $(GO) test -tags node -count=1 -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
+	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) $(GO) test -tags node -count=1 -vet=off -timeout 20m -run '$(NODE_TESTS)' ./testcluster/ ./e2e/
 
 kube-compat: ## build the kube binaries of COMPAT_KUBE_VERSION, the oldest supported release, into bin/kube/<version> (cached)
 	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) run ./cmd/kubebins
@@ -155,10 +180,10 @@ test-compat: build helm localcluster kube-compat ## the integration tier on the 
 	$(MAKE) -j2 -Otarget compat-integration compat-e2e
 
 compat-integration: ## (part of test-compat) test/integration against COMPAT_KUBE_VERSION
-	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m ./integration/...
+	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -vet=off -timeout 20m ./integration/...
 
 compat-e2e: ## (part of test-compat) the e2e tests of COMPAT_E2E against COMPAT_KUBE_VERSION
-	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -timeout 20m -run '^($(COMPAT_E2E))$$' ./e2e/
+	cd test && KUBE_VERSION=$(COMPAT_KUBE_VERSION) $(GO) test -count=1 -vet=off -timeout 20m -run '^($(COMPAT_E2E))$$' ./e2e/
 
 conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-inventory-api, Kueue's controllers, and the Admiralty and Kargo mirrors) into bin/
 	@set -e; for m in $(CONSUMERS); do \
@@ -167,10 +192,10 @@ conformance-bins: ## build the consumer checkers (Argo CD, Flux, cluster-invento
 	done
 
 conformance: build kube conformance-bins ## load the agent's Secrets with each consumer's own code against real API servers; MultiKueue end to end with Kueue's controllers
-	cd test && $(GO) test -count=1 -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestConsumersReachTheTargetThroughTheLeaseGateway|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
+	cd test && $(GO) test -count=1 -vet=off -timeout 15m -run 'TestConsumersLoadTheAgentsSecretsWithTheirOwnCode|TestConsumersReachTheTargetThroughTheLeaseGateway|TestClusterProfileAccessProviderWithClusterInventoryAPI|TestEveryAgentConfigInTheDocsIsAcceptedByTheLoader|TestMultiKueueDispatches' -v ./e2e/
 
 bench: build kube ## measure the broker against direct API server calls and Vault's Kubernetes secrets engine, then the agent (bench-agent); prints tables, writes bench/results.json
-	$(GO) test -run '^$$' -bench . -benchmem ./...
+	$(GO) test -vet=off -run '^$$' -bench . -benchmem ./...
 	cd test && $(GO) run ./cmd/bench -n $(BENCH_N) -c $(BENCH_C) -vault-shipped-n $(VAULT_SHIPPED_N) -out $(CURDIR)/bench/results.json
 	$(MAKE) bench-agent
 
@@ -184,7 +209,7 @@ fuzz: ## run every fuzz target of the root module for FUZZTIME (default 30s) eac
 	@set -e; for f in $$(find . -path ./test -prune -o -name '*_test.go' -print | xargs grep -l '^func Fuzz' | sort); do \
 	  for t in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$f); do \
 	    echo "fuzz $$(dirname $$f) $$t ($(FUZZTIME))"; \
-	    $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) $$(dirname $$f); \
+	    $(GO) test -vet=off -run '^$$' -fuzz "^$$t$$" -fuzztime $(FUZZTIME) $$(dirname $$f); \
 	  done; \
 	done
 
@@ -211,12 +236,12 @@ image-test: image-run-test image-digest-test ## run the image as the charts depl
 
 image-run-test: build kube helm ## (part of image-test) the image run as the charts deploy it, and its layout loaded by podman and crane
 	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
-	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_REF=$(IMAGE_REPOSITORY):$(RELEASE) $(GO) test -count=1 -timeout 15m -run '^TestImage' -v ./e2e/
-	cd test/image && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_VERSION=$(RELEASE) $(GO) test -count=1 -timeout 20m -skip '^TestTwoBuildsOfTheCommitGiveTheSameDigest$$' -v .
+	cd test && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_REF=$(IMAGE_REPOSITORY):$(RELEASE) $(GO) test -count=1 -vet=off -timeout 15m -run '^TestImage' -v ./e2e/
+	cd test/image && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_VERSION=$(RELEASE) $(GO) test -count=1 -vet=off -timeout 20m -skip '^TestTwoBuildsOfTheCommitGiveTheSameDigest$$' -v .
 
 image-digest-test: ## (part of image-test) build the image again, linux/amd64 from an empty build cache, and compare the digests with make image's
 	@test -f $(IMAGE_DIR)/digest || { echo "no image in $(IMAGE_DIR): run make image first"; exit 1; }
-	cd test/image && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_VERSION=$(RELEASE) $(GO) test -count=1 -timeout 20m -run '^TestTwoBuildsOfTheCommitGiveTheSameDigest$$' -v .
+	cd test/image && TOKENBROKER_IMAGE_DIR=$(IMAGE_DIR) TOKENBROKER_IMAGE_VERSION=$(RELEASE) $(GO) test -count=1 -vet=off -timeout 20m -run '^TestTwoBuildsOfTheCommitGiveTheSameDigest$$' -v .
 
 clean: ## remove build outputs, the image and the dev directory
 	rm -rf $(BIN) dist .dev
