@@ -61,7 +61,7 @@ VET = TOKENBROKER_GO_VET=$$($(GO) env GOTOOLDIR)/vet $(GO) vet -vettool=$(BIN)/o
 # E2E_SLOW in one (the longest, about half of the package's time) and
 # every other in the second (a new test lands there), so that both cores
 # are busy while tests wait on their API servers (docs/testing.md).
-E2E_SLOW := TestMemoryStaysUnderTheShippedLimit|TestTenThousandIssuances|TestClientCertificateKubeconfigs|TestClientGoPicksUpATokenFileTheAgentRotates|TestPerPeerLimitsAgainstARealAPIServer|TestLeasesCommandShowsWhoHoldsACredentialAndRevokesIt|TestExecCredentialPluginWithKubectl|TestTenantGrants|TestConsumersLoadTheAgentsSecretsWithTheirOwnCode
+E2E_SLOW := TestMemoryStaysUnderTheShippedLimit|TestTenThousandIssuances|TestClientCertificateKubeconfigs|TestClientGoPicksUpATokenFileTheAgentRotates|TestPerPeerLimitsAgainstARealAPIServer|TestLeasesCommandShowsWhoHoldsACredentialAndRevokesIt
 # promtool, built from the Go module proxy at the Prometheus version that
 # test/promqlcheck pins (one Prometheus for the PromQL parser and the rule tests),
 # without the service discoveries (remove_all_sd: check rules and test rules
@@ -149,7 +149,7 @@ unit: ## unit tests with the race detector; every fuzz target's seed corpus and 
 integration: build kube helm localcluster conformance-bins ## integration and e2e tests against a real kube-apiserver (conformance included): the test module, its e2e package in two processes beside the rest
 	@# The e2e test binary compiled once, not by both of its processes at once.
 	cd test && $(GO) test -c -vet=off -o /dev/null ./e2e/
-	$(MAKE) -j3 -Otarget integration-rest e2e-slow e2e-rest
+	$(MAKE) --no-print-directory -j3 -Otarget integration-rest e2e-slow e2e-rest
 
 integration-rest: ## (part of integration) every package of the test module but e2e
 	cd test && $(GO) test -count=1 -vet=off -timeout 20m $$($(GO) list ./... | grep -v '/test/e2e$$')

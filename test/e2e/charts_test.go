@@ -33,7 +33,7 @@ var (
 func imageRef(t *testing.T) string {
 	t.Helper()
 	imageRefOnce.Do(func() {
-		out, _, err := runErr("make", "-s", "-C", repoRoot(t), "image-ref")
+		out, _, err := runErr("make", "-s", "--no-print-directory", "-C", repoRoot(t), "image-ref")
 		if err == nil {
 			imageRefVal = strings.TrimSpace(out)
 		}
