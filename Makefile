@@ -74,8 +74,7 @@ CHARTS := deploy/helm/tokenbroker deploy/helm/tokenbroker-agent
 # one consumer's release (test/conformance/consumers, docs/testing.md).
 CONSUMERS := admiralty argocd flux kargo clusterprofile multikueue
 
-.PHONY: integration-rest e2e-slow e2e-rest
-.PHONY: all build kube kube-node node-image test-node test-node-run devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
+.PHONY: all build kube kube-node node-image test-node test-node-run devnode kube-compat test-compat compat-integration compat-e2e image-run-test image-digest-test helm promtool alerts-test localcluster dev test check chart-lint unit integration integration-rest e2e-slow e2e-rest conformance conformance-bins bench bench-agent bench-scale fuzz image image-ref image-test clean help
 
 all: build
 

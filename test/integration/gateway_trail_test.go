@@ -54,10 +54,14 @@ func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing
 		}
 		return forwards, ends
 	}
+	create := func(name string) {
+		t.Helper()
+		_, err := s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		require.NoError(t, err)
+	}
 	// kubectl get -w: the list, then the watch; it prints "listed" once the
 	// list is in.
-	_, err = s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "listed"}}, metav1.CreateOptions{})
-	require.NoError(t, err)
+	create("listed")
 	// startWatch runs kubectl get -w and returns once its watch is open
 	// at the API server: an object created after its gateway_forward is
 	// printed. (Revoking before the API server answered the watch would end
@@ -95,8 +99,7 @@ func TestAWatchThroughTheGatewayIsOnTheRecordWhileItRunsAndWhenItEnds(t *testing
 		await("listed")
 		require.Eventually(t, func() bool { f, _ := watches(); return len(f) >= n }, 10*time.Second, 20*time.Millisecond)
 		name := fmt.Sprintf("watched-%d", n)
-		_, err = s.cluster.Client.CoreV1().ConfigMaps("argo").Create(context.Background(), &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
-		require.NoError(t, err)
+		create(name)
 		await(name)
 		return cmd
 	}

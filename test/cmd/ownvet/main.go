@@ -34,16 +34,14 @@ const own = "github.com/tokenbroker/tokenbroker"
 func main() {
 	vet, err := toolchainVet()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "ownvet:", err)
-		os.Exit(2)
+		fail(err)
 	}
 	args := os.Args[1:]
 	for _, a := range args {
 		if a == "-V=full" {
 			out, err := exec.Command(vet, "-V=full").Output()
 			if err != nil {
-				fmt.Fprintln(os.Stderr, "ownvet:", vet, "-V=full:", err)
-				os.Exit(2)
+				fail(fmt.Errorf("%s -V=full: %w", vet, err))
 			}
 			fmt.Println(strings.TrimSpace(string(out)) + " ownvet-no-third-party-facts")
 			return
@@ -52,20 +50,23 @@ func main() {
 	if len(args) > 0 && strings.HasSuffix(args[len(args)-1], ".cfg") {
 		skip, err := thirdPartyFactsOnly(args[len(args)-1])
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "ownvet:", err)
-			os.Exit(2)
+			fail(err)
 		}
 		if skip != "" {
 			// An empty facts file: "no facts", which go vet caches.
 			if err := os.WriteFile(skip, nil, 0o644); err != nil {
-				fmt.Fprintln(os.Stderr, "ownvet:", err)
-				os.Exit(2)
+				fail(err)
 			}
 			return
 		}
 	}
 	err = syscall.Exec(vet, append([]string{vet}, args...), os.Environ())
-	fmt.Fprintln(os.Stderr, "ownvet: exec", vet+":", err)
+	fail(fmt.Errorf("exec %s: %w", vet, err))
+}
+
+// fail ends ownvet as go vet ends on a tool's failure.
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "ownvet:", err)
 	os.Exit(2)
 }
 
