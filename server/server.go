@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/go-chi/chi/v5"
 	"go.uber.org/zap"
@@ -352,23 +351,11 @@ func (s *Server) httpServer(h http.Handler, base context.Context, name string) *
 	}
 }
 
-// gatewayServer is the lease gateway's http.Server: no read or write
-// timeout, which would cut a healthy watch or exec session (the API
-// server bounds a watch itself; an idle connection is closed after
-// IdleTimeout), and HTTP/2 with a bounded number of streams and buffers
-// per connection.
+// gatewayServer is the lease gateway's http.Server: the listeners'
+// settings, then the gateway's own (gateway.ConfigureServer).
 func (s *Server) gatewayServer(base context.Context) *http.Server {
 	srv := s.httpServer(s.cfg.Gateway, base, listenerGateway)
-	srv.ReadTimeout, srv.WriteTimeout = 0, 0
-	srv.HTTP2 = &http.HTTP2Config{
-		MaxConcurrentStreams: gateway.DefaultMaxStreamsPerConn,
-		// What a client may send before the gateway reads it: a body
-		// the API server has not asked for yet waits here.
-		MaxReceiveBufferPerStream:     256 << 10,
-		MaxReceiveBufferPerConnection: 1 << 20,
-		SendPingTimeout:               30 * time.Second,
-		PingTimeout:                   15 * time.Second,
-	}
+	gateway.ConfigureServer(srv)
 	return srv
 }
 

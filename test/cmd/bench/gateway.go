@@ -59,6 +59,9 @@ type gatewayReport struct {
 	ListDirect          result  `json:"list_direct"`
 	ListGateway         result  `json:"list_gateway"`
 	ListThroughputRatio float64 `json:"list_throughput_ratio"`
+	// BareProxy is the GET and LIST rows through a bare proxy, the
+	// gateway's against them, and the CPU of both per forwarded GET.
+	BareProxy *bareProxyReport `json:"bare_proxy,omitempty"`
 	// WatchOverhead is how much later an event reached the gateway's
 	// watch than the direct watch of the same objects (p50, p99, ms).
 	WatchOverheadP50Ms float64 `json:"watch_overhead_p50_ms"`
@@ -86,6 +89,35 @@ type gatewayReport struct {
 	// TwoReplicas is a lease's cap of watches through one lease on each
 	// of two replicas, and its revocation.
 	TwoReplicas *replicaReport `json:"two_replicas,omitempty"`
+}
+
+// bareProxyReport is the rows of the bare proxy (test/cmd/bareproxy):
+// the gateway's listener TLS, HTTP/2 settings, proxy and upstream
+// transports, and nothing else (no lease check, caps, audit or
+// metrics), forwarding with the direct rows' token. The gateway over it
+// is what the gateway's own work costs; it over direct is what the
+// second hop costs by itself.
+type bareProxyReport struct {
+	// Get is a GET of one ConfigMap at c=1 and c=32, List the LIST of
+	// gatewayListSize, through the bare proxy, in the same rounds as
+	// the direct and gateway rows.
+	Get  []result `json:"get"`
+	List result   `json:"list"`
+	// The gateway over the bare proxy.
+	GatewayGetP50OverheadMs    float64 `json:"gateway_get_p50_overhead_ms_c1"`
+	GatewayGetThroughputRatio  float64 `json:"gateway_get_throughput_ratio_c32"`
+	GatewayListThroughputRatio float64 `json:"gateway_list_throughput_ratio"`
+	// The bare proxy over direct.
+	GetP50OverheadMs    float64 `json:"get_p50_overhead_ms_c1"`
+	GetThroughputRatio  float64 `json:"get_throughput_ratio_c32"`
+	ListThroughputRatio float64 `json:"list_throughput_ratio"`
+	// CPU per forwarded GET over the c=32 rows' CPURequests requests:
+	// the broker's process through the gateway, the bare proxy's
+	// process, and the difference, the gateway's own.
+	CPURequests         int     `json:"cpu_requests"`
+	GatewayCPUMicros    float64 `json:"gateway_cpu_us_per_request"`
+	CPUMicros           float64 `json:"cpu_us_per_request"`
+	GatewayOwnCPUMicros float64 `json:"gateway_own_cpu_us_per_request"`
 }
 
 // The goals of the RSS rows at the caps: a peer's whole allowance fits
@@ -302,41 +334,94 @@ func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProce
 	if err != nil {
 		return nil, err
 	}
+	// The bare proxy: a process of its own, forwarding with the direct
+	// rows' token; its client is the gateway's, the same lease
+	// certificate and settings, at another address.
+	bp, err := startBareProxy(ctx, c, br, tr.Status.Token)
+	if err != nil {
+		return nil, err
+	}
+	defer bp.stop()
+	bareCfg := rest.CopyConfig(gwCfg)
+	bareCfg.Host = bp.url
+	bare, err := kubernetes.NewForConfig(bareCfg)
+	if err != nil {
+		return nil, err
+	}
+	bpRep := &bareProxyReport{}
+	rep.BareProxy = bpRep
 
-	// GET, c=1 and c=32, alternating the two paths' rounds.
+	// GET, c=1 and c=32, alternating the three paths' rounds; the CPU
+	// of the broker and of the bare proxy over the c=32 rounds.
 	get := func(cs kubernetes.Interface) func(context.Context) error {
 		return func(ctx context.Context) error {
 			_, err := cs.CoreV1().ConfigMaps("bench").Get(ctx, "probe", metav1.GetOptions{})
 			return err
 		}
 	}
+	if err := get(bare)(ctx); err != nil {
+		return nil, fmt.Errorf("a GET through the bare proxy (log in %s): %w", bp.dir, err)
+	}
+	var gwCPU, bareCPU time.Duration
 	for _, conc := range []int{1, 32} {
 		_ = measure(ctx, get(direct), conc, 50)
 		_ = measure(ctx, get(gw), conc, 50)
+		_ = measure(ctx, get(bare), conc, 50)
 		d := measure(ctx, get(direct), conc, 4*n)
-		g := measure(ctx, get(gw), conc, 4*n)
-		d.Name, g.Name = "direct GET", "gateway GET"
+		g, gCPU, err := measureCPU(ctx, br.cmd.Process.Pid, get(gw), conc, 4*n)
+		if err != nil {
+			return nil, fmt.Errorf("the broker's CPU: %w", err)
+		}
+		b, bCPU, err := measureCPU(ctx, bp.cmd.Process.Pid, get(bare), conc, 4*n)
+		if err != nil {
+			return nil, fmt.Errorf("the bare proxy's CPU: %w", err)
+		}
+		d.Name, g.Name, b.Name = "direct GET", "gateway GET", "bare proxy GET"
 		rep.GetDirect, rep.GetGateway = append(rep.GetDirect, d), append(rep.GetGateway, g)
+		bpRep.Get = append(bpRep.Get, b)
+		gwCPU, bareCPU = gCPU, bCPU // the last round's, c=32
 	}
 	rep.GetP50OverheadMs = rep.GetGateway[0].P50ms - rep.GetDirect[0].P50ms
 	rep.GetThroughputRatio = rep.GetGateway[1].PerSecond / rep.GetDirect[1].PerSecond
+	bpRep.GatewayGetP50OverheadMs = rep.GetGateway[0].P50ms - bpRep.Get[0].P50ms
+	bpRep.GatewayGetThroughputRatio = rep.GetGateway[1].PerSecond / bpRep.Get[1].PerSecond
+	bpRep.GetP50OverheadMs = bpRep.Get[0].P50ms - rep.GetDirect[0].P50ms
+	bpRep.GetThroughputRatio = bpRep.Get[1].PerSecond / rep.GetDirect[1].PerSecond
+	bpRep.CPURequests = 4 * n
+	bpRep.GatewayCPUMicros, bpRep.CPUMicros = microsPer(gwCPU, 4*n), microsPer(bareCPU, 4*n)
+	bpRep.GatewayOwnCPUMicros = bpRep.GatewayCPUMicros - bpRep.CPUMicros
 
 	// LIST of 5,000, unpaged.
 	list := func(cs kubernetes.Interface) func(context.Context) error {
 		return func(ctx context.Context) error {
 			l, err := cs.CoreV1().ConfigMaps(gatewayListNS).List(ctx, metav1.ListOptions{})
-			if err == nil && len(l.Items) != gatewayListSize {
-				err = fmt.Errorf("listed %d ConfigMaps, want %d", len(l.Items), gatewayListSize)
+			if err != nil {
+				return err
 			}
-			return err
+			// The bench's own: kube-controller-manager adds
+			// kube-root-ca.crt to every namespace.
+			ours := 0
+			for _, cm := range l.Items {
+				if strings.HasPrefix(cm.Name, "cm-") {
+					ours++
+				}
+			}
+			if ours != gatewayListSize {
+				return fmt.Errorf("listed %d of the bench's ConfigMaps, want %d", ours, gatewayListSize)
+			}
+			return nil
 		}
 	}
 	_ = measure(ctx, list(direct), 1, 3)
 	_ = measure(ctx, list(gw), 1, 3)
+	_ = measure(ctx, list(bare), 1, 3)
 	rep.ListDirect = measure(ctx, list(direct), 1, 20)
 	rep.ListGateway = measure(ctx, list(gw), 1, 20)
-	rep.ListDirect.Name, rep.ListGateway.Name = "direct LIST 5000", "gateway LIST 5000"
+	bpRep.List = measure(ctx, list(bare), 1, 20)
+	rep.ListDirect.Name, rep.ListGateway.Name, bpRep.List.Name = "direct LIST 5000", "gateway LIST 5000", "bare proxy LIST 5000"
 	rep.ListThroughputRatio = rep.ListGateway.PerSecond / rep.ListDirect.PerSecond
+	bpRep.GatewayListThroughputRatio = rep.ListGateway.PerSecond / bpRep.List.PerSecond
+	bpRep.ListThroughputRatio = bpRep.List.PerSecond / rep.ListDirect.PerSecond
 
 	// WATCH: one watch each way on the same ConfigMaps; each event's
 	// arrival through the gateway after its direct arrival.
@@ -631,6 +716,17 @@ func (r *gatewayReport) print() {
 	fmt.Printf("  GET c=32: direct %.0f/s, gateway %.0f/s: %.2f× (goal ≥ 0.9×)\n", r.GetDirect[1].PerSecond, r.GetGateway[1].PerSecond, r.GetThroughputRatio)
 	fmt.Printf("  LIST %d ConfigMaps: direct %.1f/s (p50 %.1f ms), gateway %.1f/s (p50 %.1f ms): %.2f× (goal ≥ 0.9×)\n", gatewayListSize,
 		r.ListDirect.PerSecond, r.ListDirect.P50ms, r.ListGateway.PerSecond, r.ListGateway.P50ms, r.ListThroughputRatio)
+	if b := r.BareProxy; b != nil {
+		fmt.Println("  against a bare proxy (the gateway's listener TLS, HTTP/2 settings, proxy and upstream transports; no lease check, caps, audit or metrics):")
+		fmt.Printf("    GET c=1: bare proxy p50 %.2f ms: the gateway's overhead over it %.2f ms (the bare hop's over direct %.2f ms)\n",
+			b.Get[0].P50ms, b.GatewayGetP50OverheadMs, b.GetP50OverheadMs)
+		fmt.Printf("    GET c=32: bare proxy %.0f/s: gateway ÷ bare proxy %.2f× (bare proxy ÷ direct %.2f×)\n",
+			b.Get[1].PerSecond, b.GatewayGetThroughputRatio, b.GetThroughputRatio)
+		fmt.Printf("    LIST %d ConfigMaps: bare proxy %.1f/s (p50 %.1f ms): gateway ÷ bare proxy %.2f× (bare proxy ÷ direct %.2f×)\n", gatewayListSize,
+			b.List.PerSecond, b.List.P50ms, b.GatewayListThroughputRatio, b.ListThroughputRatio)
+		fmt.Printf("    CPU per forwarded GET at c=32 (%d requests): the broker %.1f µs, the bare proxy %.1f µs: the gateway's own %.1f µs\n",
+			b.CPURequests, b.GatewayCPUMicros, b.CPUMicros, b.GatewayOwnCPUMicros)
+	}
 	fmt.Printf("  WATCH event through the gateway after the direct watch's: p50 %.2f ms, p99 %.2f ms over %d events (goal p99 ≤ 1 ms)\n", r.WatchOverheadP50Ms, r.WatchOverheadP99Ms, r.WatchEvents)
 	fmt.Printf("  a lease's cap, %d open watches through one lease: the broker's RSS grew %.1f MiB (goal ≤ %d MiB: fits the chart's 256 Mi limit with room for the others), %.1f KiB per watch (goal ≤ 64 KiB)\n",
 		r.Watches, r.LeaseCapRSSMiB, gatewayLeaseCapGoalMiB, r.RSSPerWatchKiB)
