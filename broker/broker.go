@@ -144,9 +144,8 @@ type Broker struct {
 	// expiries are the leases revoked at their expiry (leaseexpiry.go),
 	// at most maxTimedExpiries; past it the GC is the only revoker.
 	expiries *lease.Timers
-	// credIDs are the credential-id annotations being written after their
-	// answer (credentialid.go).
-	credIDs *lease.CredentialIDs
+	// after makes the writes that follow an answer (afteranswer.go).
+	after *lease.AfterAnswer
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants.Tracker
 	// pool is nil when disabled.
@@ -183,7 +182,7 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = limits.DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.Enrollment.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), credIDs: lease.NewCredentialIDs(maxCredentialIDWrites, inBackground), pool: lease.NewPool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.Enrollment.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), after: lease.NewAfterAnswer(maxWritesAfterAnswers, inBackground), pool: lease.NewPool(cfg.Pool)}
 	if b.joinTokens == nil && cfg.Enrollment.CA != nil {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.Enrollment.CA, cfg.Enrollment.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
@@ -401,10 +400,11 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	}
 
 	// A token is issued on a pooled Secret when the pool has one ready
-	// (pool.go): TokenRequest and claim at once.
+	// (pool.go): TokenRequest and claim at once. A gateway lease is signed
+	// for it and claimed after the answer (claimAfterAnswer).
 	var ready *lease.Pooled
 	if cert == nil {
-		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now())
+		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now(), gateway)
 	}
 	var id string
 	if ready != nil {
@@ -451,8 +451,19 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	var (
 		created *corev1.Secret
 		cred    issuers.Credential
+		// unclaimed: a gateway lease signed for a pooled Secret, claimed
+		// once answered.
+		unclaimed bool
 	)
-	if ready != nil {
+	if ready != nil && gateway {
+		created, cred, err = b.signPooled(ctx, ready, ls, issuer, ireq)
+		if err != nil {
+			err = classifyIssuer(err, req)
+			return fail(ready.Secret, outcomeFor(err), err)
+		}
+		b.cfg.Metrics.ObservePoolPath(pathPool)
+		unclaimed = true
+	} else if ready != nil {
 		claimed, got, claimErr, issueErr := b.claim(ctx, ready, ls, issuer, d.Credential, ireq)
 		switch {
 		case problem.IsNotFound(claimErr):
@@ -522,7 +533,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	// answer, with the credential's id; otherwise the id follows the
 	// answer (credentialid.go).
 	idRecorded := false
-	if clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner {
+	if clamped := clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner; clamped && unclaimed {
+		// The claim writes it.
+		lease.SetExpiry(ls, cred.ExpiresAt)
+	} else if clamped {
 		if err := b.store().RecordCredential(ctx, created, ref.APIID, &cred.ExpiresAt); err != nil {
 			return fail(created, outcomeFor(err), err)
 		}
@@ -571,7 +585,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
 	if !idRecorded && !gateway {
-		b.credIDs.Later(ctx, b.store(), created, ref.APIID, log)
+		b.after.RecordCredentialID(ctx, b.store(), created, ref.APIID, log)
+	}
+	if unclaimed {
+		b.claimAfterAnswer(ctx, ready, ls, log)
 	}
 	return &apiv1.KubeconfigResponse{
 		LeaseID:      id,

@@ -131,7 +131,7 @@ func TestIssueBuildsAWorkingKubeconfigAndABoundLease(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "argo", ns)
 
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, "west", s.Labels[objects.LabelPeer])
@@ -214,7 +214,7 @@ func TestAClientCertificateCredentialBecomesAKubeconfigUserWithItsSerialAudited(
 	sum := sha256.Sum256(leaf[0].Raw)
 	want := "X509SHA256=" + hex.EncodeToString(sum[:])
 	require.Contains(t, auditBuf.String(), `"credential_id":"`+want+`"`)
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	s, err := e.client.CoreV1().Secrets("argo").Get(context.Background(), "tokenbroker-lease-"+resp.LeaseID, metav1.GetOptions{})
 	require.NoError(t, err)
 	require.Equal(t, want, s.Annotations[objects.AnnotationCredentialID])

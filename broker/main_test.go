@@ -16,7 +16,7 @@ import (
 // supported Kubernetes release.
 //
 // It also writes the credential-id annotation on the request rather than
-// after it (credentialid.go): many tests add reactors to a fake clientset
+// after it (afteranswer.go): many tests add reactors to a fake clientset
 // after an issuance, which races with a write still under way. The tests
 // of the background write set it back for their broker.
 func TestMain(m *testing.M) {

@@ -3,6 +3,8 @@ package broker
 import (
 	"context"
 
+	"go.uber.org/zap"
+
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/issuers"
 	corev1 "k8s.io/api/core/v1"
@@ -55,3 +57,38 @@ func (b *Broker) claim(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, 
 	}
 	return claimed, cred, claimErr, issueErr
 }
+
+// signPooled signs a gateway lease for the pooled Secret s, which becomes
+// the lease ls once claimAfterAnswer's claim lands. It returns what the
+// lease Secret is to be (ls under s's name and UID) and the credential.
+// The signature is local: nothing waits on the API server.
+func (b *Broker) signPooled(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, issuer Issuer, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error) {
+	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: s.Secret.Name, UID: s.Secret.UID}
+	start := b.cfg.Clock.Now()
+	cred, err := issuer.Issue(ctx, ireq)
+	b.cfg.Metrics.ObserveIssuer(issuer.Kind(), b.cfg.Clock.Since(start), err)
+	pending := ls.DeepCopy()
+	pending.UID = s.Secret.UID
+	return pending, cred, err
+}
+
+// claimAfterAnswer makes the pooled Secret s the gateway lease ls after
+// the answer, within lease.ClaimWait. Until the claim lands no gateway
+// holds the lease, so its certificate is refused (a request waits for it
+// while the certificate is new, as for any lease just made); a failed
+// claim deletes s, so the certificate can never become good. A replica
+// that dies first leaves s pooled, deleted by the GC at its deadline: the
+// certificate was never good anywhere.
+func (b *Broker) claimAfterAnswer(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, log *zap.Logger) {
+	b.after.Go(ctx, lease.ClaimWait, func(ctx context.Context) {
+		if _, err := b.store().Claim(ctx, s, ls, func() {}); err != nil {
+			b.cfg.Metrics.LeaseDeleted(deletedUnclaimed, 1)
+			log.Error("a gateway lease's claim failed after its answer: its pooled Secret is deleted and its certificate is good for nothing", zap.Error(err))
+			b.deleteLease(ctx, s.Secret, log)
+		}
+	})
+}
+
+// deletedUnclaimed is the reason of tokenbroker_leases_deleted_total for a
+// gateway lease whose claim failed after its answer.
+const deletedUnclaimed = "unclaimed"

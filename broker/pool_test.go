@@ -2,6 +2,8 @@ package broker
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"runtime"
 	"testing"
@@ -12,7 +14,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/uuid"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/clientcmd"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -20,6 +26,8 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/issuers/leasecert"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // The pool's bookkeeping around the API server, with the fake clientset;
@@ -159,8 +167,8 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 4, Max: 5})
 	ctx := context.Background()
 	p := e.b.pool
-	p.Take("argo", e.clock.Now())
-	p.Take("flux", e.clock.Now())
+	p.Take("argo", e.clock.Now(), false)
+	p.Take("flux", e.clock.Now(), false)
 
 	p.Start()
 	require.Equal(t, lease.PoolQuiet, e.b.poolKeeper().Tend(ctx), "look again once quiet")
@@ -183,7 +191,7 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 
 	// Too old to hand out: deleted, and replaced while still wanted.
 	e.clock.Step(lease.PoolHandout)
-	p.Take("argo", e.clock.Now())
+	p.Take("argo", e.clock.Now(), false)
 	e.b.poolKeeper().Tend(ctx)
 	for _, s := range e.secrets(t, objects.PoolKind) {
 		require.Equal(t, "argo", s.Namespace, "flux was idle past poolIdle")
@@ -200,18 +208,18 @@ func TestStoppingThePoolDeletesItsSecrets(t *testing.T) {
 	t.Parallel()
 	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 2})
 	e.b.pool.SetRunning(false)
-	e.b.pool.Take("argo", e.clock.Now()) // not running: records nothing
+	e.b.pool.Take("argo", e.clock.Now(), false) // not running: records nothing
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); e.b.RunPool(ctx) }()
 	require.Eventually(t, func() bool { return e.b.pool.IsRunning() }, 10*time.Second, time.Millisecond)
-	e.b.pool.Take("argo", e.clock.Now())
+	e.b.pool.Take("argo", e.clock.Now(), false)
 	e.b.pool.Wake() // as the end of an issuance does
 	require.Eventually(t, func() bool { return len(e.secrets(t, objects.PoolKind)) == 2 }, 10*time.Second, time.Millisecond)
 	cancel()
 	<-done
 	require.Empty(t, e.secrets(t, objects.PoolKind))
-	require.Nil(t, e.b.pool.Take("argo", e.clock.Now()), "a stopped pool hands out nothing")
+	require.Nil(t, e.b.pool.Take("argo", e.clock.Now(), false), "a stopped pool hands out nothing")
 }
 
 func TestTheGCDeletesWhatTheCounterSawExpireWithoutListingLeases(t *testing.T) {
@@ -267,7 +275,7 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 	e.b.cfg.Leases = lc
 	resp, err := e.b.IssueKubeconfig(ctx, west, apiv1.KubeconfigRequest{Namespace: "flux", ServiceAccount: "reader"})
 	require.NoError(t, err)
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	e.client.ClearActions()
 	l, err := e.b.GetLease(ctx, west, resp.LeaseID)
 	require.NoError(t, err)
@@ -297,4 +305,119 @@ func TestALookupByLeaseIDListsOneNamespace(t *testing.T) {
 			runtime.Gosched()
 		}
 	}
+}
+
+// newGatewayPoolEnv is a pool env whose broker issues gateway leases to
+// south, signed by a real CA (leasecert), with the writes after an answer
+// held until the test runs them.
+func newGatewayPoolEnv(t *testing.T) (*poolEnv, *pki.CA, *[]func()) {
+	t.Helper()
+	e := newPoolEnv(t, lease.PoolConfig{PerNamespace: 2})
+	// The API server gives every object a UID, which a lease certificate
+	// names; the fake does not.
+	e.client.PrependReactor("create", "secrets", func(a k8stesting.Action) (bool, kruntime.Object, error) {
+		s := a.(k8stesting.CreateAction).GetObject().(*corev1.Secret)
+		s.UID = uuid.NewUUID()
+		return false, nil, nil
+	})
+	e.b.cfg.Policy.Store(mustPolicy(t, gatewayPolicy))
+	ca, err := pki.NewCA(pki.CAOptions{CommonName: "pool test CA"})
+	require.NoError(t, err)
+	e.b.cfg.Gateway = &Gateway{Issuer: &leasecert.Issuer{Signer: ca, Now: e.clock.Now}, Server: "https://gateway.example:8445",
+		CAData: func() []byte { return ca.BundlePEM() }}
+	held := new([]func())
+	e.b.after = lease.NewAfterAnswer(maxWritesAfterAnswers, func(f func()) { *held = append(*held, f) })
+	return e, ca, held
+}
+
+var gatewayPoolRequest = apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner", TTL: "1h", Access: apiv1.AccessGateway}
+
+// leaseOfKubeconfig is the lease its certificate names.
+func leaseOfKubeconfig(t *testing.T, ca *pki.CA, kc string, at time.Time) pki.LeaseName {
+	t.Helper()
+	cfg, err := clientcmd.Load([]byte(kc))
+	require.NoError(t, err)
+	rc, err := clientcmd.NewDefaultClientConfig(*cfg, nil).ClientConfig()
+	require.NoError(t, err)
+	block, _ := pem.Decode(rc.CertData)
+	require.NotNil(t, block)
+	cert, err := x509.ParseCertificate(block.Bytes)
+	require.NoError(t, err)
+	n, err := pki.VerifyLeaseCertificate([]*x509.Certificate{cert}, ca.CertPool(), at)
+	require.NoError(t, err)
+	return n
+}
+
+// A gateway lease on a pooled Secret is signed for it and answered before
+// any API call; the claim follows the answer, and the namespace's pool is
+// refilled at once, busy or not.
+func TestAGatewayLeaseOnAPooledSecretIsClaimedAfterItsAnswer(t *testing.T) {
+	t.Parallel()
+	e, ca, held := newGatewayPoolEnv(t)
+	ctx := context.Background()
+	_, err := e.b.IssueKubeconfig(ctx, south, gatewayPoolRequest)
+	require.NoError(t, err)
+	require.Len(t, *held, 0, "the first gateway lease is sequential: nothing follows its answer")
+
+	e.b.pool.Start() // another issuance in flight: a token's refill would wait
+	require.Zero(t, e.b.poolKeeper().Tend(ctx), "gateway demand is refilled without waiting for quiet")
+	pooled := e.secrets(t, objects.PoolKind)
+	require.Len(t, pooled, 2)
+
+	e.client.ClearActions()
+	resp, err := e.b.IssueKubeconfig(ctx, south, gatewayPoolRequest)
+	require.NoError(t, err)
+	require.Empty(t, e.client.Actions(), "answered without an API call")
+	n := leaseOfKubeconfig(t, ca, resp.Kubeconfig, e.clock.Now())
+	require.Equal(t, resp.LeaseID, n.ID)
+	var signedFor *corev1.Secret
+	for i := range pooled {
+		if pooled[i].Name == objects.LeaseSecretPrefix+resp.LeaseID {
+			signedFor = &pooled[i]
+		}
+	}
+	require.NotNil(t, signedFor, "signed for a pooled Secret")
+	require.Equal(t, string(signedFor.UID), n.UID)
+	require.Len(t, e.secrets(t, objects.PoolKind), 2, "still pooled until the claim runs")
+
+	require.Len(t, *held, 1)
+	(*held)[0]()
+	leases := e.secrets(t, objects.LeaseKind)
+	require.Len(t, leases, 2)
+	for _, s := range leases {
+		if s.Name != signedFor.Name {
+			continue
+		}
+		require.Equal(t, signedFor.UID, s.UID, "the claim made the pooled Secret the lease")
+		require.Equal(t, resp.LeaseID, s.Labels[objects.LabelLeaseID])
+		require.Equal(t, "south", s.Labels[objects.LabelPeer])
+		require.Equal(t, apiv1.AccessGateway, s.Annotations[objects.AnnotationAccess])
+		require.Equal(t, resp.ExpiresAt.UTC().Format(time.RFC3339), s.Annotations[objects.AnnotationExpiresAt])
+	}
+	require.Zero(t, e.b.poolKeeper().Tend(ctx))
+	require.Len(t, e.secrets(t, objects.PoolKind), 2, "refilled at once")
+}
+
+// A claim that fails after the answer deletes the pooled Secret, so the
+// certificate, good at no gateway meanwhile, never becomes good.
+func TestAGatewayLeaseWhoseClaimFailsLeavesNothing(t *testing.T) {
+	t.Parallel()
+	e, _, held := newGatewayPoolEnv(t)
+	ctx := context.Background()
+	_, err := e.b.IssueKubeconfig(ctx, south, gatewayPoolRequest)
+	require.NoError(t, err)
+	e.b.poolKeeper().Tend(ctx)
+	require.Len(t, e.secrets(t, objects.PoolKind), 2)
+
+	resp, err := e.b.IssueKubeconfig(ctx, south, gatewayPoolRequest)
+	require.NoError(t, err)
+	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, kruntime.Object, error) {
+		return true, nil, errors.New("the API server went away")
+	})
+	require.Len(t, *held, 1)
+	(*held)[0]()
+	for _, s := range append(e.secrets(t, objects.PoolKind), e.secrets(t, objects.LeaseKind)...) {
+		require.NotEqual(t, objects.LeaseSecretPrefix+resp.LeaseID, s.Name, "the pooled Secret it was signed for is gone")
+	}
+	require.Len(t, e.secrets(t, objects.LeaseKind), 1, "only the first lease")
 }

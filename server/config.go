@@ -101,10 +101,11 @@ type RefusalAuditor interface {
 
 // BackgroundWriter is the optional ability of a Broker to finish, at
 // shutdown, the writes it started after answering (the credential-id
-// annotation of lease Secrets); the server finds it by type assertion and
+// annotation of lease Secrets, the claim of a gateway lease signed for a
+// pooled Secret); the server finds it by type assertion and
 // waits for them within its shutdown grace.
 type BackgroundWriter interface {
-	WaitCredentialIDWrites(ctx context.Context) error
+	WaitWritesAfterAnswers(ctx context.Context) error
 }
 
 // WorkloadAuthenticator is the optional ability of a Broker to verify the

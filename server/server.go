@@ -267,11 +267,11 @@ func (s *Server) Run(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("shut down %s listener: %w", sv.name, err))
 		}
 	}
-	// The last answers may have left credential-id annotations to write:
-	// wait for them within the same grace.
+	// The last answers may have left credential-id annotations and claims
+	// to write: wait for them within the same grace.
 	if bw, ok := s.broker.(BackgroundWriter); ok {
-		if err := bw.WaitCredentialIDWrites(shutdownCtx); err != nil {
-			s.log.Warn("shut down before every credential id was written on its lease Secret; the issuances' audit events have them", zap.Error(err))
+		if err := bw.WaitWritesAfterAnswers(shutdownCtx); err != nil {
+			s.log.Warn("shut down before every write after an answer was made: a credential id missing from its lease Secret is in the issuance's audit event; an unclaimed gateway lease's certificate is good for nothing, and its pooled Secret goes at its deadline", zap.Error(err))
 		}
 	}
 	if shutdownCtx.Err() != nil {

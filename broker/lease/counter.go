@@ -415,10 +415,12 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 		pool: m.Labels[objects.LabelKind] == objects.PoolKind, created: m.CreationTimestamp.Time,
 		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
 	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
-	if was != nil && was.verified && !was.pool && lc.gone != nil && (!c.verified || c.identity != was.identity) {
+	if was != nil && was.verified && !was.pool && !was.committed && lc.gone != nil && (!c.verified || c.identity != was.identity) {
 		// Edited under its UID (by whoever may write Secrets there) so
 		// that it no longer holds the lease it held: its gateway
-		// connections end, as at a deletion.
+		// connections end, as at a deletion. A place this replica's
+		// issuance committed held no lease yet (a pooled Secret being
+		// claimed): its first sight as a lease ends nothing.
 		lc.gone(m.Namespace, m.Name, m.UID)
 	}
 	lc.count(c)
@@ -695,6 +697,17 @@ func (lc *Counter) NamespacesOf(name string) []string {
 		return nil
 	}
 	return append([]string{ns}, lc.dupNames[name]...)
+}
+
+// Claiming reports whether the Secret namespace/name is, as far as the
+// counter knows, a pooled Secret not claimed yet: seen unclaimed, or
+// counted by this replica's own issuance (Place.Commit) and not seen
+// since.
+func (lc *Counter) Claiming(namespace, name string) bool {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, ok := lc.byKey[namespace+"/"+name]
+	return ok && (c.pool || c.committed)
 }
 
 // Counted is how many unexpired leases the informers see, reserved places

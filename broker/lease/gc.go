@@ -95,7 +95,7 @@ func (st *Store) Collect(ctx context.Context, pass GCPass) (GCResult, error) {
 		secrets = append(secrets, corev1.Secret{ObjectMeta: metav1.ObjectMeta{
 			Namespace: e.Namespace, Name: e.Name, UID: e.UID,
 			Labels:      map[string]string{objects.LabelKind: kind},
-			Annotations: map[string]string{objects.AnnotationExpiresAt: e.Expires.UTC().Format(time.RFC3339)},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: expiryValue(e.Expires)},
 		}, Type: objects.SecretTypeLease}) // the counter sees that type only
 	}
 	err := st.collect(ctx, secrets, pass, &res)

@@ -76,6 +76,29 @@ func TestTheCounterHoldsALeaseUntilItsSecretGoesInAnyWay(t *testing.T) {
 			})
 		}
 	})
+	t.Run("a claimed pooled Secret first seen as the lease ends nothing", func(t *testing.T) {
+		lc := NewCounter(nil, clocktesting.NewFakePassiveClock(now), zap.NewNop())
+		lc.SetRules(func() *Rules { return rules })
+		g := &goneRecorder{}
+		lc.OnGone(g.record)
+		pooled := secretMeta("argo", "tokenbroker-lease-a", "", time.Time{})
+		pooled.UID = "uid-1"
+		pooled.Labels[objects.LabelKind] = objects.PoolKind
+		lc.Observe(pooled)
+		require.True(t, lc.Claiming("argo", "tokenbroker-lease-a"))
+		place, full := lc.Reserve("west", 10, 10)
+		require.Empty(t, full)
+		place.Commit("argo", "tokenbroker-lease-a", exp) // answered; the claim follows
+		require.True(t, lc.Claiming("argo", "tokenbroker-lease-a"), "counted, but not seen claimed yet")
+		_, ok := lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
+		require.False(t, ok, "no lease until the claim is seen")
+
+		lc.Observe(heldLease("uid-1", exp)) // the claim, seen
+		_, ok = lc.Holds("argo", "tokenbroker-lease-a", "uid-1", westID, now)
+		require.True(t, ok)
+		require.False(t, lc.Claiming("argo", "tokenbroker-lease-a"))
+		require.Empty(t, g.gone, "a lease just made is not reported gone")
+	})
 	t.Run("another UID under its name is another Secret", func(t *testing.T) {
 		lc, g := setUp(t)
 		lc.Observe(heldLease("uid-2", exp))

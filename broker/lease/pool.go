@@ -23,7 +23,8 @@ const (
 	PoolIdle = 5 * time.Minute
 	// poolQuiet: the pool is refilled only once no issuance has been in
 	// flight on the replica for this long, so that its creates use the
-	// API server's idle time and never compete with issuances.
+	// API server's idle time and never compete with issuances. Namespaces
+	// with gateway demand are refilled at once (Take).
 	PoolQuiet = 5 * time.Millisecond
 	// poolTick is how often the pool is looked after without a kick.
 	PoolTick = 30 * time.Second
@@ -63,7 +64,12 @@ type Pool struct {
 	ready  map[string][]*Pooled // by namespace, oldest first
 	n      int                  // Secrets in ready
 	wanted map[string]time.Time // namespace → its last token issuance
-	stale  []*Pooled            // taken out of ready, to delete
+	// eager: namespace → its last gateway lease issuance. A gateway lease
+	// on a pooled Secret makes no API call before its answer, so refilling
+	// competes with no issuance's critical path: such namespaces are
+	// refilled without waiting for a quiet moment.
+	eager map[string]time.Time
+	stale []*Pooled // taken out of ready, to delete
 }
 
 func NewPool(cfg PoolConfig) *Pool {
@@ -78,20 +84,25 @@ func NewPool(cfg PoolConfig) *Pool {
 	}
 	return &Pool{
 		perNS: cfg.PerNamespace, max: cfg.Max, kick: make(chan struct{}, 1),
-		ready: map[string][]*Pooled{}, wanted: map[string]time.Time{},
+		ready: map[string][]*Pooled{}, wanted: map[string]time.Time{}, eager: map[string]time.Time{},
 	}
 }
 
-// take hands out a ready Secret of namespace, or nil, and records the
-// namespace's demand either way. The pool is refilled once the issuance
-// is done (done), not while its own calls run.
-func (p *Pool) Take(namespace string, now time.Time) *Pooled {
+// Take hands out a ready Secret of namespace, or nil, and records the
+// namespace's demand either way. For a token the pool is refilled once
+// the issuance is done (Done), not while its own calls run; for a
+// gateway lease (gateway), whose answer waits on no API call, at once.
+func (p *Pool) Take(namespace string, now time.Time, gateway bool) *Pooled {
 	if p == nil || !p.running.Load() {
 		return nil
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.wanted[namespace] = now
+	if gateway {
+		p.eager[namespace] = now
+		defer p.Wake()
+	}
 	q := p.ready[namespace]
 	for len(q) > 0 {
 		s := q[0]
@@ -152,6 +163,11 @@ func (p *Pool) Sweep(now time.Time) []*Pooled {
 			delete(p.wanted, ns)
 		}
 	}
+	for ns, last := range p.eager {
+		if now.Sub(last) >= PoolIdle {
+			delete(p.eager, ns)
+		}
+	}
 	for ns, q := range p.ready {
 		keep := q[:0:0]
 		for _, s := range q {
@@ -169,21 +185,26 @@ func (p *Pool) Sweep(now time.Time) []*Pooled {
 	return out
 }
 
-// next returns a namespace that wants one more Secret, if the pool holds
-// fewer than max.
-func (p *Pool) Next() (string, bool) {
+// Next returns a namespace that wants one more Secret, if the pool holds
+// fewer than max, and whether it is refilled without waiting for quiet
+// (it had gateway demand lately). Those come first.
+func (p *Pool) Next() (namespace string, eager, ok bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.n >= p.max {
-		return "", false
+		return "", false, false
 	}
-	best, fewest := "", p.perNS
+	best, fewest, bestEager := "", p.perNS, false
 	for ns := range p.wanted {
-		if n := len(p.ready[ns]); n < fewest || (n == fewest && n < p.perNS && ns < best) {
-			best, fewest = ns, n
+		n := len(p.ready[ns])
+		_, e := p.eager[ns]
+		switch {
+		case n >= p.perNS:
+		case best == "", e && !bestEager, e == bestEager && (n < fewest || n == fewest && ns < best):
+			best, fewest, bestEager = ns, n, e
 		}
 	}
-	return best, best != ""
+	return best, bestEager, best != ""
 }
 
 // add makes s ready, unless its namespace lost its demand meanwhile.
@@ -225,9 +246,10 @@ func (p *Pool) IsRunning() bool { return p.running.Load() }
 // kicked receives when the pool wants tending before its next tick.
 func (p *Pool) Kicked() <-chan struct{} { return p.kick }
 
-// forget stops keeping a pool in namespace until its next token issuance.
+// forget stops keeping a pool in namespace until its next issuance.
 func (p *Pool) Forget(namespace string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	delete(p.wanted, namespace)
+	delete(p.eager, namespace)
 }

@@ -42,11 +42,14 @@ import (
 // revocable exactly as one created on the sequential path.
 //
 // The pool costs one API server write per pooled issuance (the claim) and
-// takes the create off the critical path only if the create runs while
-// the API server is idle. So it is refilled, one Secret at a time, only
-// once no issuance has been in flight on the replica for poolQuiet; under
-// back-to-back load it empties and issuances take the sequential path, so
-// a busy API server gets no extra writes.
+// takes the create off a token's critical path only if the create runs
+// while the API server is idle. So for tokens it is refilled, one Secret
+// at a time, only once no issuance has been in flight on the replica for
+// poolQuiet; under back-to-back load it empties and token issuances take
+// the sequential path, so a busy API server gets no extra writes. A
+// gateway lease on a pooled Secret is answered before its claim (the
+// broker's pool.go): no API call of it, nor the refill, is on any answer's
+// path, so namespaces with gateway demand are refilled at once.
 
 // PoolKeeper fills and empties a replica's Pool: it creates pooled
 // Secrets once issuances are quiet and deletes those that may no longer
@@ -110,11 +113,11 @@ func (k *PoolKeeper) Tend(ctx context.Context) time.Duration {
 	defer func() { k.Ready(p.Size()) }()
 	k.deletePooled(ctx, p.Sweep(k.Store.Clock.Now()))
 	for ctx.Err() == nil {
-		ns, ok := p.Next()
+		ns, eager, ok := p.Next()
 		if !ok {
 			break
 		}
-		if wait := p.QuietFor(k.Store.Clock.Now()); wait > 0 {
+		if wait := p.QuietFor(k.Store.Clock.Now()); wait > 0 && !eager {
 			return wait
 		}
 		s, err := k.createPooled(ctx, ns)
@@ -148,7 +151,7 @@ func (k *PoolKeeper) createPooled(ctx context.Context, namespace string) (*Poole
 			Labels:    map[string]string{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PoolKind},
 			// The claim deadline: the GC deletes the Secret past it
 			// unless a claim recorded the lease's expiry instead.
-			Annotations: map[string]string{objects.AnnotationExpiresAt: now.Add(PoolDeadline).UTC().Format(time.RFC3339)},
+			Annotations: map[string]string{objects.AnnotationExpiresAt: expiryValue(now.Add(PoolDeadline))},
 		},
 		Type: objects.SecretTypeLease,
 	}

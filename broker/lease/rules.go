@@ -46,3 +46,8 @@ const AgeSlack = PoolDeadline
 // poolDeadline is a pooled Secret's recorded expiry, counted from its
 // creation: past it the GC deletes it.
 const PoolDeadline = 10 * time.Minute
+
+// ClaimWait bounds the claim of a gateway lease signed for a pooled Secret
+// after its answer; past it the claimer deletes the Secret, and a
+// revocation that found the Secret still unclaimed deletes it (Find).
+const ClaimWait = 5 * time.Second

@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"slices"
 	"time"
 
@@ -74,7 +75,7 @@ func NewSecret(id, namespace string, h Holder, serviceAccount, kind, grant strin
 				objects.LabelPeer:      h.Peer,
 			},
 			Annotations: map[string]string{
-				objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339),
+				objects.AnnotationExpiresAt: expiryValue(expires),
 				objects.AnnotationIdentity:  h.Identity,
 				objects.AnnotationSA:        serviceAccount,
 				objects.AnnotationCred:      kind,
@@ -88,6 +89,16 @@ func NewSecret(id, namespace string, h Holder, serviceAccount, kind, grant strin
 	}
 	return s
 }
+
+// SetExpiry records expires as the expiry of the lease s (not yet
+// written).
+func SetExpiry(s *corev1.Secret, expires time.Time) {
+	s.Annotations[objects.AnnotationExpiresAt] = expiryValue(expires)
+}
+
+// expiryValue is expires as AnnotationExpiresAt records it: whole seconds,
+// UTC.
+func expiryValue(expires time.Time) string { return expires.UTC().Format(time.RFC3339) }
 
 // apiPageSize bounds the Secrets one API server list of Page returns.
 const apiPageSize = 250
@@ -172,10 +183,60 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 			found = s
 		}
 	}
+	if found == nil && wait {
+		return st.awaitClaim(ctx, namespaces, h, id, notFound)
+	}
 	if found == nil {
 		return nil, notFound
 	}
 	return found, nil
+}
+
+// ErrUnclaimed is Find's answer, with the Secret, for a lease id whose
+// pooled Secret is still unclaimed ClaimWait after it was asked for.
+var ErrUnclaimed = errors.New("the lease's pooled Secret is not claimed")
+
+// awaitClaim finds h's lease id once its claim lands. A gateway lease is
+// answered before its pooled Secret is claimed (the broker's pool.go), so
+// its revocation may come first: while the counter sees the Secret
+// unclaimed in one of namespaces, it waits up to ClaimWait, by when the
+// claimer has given up. A Secret still unclaimed then is returned with
+// ErrUnclaimed, for the revocation to delete it, so that no claim can
+// land after it.
+func (st *Store) awaitClaim(ctx context.Context, namespaces []string, h Holder, id string, notFound error) (*corev1.Secret, error) {
+	lc, name, ns := st.Counter, objects.LeaseSecretPrefix+id, ""
+	for _, n := range namespaces {
+		if lc != nil && lc.Claiming(n, name) {
+			ns = n
+			break
+		}
+	}
+	if ns == "" {
+		return nil, notFound
+	}
+	deadline := st.Clock.Now().Add(ClaimWait)
+	for lc.Claiming(ns, name) && st.Clock.Now().Before(deadline) {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-st.Clock.After(20 * time.Millisecond):
+		}
+	}
+	if !lc.Claiming(ns, name) {
+		return st.Find(ctx, namespaces, h, id, false)
+	}
+	t0 := st.Clock.Now()
+	s, err := st.Secrets.Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+	st.timed(ctx, "get_lease", t0, err)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, notFound
+	case err != nil:
+		return nil, err
+	case s.Labels[objects.LabelKind] != objects.PoolKind:
+		return st.Find(ctx, namespaces, h, id, false)
+	}
+	return s, ErrUnclaimed
 }
 
 // lookupWait is how long a lookup waits for the lease counter to see a
@@ -295,7 +356,7 @@ func (st *Store) RecordCredential(ctx context.Context, s *corev1.Secret, apiID s
 		ann[objects.AnnotationCredentialID] = apiID
 	}
 	if expiresAt != nil {
-		ann[objects.AnnotationExpiresAt] = expiresAt.UTC().Format(time.RFC3339)
+		ann[objects.AnnotationExpiresAt] = expiryValue(*expiresAt)
 	}
 	if len(ann) == 0 {
 		return nil

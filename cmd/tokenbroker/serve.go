@@ -129,7 +129,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.Int("kube-burst", defaultKubeBurst, "client-side burst for the broker's Kubernetes client")
 	fs.Duration("gc-interval", time.Minute, "how often expired lease Secrets are deleted")
 	fs.Int("max-live-leases", limits.DefaultMaxLiveLeasesTotal, "live leases of all peers together, whatever the policy allows each (every lease is a Secret in etcd)")
-	fs.Int("lease-pool", lease.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token issuances, so that the TokenRequest and the lease record run at once; 0 turns the pool off")
+	fs.Int("lease-pool", lease.DefaultPoolPerNamespace, "unclaimed lease Secrets kept ready per namespace with recent token or gateway lease issuances, so that a TokenRequest and the lease record run at once, and a gateway lease is answered before any API call; 0 turns the pool off")
 	fs.Int("lease-pool-max", lease.DefaultPoolMax, "unclaimed lease Secrets kept ready over all namespaces")
 	fs.Int64("max-body-bytes", server.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int("max-conns-per-ip", server.DefaultMaxConnsPerIP, "open connections of one client address on each TLS listener, handshakes included; one more is closed before its handshake (behind a load balancer that hides client addresses, every peer shares one)")

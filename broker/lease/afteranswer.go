@@ -21,60 +21,67 @@ import (
 // must be on the Secret before the answer, and the id goes in that same
 // patch.
 
-// CredentialIDs writes credential ids on lease Secrets in the background,
-// a bounded number at a time.
-type CredentialIDs struct {
+// AfterAnswer makes the writes that follow an answer in the background,
+// a bounded number at a time: credential ids (RecordCredentialID) and the
+// claims of gateway leases signed for pooled Secrets (broker's pool.go).
+type AfterAnswer struct {
 	slots chan struct{}
 	wg    sync.WaitGroup
 	run   func(func())
 }
 
-// credentialIDWriteTimeout bounds one write, which no request waits for.
-const credentialIDWriteTimeout = 10 * time.Second
+// afterAnswerTimeout bounds one write, which no request waits for.
+const afterAnswerTimeout = 10 * time.Second
 
-// NewCredentialIDs returns writes of which at most max are in flight;
-// past it a write runs on the request, so that a burst slows down instead
-// of queueing without bound. run starts a write in the background (go
-// f()); a test may run it at once instead.
-func NewCredentialIDs(max int, run func(func())) *CredentialIDs {
-	return &CredentialIDs{slots: make(chan struct{}, max), run: run}
+// NewAfterAnswer returns writes of which at most max are in flight; past
+// it a write runs on the request, so that a burst slows down instead of
+// queueing without bound. run starts a write in the background (go f());
+// a test may run it at once instead.
+func NewAfterAnswer(max int, run func(func())) *AfterAnswer {
+	return &AfterAnswer{slots: make(chan struct{}, max), run: run}
 }
 
-// Later writes apiID on the lease Secret s through st in the background,
-// or at once when every slot is taken. A failure is logged and loses only
-// the annotation: the lease and its credential stand, and the issuance's
-// audit event names the id.
-func (w *CredentialIDs) Later(ctx context.Context, st *Store, s *corev1.Secret, apiID string, log *zap.Logger) {
+// RecordCredentialID writes apiID on the lease Secret s through st after
+// the answer. A failure is logged and loses only the annotation: the lease
+// and its credential stand, and the issuance's audit event names the id.
+func (w *AfterAnswer) RecordCredentialID(ctx context.Context, st *Store, s *corev1.Secret, apiID string, log *zap.Logger) {
 	if apiID == "" {
 		return
 	}
-	write := func(ctx context.Context) {
+	w.Go(ctx, afterAnswerTimeout, func(ctx context.Context) {
 		if err := st.RecordCredential(ctx, s, apiID, nil); err != nil && !problem.IsNotFound(err) {
 			log.Warn("could not record the credential id on the lease Secret; the issuance's audit event has it",
 				zap.String("credential_id", apiID), zap.Error(err))
 		}
-	}
+	})
+}
+
+// Go runs write in the background with a context of ctx's values that
+// ends after timeout, or at once (on the request) when every slot is
+// taken.
+func (w *AfterAnswer) Go(ctx context.Context, timeout time.Duration, write func(context.Context)) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	select {
 	case w.slots <- struct{}{}:
 	default:
+		defer cancel()
 		write(ctx)
 		return
 	}
 	w.wg.Add(1)
 	w.run(func() {
 		defer func() {
+			cancel()
 			<-w.slots
 			w.wg.Done()
 		}()
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), credentialIDWriteTimeout)
-		defer cancel()
 		write(ctx)
 	})
 }
 
 // Wait waits for the writes still under way, until ctx ends (then it
 // returns ctx.Err() and the writes go on, each within its own timeout).
-func (w *CredentialIDs) Wait(ctx context.Context) error {
+func (w *AfterAnswer) Wait(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() {
 		w.wg.Wait()

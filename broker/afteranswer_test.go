@@ -28,7 +28,7 @@ func (e *env) credentialIDOf(t *testing.T, id string) string {
 // holdCredentialIDWrites makes the broker write credential ids in the
 // background and holds every lease patch until release is closed.
 func (e *env) holdCredentialIDWrites() (release chan struct{}) {
-	e.b.credIDs = lease.NewCredentialIDs(maxCredentialIDWrites, func(f func()) { go f() })
+	e.b.after = lease.NewAfterAnswer(maxWritesAfterAnswers, func(f func()) { go f() })
 	release = make(chan struct{})
 	e.client.PrependReactor("patch", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
 		<-release
@@ -47,7 +47,7 @@ func TestTheCredentialIDIsWrittenAfterTheAnswer(t *testing.T) {
 	require.Empty(t, resp.ClampedBy)
 	require.Empty(t, e.credentialIDOf(t, resp.LeaseID), "not written before the patch goes through")
 	close(release)
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID))
 }
 
@@ -55,7 +55,7 @@ func TestWhenEveryWriteSlotIsTakenAnIssuanceWritesItsOwnCredentialID(t *testing.
 	t.Parallel()
 	e := newEnv(t)
 	started := false
-	e.b.credIDs = lease.NewCredentialIDs(0, func(f func()) { started = true; go f() }) // every slot taken
+	e.b.after = lease.NewAfterAnswer(0, func(f func()) { started = true; go f() }) // every slot taken
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
 	require.False(t, started, "no write in the background past the bound")
@@ -70,7 +70,7 @@ func TestAFailedCredentialIDWriteCostsOnlyTheAnnotation(t *testing.T) {
 	})
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err, "the credential was issued; its id is in the audit event")
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	require.Empty(t, e.credentialIDOf(t, resp.LeaseID), "the lease stands without the annotation")
 	require.Equal(t, 1, e.logs.FilterMessage("could not record the credential id on the lease Secret; the issuance's audit event has it").Len())
 }
@@ -78,7 +78,7 @@ func TestAFailedCredentialIDWriteCostsOnlyTheAnnotation(t *testing.T) {
 func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswer(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	e.b.credIDs = lease.NewCredentialIDs(maxCredentialIDWrites, func(func()) { t.Error("a write in the background when the expiry had to be written anyway") })
+	e.b.after = lease.NewAfterAnswer(maxWritesAfterAnswers, func(func()) { t.Error("a write in the background when the expiry had to be written anyway") })
 	e.iss.shorten = 40 * time.Minute // the API server grants 20m of the asked hour
 	resp, err := e.b.IssueKubeconfig(context.Background(), west, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "admiralty-source", TTL: "1h"})
 	require.NoError(t, err)
@@ -86,7 +86,7 @@ func TestAnExpiryTheAPIServerShortenedIsWrittenWithTheCredentialIDBeforeTheAnswe
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID))
 }
 
-func TestWaitCredentialIDWritesWaitsForTheWritesInFlightWithinItsContext(t *testing.T) {
+func TestWaitWritesAfterAnswersWaitsForTheWritesInFlightWithinItsContext(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	release := e.holdCredentialIDWrites()
@@ -94,8 +94,8 @@ func TestWaitCredentialIDWritesWaitsForTheWritesInFlightWithinItsContext(t *test
 	require.NoError(t, err)
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
-	require.ErrorIs(t, e.b.WaitCredentialIDWrites(ended), context.Canceled, "a write is in flight: the wait ends with its context")
+	require.ErrorIs(t, e.b.WaitWritesAfterAnswers(ended), context.Canceled, "a write is in flight: the wait ends with its context")
 	close(release)
-	require.NoError(t, e.b.WaitCredentialIDWrites(context.Background()))
+	require.NoError(t, e.b.WaitWritesAfterAnswers(context.Background()))
 	require.Equal(t, "JTI=jti-42", e.credentialIDOf(t, resp.LeaseID), "written when the wait returns")
 }
