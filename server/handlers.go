@@ -22,6 +22,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/server/wire"
 )
 
 // Headers of the YAML answer of POST /v1/kubeconfigs, which has no JSON
@@ -52,7 +53,7 @@ func answered[T any](result *T, err error) error {
 // returns false. The answer varies by Accept either way.
 func acceptOrRefuse(w http.ResponseWriter, r *http.Request, offers ...string) (string, bool) {
 	w.Header().Add("Vary", "Accept")
-	mediaType, ok := negotiate(r.Header.Get("Accept"), offers...)
+	mediaType, ok := wire.Negotiate(r.Header.Get("Accept"), offers...)
 	if !ok {
 		writeError(w, r, errNotAcceptable)
 	}
@@ -146,7 +147,7 @@ func (s *Server) putPeerJWKS(w http.ResponseWriter, r *http.Request, p peer) {
 	if !jsonRouteAnswerable(w, r, s.workloads != nil) {
 		return
 	}
-	doc, err := readJWKSBody(r, min(s.cfg.MaxBodyBytes, pki.MaxJWKSBytes))
+	doc, err := wire.ReadJWKS(r, min(s.cfg.MaxBodyBytes, pki.MaxJWKSBytes))
 	if err != nil {
 		writeError(w, r, err)
 		return
@@ -162,7 +163,7 @@ func (s *Server) putPeerPods(w http.ResponseWriter, r *http.Request, p peer) {
 		return
 	}
 	var report apiv1.LivePodsReport
-	if err := decodeJSONBody(r, s.cfg.MaxBodyBytes, &report); err != nil {
+	if err := wire.DecodeJSON(r, s.cfg.MaxBodyBytes, &report); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -175,7 +176,7 @@ func (s *Server) putPeerPods(w http.ResponseWriter, r *http.Request, p peer) {
 }
 
 func leaseNotFound(id string) error {
-	return problem.Errorf(problem.KindNotFound, "lease %q not found", echoKey(id))
+	return problem.Errorf(problem.KindNotFound, "lease %q not found", wire.EchoKey(id))
 }
 
 // createKubeconfig handles POST /v1/kubeconfigs. The Accept header is
@@ -192,7 +193,7 @@ func (s *Server) createKubeconfig(w http.ResponseWriter, r *http.Request, p peer
 		return
 	}
 	var req apiv1.KubeconfigRequest
-	if err := decodeJSONBody(r, s.cfg.MaxBodyBytes, &req); err != nil {
+	if err := wire.DecodeJSON(r, s.cfg.MaxBodyBytes, &req); err != nil {
 		writeError(w, r, err)
 		return
 	}
@@ -416,7 +417,7 @@ func jsonRouteAnswerable(w http.ResponseWriter, r *http.Request, served bool) bo
 		writeError(w, r, errRouteNotFound)
 		return false
 	}
-	if _, ok := negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
+	if _, ok := wire.Negotiate(r.Header.Get("Accept"), apiv1.MediaTypeJSON); !ok {
 		writeError(w, r, errNotAcceptable)
 		return false
 	}
@@ -473,7 +474,7 @@ func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer
 
 func (s *Server) decodeCertificateRequest(r *http.Request) (apiv1.CertificateRequest, error) {
 	var req apiv1.CertificateRequest
-	if err := decodeJSONBody(r, s.cfg.MaxBodyBytes, &req); err != nil {
+	if err := wire.DecodeJSON(r, s.cfg.MaxBodyBytes, &req); err != nil {
 		return req, err
 	}
 	if fields := validateCertificateRequest(req); len(fields) > 0 {

@@ -1,4 +1,4 @@
-package server
+package wire
 
 import (
 	"strconv"
@@ -14,14 +14,14 @@ type mediaRange struct {
 	q        float64
 }
 
-// negotiate picks the offer the Accept header prefers (RFC 9110 §12.5.1):
+// Negotiate picks the offer the Accept header prefers (RFC 9110 §12.5.1):
 // the most specific range matching an offer gives it its q-value, and the
 // highest q wins. Among equal q-values an offer named explicitly beats one
 // matched by a wildcard (so "application/yaml, */*" means YAML), and then
 // the earlier offer wins. An absent, empty or wholly unparsable header
 // accepts the first offer. It reports false when no offer is acceptable,
 // which the caller answers with 406.
-func negotiate(accept string, offers ...string) (string, bool) {
+func Negotiate(accept string, offers ...string) (string, bool) {
 	ranges := parseAccept(accept)
 	if len(ranges) == 0 {
 		return offers[0], true

@@ -1,4 +1,4 @@
-package server
+package wire
 
 import (
 	"bytes"
@@ -19,12 +19,12 @@ import (
 // maxEchoedKey bounds how much of an offending JSON key is echoed back.
 const maxEchoedKey = 64
 
-// decodeJSONBody reads a JSON request body into dst, which must point to a
+// DecodeJSON reads a JSON request body into dst, which must point to a
 // struct with flat json tags. It answers *broker.Error values: 415 for a
 // Content-Type other than application/json, 413 over limit bytes, 400 for
 // an empty, malformed, non-object, duplicate-key, unknown-key or trailing
 // body. The body must already be wrapped by http.MaxBytesReader.
-func decodeJSONBody(r *http.Request, limit int64, dst any) error {
+func DecodeJSON(r *http.Request, limit int64, dst any) error {
 	if err := checkJSONContentType(r.Header.Get("Content-Type")); err != nil {
 		return err
 	}
@@ -42,10 +42,10 @@ func decodeJSONBody(r *http.Request, limit int64, dst any) error {
 	return decodeStrict(body, dst)
 }
 
-// readJWKSBody reads a key set upload: application/json or
+// ReadJWKS reads a key set upload: application/json or
 // application/jwk-set+json, at most limit bytes. The document's shape is
 // the broker's to check (pki.ParseJWKS); keys carry members no struct lists.
-func readJWKSBody(r *http.Request, limit int64) ([]byte, error) {
+func ReadJWKS(r *http.Request, limit int64) ([]byte, error) {
 	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || (mt != apiv1.MediaTypeJSON && mt != apiv1.MediaTypeJWKSet) {
 		return nil, problem.Errorf(problem.KindUnsupportedMediaType, "The request body must be application/json or application/jwk-set+json.")
@@ -104,7 +104,7 @@ func decodeStrict(body []byte, dst any) error {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return problem.Errorf(problem.KindInvalid, "The request body is empty.")
 	}
-	if err := scanObjectKeys(body, jsonFieldNames(dst)); err != nil {
+	if err := scanObjectKeys(body, FieldNames(dst)); err != nil {
 		return err
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
@@ -141,7 +141,7 @@ func scanObjectKeys(body []byte, known map[string]bool) error {
 			return problem.Errorf(problem.KindInvalid, "The request body is not valid JSON.")
 		}
 		if !known[key] {
-			return problem.Invalid(apiv1.FieldError{Field: echoKey(key), Detail: "unknown field"})
+			return problem.Invalid(apiv1.FieldError{Field: EchoKey(key), Detail: "unknown field"})
 		}
 		if seen[key] {
 			return problem.Invalid(apiv1.FieldError{Field: key, Detail: "duplicate field"})
@@ -202,7 +202,7 @@ func decodeError(err error) error {
 		return &problem.Error{
 			Kind:   problem.KindInvalid,
 			Detail: "The request is invalid.",
-			Fields: []apiv1.FieldError{{Field: echoKey(field), Detail: "must be " + jsonTypeName(typeErr.Type)}},
+			Fields: []apiv1.FieldError{{Field: EchoKey(field), Detail: "must be " + jsonTypeName(typeErr.Type)}},
 			Err:    err,
 		}
 	default:
@@ -229,8 +229,8 @@ func jsonTypeName(t reflect.Type) string {
 	}
 }
 
-// echoKey makes a client-supplied key safe and short enough to show back.
-func echoKey(k string) string {
+// EchoKey makes a client-supplied key or id safe and short enough to show back.
+func EchoKey(k string) string {
 	k = strings.ToValidUTF8(k, "\uFFFD")
 	if len(k) <= maxEchoedKey {
 		return k
@@ -242,9 +242,9 @@ func echoKey(k string) string {
 	return k[:cut] + "…"
 }
 
-// jsonFieldNames returns the json names of the exported fields of the
-// struct dst points to.
-func jsonFieldNames(dst any) map[string]bool {
+// FieldNames returns the json names of the exported fields of the
+// struct dst points to: the keys DecodeJSON accepts for it.
+func FieldNames(dst any) map[string]bool {
 	t := reflect.TypeOf(dst)
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
