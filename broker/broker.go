@@ -23,13 +23,11 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/lease"
 	"github.com/tokenbroker/tokenbroker/broker/limits"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
-	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/broker/tenants"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/issuers"
-	"github.com/tokenbroker/tokenbroker/issuers/clientcert"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -369,42 +367,26 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcomeUnprocessable, err
 	}
 
-	gateway := d.Access == apiv1.AccessGateway
-	if !gateway && d.Credential != apiv1.CredentialClientCertificate && req.CSR != "" {
-		a.Denial = audit.DenyInvalid
-		return nil, outcomeInvalid, problem.Errorf(problem.KindInvalid, "csr is only for credential clientCertificate or a gateway lease, and the grant of this request is neither")
+	k := kindOf(d)
+	if outcome, err := k.prepare(ctx, b, p, d, req, a); err != nil {
+		return nil, outcome, err
 	}
-	cluster := p.Cluster
-	if gateway {
-		// Checked before any object is made: the issuer signs for the
-		// CSR's key, and the kubeconfig needs the gateway's CAs.
-		if req.CSR != "" {
-			if _, err := pki.ParseLeaseCSRPEM([]byte(req.CSR)); err != nil {
-				return nil, outcomeInvalid, problem.Wrap(problem.KindInvalid, "csr: "+err.Error(), err)
-			}
-		}
-		if cluster, err = b.cfg.Gateway.cluster(p.Cluster); err != nil {
-			return nil, outcomeUnavailable, err
-		}
+	if a.Event.User != "" {
+		log = log.With(zap.String("user", a.Event.User))
 	}
-	var cert *clientcert.CSR
-	if d.Credential == apiv1.CredentialClientCertificate {
-		if cert, err = b.certificateRequest(ctx, p, d, req); err != nil {
-			if problem.KindOf(err) == problem.KindInvalid {
-				return nil, outcomeInvalid, err
-			}
-			return nil, outcomeFor(err), err
-		}
-		log = log.With(zap.String("user", cert.User))
-		a.Event.User = cert.User
+	// Checked before any object is made: a gateway kubeconfig needs the
+	// gateway's CAs.
+	cluster, err := k.cluster(b, p)
+	if err != nil {
+		return nil, outcomeUnavailable, err
 	}
 
-	// A token is issued on a pooled Secret when the pool has one ready
-	// (pool.go): TokenRequest and claim at once. A gateway lease is signed
-	// for it and claimed after the answer (claimAfterAnswer).
+	// A pooled Secret serves the kind as pool.go says: a token's
+	// TokenRequest and claim at once, a gateway lease claimed after its
+	// answer.
 	var ready *lease.Pooled
-	if cert == nil {
-		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now(), gateway)
+	if k.pool() != poolNone {
+		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now(), k.pool() == poolAfterAnswer)
 	}
 	var id string
 	if ready != nil {
@@ -421,10 +403,6 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	ls := b.leaseSecret(id, c, d, req, expected)
 	grant := tenants.DecidedGrant(p, d)
 	tenants.MarkRevokeOnUnmatch(ls, grant)
-	if cert != nil {
-		ls.Annotations[objects.AnnotationUser] = cert.User
-		ls.Labels[objects.LabelKeyFingerprint] = cert.Fingerprint
-	}
 	ireq := issuers.Request{
 		Namespace:      req.Namespace,
 		ServiceAccount: req.ServiceAccount,
@@ -433,13 +411,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		LeaseID:        id,
 		Peer:           c.Identity,
 	}
-	if gateway {
-		ls.Annotations[objects.AnnotationAccess] = apiv1.AccessGateway
-		ireq.CSR = []byte(req.CSR)
-	}
-	if cert != nil {
-		ireq.CSR, ireq.User, ireq.Role = cert.PEM, cert.User, d.Role
-	}
+	k.shape(ls, &ireq)
 	// From the moment a lease Secret exists, every failure must delete
 	// it: no orphans.
 	fail := func(created *corev1.Secret, outcome string, err error) (*apiv1.KubeconfigResponse, string, error) {
@@ -447,94 +419,32 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "issuance failed"), zap.Error(err))
 		return nil, outcome, err
 	}
-	issueStart := b.cfg.Clock.Now()
-	var (
-		created *corev1.Secret
-		cred    issuers.Credential
-		// unclaimed: a gateway lease signed for a pooled Secret, claimed
-		// once answered.
-		unclaimed bool
-	)
-	if ready != nil && gateway {
-		created, cred, err = b.signPooled(ctx, ready, ls, issuer, ireq)
-		if err != nil {
-			err = classifyIssuer(err, req)
-			return fail(ready.Secret, outcomeFor(err), err)
+	iss, failed, outcome, err := b.issueOn(ctx, log, ready, ls, issuer, k, d.Credential, ireq, req)
+	if err != nil {
+		if failed == nil {
+			return nil, outcome, err
 		}
-		b.cfg.Metrics.ObservePoolPath(pathPool)
-		unclaimed = true
-	} else if ready != nil {
-		claimed, got, claimErr, issueErr := b.claim(ctx, ready, ls, issuer, d.Credential, ireq)
-		switch {
-		case problem.IsNotFound(claimErr):
-			// Another replica's GC, its clock ahead, took the pooled
-			// Secret: nothing is left to delete, and nothing stops the
-			// sequential path.
-			log.Info("lease pool: the claimed Secret was gone; issuing on the sequential path", zap.Error(claimErr))
-			ready = nil
-		case claimErr != nil:
-			// The pooled Secret goes, and a token bound to it with it.
-			err = problem.Classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
-			return fail(ready.Secret, outcomeFor(err), err)
-		case issueErr != nil:
-			err = classifyIssuer(issueErr, req)
-			return fail(claimed, outcomeFor(err), err)
-		default:
-			b.cfg.Metrics.ObservePoolPath(pathPool)
-			created, cred = claimed, got
-		}
+		return fail(failed, outcome, err)
 	}
-	if ready == nil {
-		if cert == nil {
-			b.cfg.Metrics.ObservePoolPath(pathSequential)
-		}
-		created, err = b.store().Create(ctx, ls, "create_lease")
-		if err != nil {
-			err = problem.Classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
-			log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
-			if problem.KindOf(err) == problem.KindUnavailable && !neverSent(err) {
-				// The API server may have stored the Secret and failed
-				// before it answered. Its name is unique, so delete it by
-				// name once the API server is back.
-				b.cleanUpLater(ls, log)
-			}
-			return nil, outcomeFor(err), err
-		}
-		issueStart = b.cfg.Clock.Now()
-		ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID}
-		cred, err = issuer.Issue(ctx, ireq)
-		b.cfg.Metrics.ObserveIssuer(d.Credential, b.timeAPI(ctx, "issue_"+d.Credential, issueStart, err), err)
-		if err != nil {
-			err = classifyIssuer(err, req)
-			return fail(created, outcomeFor(err), err)
-		}
-	}
-	if cert != nil {
-		cred.KeyPEM = cert.KeyPEM // nil when the caller holds the key
-	}
+	created, cred := iss.created, iss.cred
+	k.finish(&cred)
 
-	granted, clampedBy, expiresAt := policy.Granted(d, cred.ExpiresAt, expected, issueStart, cert != nil)
+	granted, clampedBy, expiresAt := policy.Granted(d, cred.ExpiresAt, expected, iss.start, k.signed())
 	if minTTL > 0 && granted < minTTL {
 		a.Denial = audit.DenyMinTTL
 		return fail(created, outcomeUnprocessable, problem.Errorf(problem.KindUnprocessable,
 			"minTTL %s cannot be granted: the API server granted only %s", minTTL, granted))
 	}
 	// The audit names the credential without holding it: a token's jti,
-	// a certificate's serial, and the id the API server logs for it. A
-	// lease certificate never reaches the API server: it has no such id
-	// (the gateway's requests are joined by their audit ids), and nothing
-	// is written after the answer.
+	// a certificate's serial, and the id the API server logs for it.
 	ref := cred.Ref()
-	if gateway {
-		ref.APIID = ""
-	}
+	ref.APIID = k.apiID(ref)
 	// If the API server or the signer shortened the credential, the
-	// lease's true expiry (for listings and the GC) is written before the
-	// answer, with the credential's id; otherwise the id follows the
-	// answer (credentialid.go).
+	// lease's true expiry (for listings and the GC) is recorded before the
+	// answer (by the claim after it, for a gateway lease), with the
+	// credential's id; otherwise the id follows the answer (afteranswer.go).
 	idRecorded := false
-	if clamped := clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner; clamped && unclaimed {
-		// The claim writes it.
+	if clamped := clampedBy == policy.ClampedByAPIServer || clampedBy == policy.ClampedBySigner; clamped && iss.unclaimed {
 		lease.SetExpiry(ls, cred.ExpiresAt)
 	} else if clamped {
 		if err := b.store().RecordCredential(ctx, created, ref.APIID, &cred.ExpiresAt); err != nil {
@@ -550,11 +460,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if err := b.recheckCoverage(ctx, grant, d, created, a, log); err != nil {
 		return nil, outcomeDenied, err
 	}
-	subject := req.ServiceAccount
-	if cert != nil {
-		subject = cert.User
-	}
-	kc, err := kubeconfig.Build(cluster, req.Namespace, subject, cred)
+	kc, err := kubeconfig.Build(cluster, req.Namespace, k.subject(req), cred)
 	if err != nil {
 		return fail(created, outcomeError, fmt.Errorf("build kubeconfig: %w", err))
 	}
@@ -584,10 +490,10 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		// expiry, not up to a GC interval later.
 		b.expireLeaseAt(created, cred.Kind(), expiresAt, log)
 	}
-	if !idRecorded && !gateway {
+	if !idRecorded {
 		b.after.RecordCredentialID(ctx, b.store(), created, ref.APIID, log)
 	}
-	if unclaimed {
+	if iss.unclaimed {
 		b.claimAfterAnswer(ctx, ready, ls, log)
 	}
 	return &apiv1.KubeconfigResponse{
@@ -595,13 +501,85 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		Kubeconfig:   string(kc),
 		Credential:   cred.Kind(),
 		Token:        cred.Token,
-		User:         cert.UserName(),
+		User:         a.Event.User,
 		ExpiresAt:    expiresAt.UTC(),
 		RequestedTTL: reqTTL,
 		GrantedTTL:   granted.String(),
 		ClampedBy:    clampedBy,
 		Access:       d.Access,
 	}, outcomeGranted, nil
+}
+
+// issued is a credential issued on its lease Secret: created (or, for a
+// gateway lease answered before its claim, what the Secret is to be:
+// unclaimed), and when the issuer was asked.
+type issued struct {
+	created   *corev1.Secret
+	cred      issuers.Credential
+	start     time.Time
+	unclaimed bool
+}
+
+// issueOn issues the credential of kind k on the pooled Secret ready, as
+// k.pool says, or on a Secret created first (the sequential path). On
+// failure it returns the Secret the caller must delete (nil if none was
+// made) and the outcome.
+func (b *Broker) issueOn(ctx context.Context, log *zap.Logger, ready *lease.Pooled, ls *corev1.Secret, issuer Issuer, k kind, credKind string, ireq issuers.Request, req apiv1.KubeconfigRequest) (issued, *corev1.Secret, string, error) {
+	if ready != nil && k.pool() == poolAfterAnswer {
+		start := b.cfg.Clock.Now()
+		created, cred, err := b.signPooled(ctx, ready, ls, issuer, ireq)
+		if err != nil {
+			err = classifyIssuer(err, req)
+			return issued{}, ready.Secret, outcomeFor(err), err
+		}
+		b.cfg.Metrics.ObservePoolPath(pathPool)
+		return issued{created: created, cred: cred, start: start, unclaimed: true}, nil, "", nil
+	}
+	if ready != nil {
+		start := b.cfg.Clock.Now()
+		claimed, cred, claimErr, issueErr := b.claim(ctx, ready, ls, issuer, credKind, ireq)
+		switch {
+		case problem.IsNotFound(claimErr):
+			// Another replica's GC, its clock ahead, took the pooled
+			// Secret: nothing is left to delete, and nothing stops the
+			// sequential path.
+			log.Info("lease pool: the claimed Secret was gone; issuing on the sequential path", zap.Error(claimErr))
+		case claimErr != nil:
+			// The pooled Secret goes, and a credential bound to it with it.
+			err := problem.Classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")
+			return issued{}, ready.Secret, outcomeFor(err), err
+		case issueErr != nil:
+			err := classifyIssuer(issueErr, req)
+			return issued{}, claimed, outcomeFor(err), err
+		default:
+			b.cfg.Metrics.ObservePoolPath(pathPool)
+			return issued{created: claimed, cred: cred, start: start}, nil, "", nil
+		}
+	}
+	if k.pool() != poolNone {
+		b.cfg.Metrics.ObservePoolPath(pathSequential)
+	}
+	created, err := b.store().Create(ctx, ls, "create_lease")
+	if err != nil {
+		err = problem.Classify(err, "create lease Secret", fmt.Sprintf("namespace %q not found", req.Namespace))
+		log.Warn("decision", zap.Bool("allowed", true), zap.String("reason", "lease creation failed"), zap.Error(err))
+		if problem.KindOf(err) == problem.KindUnavailable && !neverSent(err) {
+			// The API server may have stored the Secret and failed before
+			// it answered. Its name is unique, so delete it by name once
+			// the API server is back.
+			b.cleanUpLater(ls, log)
+		}
+		return issued{}, nil, outcomeFor(err), err
+	}
+	start := b.cfg.Clock.Now()
+	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: created.Name, UID: created.UID}
+	cred, err := issuer.Issue(ctx, ireq)
+	b.cfg.Metrics.ObserveIssuer(credKind, b.timeAPI(ctx, "issue_"+credKind, start, err), err)
+	if err != nil {
+		err = classifyIssuer(err, req)
+		return issued{}, created, outcomeFor(err), err
+	}
+	return issued{created: created, cred: cred, start: start}, nil, "", nil
 }
 
 // leaseSecret is the lease Secret of id that decision d makes for c.

@@ -8,6 +8,7 @@ package issuers
 
 import (
 	"crypto/sha256"
+	"crypto/x509"
 	"encoding/hex"
 	"time"
 
@@ -33,11 +34,14 @@ type Request struct {
 	// Audiences of the credential; empty means the API server's default.
 	// Only tokens have audiences.
 	Audiences []string
-	// For a client certificate: CSR is the PEM certificate signing request
-	// (the caller's, or one the broker made with a fresh key; the issuer
-	// never sees a private key), User the user name it asks for, and Role
-	// what that user may do in Namespace.
-	CSR  []byte
+	// CSR is the certificate signing request of a certificate, parsed
+	// and checked once by the broker: for a client certificate
+	// (pki.ParseUserCSRPEM) the caller's, or one the broker made with a
+	// fresh key (the issuer never sees a private key); for a lease
+	// certificate (pki.ParseLeaseCSRPEM) the caller's, or nil for a key
+	// the issuer makes. For a client certificate, User is the user name
+	// it asks for, and Role what that user may do in Namespace.
+	CSR  *x509.CertificateRequest
 	User string
 	Role RoleRef
 	// Lease is the broker's record of the credential. An issuer whose

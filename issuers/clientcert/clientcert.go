@@ -40,7 +40,6 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 
 	"github.com/tokenbroker/tokenbroker/issuers"
-	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // Signer is the signer the certificates are requested from.
@@ -121,13 +120,14 @@ func (i *Issuer) Issue(ctx context.Context, req issuers.Request) (issuers.Creden
 	if req.User == "" || req.Role.Name == "" || (req.Role.Kind != "Role" && req.Role.Kind != "ClusterRole") {
 		return issuers.Credential{}, errors.New("clientcert: a user and a Role or ClusterRole are required")
 	}
-	// The broker checked the CSR already; the issuer checks again what it
-	// is about to have signed, so that nothing else is ever approved.
-	csr, cn, err := pki.ParseUserCSRPEM(req.CSR)
-	if err != nil {
-		return issuers.Credential{}, fmt.Errorf("clientcert: %w", err)
+	// The broker parsed and checked the CSR (pki.ParseUserCSRPEM); the
+	// issuer checks that it asks for the user it binds, so that nothing
+	// else is ever approved.
+	csr := req.CSR
+	if csr == nil {
+		return issuers.Credential{}, errors.New("clientcert: a CSR is required")
 	}
-	if cn != req.User {
+	if cn := csr.Subject.CommonName; cn != req.User {
 		return issuers.Credential{}, fmt.Errorf("clientcert: the CSR asks for user %q, not %q", cn, req.User)
 	}
 	self, err := i.selfUser(ctx)
@@ -186,11 +186,12 @@ func (i *Issuer) sign(ctx context.Context, req issuers.Request, parsed *x509.Cer
 	if _, ok := parsed.PublicKey.(*rsa.PublicKey); ok {
 		usages = append(usages, certv1.UsageKeyEncipherment)
 	}
+	request := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: parsed.Raw})
 	csrs := i.client.CertificatesV1().CertificateSigningRequests()
 	created, err := csrs.Create(ctx, &certv1.CertificateSigningRequest{
 		ObjectMeta: metav1.ObjectMeta{Name: req.Lease.Name, Labels: labels(req, "lease-csr")},
 		Spec: certv1.CertificateSigningRequestSpec{
-			Request:           req.CSR,
+			Request:           request,
 			SignerName:        Signer,
 			ExpirationSeconds: &seconds,
 			Usages:            usages,
@@ -209,7 +210,7 @@ func (i *Issuer) sign(ctx context.Context, req issuers.Request, parsed *x509.Cer
 	if created.Spec.Username != self {
 		return issuers.Credential{}, fmt.Errorf("clientcert: CSR %s was created by %q, not by this broker (%q); not approving it", created.Name, created.Spec.Username, self)
 	}
-	if !bytes.Equal(created.Spec.Request, req.CSR) || created.Spec.SignerName != Signer {
+	if !bytes.Equal(created.Spec.Request, request) || created.Spec.SignerName != Signer {
 		return issuers.Credential{}, fmt.Errorf("clientcert: CSR %s is not the request this broker made; not approving it", created.Name)
 	}
 	created.Status.Conditions = append(created.Status.Conditions, certv1.CertificateSigningRequestCondition{

@@ -41,8 +41,10 @@ func request(t *testing.T) issuers.Request {
 		return "tokenbroker:west:00112233445566778899aabbccddeeff", nil
 	}, nil)
 	require.NoError(t, err)
+	csr, _, err := pki.ParseUserCSRPEM(csrPEM)
+	require.NoError(t, err)
 	return issuers.Request{
-		Namespace: "argo", TTL: time.Hour, CSR: csrPEM, User: user,
+		Namespace: "argo", TTL: time.Hour, CSR: csr, User: user,
 		Role:  issuers.RoleRef{Kind: "ClusterRole", Name: "view"},
 		Lease: issuers.ObjectRef{Kind: "Secret", Name: "tokenbroker-lease-abc", UID: "uid-1"},
 	}

@@ -14,7 +14,8 @@ import (
 // CSR, its per-lease user and key fingerprint, and the private key if the
 // broker made it (returned once, never logged or stored).
 type CSR struct {
-	PEM         []byte
+	// Parsed is the CSR, parsed and checked once (pki.ParseUserCSRPEM).
+	Parsed      *x509.CertificateRequest
 	KeyPEM      []byte
 	User        string
 	Fingerprint string
@@ -41,7 +42,7 @@ func NewPeerCSR(peer string, rand io.Reader) (*CSR, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &CSR{PEM: csrPEM, KeyPEM: keyPEM, User: user, Fingerprint: fingerprintOf(csr)}, nil
+	return &CSR{Parsed: csr, KeyPEM: keyPEM, User: user, Fingerprint: fingerprintOf(csr)}, nil
 }
 
 // ParsePeerCSR checks a CSR that peer sent: its subject must be exactly
@@ -59,7 +60,7 @@ func ParsePeerCSR(peer, csrPEM string) (*CSR, error) {
 	if cn != want {
 		return nil, fmt.Errorf("the subject must be the common name %q (CertificateUser of your peer name and this key), not %q", want, cn)
 	}
-	return &CSR{PEM: []byte(csrPEM), User: cn, Fingerprint: fingerprintOf(csr)}, nil
+	return &CSR{Parsed: csr, User: cn, Fingerprint: fingerprintOf(csr)}, nil
 }
 
 func fingerprintOf(csr *x509.CertificateRequest) string {

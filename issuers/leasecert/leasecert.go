@@ -41,9 +41,9 @@ func (*Issuer) Limits() issuers.Limits {
 }
 
 // Issue signs a lease certificate for req.Lease, valid for req.TTL. With
-// req.CSR (the caller's, already checked by the broker) the certificate
-// is for its key and no key is returned; without, a new key is made and
-// returned once in KeyPEM.
+// req.CSR (the caller's, parsed and checked by the broker with
+// pki.ParseLeaseCSRPEM) the certificate is for its key and no key is
+// returned; without, a new key is made and returned once in KeyPEM.
 func (i *Issuer) Issue(_ context.Context, req issuers.Request) (issuers.Credential, error) {
 	if req.Lease.Name == "" || req.Lease.UID == "" || req.LeaseID == "" {
 		return issuers.Credential{}, errors.New("leasecert: a lease object is required")
@@ -52,12 +52,8 @@ func (i *Issuer) Issue(_ context.Context, req issuers.Request) (issuers.Credenti
 		pub    crypto.PublicKey
 		keyPEM []byte
 	)
-	if len(req.CSR) > 0 {
-		csr, err := pki.ParseLeaseCSRPEM(req.CSR)
-		if err != nil {
-			return issuers.Credential{}, err
-		}
-		pub = csr.PublicKey
+	if req.CSR != nil {
+		pub = req.CSR.PublicKey
 	} else {
 		var err error
 		if pub, keyPEM, err = i.Signer.NewLeaseKey(); err != nil {
