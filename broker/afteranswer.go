@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"time"
 )
 
 // Some writes of an issuance follow its answer (lease.AfterAnswer): the
@@ -24,4 +25,11 @@ var inBackground = func(f func()) { go f() }
 // nor the claims of the last issuances.
 func (b *Broker) WaitWritesAfterAnswers(ctx context.Context) error {
 	return b.after.Wait(ctx)
+}
+
+// RunWritesAfterAnswers makes the credential-id writes that wait for the
+// replica's quiet moments (lease.AfterAnswer.RunDeferred) until ctx ends.
+// Without it each is made just after its answer.
+func (b *Broker) RunWritesAfterAnswers(ctx context.Context) {
+	b.after.RunDeferred(ctx, func() time.Duration { return b.activity.QuietFor(b.cfg.Clock.Now()) }, b.cfg.Clock)
 }

@@ -146,6 +146,9 @@ type Broker struct {
 	after *lease.AfterAnswer
 	// tenants is nil without Config.Namespaces.
 	tenants *tenants.Tracker
+	// activity is the issuances in flight, whose quiet moments the pool's
+	// refill and the deferred credential-id writes wait for.
+	activity *lease.Activity
 	// pool is nil when disabled.
 	pool *lease.Pool
 	// gcPasses counts GC passes, to make every gcFullEvery-th a full one.
@@ -180,7 +183,8 @@ func New(cfg Config) (*Broker, error) {
 	if cfg.MaxLiveLeases == 0 {
 		cfg.MaxLiveLeases = limits.DefaultMaxLiveLeasesTotal
 	}
-	b := &Broker{cfg: cfg, joinTokens: cfg.Enrollment.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), after: lease.NewAfterAnswer(maxWritesAfterAnswers, inBackground), pool: lease.NewPool(cfg.Pool)}
+	b := &Broker{cfg: cfg, joinTokens: cfg.Enrollment.JoinTokens, limits: limits.NewLimiter(cfg.Clock), enrollLim: limits.NewEnrollLimiter(cfg.Clock), reads: limits.NewInFlight(), retries: lease.NewRetries(cfg.Clock, cfg.Logger, cfg.Metrics.SetPendingDeletions), expiries: lease.NewTimers(cfg.Clock, maxTimedExpiries), after: lease.NewAfterAnswer(maxWritesAfterAnswers, inBackground), activity: new(lease.Activity)}
+	b.pool = lease.NewPool(cfg.Pool, b.activity)
 	if b.joinTokens == nil && cfg.Enrollment.CA != nil {
 		b.joinTokens = enrollment.NewCAJoinTokens(cfg.Enrollment.CA, cfg.Enrollment.PreviousCA, b.joinTokenAudiences, cfg.Clock.Now)
 	}
@@ -219,10 +223,13 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	if w := c.Workload; w != nil {
 		a.Event.Workload, a.Event.WorkloadUID, a.Event.WorkloadPod, a.Event.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
 	}
-	if b.pool != nil {
-		b.pool.Start()
-		defer func() { b.pool.Done(b.cfg.Clock.Now()) }()
-	}
+	b.activity.Start()
+	defer func() {
+		b.activity.Done(b.cfg.Clock.Now())
+		if b.pool != nil {
+			b.pool.Wake()
+		}
+	}()
 	resp, outcome, err := b.issue(context.WithValue(ctx, apiWaitKey{}, wait), c, req, a)
 	total := b.cfg.Clock.Since(start)
 	b.cfg.Metrics.ObserveIssue(outcome, total, total-time.Duration(wait.d.Load()))

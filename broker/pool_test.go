@@ -170,10 +170,10 @@ func TestThePoolGrowsOnlyWhileIdleAndWithinItsBounds(t *testing.T) {
 	p.Take("argo", e.clock.Now(), false)
 	p.Take("flux", e.clock.Now(), false)
 
-	p.Start()
+	e.b.activity.Start()
 	require.Equal(t, lease.PoolQuiet, e.b.poolKeeper().Tend(ctx), "look again once quiet")
 	require.Empty(t, e.secrets(t, objects.PoolKind), "busy: issuances take the sequential path, no extra writes")
-	p.Done(e.clock.Now())
+	e.b.activity.Done(e.clock.Now())
 	require.Equal(t, lease.PoolQuiet, e.b.poolKeeper().Tend(ctx))
 	e.clock.Step(lease.PoolQuiet / 2)
 	require.Equal(t, lease.PoolQuiet/2, e.b.poolKeeper().Tend(ctx))
@@ -359,7 +359,7 @@ func TestAGatewayLeaseOnAPooledSecretIsClaimedAfterItsAnswer(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, *held, 0, "the first gateway lease is sequential: nothing follows its answer")
 
-	e.b.pool.Start() // another issuance in flight: a token's refill would wait
+	e.b.activity.Start() // another issuance in flight: a token's refill would wait
 	require.Zero(t, e.b.poolKeeper().Tend(ctx), "gateway demand is refilled without waiting for quiet")
 	pooled := e.secrets(t, objects.PoolKind)
 	require.Len(t, pooled, 2)

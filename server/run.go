@@ -493,6 +493,7 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	poolDone := make(chan struct{})
 	go func() { defer close(poolDone); b.RunPool(ctx) }()
+	go b.RunWritesAfterAnswers(ctx)
 	defer func() { cancel(); <-poolDone }() // its unclaimed Secrets are deleted before serve returns
 	go leases.Run(ctx, b.LeaseNamespaces, leaseWatchInterval(opts.ReloadInterval))
 	// Until the deny list is read every caller is refused (fail closed);

@@ -54,10 +54,9 @@ type Pool struct {
 	perNS, max int
 	// running is set while RunPool runs: only then does take hand out.
 	running atomic.Bool
-	// inflight counts the issuances in progress; lastDone is when the last
-	// one ended (Unix nanoseconds on the broker's clock).
-	inflight atomic.Int32
-	lastDone atomic.Int64
+	// activity is the replica's issuances, whose quiet moments the pool
+	// is refilled in.
+	activity *Activity
 	kick     chan struct{}
 
 	mu     sync.Mutex
@@ -72,7 +71,9 @@ type Pool struct {
 	stale []*Pooled // taken out of ready, to delete
 }
 
-func NewPool(cfg PoolConfig) *Pool {
+// NewPool returns a pool sized by cfg that refills in activity's quiet
+// moments, or nil if cfg disables it.
+func NewPool(cfg PoolConfig, activity *Activity) *Pool {
 	if cfg.PerNamespace < 0 {
 		return nil
 	}
@@ -83,7 +84,7 @@ func NewPool(cfg PoolConfig) *Pool {
 		cfg.Max = DefaultPoolMax
 	}
 	return &Pool{
-		perNS: cfg.PerNamespace, max: cfg.Max, kick: make(chan struct{}, 1),
+		perNS: cfg.PerNamespace, max: cfg.Max, activity: activity, kick: make(chan struct{}, 1),
 		ready: map[string][]*Pooled{}, wanted: map[string]time.Time{}, eager: map[string]time.Time{},
 	}
 }
@@ -127,25 +128,12 @@ func (p *Pool) setReady(namespace string, q []*Pooled) {
 	p.ready[namespace] = q
 }
 
-// start and done bracket an issuance.
-func (p *Pool) Start() { p.inflight.Add(1) }
+// QuietFor is how much longer the replica must stay without an issuance
+// in flight before the pool may grow (Activity.QuietFor).
+func (p *Pool) QuietFor(now time.Time) time.Duration { return p.activity.QuietFor(now) }
 
-func (p *Pool) Done(now time.Time) {
-	p.lastDone.Store(now.UnixNano())
-	p.inflight.Add(-1)
-	p.Wake()
-}
-
-// quietFor is how much longer the replica must stay without an issuance
-// in flight before the pool may grow: 0 when it may now, poolQuiet while
-// one is in flight.
-func (p *Pool) QuietFor(now time.Time) time.Duration {
-	if p.inflight.Load() > 0 {
-		return PoolQuiet
-	}
-	return max(0, PoolQuiet-now.Sub(time.Unix(0, p.lastDone.Load())))
-}
-
+// Wake asks the keeper to tend the pool now (an issuance just ended, or
+// took a Secret for a gateway lease).
 func (p *Pool) Wake() {
 	select {
 	case p.kick <- struct{}{}:
