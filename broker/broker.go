@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	rbacv1client "k8s.io/client-go/kubernetes/typed/rbac/v1"
 	"k8s.io/utils/clock"
@@ -395,6 +396,15 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 	if k.pool() != poolNone {
 		ready = b.pool.Take(req.Namespace, b.cfg.Clock.Now(), k.pool() == poolAfterAnswer)
 	}
+	if ready != nil && k.pool() == poolAfterAnswer && !b.stillPooled(ready) {
+		// Deleted or edited since the pool made it: no certificate is
+		// signed for it, and what is left of it goes.
+		log.Info("lease pool: the pooled Secret is gone or was edited; issuing on the sequential path",
+			zap.String("secret", ready.Secret.Namespace+"/"+ready.Secret.Name))
+		gone := ready.Secret
+		b.after.Go(ctx, b.cfg.CleanupTimeout, func(ctx context.Context) { b.deleteLease(ctx, gone, log) })
+		ready = nil
+	}
 	var id string
 	if ready != nil {
 		id = ready.ID
@@ -551,6 +561,11 @@ func (b *Broker) issueOn(ctx context.Context, log *zap.Logger, ready *lease.Pool
 			// Secret: nothing is left to delete, and nothing stops the
 			// sequential path.
 			log.Info("lease pool: the claimed Secret was gone; issuing on the sequential path", zap.Error(claimErr))
+		case apierrors.IsConflict(claimErr):
+			// Edited since the pool made it: it goes, with the token
+			// bound to it, and the sequential path issues another.
+			log.Warn("lease pool: the claimed Secret was edited by someone else; deleting it and issuing on the sequential path", zap.Error(claimErr))
+			b.deleteLease(ctx, ready.Secret, log)
 		case claimErr != nil:
 			// The pooled Secret goes, and a credential bound to it with it.
 			err := problem.Classify(claimErr, "claim lease Secret", "pooled lease Secret vanished")

@@ -2,6 +2,7 @@ package broker
 
 import (
 	"context"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -92,3 +93,25 @@ func (b *Broker) claimAfterAnswer(ctx context.Context, s *lease.Pooled, ls *core
 // deletedUnclaimed is the reason of tokenbroker_leases_deleted_total for a
 // gateway lease whose claim failed after its answer.
 const deletedUnclaimed = "unclaimed"
+
+// poolSightLag is how long after its creation a pooled Secret the lease
+// counter has not seen is taken for gone: its watch sees one within
+// milliseconds, unless it is blind, and a blind replica signs nothing
+// for a Secret it cannot vouch for.
+const poolSightLag = time.Second
+
+// stillPooled reports whether the pooled Secret s is, as far as the lease
+// counter knows, as the pool made it. A gateway lease is answered before
+// its claim, so a Secret deleted or edited since (by a tenant, or another
+// replica's GC) would give its holder a certificate that can never be
+// good; a token's claim finds that out before its answer.
+func (b *Broker) stillPooled(s *lease.Pooled) bool {
+	if b.cfg.Leases == nil {
+		return true
+	}
+	seen, intact := b.cfg.Leases.Pooled(s.Secret.Namespace, s.Secret.Name, s.Secret.UID)
+	if seen {
+		return intact
+	}
+	return b.cfg.Clock.Since(s.Created) < poolSightLag
+}

@@ -710,6 +710,19 @@ func (lc *Counter) Claiming(namespace, name string) bool {
 	return ok && (c.pool || c.committed)
 }
 
+// Pooled reports whether the counter has seen the Secret namespace/name
+// (seen), and whether it saw it as the unclaimed pooled Secret of uid
+// (intact): not deleted, relabelled or replaced since the pool made it.
+func (lc *Counter) Pooled(namespace, name string, uid types.UID) (seen, intact bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, ok := lc.byKey[namespace+"/"+name]
+	if !ok {
+		return false, false
+	}
+	return true, c.pool && c.uid == uid
+}
+
 // Counted is how many unexpired leases the informers see, reserved places
 // left out.
 func (lc *Counter) Counted() int {

@@ -172,19 +172,23 @@ func (k *PoolKeeper) deletePooled(ctx context.Context, ss []*Pooled) {
 	}
 }
 
-// claimPatch makes a pooled Secret the lease: lease's labels and
-// annotations, its expiry replacing the claim deadline. The UID makes it
-// a precondition: the patch fails rather than claim another Secret of the
-// same name.
-func claimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
+// claimPatch makes the pooled Secret the lease: lease's labels and
+// annotations, its expiry replacing the claim deadline. Its UID and
+// resource version as the pool created it are preconditions: the patch
+// fails rather than claim another Secret of the same name, or one anybody
+// edited since (a tenant who relabels pooled Secrets as leases must not
+// make a lease's claim land unseen: Find's wait for a claim knows pooled
+// Secrets only by their kind).
+func claimPatch(lease *corev1.Secret, pooled *corev1.Secret) ([]byte, error) {
 	type meta struct {
-		UID         types.UID         `json:"uid"`
-		Labels      map[string]string `json:"labels"`
-		Annotations map[string]string `json:"annotations"`
+		UID             types.UID         `json:"uid"`
+		ResourceVersion string            `json:"resourceVersion,omitempty"`
+		Labels          map[string]string `json:"labels"`
+		Annotations     map[string]string `json:"annotations"`
 	}
 	return json.Marshal(struct {
 		Metadata meta `json:"metadata"`
-	}{meta{UID: uid, Labels: lease.Labels, Annotations: lease.Annotations}})
+	}{meta{UID: pooled.UID, ResourceVersion: pooled.ResourceVersion, Labels: lease.Labels, Annotations: lease.Annotations}})
 }
 
 // Claim makes the pooled Secret s the lease ls, with a patch under s's
@@ -193,7 +197,7 @@ func claimPatch(lease *corev1.Secret, uid types.UID) ([]byte, error) {
 // Secret (nil if the claim failed) and the claim's error. If the patch
 // cannot even be made, alongside does not run.
 func (st *Store) Claim(ctx context.Context, s *Pooled, ls *corev1.Secret, alongside func()) (*corev1.Secret, error) {
-	patch, err := claimPatch(ls, s.Secret.UID)
+	patch, err := claimPatch(ls, s.Secret)
 	if err != nil {
 		return nil, err
 	}

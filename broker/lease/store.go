@@ -165,6 +165,7 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 	if !apiv1.ValidLeaseID(id) {
 		return nil, notFound
 	}
+	all := namespaces
 	namespaces, err := st.lookupNamespaces(ctx, namespaces, id, wait)
 	if err != nil {
 		return nil, err
@@ -184,12 +185,49 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 		}
 	}
 	if found == nil && wait {
-		return st.awaitClaim(ctx, namespaces, h, id, notFound)
+		return st.awaitClaim(ctx, namespaces, all, h, id, notFound)
 	}
 	if found == nil {
 		return nil, notFound
 	}
 	return found, nil
+}
+
+// maxBlindLookups bounds the namespaces a revocation asks the API server
+// about while the counter is blind to them (unclaimedWhileBlind).
+const maxBlindLookups = 16
+
+// unclaimedWhileBlind asks the API server, in the namespaces (at most
+// maxBlindLookups) the counter is blind to, for the pooled Secret of a
+// lease answered before its claim, which the counter cannot have seen: a
+// revocation there deletes it (with its UID as precondition, which a claim
+// keeps, so the lease goes whether or not its claim lands first), as after
+// ClaimWait.
+func (st *Store) unclaimedWhileBlind(ctx context.Context, namespaces []string, name string, notFound error) (*corev1.Secret, error) {
+	if st.Counter == nil {
+		return nil, notFound
+	}
+	asked := 0
+	for _, n := range namespaces {
+		if asked == maxBlindLookups {
+			break
+		}
+		if !st.Counter.Blind(n, st.Clock.Now()) {
+			continue
+		}
+		asked++
+		t0 := st.Clock.Now()
+		s, err := st.Secrets.Secrets(n).Get(ctx, name, metav1.GetOptions{})
+		st.timed(ctx, "get_lease", t0, err)
+		switch {
+		case apierrors.IsNotFound(err):
+		case err != nil:
+			return nil, err
+		case s.Labels[objects.LabelKind] == objects.PoolKind:
+			return s, ErrUnclaimed
+		}
+	}
+	return nil, notFound
 }
 
 // ErrUnclaimed is Find's answer, with the Secret, for a lease id whose
@@ -199,11 +237,14 @@ var ErrUnclaimed = errors.New("the lease's pooled Secret is not claimed")
 // awaitClaim finds h's lease id once its claim lands. A gateway lease is
 // answered before its pooled Secret is claimed (the broker's pool.go), so
 // its revocation may come first: while the counter sees the Secret
-// unclaimed in one of namespaces, it waits up to ClaimWait, by when the
-// claimer has given up. A Secret still unclaimed then is returned with
-// ErrUnclaimed, for the revocation to delete it, so that no claim can
-// land after it.
-func (st *Store) awaitClaim(ctx context.Context, namespaces []string, h Holder, id string, notFound error) (*corev1.Secret, error) {
+// unclaimed in one of namespaces (where it saw the name), it waits up to
+// ClaimWait, by when the claimer has given up. A Secret still unclaimed
+// then is returned with ErrUnclaimed, for the revocation to delete it, so
+// that no claim can land after it. A claim cannot land unseen on a Secret
+// edited since the pool made it (claimPatch's resource version). In the
+// holder's namespaces (all) the counter is blind to, the API server is
+// asked (unclaimedWhileBlind).
+func (st *Store) awaitClaim(ctx context.Context, namespaces, all []string, h Holder, id string, notFound error) (*corev1.Secret, error) {
 	lc, name, ns := st.Counter, objects.LeaseSecretPrefix+id, ""
 	for _, n := range namespaces {
 		if lc != nil && lc.Claiming(n, name) {
@@ -212,7 +253,7 @@ func (st *Store) awaitClaim(ctx context.Context, namespaces []string, h Holder, 
 		}
 	}
 	if ns == "" {
-		return nil, notFound
+		return st.unclaimedWhileBlind(ctx, all, name, notFound)
 	}
 	deadline := st.Clock.Now().Add(ClaimWait)
 	for lc.Claiming(ns, name) && st.Clock.Now().Before(deadline) {
@@ -223,7 +264,7 @@ func (st *Store) awaitClaim(ctx context.Context, namespaces []string, h Holder, 
 		}
 	}
 	if !lc.Claiming(ns, name) {
-		return st.Find(ctx, namespaces, h, id, false)
+		return st.Find(ctx, all, h, id, false)
 	}
 	t0 := st.Clock.Now()
 	s, err := st.Secrets.Secrets(ns).Get(ctx, name, metav1.GetOptions{})
@@ -234,7 +275,7 @@ func (st *Store) awaitClaim(ctx context.Context, namespaces []string, h Holder, 
 	case err != nil:
 		return nil, err
 	case s.Labels[objects.LabelKind] != objects.PoolKind:
-		return st.Find(ctx, namespaces, h, id, false)
+		return st.Find(ctx, all, h, id, false)
 	}
 	return s, ErrUnclaimed
 }

@@ -167,4 +167,26 @@ func TestAGatewayLeaseAnsweredBeforeItsClaimIsNeverGoodUnlessClaimed(t *testing.
 	fr.unfreeze()
 	code, kept := gatewayGet(t, firstClient, aHost)
 	require.Equal(t, http.StatusOK, code, "the claimed lease is kept: %s", kept)
+
+	// A tenant who may edit Secrets relabels the pooled Secrets of a third
+	// replica as leases: no certificate is signed for one (the sequential
+	// path serves), it is deleted, and a claim on it would fail on its
+	// resource version.
+	third := startStack(t, c, gatewayGrants, withGateway(), withCA(s.ca))
+	_ = issue(t, third, west, req)
+	require.Eventually(t, func() bool { return len(pooled()) >= lease.DefaultPoolPerNamespace }, 20*time.Second, 20*time.Millisecond)
+	for victim := range pooled() {
+		sec, err := c.Client.CoreV1().Secrets("argo").Get(ctx, victim, metav1.GetOptions{})
+		require.NoError(t, err)
+		sec.Labels[objects.LabelKind] = objects.LeaseKind
+		_, err = c.Client.CoreV1().Secrets("argo").Update(ctx, sec, metav1.UpdateOptions{})
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return len(pooled()) == 0 }, 20*time.Second, 20*time.Millisecond)
+	after := issue(t, third, west, req)
+	sec, err := c.Client.CoreV1().Secrets("argo").Get(ctx, objects.LeaseSecretPrefix+after.LeaseID, metav1.GetOptions{})
+	require.NoError(t, err, "a lease of its own")
+	require.Equal(t, after.LeaseID, sec.Labels[objects.LabelLeaseID])
+	afterClient, _ := rawGatewayClient(t, after.Kubeconfig)
+	require.Eventually(t, func() bool { code, _ := gatewayGet(t, afterClient, third.gatewayURL); return code == http.StatusOK }, 20*time.Second, 50*time.Millisecond)
 }
