@@ -11,6 +11,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // A lease's credential id (AnnotationCredentialID) is written on its
@@ -68,6 +69,8 @@ func (w *AfterAnswer) RecordCredentialID(ctx context.Context, st *Store, s *core
 	if apiID == "" {
 		return
 	}
+	// Only what the patch names: a write may wait in memory a while.
+	s = &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: s.Namespace, Name: s.Name, UID: s.UID}}
 	write := func(ctx context.Context) {
 		if err := st.RecordCredential(ctx, s, apiID, nil); err != nil && !problem.IsNotFound(err) {
 			log.Warn("could not record the credential id on the lease Secret; the issuance's audit event has it",
