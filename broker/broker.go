@@ -544,7 +544,7 @@ type issued struct {
 func (b *Broker) issueOn(ctx context.Context, log *zap.Logger, ready *lease.Pooled, ls *corev1.Secret, issuer Issuer, k kind, credKind string, ireq issuers.Request, req apiv1.KubeconfigRequest) (issued, *corev1.Secret, string, error) {
 	if ready != nil && k.pool() == poolAfterAnswer {
 		start := b.cfg.Clock.Now()
-		created, cred, err := b.signPooled(ctx, ready, ls, issuer, ireq)
+		created, cred, err := b.signPooled(ctx, ready, ls, issuer, credKind, ireq)
 		if err != nil {
 			err = classifyIssuer(err, req)
 			return issued{}, ready.Secret, outcomeFor(err), err

@@ -98,18 +98,11 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 
 func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit.Event) error {
 	s, err := b.findLease(ctx, c, id, true)
-	if errors.Is(err, lease.ErrUnclaimed) {
-		// A gateway lease answered before its claim, which has not landed
-		// since: deleting the pooled Secret makes sure it never does.
-		ev.Namespace = s.Namespace
-		if err := b.deleter().DeleteSecret(ctx, s); err != nil {
-			return problem.Classify(err, "revoke lease", "lease not found")
-		}
-		b.cfg.Metrics.LeaseDeleted("revoked", 1)
-		b.cfg.Logger.Info("lease revoked before its claim landed", zap.String("identity", c.Identity), zap.String("lease_id", id), zap.String("namespace", s.Namespace))
-		return nil
-	}
-	if err != nil {
+	// A gateway lease answered before its claim, which has not landed
+	// since, is revoked as any: deleting its pooled Secret under its UID
+	// makes sure the claim never lands.
+	unclaimed := errors.Is(err, lease.ErrUnclaimed)
+	if err != nil && !unclaimed {
 		return err
 	}
 	ev.Peer, ev.Namespace = s.Labels[objects.LabelPeer], s.Namespace
@@ -124,7 +117,8 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 		zap.String("identity", c.Identity),
 		zap.String("lease_id", id),
 		zap.String("namespace", s.Namespace),
-		zap.String("service_account", s.Annotations[objects.AnnotationSA]))
+		zap.String("service_account", s.Annotations[objects.AnnotationSA]),
+		zap.Bool("unclaimed", unclaimed))
 	return nil
 }
 

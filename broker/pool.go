@@ -63,11 +63,11 @@ func (b *Broker) claim(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, 
 // the lease ls once claimAfterAnswer's claim lands. It returns what the
 // lease Secret is to be (ls under s's name and UID) and the credential.
 // The signature is local: nothing waits on the API server.
-func (b *Broker) signPooled(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, issuer Issuer, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error) {
+func (b *Broker) signPooled(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, issuer Issuer, kind string, ireq issuers.Request) (*corev1.Secret, issuers.Credential, error) {
 	ireq.Lease = issuers.ObjectRef{Kind: "Secret", Name: s.Secret.Name, UID: s.Secret.UID}
 	start := b.cfg.Clock.Now()
 	cred, err := issuer.Issue(ctx, ireq)
-	b.cfg.Metrics.ObserveIssuer(issuer.Kind(), b.cfg.Clock.Since(start), err)
+	b.cfg.Metrics.ObserveIssuer(kind, b.cfg.Clock.Since(start), err)
 	pending := ls.DeepCopy()
 	pending.UID = s.Secret.UID
 	return pending, cred, err
@@ -82,7 +82,7 @@ func (b *Broker) signPooled(ctx context.Context, s *lease.Pooled, ls *corev1.Sec
 // certificate was never good anywhere.
 func (b *Broker) claimAfterAnswer(ctx context.Context, s *lease.Pooled, ls *corev1.Secret, log *zap.Logger) {
 	b.after.Go(ctx, lease.ClaimWait, func(ctx context.Context) {
-		if _, err := b.store().Claim(ctx, s, ls, func() {}); err != nil {
+		if _, err := b.store().ClaimNow(ctx, s, ls); err != nil {
 			b.cfg.Metrics.LeaseDeleted(deletedUnclaimed, 1)
 			log.Error("a gateway lease's claim failed after its answer: its pooled Secret is deleted and its certificate is good for nothing", zap.Error(err))
 			b.deleteLease(ctx, s.Secret, log)

@@ -191,11 +191,11 @@ func claimPatch(lease *corev1.Secret, pooled *corev1.Secret) ([]byte, error) {
 	}{meta{UID: pooled.UID, ResourceVersion: pooled.ResourceVersion, Labels: lease.Labels, Annotations: lease.Annotations}})
 }
 
-// Claim makes the pooled Secret s the lease ls, with a patch under s's
-// UID, and runs alongside (the issuer's call for the credential bound to
-// s) at the same time; it returns once both are done, with the claimed
-// Secret (nil if the claim failed) and the claim's error. If the patch
-// cannot even be made, alongside does not run.
+// Claim makes the pooled Secret s the lease ls (ClaimNow) and runs
+// alongside (the issuer's call for the credential bound to s) at the same
+// time; it returns once both are done, with the claimed Secret (nil if
+// the claim failed) and the claim's error. If the patch cannot even be
+// made, alongside does not run.
 func (st *Store) Claim(ctx context.Context, s *Pooled, ls *corev1.Secret, alongside func()) (*corev1.Secret, error) {
 	patch, err := claimPatch(ls, s.Secret)
 	if err != nil {
@@ -208,11 +208,26 @@ func (st *Store) Claim(ctx context.Context, s *Pooled, ls *corev1.Secret, alongs
 	)
 	go func() {
 		defer close(done)
-		t0 := st.Clock.Now()
-		claimed, claimErr = st.Secrets.Secrets(s.Secret.Namespace).Patch(ctx, s.Secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-		st.timed(ctx, "claim_lease", t0, claimErr)
+		claimed, claimErr = st.patchClaim(ctx, s, patch)
 	}()
 	alongside()
 	<-done
 	return claimed, claimErr
+}
+
+// ClaimNow makes the pooled Secret s the lease ls, with a patch under s's
+// UID and resource version (claimPatch).
+func (st *Store) ClaimNow(ctx context.Context, s *Pooled, ls *corev1.Secret) (*corev1.Secret, error) {
+	patch, err := claimPatch(ls, s.Secret)
+	if err != nil {
+		return nil, err
+	}
+	return st.patchClaim(ctx, s, patch)
+}
+
+func (st *Store) patchClaim(ctx context.Context, s *Pooled, patch []byte) (*corev1.Secret, error) {
+	t0 := st.Clock.Now()
+	claimed, err := st.Secrets.Secrets(s.Secret.Namespace).Patch(ctx, s.Secret.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	st.timed(ctx, "claim_lease", t0, err)
+	return claimed, err
 }

@@ -216,18 +216,30 @@ func (st *Store) unclaimedWhileBlind(ctx context.Context, namespaces []string, n
 			continue
 		}
 		asked++
-		t0 := st.Clock.Now()
-		s, err := st.Secrets.Secrets(n).Get(ctx, name, metav1.GetOptions{})
-		st.timed(ctx, "get_lease", t0, err)
+		s, pooled, err := st.getPooled(ctx, n, name)
 		switch {
-		case apierrors.IsNotFound(err):
 		case err != nil:
 			return nil, err
-		case s.Labels[objects.LabelKind] == objects.PoolKind:
+		case pooled:
 			return s, ErrUnclaimed
 		}
 	}
 	return nil, notFound
+}
+
+// getPooled reads the Secret namespace/name from the API server (nil if
+// there is none) and reports whether it is an unclaimed pooled Secret.
+func (st *Store) getPooled(ctx context.Context, namespace, name string) (*corev1.Secret, bool, error) {
+	t0 := st.Clock.Now()
+	s, err := st.Secrets.Secrets(namespace).Get(ctx, name, metav1.GetOptions{})
+	st.timed(ctx, "get_lease", t0, err)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, false, nil
+	case err != nil:
+		return nil, false, err
+	}
+	return s, s.Labels[objects.LabelKind] == objects.PoolKind, nil
 }
 
 // ErrUnclaimed is Find's answer, with the Secret, for a lease id whose
@@ -266,15 +278,13 @@ func (st *Store) awaitClaim(ctx context.Context, namespaces, all []string, h Hol
 	if !lc.Claiming(ns, name) {
 		return st.Find(ctx, all, h, id, false)
 	}
-	t0 := st.Clock.Now()
-	s, err := st.Secrets.Secrets(ns).Get(ctx, name, metav1.GetOptions{})
-	st.timed(ctx, "get_lease", t0, err)
+	s, pooled, err := st.getPooled(ctx, ns, name)
 	switch {
-	case apierrors.IsNotFound(err):
-		return nil, notFound
 	case err != nil:
 		return nil, err
-	case s.Labels[objects.LabelKind] != objects.PoolKind:
+	case s == nil:
+		return nil, notFound
+	case !pooled:
 		return st.Find(ctx, all, h, id, false)
 	}
 	return s, ErrUnclaimed
