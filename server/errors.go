@@ -78,8 +78,25 @@ var (
 		"An internal error occurred; the request id identifies it in the server log."}
 )
 
-// classOf chooses the class of err. An unknown Kind is internal, so that a
-// kind added to the broker later is never shown as the caller's fault.
+// kindClasses is the class of each Kind of the broker. A Kind not here
+// (KindInternal, or one added to the broker later) is internal, so that
+// it is never shown as the caller's fault.
+var kindClasses = map[problem.Kind]problemClass{
+	problem.KindInvalid:              classInvalid,
+	problem.KindUnauthenticated:      classUnauthenticated,
+	problem.KindForbidden:            classForbidden,
+	problem.KindNotFound:             classNotFound,
+	problem.KindTooLarge:             classTooLarge,
+	problem.KindUnsupportedMediaType: classUnsupportedMediaType,
+	problem.KindUnprocessable:        classUnprocessable,
+	problem.KindUnavailable:          classUnavailable,
+	problem.KindTimeout:              classTimeout,
+	problem.KindTooManyRequests:      classTooManyRequests,
+	problem.KindBadWorkloadToken:     classBadWorkloadToken,
+}
+
+// classOf chooses the class of err: a transport failure's, or its
+// broker Kind's (kindClasses).
 func classOf(err error) (problemClass, *problem.Error) {
 	switch {
 	case errors.Is(err, errNotAcceptable):
@@ -93,32 +110,10 @@ func classOf(err error) (problemClass, *problem.Error) {
 	if !errors.As(err, &be) {
 		return classInternal, nil
 	}
-	switch be.Kind {
-	case problem.KindInvalid:
-		return classInvalid, be
-	case problem.KindUnauthenticated:
-		return classUnauthenticated, be
-	case problem.KindForbidden:
-		return classForbidden, be
-	case problem.KindNotFound:
-		return classNotFound, be
-	case problem.KindTooLarge:
-		return classTooLarge, be
-	case problem.KindUnsupportedMediaType:
-		return classUnsupportedMediaType, be
-	case problem.KindUnprocessable:
-		return classUnprocessable, be
-	case problem.KindUnavailable:
-		return classUnavailable, be
-	case problem.KindTimeout:
-		return classTimeout, be
-	case problem.KindTooManyRequests:
-		return classTooManyRequests, be
-	case problem.KindBadWorkloadToken:
-		return classBadWorkloadToken, be
-	default:
-		return classInternal, be
+	if class, ok := kindClasses[be.Kind]; ok {
+		return class, be
 	}
+	return classInternal, be
 }
 
 // writeError is the one place where an error becomes an HTTP answer: an
