@@ -48,13 +48,17 @@ type Server struct {
 	// (InstanceHeader).
 	instance string
 
-	mu          sync.Mutex
-	started     bool
-	apiAddr     net.Addr
-	enrollAddr  net.Addr
-	gatewayAddr net.Addr
-	opsAddr     net.Addr
-	listening   chan struct{}
+	mu      sync.Mutex
+	started bool
+	// bound are the listeners' addresses, set once Run has bound them.
+	bound     boundAddrs
+	listening chan struct{}
+}
+
+// boundAddrs are the bound addresses of the listeners; nil for one not
+// bound (yet, or ever: enrollment and the gateway are optional).
+type boundAddrs struct {
+	api, enroll, gateway, ops net.Addr
 }
 
 // New checks cfg, fills in defaults, registers the HTTP metrics on
@@ -107,34 +111,24 @@ func (s *Server) OpsHandler() http.Handler { return s.ops }
 
 // Addr returns the bound address of the API listener, or nil before Run has
 // bound it (see Listening).
-func (s *Server) Addr() net.Addr {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.apiAddr
-}
+func (s *Server) Addr() net.Addr { return s.boundAddrs().api }
 
 // EnrollAddr returns the bound address of the enrollment listener, or nil
 // before Run has bound it or when enrollment is not configured.
-func (s *Server) EnrollAddr() net.Addr {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.enrollAddr
-}
+func (s *Server) EnrollAddr() net.Addr { return s.boundAddrs().enroll }
 
 // GatewayAddr returns the bound address of the lease gateway's listener,
 // or nil before Run has bound it or without a gateway.
-func (s *Server) GatewayAddr() net.Addr {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.gatewayAddr
-}
+func (s *Server) GatewayAddr() net.Addr { return s.boundAddrs().gateway }
 
 // OpsAddr returns the bound address of the operations listener, or nil
 // before Run has bound it.
-func (s *Server) OpsAddr() net.Addr {
+func (s *Server) OpsAddr() net.Addr { return s.boundAddrs().ops }
+
+func (s *Server) boundAddrs() boundAddrs {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.opsAddr
+	return s.bound
 }
 
 // Listening returns a channel that is closed once Run has bound all
@@ -183,12 +177,12 @@ func (s *Server) Run(ctx context.Context) error {
 	// failed before taking them over.
 	defer lns.close()
 	s.mu.Lock()
-	s.apiAddr, s.opsAddr = lns.api.Addr(), lns.ops.Addr()
+	s.bound.api, s.bound.ops = lns.api.Addr(), lns.ops.Addr()
 	if lns.enroll != nil {
-		s.enrollAddr = lns.enroll.Addr()
+		s.bound.enroll = lns.enroll.Addr()
 	}
 	if lns.gateway != nil {
-		s.gatewayAddr = lns.gateway.Addr()
+		s.bound.gateway = lns.gateway.Addr()
 	}
 	s.mu.Unlock()
 	close(s.listening)
