@@ -157,28 +157,22 @@ func Encode(apiVersion string, s Status) ([]byte, error) {
 		return nil, errors.New("encode ExecCredential: neither a token nor a certificate and its key")
 	}
 	exp := metav1.NewTime(s.Expiration)
+	// The two versions' statuses have the same fields: one is converted
+	// to the other.
+	status := clientauthv1.ExecCredentialStatus{
+		ExpirationTimestamp:   &exp,
+		Token:                 s.Token,
+		ClientCertificateData: s.ClientCertificateData,
+		ClientKeyData:         s.ClientKeyData,
+	}
+	tm := metav1.TypeMeta{APIVersion: apiVersion, Kind: "ExecCredential"}
 	var v any
 	switch apiVersion {
 	case APIVersionV1:
-		v = &clientauthv1.ExecCredential{
-			TypeMeta: metav1.TypeMeta{APIVersion: apiVersion, Kind: "ExecCredential"},
-			Status: &clientauthv1.ExecCredentialStatus{
-				ExpirationTimestamp:   &exp,
-				Token:                 s.Token,
-				ClientCertificateData: s.ClientCertificateData,
-				ClientKeyData:         s.ClientKeyData,
-			},
-		}
+		v = &clientauthv1.ExecCredential{TypeMeta: tm, Status: &status}
 	case APIVersionV1beta1:
-		v = &clientauthv1beta1.ExecCredential{
-			TypeMeta: metav1.TypeMeta{APIVersion: apiVersion, Kind: "ExecCredential"},
-			Status: &clientauthv1beta1.ExecCredentialStatus{
-				ExpirationTimestamp:   &exp,
-				Token:                 s.Token,
-				ClientCertificateData: s.ClientCertificateData,
-				ClientKeyData:         s.ClientKeyData,
-			},
-		}
+		beta := clientauthv1beta1.ExecCredentialStatus(status)
+		v = &clientauthv1beta1.ExecCredential{TypeMeta: tm, Status: &beta}
 	default:
 		return nil, fmt.Errorf("encode ExecCredential: apiVersion %q is not supported", short(apiVersion))
 	}

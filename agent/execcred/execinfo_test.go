@@ -164,6 +164,8 @@ func TestEncodeIsReadByClientGo(t *testing.T) {
 		{name: "a v1beta1 answer with a token", apiVersion: APIVersionV1beta1, status: Status{Token: "tok-SECRET", Expiration: exp}},
 		{name: "a v1 answer with a certificate and its key", apiVersion: APIVersionV1,
 			status: Status{ClientCertificateData: "CERT", ClientKeyData: "KEY-SECRET", Expiration: exp}},
+		{name: "a v1beta1 answer with a certificate and its key", apiVersion: APIVersionV1beta1,
+			status: Status{ClientCertificateData: "CERT", ClientKeyData: "KEY-SECRET", Expiration: exp}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
