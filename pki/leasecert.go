@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation"
+
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 // A lease certificate is the credential of one gateway lease: a client
@@ -57,27 +59,13 @@ func (n LeaseName) validate() error {
 	if msgs := validation.IsDNS1123Subdomain(n.ServiceAccount); len(msgs) > 0 {
 		return fmt.Errorf("%w: service account %q: %s", ErrInvalidLeaseCertificate, n.ServiceAccount, strings.Join(msgs, "; "))
 	}
-	if !validLeaseID(n.ID) {
+	if !apiv1.ValidLeaseID(n.ID) {
 		return fmt.Errorf("%w: lease id %q", ErrInvalidLeaseCertificate, n.ID)
 	}
 	if !validUID(n.UID) {
 		return fmt.Errorf("%w: uid %q", ErrInvalidLeaseCertificate, n.UID)
 	}
 	return nil
-}
-
-// validLeaseID is api/v1's ValidLeaseID (pki imports no api package):
-// 26 characters of base32's lower-case alphabet.
-func validLeaseID(id string) bool {
-	if len(id) != 26 {
-		return false
-	}
-	for _, c := range id {
-		if (c < 'a' || c > 'z') && (c < '2' || c > '7') {
-			return false
-		}
-	}
-	return true
 }
 
 // validUID accepts what the API server writes as a UID: a UUID, lower
