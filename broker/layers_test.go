@@ -30,7 +30,7 @@ var coreImports = map[string][]string{
 	"broker/workload":   {"api/v1", "broker/audit", "broker/objects", "broker/policy", "broker/problem", "pki"},
 	"broker/tenants":    {"api/v1", "broker/audit", "broker/lease", "broker/metrics", "broker/objects", "broker/policy", "broker/problem"},
 	"broker/enrollment": {"api/v1", "broker/audit", "broker/limits", "broker/metrics", "broker/objects", "broker/policy", "broker/problem", "pki"},
-	"broker/auditjoin":  nil,
+	"broker/auditjoin":  {"broker/audit"},
 	"broker/rbacrights": nil,
 }
 

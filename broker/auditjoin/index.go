@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"time"
+
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 )
 
 // Lease is what the join knows of one lease: from the broker's issue
@@ -320,37 +322,29 @@ func boundLease(l Lease) Lease {
 	return l
 }
 
-// Lease gateway actions (audit.ActionGatewayForward, ActionGatewayUpgrade,
-// ActionGatewayRequest).
-const (
-	actionGatewayForward = "gateway_forward"
-	actionGatewayUpgrade = "gateway_upgrade"
-	actionGatewayRequest = "gateway_request"
-)
-
 // AddBrokerEvent adds what a broker audit event says of a lease: an
 // allowed issuance names the lease and its credential; an allowed
 // revocation says when it ended; a lease gateway's event with an
 // api_audit_id (gateway_forward and gateway_upgrade while a stream runs,
 // gateway_request when a request ends) names the lease of the request the
 // API server logged under that id. Other events are ignored.
-func (x *Index) AddBrokerEvent(ev BrokerEvent) {
+func (x *Index) AddBrokerEvent(ev audit.Event) {
 	if ev.LeaseID == "" {
 		return
 	}
 	switch ev.Action {
-	case actionGatewayForward, actionGatewayUpgrade, actionGatewayRequest:
+	case audit.ActionGatewayForward, audit.ActionGatewayUpgrade, audit.ActionGatewayRequest:
 		// Whatever its decision: an api_audit_id is there only if the
 		// request was sent to the API server (a request that failed
 		// upstream was still seen, and maybe logged, there).
 		x.addGateway(ev)
 		return
 	}
-	if ev.Decision != "allow" {
+	if ev.Decision != audit.DecisionAllow {
 		return
 	}
 	switch ev.Action {
-	case "issue":
+	case audit.ActionIssue:
 		l := x.lease(ev.LeaseID)
 		if l.fromIssue {
 			// The same event read twice (a file given twice), or a
@@ -389,7 +383,7 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 			l.CredentialID = ""
 			x.claim(l, ev.CredentialID)
 		}
-	case "revoke":
+	case audit.ActionRevoke:
 		l := x.lease(ev.LeaseID)
 		// The first revocation counts; a retried DELETE is not a new one.
 		if l.RevokedAt.IsZero() || ev.Time.Before(l.RevokedAt) {
@@ -408,7 +402,7 @@ func (x *Index) AddBrokerEvent(ev BrokerEvent) {
 // (its api_audit_id) are one request: the first names its lease, a later
 // one naming another lease is a conflict, refused. Past maxGateway
 // requests, a new request's events are counted, not indexed.
-func (x *Index) addGateway(ev BrokerEvent) {
+func (x *Index) addGateway(ev audit.Event) {
 	id := ev.APIAuditID
 	switch {
 	case id == "":
@@ -417,7 +411,7 @@ func (x *Index) addGateway(ev BrokerEvent) {
 		x.gateway.BadAuditID++
 		return
 	}
-	lid, ended := bound(ev.LeaseID), ev.Action == actionGatewayRequest
+	lid, ended := bound(ev.LeaseID), ev.Action == audit.ActionGatewayRequest
 	if r, seen := x.byAudit[id]; seen {
 		if r.lease != lid {
 			// The gateway draws a random id per request: two leases with
@@ -438,9 +432,9 @@ func (x *Index) addGateway(ev BrokerEvent) {
 		g.NotIndexedEvents++
 		k := 0
 		switch ev.Action {
-		case actionGatewayUpgrade:
+		case audit.ActionGatewayUpgrade:
 			k = 1
-		case actionGatewayRequest:
+		case audit.ActionGatewayRequest:
 			k = 2
 		}
 		x.skipped[k]++

@@ -9,6 +9,8 @@ import (
 	"io"
 	"strings"
 	"time"
+
+	"github.com/tokenbroker/tokenbroker/broker/audit"
 )
 
 // MaxLineBytes bounds one line of either log. An API server's Metadata
@@ -18,10 +20,6 @@ const MaxLineBytes = 1 << 20
 // CredentialIDKey is the user.extra key under which the API server names
 // the credential of an authenticated request.
 const CredentialIDKey = "authentication.kubernetes.io/credential-id"
-
-// BrokerAuditSchema is the "audit" field of every broker audit event
-// (broker.AuditSchema).
-const BrokerAuditSchema = "tokenbroker.io/v1"
 
 // maxFieldBytes bounds every string kept from a parsed event: the index
 // and the summary hold them for the whole run.
@@ -194,51 +192,24 @@ func ParseAPIEvent(line []byte) (APIEvent, error) {
 	return ev, nil
 }
 
-// BrokerEvent is what the join needs of a broker audit event
-// (audit.Event, the same JSON names).
-type BrokerEvent struct {
-	Time              time.Time `json:"time"`
-	Audit             string    `json:"audit"`
-	Action            string    `json:"action"`
-	Decision          string    `json:"decision"`
-	Reason            string    `json:"reason,omitempty"`
-	RequestID         string    `json:"request_id,omitempty"`
-	Identity          string    `json:"identity,omitempty"`
-	Peer              string    `json:"peer,omitempty"`
-	Namespace         string    `json:"namespace,omitempty"`
-	ServiceAccount    string    `json:"service_account,omitempty"`
-	User              string    `json:"user,omitempty"`
-	Credential        string    `json:"credential,omitempty"`
-	LeaseID           string    `json:"lease_id,omitempty"`
-	TokenJTI          string    `json:"token_jti,omitempty"`
-	CertificateSerial string    `json:"certificate_serial,omitempty"`
-	CredentialID      string    `json:"credential_id,omitempty"`
-	ExpiresAt         string    `json:"expires_at,omitempty"`
-	Workload          string    `json:"workload,omitempty"`
-	Grant             string    `json:"grant,omitempty"`
-	// APIAuditID is the Audit-ID a lease gateway sent the API server with
-	// a request it forwarded (action gateway_request).
-	APIAuditID string `json:"api_audit_id,omitempty"`
-}
-
 // brokerMarker is in every broker audit event's line: a cheap test that
 // skips the operational log lines interleaved with them.
-var brokerMarker = []byte(`"audit":"` + BrokerAuditSchema + `"`)
+var brokerMarker = []byte(`"audit":"` + audit.Schema + `"`)
 
 // ParseBrokerEvent decodes one line of the broker's output. A line that is
 // not a broker audit event (an operational log line, kubectl's own output)
 // is ErrNotEvent; a line that claims to be one but does not decode is an
 // error.
-func ParseBrokerEvent(line []byte) (BrokerEvent, error) {
+func ParseBrokerEvent(line []byte) (audit.Event, error) {
 	if !bytes.Contains(line, brokerMarker) {
-		return BrokerEvent{}, ErrNotEvent
+		return audit.Event{}, ErrNotEvent
 	}
-	var ev BrokerEvent
+	var ev audit.Event
 	if err := json.Unmarshal(line, &ev); err != nil {
-		return BrokerEvent{}, fmt.Errorf("decode broker audit event: %w", err)
+		return audit.Event{}, fmt.Errorf("decode broker audit event: %w", err)
 	}
-	if ev.Audit != BrokerAuditSchema {
-		return BrokerEvent{}, ErrNotEvent
+	if ev.Audit != audit.Schema {
+		return audit.Event{}, ErrNotEvent
 	}
 	for _, s := range []*string{&ev.Action, &ev.Decision, &ev.Reason, &ev.RequestID, &ev.Identity, &ev.Peer,
 		&ev.Namespace, &ev.ServiceAccount, &ev.User, &ev.Credential, &ev.LeaseID, &ev.TokenJTI,
