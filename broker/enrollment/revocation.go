@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode"
 
+	"github.com/tokenbroker/tokenbroker/broker/informer"
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
@@ -18,9 +19,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/apimachinery/pkg/watch"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
@@ -197,23 +196,12 @@ func (l *RevocationList) Synced() bool { return l.current.Load() != nil }
 func (l *RevocationList) Run(ctx context.Context) {
 	cms := l.configMaps.ConfigMaps(l.namespace)
 	byName := fields.OneTermEqualSelector("metadata.name", RevocationConfigMap).String()
-	lw := &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			o.FieldSelector = byName
-			return cms.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			o.FieldSelector = byName
-			return cms.Watch(ctx, o)
-		},
-	}
-	inf := cache.NewSharedIndexInformerWithOptions(lw, &corev1.ConfigMap{}, cache.SharedIndexInformerOptions{})
-	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-		if ctx.Err() == nil {
+	inf := informer.New(cms, &corev1.ConfigMap{},
+		func(o *metav1.ListOptions) { o.FieldSelector = byName },
+		func(err error) {
 			l.log.Warn("watch of the revocation ConfigMap failed; retrying",
 				zap.String("namespace", l.namespace), zap.Error(err))
-		}
-	}) // fails only once the informer runs
+		})
 	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { l.update(obj) },
 		UpdateFunc: func(_, obj any) { l.update(obj) },

@@ -15,12 +15,11 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/tokenbroker/tokenbroker/broker/informer"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -97,22 +96,11 @@ func (s *PeerKeyStore) Synced() bool { return s.synced.Load() }
 func (s *PeerKeyStore) Run(ctx context.Context) {
 	secrets := s.secrets.Secrets(s.namespace)
 	sel := labels.SelectorFromSet(labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.PeerKeysKind}).String()
-	lw := &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			o.LabelSelector = sel
-			return secrets.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			o.LabelSelector = sel
-			return secrets.Watch(ctx, o)
-		},
-	}
-	inf := cache.NewSharedIndexInformerWithOptions(lw, &corev1.Secret{}, cache.SharedIndexInformerOptions{})
-	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-		if ctx.Err() == nil {
+	inf := informer.New(secrets, &corev1.Secret{},
+		func(o *metav1.ListOptions) { o.LabelSelector = sel },
+		func(err error) {
 			s.log.Warn("watch of the peer key Secrets failed; retrying", zap.String("namespace", s.namespace), zap.Error(err))
-		}
-	}) // fails only once the informer runs
+		})
 	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { s.observe(obj) },
 		UpdateFunc: func(_, obj any) { s.observe(obj) },
