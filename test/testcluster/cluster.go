@@ -445,12 +445,7 @@ func (c *Cluster) startAPIServer(ctx context.Context) error {
 		return err
 	}
 	if err := c.waitForReadyz(ctx, p); err != nil {
-		_ = p.stop(c.opts.stopTimeout)
-		logTail := p.logTail()
-		if strings.Contains(logTail, "address already in use") {
-			err = fmt.Errorf("%w: %w", errPortInUse, err)
-		}
-		return fmt.Errorf("kube-apiserver not ready: %w\n--- tail of %s ---\n%s", err, apiServerLogFile, logTail)
+		return p.notReady(c.opts.stopTimeout, "kube-apiserver not ready", err)
 	}
 	c.apiserver = p
 	return nil

@@ -72,12 +72,7 @@ func (c *Cluster) startControllerManagerOn(ctx context.Context, port int, contro
 		return err
 	}
 	if err := waitForHealthz(ctx, p, port); err != nil {
-		_ = p.stop(c.opts.stopTimeout)
-		logTail := p.logTail()
-		if strings.Contains(logTail, "address already in use") {
-			err = fmt.Errorf("%w: %w", errPortInUse, err)
-		}
-		return fmt.Errorf("kube-controller-manager not healthy: %w\n--- tail of %s ---\n%s", err, kcmLogFile, logTail)
+		return p.notReady(c.opts.stopTimeout, "kube-controller-manager not healthy", err)
 	}
 	c.kcm = p
 	return nil

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -130,6 +131,19 @@ func kernelState(pid int) string {
 // logTail returns the end of the process's log, for error messages.
 func (p *process) logTail() string {
 	return readTail(p.logPath, logTailBytes)
+}
+
+// notReady stops p, which did not come up (err says how), and returns
+// err as what failed with the end of p's log. A log that says the
+// process's address was in use marks the error errPortInUse, so that the
+// caller starts it again on another port.
+func (p *process) notReady(stopTimeout time.Duration, what string, err error) error {
+	_ = p.stop(stopTimeout)
+	tail := p.logTail()
+	if strings.Contains(tail, "address already in use") {
+		err = fmt.Errorf("%w: %w", errPortInUse, err)
+	}
+	return fmt.Errorf("%s: %w\n--- tail of %s ---\n%s", what, err, filepath.Base(p.logPath), tail)
 }
 
 // readTail returns at most the last n bytes of the file at path.
