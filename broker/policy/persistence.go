@@ -47,7 +47,7 @@ func (p Persistence) String() string {
 }
 
 // PersistenceAbilities are the abilities CheckPersistence looks for.
-var PersistenceAbilities = []Persistence{
+var PersistenceAbilities = slices.Concat([]Persistence{
 	// A Secret of type kubernetes.io/service-account-token gets a token
 	// that never expires, from the token controller; reading one that
 	// exists already (a legacy token Secret) gives the same.
@@ -63,47 +63,47 @@ var PersistenceAbilities = []Persistence{
 	// approving it for a signer the cluster signs for.
 	{Verb: "create", Group: "certificates.k8s.io", Resource: "certificatesigningrequests", ClusterScoped: true},
 	{Verb: "approve", Group: "certificates.k8s.io", Resource: "signers", ClusterScoped: true},
+},
 	// Pods and the workloads that make them run as a ServiceAccount of the
 	// namespace, with its token, for as long as they run; changing an
 	// existing pod's image or a workload's pod template (update or patch)
 	// does the same, and so do exec into a running pod (create, or get for
 	// a WebSocket exec) and an ephemeral container added to one.
-	{Verb: "create", Resource: "pods"},
-	{Verb: "update", Resource: "pods"},
-	{Verb: "patch", Resource: "pods"},
-	{Verb: "create", Resource: "pods", Subresource: "exec"},
-	{Verb: "get", Resource: "pods", Subresource: "exec"},
-	{Verb: "update", Resource: "pods", Subresource: "ephemeralcontainers"},
-	{Verb: "patch", Resource: "pods", Subresource: "ephemeralcontainers"},
-	{Verb: "create", Resource: "replicationcontrollers"},
-	{Verb: "update", Resource: "replicationcontrollers"},
-	{Verb: "patch", Resource: "replicationcontrollers"},
-	{Verb: "create", Group: "apps", Resource: "deployments"},
-	{Verb: "update", Group: "apps", Resource: "deployments"},
-	{Verb: "patch", Group: "apps", Resource: "deployments"},
-	{Verb: "create", Group: "apps", Resource: "replicasets"},
-	{Verb: "update", Group: "apps", Resource: "replicasets"},
-	{Verb: "patch", Group: "apps", Resource: "replicasets"},
-	{Verb: "create", Group: "apps", Resource: "daemonsets"},
-	{Verb: "update", Group: "apps", Resource: "daemonsets"},
-	{Verb: "patch", Group: "apps", Resource: "daemonsets"},
-	{Verb: "create", Group: "apps", Resource: "statefulsets"},
-	{Verb: "update", Group: "apps", Resource: "statefulsets"},
-	{Verb: "patch", Group: "apps", Resource: "statefulsets"},
-	{Verb: "create", Group: "batch", Resource: "jobs"},
-	{Verb: "update", Group: "batch", Resource: "jobs"},
-	{Verb: "patch", Group: "batch", Resource: "jobs"},
-	{Verb: "create", Group: "batch", Resource: "cronjobs"},
-	{Verb: "update", Group: "batch", Resource: "cronjobs"},
-	{Verb: "patch", Group: "batch", Resource: "cronjobs"},
-	// Granting what one does not have, and acting as someone else.
-	{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "roles"},
-	{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "roles"},
-	{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "clusterroles", ClusterScoped: true},
-	{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "clusterroles", ClusterScoped: true},
-	{Verb: "impersonate", Resource: "users", ClusterScoped: true},
-	{Verb: "impersonate", Resource: "groups", ClusterScoped: true},
-	{Verb: "impersonate", Resource: "serviceaccounts"},
+	makeOrChange("", "pods"),
+	[]Persistence{
+		{Verb: "create", Resource: "pods", Subresource: "exec"},
+		{Verb: "get", Resource: "pods", Subresource: "exec"},
+		{Verb: "update", Resource: "pods", Subresource: "ephemeralcontainers"},
+		{Verb: "patch", Resource: "pods", Subresource: "ephemeralcontainers"},
+	},
+	makeOrChange("", "replicationcontrollers"),
+	makeOrChange("apps", "deployments"),
+	makeOrChange("apps", "replicasets"),
+	makeOrChange("apps", "daemonsets"),
+	makeOrChange("apps", "statefulsets"),
+	makeOrChange("batch", "jobs"),
+	makeOrChange("batch", "cronjobs"),
+	[]Persistence{
+		// Granting what one does not have, and acting as someone else.
+		{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "roles"},
+		{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "roles"},
+		{Verb: "escalate", Group: "rbac.authorization.k8s.io", Resource: "clusterroles", ClusterScoped: true},
+		{Verb: "bind", Group: "rbac.authorization.k8s.io", Resource: "clusterroles", ClusterScoped: true},
+		{Verb: "impersonate", Resource: "users", ClusterScoped: true},
+		{Verb: "impersonate", Resource: "groups", ClusterScoped: true},
+		{Verb: "impersonate", Resource: "serviceaccounts"},
+	},
+)
+
+// makeOrChange are the abilities to make a namespaced object of a
+// resource that runs pods, or to change one's pods: create, update and
+// patch.
+func makeOrChange(group, resource string) []Persistence {
+	return []Persistence{
+		{Verb: "create", Group: group, Resource: resource},
+		{Verb: "update", Group: group, Resource: resource},
+		{Verb: "patch", Group: group, Resource: resource},
+	}
 }
 
 // aggregatedRoleNames are the default ClusterRoles that aggregate others:
