@@ -49,6 +49,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/test/promtext"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -363,7 +364,7 @@ func Run(ctx context.Context, o Options) (*Result, error) {
 		r.RSSPeakMB, r.RSSSteadyMB, r.RSSSteadyAnonMB = f.peak, f.median, f.medianAnon
 	}
 	// The agent's own figures, scraped once, after RSS was sampled.
-	own, err := scrape(ctx, "http://"+ops+"/metrics")
+	own, err := promtext.Get(ctx, "http://"+ops+"/metrics")
 	if err != nil {
 		return fail(err)
 	}

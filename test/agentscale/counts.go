@@ -5,80 +5,32 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net/http"
 	"os"
 	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
+	"github.com/tokenbroker/tokenbroker/test/promtext"
 )
 
-// sample is one sample of a scraped metric.
-type sample struct {
-	labels map[string]string
-	value  float64
-}
-
-// sum adds up samples.
-func sum(samples []sample) float64 {
+// sum adds up the values of series.
+func sum(series []promtext.Series) float64 {
 	total := 0.0
-	for _, s := range samples {
-		total += s.value
+	for _, s := range series {
+		total += s.Value
 	}
 	return total
-}
-
-// scrape fetches a /metrics exposition: the samples of its counters,
-// gauges and untyped metrics by name.
-func scrape(ctx context.Context, url string) (map[string][]sample, error) {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s: status %d", url, resp.StatusCode)
-	}
-	p := expfmt.NewTextParser(model.LegacyValidation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return nil, fmt.Errorf("parse %s: %w", url, err)
-	}
-	out := map[string][]sample{}
-	for name, fam := range fams {
-		for _, m := range fam.GetMetric() {
-			s := sample{labels: map[string]string{}}
-			for _, l := range m.GetLabel() {
-				s.labels[l.GetName()] = l.GetValue()
-			}
-			switch {
-			case m.Counter != nil:
-				s.value = m.GetCounter().GetValue()
-			case m.Gauge != nil:
-				s.value = m.GetGauge().GetValue()
-			case m.Untyped != nil:
-				s.value = m.GetUntyped().GetValue()
-			default:
-				continue
-			}
-			out[name] = append(out[name], s)
-		}
-	}
-	return out, nil
 }
 
 // brokerCalls sums every broker's answered API requests by "METHOD route".
 func brokerCalls(ctx context.Context, brokers []*process) (map[string]int, error) {
 	out := map[string]int{}
 	for _, b := range brokers {
-		samples, err := scrape(ctx, "http://"+b.ops+"/metrics")
+		samples, err := promtext.Get(ctx, "http://"+b.ops+"/metrics")
 		if err != nil {
 			return nil, err
 		}
 		for _, s := range samples["tokenbroker_http_requests_total"] {
-			if s.labels["listener"] == "api" {
-				out[s.labels["method"]+" "+s.labels["route"]] += int(s.value)
+			if s.Labels["listener"] == "api" {
+				out[s.Labels["method"]+" "+s.Labels["route"]] += int(s.Value)
 			}
 		}
 	}

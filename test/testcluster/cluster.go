@@ -399,7 +399,7 @@ func (c *Cluster) apiServerArgs() []string {
 		c.authorizationMode(),
 		// Not needed by tests, and each costs start time or CPU.
 		"--enable-priority-and-fairness=false",
-		"--profiling=false",
+		fmt.Sprintf("--profiling=%t", c.opts.profiling),
 		"--enable-logs-handler=false",
 		// Without a grace period for watches, an open watch (a broker's
 		// informer) holds the API server's graceful shutdown until the

@@ -43,6 +43,7 @@ type options struct {
 	node                 bool
 	streamingIdleTimeout time.Duration
 	etcdFsync            bool
+	profiling            bool
 	apiServerArgs        []string
 	auditPolicy          string
 	minRequestTimeout    time.Duration
@@ -118,6 +119,12 @@ func WithAPIAudiences(audiences ...string) Option {
 // costs CPU only. Benchmarks use it to see what a write costs on a disk.
 func WithEtcdFsync() Option {
 	return func(o *options) { o.etcdFsync = true }
+}
+
+// WithProfiling serves the kube-apiserver's /debug/pprof (off by default:
+// tests do not need it), for benchmarks that profile it.
+func WithProfiling() Option {
+	return func(o *options) { o.profiling = true }
 }
 
 // WithControllerManager also starts a kube-controller-manager that runs the

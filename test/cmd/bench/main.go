@@ -76,11 +76,15 @@ type result struct {
 	// PoolFraction is, for the broker's token row, the fraction of its
 	// issuances that claimed a pooled Secret (the rest were sequential).
 	PoolFraction *float64 `json:"pool_fraction,omitempty"`
+	// APICalls is what each request of the row cost the API server
+	// (apicalls.go); absent for Vault's rows.
+	APICalls *apiCallsPerOp `json:"api_calls_per_op,omitempty"`
 }
 
 func run() error {
 	n := flag.Int("n", 300, "requests per measurement")
 	cpuProfile := flag.String("cpuprofile", "", "write a 5 s CPU profile of the broker, taken under the first broker load at concurrency 8 or more, to this file")
+	apiProfile := flag.String("apiserver-cpuprofile", "", "write 5 s CPU profiles of the kube-apiserver, taken under the first direct pair and broker loads at concurrency 8 or more, to this file with the suffixes .pair and .broker")
 	binDir := flag.String("bin-dir", "", "directory holding the tokenbroker binary (default $TOKENBROKER_BIN_DIR, else bin/ at the repository root)")
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
 	out := flag.String("out", "", "also write the results as JSON to this file")
@@ -105,6 +109,9 @@ func run() error {
 	opts := []testcluster.Option{testcluster.WithControllerManager()}
 	if *fsync {
 		opts = append(opts, testcluster.WithEtcdFsync())
+	}
+	if *apiProfile != "" {
+		opts = append(opts, testcluster.WithProfiling())
 	}
 	c, err := testcluster.Run(ctx, opts...)
 	if err != nil {
@@ -217,7 +224,9 @@ func run() error {
 		{caseBrokerWorkload, func(ctx context.Context) error { return post(ctx, body, workloadToken) }},
 	}
 
+	pids := map[string]int{"kube-apiserver": c.APIServerPID(), "broker": br.cmd.Process.Pid, "broker, pool off": seq.cmd.Process.Pid}
 	var results []result
+	apiProfiled := map[string]bool{}
 	peak := watchRSS(ctx, br.cmd.Process.Pid)
 	for _, cs := range strings.Split(*concs, ",") {
 		conc, err := strconv.Atoi(strings.TrimSpace(cs))
@@ -226,23 +235,36 @@ func run() error {
 		}
 		for _, tc := range cases {
 			_ = measure(ctx, tc.op, conc, 20) // warm up connections and caches
-			var profiled chan error
+			var profiled []chan error
 			if *cpuProfile != "" && conc >= 8 && strings.HasPrefix(tc.name, "broker") {
-				profiled = make(chan error, 1)
+				done := make(chan error, 1)
 				file := *cpuProfile
 				*cpuProfile = "" // one profile
-				go func() { profiled <- fetchProfile(ctx, br.opsURL, file) }()
+				go func() { done <- fetchProfile(ctx, br.opsURL, file) }()
+				profiled = append(profiled, done)
 			}
-			var r result
-			if tc.name == caseBroker {
-				var f float64
-				r, f = pooledFraction(ctx, br.opsURL, func() result { return measure(ctx, tc.op, conc, *n) })
-				r.PoolFraction = &f
-			} else {
-				r = measure(ctx, tc.op, conc, *n)
+			if *apiProfile != "" && conc >= 8 && (tc.name == casePair || tc.name == caseBroker) && !apiProfiled[tc.name] {
+				apiProfiled[tc.name] = true // one profile of each
+				suffix := ".pair"
+				if tc.name == caseBroker {
+					suffix = ".broker"
+				}
+				done := make(chan error, 1)
+				go func() { done <- fetchAPIServerProfile(ctx, c.Client, *apiProfile+suffix) }()
+				profiled = append(profiled, done)
 			}
-			if profiled != nil {
-				if err := <-profiled; err != nil {
+			var pooled *float64
+			r, calls := countAPICalls(ctx, direct, pids, func() result {
+				if tc.name != caseBroker {
+					return measure(ctx, tc.op, conc, *n)
+				}
+				r, f := pooledFraction(ctx, br.opsURL, func() result { return measure(ctx, tc.op, conc, *n) })
+				pooled = &f
+				return r
+			})
+			r.PoolFraction, r.APICalls = pooled, calls
+			for _, done := range profiled {
+				if err := <-done; err != nil {
 					fmt.Fprintln(os.Stderr, "bench: CPU profile:", err)
 				}
 			}
@@ -259,14 +281,16 @@ func run() error {
 			continue
 		}
 		pacedN := min(*n, 300)
-		var r result
-		if tc.name == caseBroker {
-			var f float64
-			r, f = pooledFraction(ctx, br.opsURL, func() result { return measurePaced(ctx, tc.op, pacedN, pacedEvery) })
-			r.PoolFraction = &f
-		} else {
-			r = measurePaced(ctx, tc.op, pacedN, pacedEvery)
-		}
+		var pooled *float64
+		r, calls := countAPICalls(ctx, direct, pids, func() result {
+			if tc.name != caseBroker {
+				return measurePaced(ctx, tc.op, pacedN, pacedEvery)
+			}
+			r, f := pooledFraction(ctx, br.opsURL, func() result { return measurePaced(ctx, tc.op, pacedN, pacedEvery) })
+			pooled = &f
+			return r
+		})
+		r.PoolFraction, r.APICalls = pooled, calls
 		r.Name = pacedPrefix + tc.name
 		results = append(results, r)
 	}
@@ -466,6 +490,7 @@ func (r *report) print() {
 	fmt.Printf("direct client: %s\n\n", r.DirectClient)
 	printResults(r.Results)
 	fmt.Println()
+	printAPICalls(r.Results)
 	if len(r.Saturation) > 0 {
 		var parts []string
 		ceiling := 0.0

@@ -4,21 +4,23 @@ import (
 	"context"
 	"slices"
 	"time"
+
+	"github.com/tokenbroker/tokenbroker/test/promtext"
 )
 
 // poolPaths reads the broker's tokenbroker_lease_pool_issuances_total:
 // issuances on a claimed pooled Secret and on the sequential path.
 func poolPaths(ctx context.Context, opsURL string) (pool, sequential float64, err error) {
-	fams, err := scrapeMetrics(ctx, opsURL)
+	fams, err := promtext.Get(ctx, opsURL+"/metrics")
 	if err != nil {
 		return 0, 0, err
 	}
 	for _, m := range fams["tokenbroker_lease_pool_issuances_total"] {
-		switch m.labels["path"] {
+		switch m.Labels["path"] {
 		case "pool":
-			pool = m.value
+			pool = m.Value
 		case "sequential":
-			sequential = m.value
+			sequential = m.Value
 		}
 	}
 	return pool, sequential, nil

@@ -18,10 +18,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/test/promtext"
 )
 
 // scaleOptions configures runScale.
@@ -460,22 +458,22 @@ func waitGCPass(ctx context.Context, opsURL string, after time.Time, timeout tim
 
 // scrapeGC reads the GC metrics.
 func scrapeGC(ctx context.Context, opsURL string) (gcState, error) {
-	fams, err := scrapeMetrics(ctx, opsURL)
+	fams, err := promtext.Get(ctx, opsURL+"/metrics")
 	if err != nil {
 		return gcState{}, err
 	}
 	var s gcState
 	for _, m := range fams["tokenbroker_lease_gc_runs_total"] {
-		s.runs += m.value
-		if m.labels["result"] == "failure" {
-			s.failures += m.value
+		s.runs += m.Value
+		if m.Labels["result"] == "failure" {
+			s.failures += m.Value
 		}
 	}
 	for _, m := range fams["tokenbroker_lease_gc_duration_seconds"] {
-		s.seconds += m.value
+		s.seconds += m.Value
 	}
 	for _, m := range fams["tokenbroker_lease_gc_last_success_timestamp_seconds"] {
-		s.lastSuccess = m.value
+		s.lastSuccess = m.Value
 	}
 	return s, nil
 }
@@ -503,61 +501,14 @@ func heapInuseAfterGC(ctx context.Context, opsURL, profileFile string) (int64, e
 			return 0, err
 		}
 	}
-	fams, err := scrapeMetrics(ctx, opsURL)
+	fams, err := promtext.Get(ctx, opsURL+"/metrics")
 	if err != nil {
 		return 0, err
 	}
 	for _, m := range fams["go_memstats_heap_inuse_bytes"] {
-		return int64(m.value), nil
+		return int64(m.Value), nil
 	}
 	return 0, errors.New("no go_memstats_heap_inuse_bytes in the broker's /metrics")
-}
-
-// metricSeries is one series of a /metrics answer: its labels and its
-// value (a counter's or a gauge's; a histogram's sum).
-type metricSeries struct {
-	labels map[string]string
-	value  float64
-}
-
-// scrapeMetrics reads the broker's /metrics: each family's series by the
-// family's name.
-func scrapeMetrics(ctx context.Context, opsURL string) (map[string][]metricSeries, error) {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET /metrics: status %d", resp.StatusCode)
-	}
-	p := expfmt.NewTextParser(model.LegacyValidation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return nil, fmt.Errorf("GET /metrics: %w", err)
-	}
-	out := make(map[string][]metricSeries, len(fams))
-	for name, mf := range fams {
-		for _, m := range mf.GetMetric() {
-			s := metricSeries{labels: map[string]string{}}
-			for _, l := range m.GetLabel() {
-				s.labels[l.GetName()] = l.GetValue()
-			}
-			switch {
-			case m.Counter != nil:
-				s.value = m.GetCounter().GetValue()
-			case m.Gauge != nil:
-				s.value = m.GetGauge().GetValue()
-			case m.Histogram != nil:
-				s.value = m.GetHistogram().GetSampleSum()
-			case m.Untyped != nil:
-				s.value = m.GetUntyped().GetValue()
-			}
-			out[name] = append(out[name], s)
-		}
-	}
-	return out, nil
 }
 
 // scaleGoals checks the goals at level r.
