@@ -653,7 +653,10 @@ func namespaceInformer(ctx context.Context, mc metadata.Interface, log *zap.Logg
 // default client-side limit (5 QPS, burst 10), which would otherwise
 // throttle a broker to a handful of issuances a second, and speaks
 // protobuf, which costs the broker and the API server less CPU than JSON
-// for the built-in types it calls (Secrets, TokenRequest).
+// for the built-in types it calls (Secrets, TokenRequest). It asks for no
+// gzip: the API server would otherwise deflate and flush every event of
+// every lease watch (each replica watches every lease Secret), and the
+// broker inflate it, for bytes that cross a cluster network.
 func kubeClient(opts Options, log *zap.Logger) (kubernetes.Interface, error) {
 	if opts.Kube == nil {
 		return nil, fmt.Errorf("no Kubernetes client configuration")
@@ -671,6 +674,7 @@ func kubeRESTConfig(opts Options, log *zap.Logger) *rest.Config {
 	rc.ContentType = "application/vnd.kubernetes.protobuf"
 	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
 	rc.UserAgent = "tokenbroker/" + opts.Build.Version
+	rc.DisableCompression = true
 	// API server warnings (such as a shortened token) go to our log in
 	// its format, not to stderr through klog.
 	rc.WarningHandler = ZapWarnings{Log: log.Named("kubernetes")}

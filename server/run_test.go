@@ -73,12 +73,13 @@ func TestTheAuditLogFileIsReopenedOnSIGHUPForLogrotate(t *testing.T) {
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }
 
-func TestRunsKubernetesClientIsNotThrottledAndSpeaksProtobuf(t *testing.T) {
+func TestRunsKubernetesClientIsNotThrottledAndSpeaksProtobufUncompressed(t *testing.T) {
 	rc := kubeRESTConfig(Options{Kube: &rest.Config{Host: "https://127.0.0.1:1"}, KubeQPS: 2000, KubeBurst: 4000, Build: Build{Version: "v1"}}, zap.NewNop())
 	require.Equal(t, float32(2000), rc.QPS)
 	require.Equal(t, 4000, rc.Burst)
 	require.Equal(t, "application/vnd.kubernetes.protobuf", rc.ContentType)
 	require.Equal(t, "tokenbroker/v1", rc.UserAgent)
+	require.True(t, rc.DisableCompression, "no gzip of lease watch events between the API server and the broker")
 }
 
 func TestRunRefusesOptionsThatCannotWorkBeforeItStartsAnything(t *testing.T) {

@@ -360,15 +360,15 @@ const (
 // directClientDescription is what the report says about the direct client.
 func directClientDescription() string {
 	return fmt.Sprintf("like the broker's: the same kubeconfig loaded with kubectl's rules, QPS %d, burst %d, "+
-		"protobuf (application/vnd.kubernetes.protobuf), client-go's default transport (HTTP/2, one connection to the API server)",
+		"protobuf (application/vnd.kubernetes.protobuf), no gzip, client-go's default transport (HTTP/2, one connection to the API server)",
 		brokerKubeQPS, brokerKubeBurst)
 }
 
 // directClient is the client of the direct rows, built as the broker builds
 // its own (server/run.go kubeRESTConfig, from the kubeconfig serve gets
 // with --kube-qps/--kube-burst at their defaults): the client-side limit
-// lifted the same way and protobuf, which costs both ends less CPU than
-// JSON. It shares no rate limiter with the harness's admin client.
+// lifted the same way, protobuf, which costs both ends less CPU than
+// JSON, and no gzip. It shares no rate limiter with the harness's admin client.
 func directClient(kubeconfig string) (kubernetes.Interface, error) {
 	rules := clientcmd.NewDefaultClientConfigLoadingRules()
 	rules.ExplicitPath = kubeconfig
@@ -380,6 +380,7 @@ func directClient(kubeconfig string) (kubernetes.Interface, error) {
 	rc.QPS, rc.Burst = brokerKubeQPS, brokerKubeBurst
 	rc.ContentType = "application/vnd.kubernetes.protobuf"
 	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	rc.DisableCompression = true
 	rc.UserAgent = "tokenbroker-bench/direct"
 	return kubernetes.NewForConfig(rc)
 }
