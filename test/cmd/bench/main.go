@@ -225,6 +225,22 @@ func run() error {
 	}
 
 	pids := map[string]int{"kube-apiserver": c.APIServerPID(), "broker": br.cmd.Process.Pid, "broker, pool off": seq.cmd.Process.Pid}
+	// row measures run as a row of the case name: with what each request
+	// cost the API server, and for the broker's token case its pooled
+	// share.
+	row := func(name string, run func() result) result {
+		var pooled *float64
+		r, calls := countAPICalls(ctx, direct, pids, func() result {
+			if name != caseBroker {
+				return run()
+			}
+			r, f := pooledFraction(ctx, br.opsURL, run)
+			pooled = &f
+			return r
+		})
+		r.PoolFraction, r.APICalls = pooled, calls
+		return r
+	}
 	var results []result
 	apiProfiled := map[string]bool{}
 	peak := watchRSS(ctx, br.cmd.Process.Pid)
@@ -253,16 +269,7 @@ func run() error {
 				go func() { done <- fetchAPIServerProfile(ctx, c.Client, *apiProfile+suffix) }()
 				profiled = append(profiled, done)
 			}
-			var pooled *float64
-			r, calls := countAPICalls(ctx, direct, pids, func() result {
-				if tc.name != caseBroker {
-					return measure(ctx, tc.op, conc, *n)
-				}
-				r, f := pooledFraction(ctx, br.opsURL, func() result { return measure(ctx, tc.op, conc, *n) })
-				pooled = &f
-				return r
-			})
-			r.PoolFraction, r.APICalls = pooled, calls
+			r := row(tc.name, func() result { return measure(ctx, tc.op, conc, *n) })
 			for _, done := range profiled {
 				if err := <-done; err != nil {
 					fmt.Fprintln(os.Stderr, "bench: CPU profile:", err)
@@ -281,16 +288,7 @@ func run() error {
 			continue
 		}
 		pacedN := min(*n, 300)
-		var pooled *float64
-		r, calls := countAPICalls(ctx, direct, pids, func() result {
-			if tc.name != caseBroker {
-				return measurePaced(ctx, tc.op, pacedN, pacedEvery)
-			}
-			r, f := pooledFraction(ctx, br.opsURL, func() result { return measurePaced(ctx, tc.op, pacedN, pacedEvery) })
-			pooled = &f
-			return r
-		})
-		r.PoolFraction, r.APICalls = pooled, calls
+		r := row(tc.name, func() result { return measurePaced(ctx, tc.op, pacedN, pacedEvery) })
 		r.Name = pacedPrefix + tc.name
 		results = append(results, r)
 	}
