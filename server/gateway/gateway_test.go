@@ -195,16 +195,22 @@ func TestGoneClosesEveryConnectionOfTheLeaseAndNoOther(t *testing.T) {
 		t.Fatal("a Secret under another UID ended the lease's connections")
 	default:
 	}
-	var closes []audit.Event
-	for _, ev := range f.audit.all() {
-		if ev.Action == audit.ActionGatewayClose {
-			closes = append(closes, ev)
+	// The close is audited in the background, after the sockets close.
+	closes := func() []audit.Event {
+		var out []audit.Event
+		for _, ev := range f.audit.all() {
+			if ev.Action == audit.ActionGatewayClose {
+				out = append(out, ev)
+			}
 		}
+		return out
 	}
-	require.Len(t, closes, 1)
-	require.Equal(t, leaseA.ID, closes[0].LeaseID)
-	require.Equal(t, 2, closes[0].Connections)
-	require.Equal(t, "revoked", closes[0].Reason)
+	require.Eventually(t, func() bool { return len(closes()) > 0 }, 2*time.Second, time.Millisecond)
+	require.Len(t, closes(), 1)
+	ev := closes()[0]
+	require.Equal(t, leaseA.ID, ev.LeaseID)
+	require.Equal(t, 2, ev.Connections)
+	require.Equal(t, "revoked", ev.Reason)
 }
 
 func TestConnectionsAreCappedPerLeaseAndPerPeer(t *testing.T) {
