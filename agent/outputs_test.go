@@ -77,6 +77,17 @@ func checkGolden(t *testing.T, name string, got []byte) {
 	require.Equal(t, string(want), string(got), "%s differs; if intended, run go test ./agent -update", path)
 }
 
+// The request digest is recorded on every output: the same target must
+// give the same digest in every release, or an upgrade would rewrite every
+// output (and make Argo CD rebuild every cluster's cache).
+func TestARequestDigestStaysTheSameAcrossReleases(t *testing.T) {
+	t.Parallel()
+	const broker = "https://east.example.com:8443"
+	require.Equal(t, "sha256:90552f052d1ce2e3", requestDigest(broker, config.RequestConfig{
+		Namespace: "argo", ServiceAccount: "runner", TTL: "2h", MinTTL: "1h", Audiences: []string{"a"}, Access: apiv1.AccessGateway}))
+	require.Equal(t, "sha256:e6dece3c42580662", requestDigest(broker, config.RequestConfig{Namespace: "argo", ServiceAccount: "runner"}))
+}
+
 func TestEverySecretFormatMatchesItsGoldenFile(t *testing.T) {
 	for _, format := range []string{config.FormatAdmiralty, config.FormatArgoCD, config.FormatFlux, config.FormatKubeconfig} {
 		t.Run(format, func(t *testing.T) {

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -351,6 +352,37 @@ targets:
 			}
 		})
 	}
+}
+
+// A target's request is read from the agent's config and written into the
+// digest the agent records with the JSON names of POST /v1/kubeconfigs, in
+// one order, leaving out what is empty; it is sent as the request it
+// reads. A CSR is never part of it: the agent makes one for each request.
+func TestARequestReadsAndWritesTheJSONOfTheBrokersRequest(t *testing.T) {
+	t.Parallel()
+	const raw = `{"namespace":"argo","serviceAccount":"sa","ttl":"2h","minTTL":"1h","audiences":["a","b"],"credential":"token","access":"gateway"}`
+	dec := json.NewDecoder(strings.NewReader(raw))
+	dec.DisallowUnknownFields()
+	var r RequestConfig
+	require.NoError(t, dec.Decode(&r))
+	require.Equal(t, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "sa", TTL: "2h", MinTTL: "1h",
+		Audiences: []string{"a", "b"}, Credential: apiv1.CredentialToken, Access: apiv1.AccessGateway}, r.APIRequest())
+	out, err := json.Marshal(r)
+	require.NoError(t, err)
+	require.Equal(t, raw, string(out))
+	out, err = json.Marshal(RequestConfig{Namespace: "argo"})
+	require.NoError(t, err)
+	require.Equal(t, `{"namespace":"argo"}`, string(out))
+
+	_, err = Parse([]byte(`
+identity: {dir: /id}
+targets:
+  - name: east
+    broker: https://east.example.com:8443
+    request: {namespace: argo, serviceAccount: sa, csr: x}
+    outputs: [{file: {path: /out/east}}]
+`), "")
+	require.ErrorContains(t, err, `unknown field "csr"`)
 }
 
 func TestAnAccessModeIsSentAndNamedInMessages(t *testing.T) {
