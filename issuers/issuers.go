@@ -120,8 +120,8 @@ func (c Credential) Ref() Ref {
 		return ref
 	}
 	ref := Ref{LogKey: "token_jti"}
-	if claims, err := pki.UnverifiedClaims(c.Token); err == nil && claims.ID != "" {
-		ref.Value, ref.APIID = claims.ID, "JTI="+claims.ID
+	if id, err := pki.TokenID(c.Token); err == nil && id != "" {
+		ref.Value, ref.APIID = id, "JTI="+id
 	}
 	return ref
 }
