@@ -60,25 +60,38 @@ func checkUserCSR(csr *x509.CertificateRequest) error {
 // means crypto/rand.Reader. keyPEM is a PKCS#8 "PRIVATE KEY" block: a
 // secret.
 func NewUserCSR(user func(crypto.PublicKey) (string, error), rnd io.Reader) (csrPEM, keyPEM []byte, name string, err error) {
+	csr, keyPEM, err := NewParsedUserCSR(user, rnd)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: pemTypeCSR, Bytes: csr.Raw}), keyPEM, csr.Subject.CommonName, nil
+}
+
+// NewParsedUserCSR is NewUserCSR for the broker, which submits the CSR
+// itself: the CSR parsed (its DER in Raw) instead of PEM, never checked
+// again against its own signature (about 60 µs of CPU per issuance).
+func NewParsedUserCSR(user func(crypto.PublicKey) (string, error), rnd io.Reader) (csr *x509.CertificateRequest, keyPEM []byte, err error) {
 	_, rnd = clockAndRand(nil, rnd)
 	key, err := newKey(rnd)
 	if err != nil {
-		return nil, nil, "", fmt.Errorf("new CSR: %w", err)
+		return nil, nil, fmt.Errorf("new CSR: %w", err)
 	}
-	name, err = user(key.Public())
+	name, err := user(key.Public())
 	if err != nil {
-		return nil, nil, "", fmt.Errorf("new CSR: %w", err)
+		return nil, nil, fmt.Errorf("new CSR: %w", err)
 	}
 	if name == "" {
-		return nil, nil, "", errors.New("new CSR: empty user name")
+		return nil, nil, errors.New("new CSR: empty user name")
 	}
 	der, err := x509.CreateCertificateRequest(rnd, &x509.CertificateRequest{Subject: pkix.Name{CommonName: name}}, key)
 	if err != nil {
-		return nil, nil, "", fmt.Errorf("new CSR: %w", err)
+		return nil, nil, fmt.Errorf("new CSR: %w", err)
 	}
-	keyPEM, err = encodeKey(key)
-	if err != nil {
-		return nil, nil, "", fmt.Errorf("new CSR: %w", err)
+	if csr, err = x509.ParseCertificateRequest(der); err != nil {
+		return nil, nil, fmt.Errorf("new CSR: %w", err)
 	}
-	return pem.EncodeToMemory(&pem.Block{Type: pemTypeCSR, Bytes: der}), keyPEM, name, nil
+	if keyPEM, err = encodeKey(key); err != nil {
+		return nil, nil, fmt.Errorf("new CSR: %w", err)
+	}
+	return csr, keyPEM, nil
 }

@@ -32,17 +32,13 @@ func (c *CSR) UserName() string {
 // NewPeerCSR makes a key, read from rand, and a CSR for peer whose
 // subject is CertificateUser(peer, key).
 func NewPeerCSR(peer string, rand io.Reader) (*CSR, error) {
-	csrPEM, keyPEM, user, err := pki.NewUserCSR(func(pub crypto.PublicKey) (string, error) {
+	csr, keyPEM, err := pki.NewParsedUserCSR(func(pub crypto.PublicKey) (string, error) {
 		return apiv1.CertificateUser(peer, pub)
 	}, rand)
 	if err != nil {
 		return nil, err
 	}
-	csr, _, err := pki.ParseUserCSRPEM(csrPEM)
-	if err != nil {
-		return nil, err
-	}
-	return &CSR{Parsed: csr, KeyPEM: keyPEM, User: user, Fingerprint: fingerprintOf(csr)}, nil
+	return &CSR{Parsed: csr, KeyPEM: keyPEM, User: csr.Subject.CommonName, Fingerprint: fingerprintOf(csr)}, nil
 }
 
 // ParsePeerCSR checks a CSR that peer sent: its subject must be exactly
