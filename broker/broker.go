@@ -345,14 +345,14 @@ func (b *Broker) decide(c Caller, req apiv1.KubeconfigRequest, a *audit.Pending,
 }
 
 func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, a *audit.Pending) (*apiv1.KubeconfigResponse, string, error) {
-	log := b.cfg.Logger.With(
+	log := b.cfg.Logger.WithLazy(
 		zap.String("identity", c.Identity),
 		zap.String("namespace", req.Namespace),
 		zap.String("service_account", req.ServiceAccount),
 		zap.String("requested_ttl", req.TTL),
 	)
 	if c.Workload != nil {
-		log = log.With(zap.String("workload", c.Workload.String()), zap.String("workload_token_jti", c.Workload.TokenJTI))
+		log = log.WithLazy(zap.String("workload", c.Workload.String()), zap.String("workload_token_jti", c.Workload.TokenJTI))
 	}
 	dec, outcome, err := b.decide(c, req, a, log)
 	if err != nil {
@@ -380,7 +380,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcome, err
 	}
 	if a.Event.User != "" {
-		log = log.With(zap.String("user", a.Event.User))
+		log = log.WithLazy(zap.String("user", a.Event.User))
 	}
 	// Checked before any object is made: a gateway kubeconfig needs the
 	// gateway's CAs.
@@ -412,7 +412,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcomeError, err
 	}
 	a.Event.LeaseID = id
-	log = log.With(zap.String("lease_id", id), zap.String("peer", d.Peer))
+	log = log.WithLazy(zap.String("lease_id", id), zap.String("peer", d.Peer))
 	now := b.cfg.Clock.Now()
 	// The lease's expiry in whole seconds, as its annotation records it
 	// and the GC and the timer revoke it: never later than asked.
