@@ -86,7 +86,7 @@ type env struct {
 	logs   *observer.ObservedLogs
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	t.Helper()
 	core, logs := observer.New(zap.DebugLevel)
 	client := fake.NewClientset()
@@ -397,7 +397,7 @@ func TestOwnTimeExcludesTheWaitOnTheAPIServer(t *testing.T) {
 	require.InDelta(t, 0, own, 1e-9, "the 35ms inside the API calls are API wait, not the broker's own time")
 }
 
-func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
+func histogramSum(t testing.TB, g prometheus.Gatherer, name string) float64 {
 	t.Helper()
 	mfs, err := g.Gather()
 	require.NoError(t, err)

@@ -20,7 +20,7 @@ const (
 
 var ownedPolicy = policytest.Owned
 
-func mustPolicy(t *testing.T, doc string) *policy.Policy {
+func mustPolicy(t testing.TB, doc string) *policy.Policy {
 	t.Helper()
 	p, err := policy.Parse([]byte(doc))
 	require.NoError(t, err)

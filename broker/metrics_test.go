@@ -25,7 +25,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 )
 
-func newMetricsEnv(t *testing.T) (*env, *prometheus.Registry, *metrics.Metrics) {
+func newMetricsEnv(t testing.TB) (*env, *prometheus.Registry, *metrics.Metrics) {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	m, err := metrics.New(reg)
