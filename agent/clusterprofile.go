@@ -90,7 +90,7 @@ func accessProvider(meta outputMeta, c *Credential) (map[string]any, error) {
 	if c.Server == "" || len(c.CAData) == 0 {
 		return nil, errors.New("the broker's kubeconfig has no server or no certificate-authority-data, which a ClusterProfile entry needs")
 	}
-	ext, err := json.Marshal(execcred.NewPluginTarget(meta.broker, meta.req.APIRequest()))
+	ext, err := json.Marshal(execcred.NewPluginTarget(meta.broker, apiv1.RequestSpec(meta.req)))
 	if err != nil {
 		return nil, fmt.Errorf("render the exec extension: %w", err)
 	}

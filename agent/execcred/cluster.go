@@ -98,7 +98,11 @@ func ParsePluginTarget(raw []byte) (*PluginTarget, error) {
 	if err := dec.Decode(&t); err != nil {
 		var typ *json.UnmarshalTypeError
 		if errors.As(err, &typ) && typ.Field != "" {
-			return nil, fmt.Errorf("%s must not be a JSON %s", short(typ.Field), typ.Value)
+			// Every key of a target is at the top level; Field also names
+			// the embedded RequestSpec the key belongs to, which is Go's,
+			// not the document's.
+			key := typ.Field[strings.LastIndexByte(typ.Field, '.')+1:]
+			return nil, fmt.Errorf("%s must not be a JSON %s", short(key), typ.Value)
 		}
 		if strings.HasPrefix(err.Error(), "json: unknown field ") {
 			return nil, fmt.Errorf("unknown field %s: not in %s %s (written for a newer plugin, or mistyped)",

@@ -159,16 +159,16 @@ func TestGuardedPluginHandsOutOnlyForTheBrokersCluster(t *testing.T) {
 // mode: what the agent writes is what the plugin asks the broker for.
 func TestAPluginTargetKeepsItsAccessMode(t *testing.T) {
 	t.Parallel()
-	req := apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Access: apiv1.AccessGateway}
-	raw, err := json.Marshal(NewPluginTarget("https://b:8443", req))
+	spec := apiv1.RequestSpec{Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Access: apiv1.AccessGateway}
+	raw, err := json.Marshal(NewPluginTarget("https://b:8443", spec))
 	require.NoError(t, err)
 	require.Contains(t, string(raw), `"access":"gateway"`)
 	got, err := ParsePluginTarget(raw)
 	require.NoError(t, err)
-	require.Equal(t, req, got.Request())
+	require.Equal(t, spec.Request(), got.Request())
 
-	req.Access = ""
-	raw, err = json.Marshal(NewPluginTarget("https://b:8443", req))
+	spec.Access = ""
+	raw, err = json.Marshal(NewPluginTarget("https://b:8443", spec))
 	require.NoError(t, err)
 	require.NotContains(t, string(raw), "access", "an entry without a mode is the entry of earlier releases")
 }

@@ -57,12 +57,12 @@ func TestParseExecInfo(t *testing.T) {
 			in: `{"kind":"ExecCredential","apiVersion":"client.authentication.k8s.io/v1beta1","spec":{"cluster":{"server":"https://x","config":` +
 				`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b:8443","namespace":"batch","serviceAccount":"mk","ttl":"1h","audiences":["a"]}}}}`,
 			want: ExecInfo{APIVersion: APIVersionV1beta1, FromClientGo: true, Cluster: &Cluster{Server: "https://x", Target: &PluginTarget{
-				APIVersion: apiv1.PluginTargetAPIVersion, Kind: apiv1.PluginTargetKind, Broker: "https://b:8443", Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Audiences: []string{"a"}}}}},
+				APIVersion: apiv1.PluginTargetAPIVersion, Kind: apiv1.PluginTargetKind, Broker: "https://b:8443", RequestSpec: apiv1.RequestSpec{Namespace: "batch", ServiceAccount: "mk", TTL: "1h", Audiences: []string{"a"}}}}}},
 		{name: "a gateway target says so",
 			in: `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://gw","config":` +
 				`{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b:8443","namespace":"batch","serviceAccount":"mk","access":"gateway"}}}}`,
 			want: ExecInfo{APIVersion: APIVersionV1, FromClientGo: true, Cluster: &Cluster{Server: "https://gw", Target: &PluginTarget{
-				APIVersion: apiv1.PluginTargetAPIVersion, Kind: apiv1.PluginTargetKind, Broker: "https://b:8443", Namespace: "batch", ServiceAccount: "mk", Access: apiv1.AccessGateway}}}},
+				APIVersion: apiv1.PluginTargetAPIVersion, Kind: apiv1.PluginTargetKind, Broker: "https://b:8443", RequestSpec: apiv1.RequestSpec{Namespace: "batch", ServiceAccount: "mk", Access: apiv1.AccessGateway}}}}},
 		{name: "an access mode the plugin does not know is refused",
 			in:  `{"apiVersion":"client.authentication.k8s.io/v1","spec":{"cluster":{"server":"https://x","config":{"apiVersion":"tokenbroker.io/v1","kind":"PluginTarget","broker":"https://b","namespace":"n","access":"tunnel"}}}}`,
 			err: "spec.cluster.config: access must be direct or gateway"},

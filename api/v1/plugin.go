@@ -72,40 +72,19 @@ type PluginTarget struct {
 	APIVersion string `json:"apiVersion"`
 	Kind       string `json:"kind"`
 	// Broker is the URL of the broker's mutual-TLS listener.
-	Broker         string `json:"broker"`
-	Namespace      string `json:"namespace"`
-	ServiceAccount string `json:"serviceAccount,omitempty"`
-	// TTL and MinTTL are Go durations; empty means the broker's default
-	// and no minimum.
-	TTL       string   `json:"ttl,omitempty"`
-	MinTTL    string   `json:"minTTL,omitempty"`
-	Audiences []string `json:"audiences,omitempty"`
-	// Credential is CredentialToken (the default) or
-	// CredentialClientCertificate.
-	Credential string `json:"credential,omitempty"`
-	// Access is AccessDirect, AccessGateway or "" (the mode of the grant
-	// that allows the request, as before access existed).
-	Access string `json:"access,omitempty"`
+	Broker string `json:"broker"`
+	// RequestSpec is what the plugin asks the broker for. Credential is
+	// left empty for CredentialToken, the default; Access empty is the
+	// mode of the grant that allows the request, as before access existed.
+	RequestSpec
 }
 
 // NewPluginTarget is the target of a request to broker, with its
 // apiVersion and kind.
-func NewPluginTarget(broker string, req KubeconfigRequest) PluginTarget {
-	t := PluginTarget{
-		APIVersion: PluginTargetAPIVersion, Kind: PluginTargetKind, Broker: broker,
-		Namespace: req.Namespace, ServiceAccount: req.ServiceAccount, TTL: req.TTL, MinTTL: req.MinTTL,
-		Audiences: req.Audiences, Credential: req.Credential, Access: req.Access,
-	}
+func NewPluginTarget(broker string, spec RequestSpec) PluginTarget {
+	t := PluginTarget{APIVersion: PluginTargetAPIVersion, Kind: PluginTargetKind, Broker: broker, RequestSpec: spec}
 	if t.Credential == CredentialToken {
 		t.Credential = ""
 	}
 	return t
-}
-
-// Request is the broker request of the target.
-func (t PluginTarget) Request() KubeconfigRequest {
-	return KubeconfigRequest{
-		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
-		Audiences: t.Audiences, Credential: t.Credential, Access: t.Access,
-	}
 }

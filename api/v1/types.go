@@ -70,6 +70,35 @@ type KubeconfigRequest struct {
 	Access string `json:"access,omitempty"`
 }
 
+// RequestSpec is what a KubeconfigRequest asks for, without the CSR: what
+// a client that asks again and again keeps (an agent's target, the exec
+// plugin's PluginTarget and command line), since a CSR is made anew for
+// each request. Its fields are KubeconfigRequest's, with the same JSON
+// names, so that a document that holds one reads like the request.
+type RequestSpec struct {
+	Namespace      string   `json:"namespace"`
+	ServiceAccount string   `json:"serviceAccount,omitempty"`
+	TTL            string   `json:"ttl,omitempty"`
+	MinTTL         string   `json:"minTTL,omitempty"`
+	Audiences      []string `json:"audiences,omitempty"`
+	Credential     string   `json:"credential,omitempty"`
+	Access         string   `json:"access,omitempty"`
+}
+
+// Request is the KubeconfigRequest of s, without a CSR, with its own copy
+// of the audiences.
+func (s RequestSpec) Request() KubeconfigRequest {
+	return KubeconfigRequest{
+		Namespace:      s.Namespace,
+		ServiceAccount: s.ServiceAccount,
+		TTL:            s.TTL,
+		MinTTL:         s.MinTTL,
+		Audiences:      append([]string(nil), s.Audiences...),
+		Credential:     s.Credential,
+		Access:         s.Access,
+	}
+}
+
 // ExecKubeconfigResponse is the 200 JSON answer of POST
 // /v1/kubeconfigs?format=exec: a kubeconfig whose user runs the exec
 // credential plugin ("tokenbroker credential"), with no credential in it.

@@ -398,7 +398,7 @@ func clusterProfileExecInfo(t *testing.T, server string, ca []byte, target execc
 
 func TestCredentialAsAClusterProfileAccessProvider(t *testing.T) {
 	b := newCredBroker(t)
-	target := execcred.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"})
+	target := execcred.NewPluginTarget(b.url, apiv1.RequestSpec{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h"})
 	identity := []string{"--identity-dir", b.identityDir}
 
 	t.Run("the target comes from spec.cluster.config and the credential is cached", func(t *testing.T) {
@@ -509,7 +509,7 @@ func TestCredentialWithAccessGatewayAnswersWithACertificateAndItsKey(t *testing.
 // nowhere else, the API server included.
 func TestCredentialAsTheAccessProviderOfAGatewayTarget(t *testing.T) {
 	b := newCredBroker(t)
-	target := execcred.NewPluginTarget(b.url, apiv1.KubeconfigRequest{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h", Access: apiv1.AccessGateway})
+	target := execcred.NewPluginTarget(b.url, apiv1.RequestSpec{Namespace: "batch", ServiceAccount: "multikueue", TTL: "1h", Access: apiv1.AccessGateway})
 	identity := []string{"--identity-dir", b.identityDir}
 
 	t.Run("the gateway gets a gateway credential", func(t *testing.T) {
