@@ -202,29 +202,23 @@ type LivePodsConfig struct {
 	Interval apiv1.Duration `json:"interval,omitempty"`
 }
 
-// RequestConfig is the POST /v1/kubeconfigs body the target sends:
-// namespace and serviceAccount are required; ttl and minTTL are Go
-// durations (empty: the broker's policy decides).
-type RequestConfig struct {
-	Namespace      string   `json:"namespace"`
-	ServiceAccount string   `json:"serviceAccount,omitempty"`
-	TTL            string   `json:"ttl,omitempty"`
-	MinTTL         string   `json:"minTTL,omitempty"`
-	Audiences      []string `json:"audiences,omitempty"`
-	// Credential is "token" (the default) or "clientCertificate": a client
-	// certificate for a per-lease user with the grant's role, whose key
-	// the agent makes itself and never sends (no serviceAccount then).
-	Credential string `json:"credential,omitempty"`
-	// Access is "direct" (a credential of the API server), "gateway" (a
-	// client certificate for this one lease, good only at the broker's
-	// lease gateway, which the kubeconfig's server then is; the agent
-	// makes the key and never sends it) or empty: the mode of the grant
-	// that allows the request. Gateway takes a serviceAccount, credential
-	// token (or none) and no audiences; every output carries the
-	// certificate and key but a file output's tokenFile, which holds a
-	// token only.
-	Access string `json:"access,omitempty"`
-}
+// RequestConfig is the POST /v1/kubeconfigs body the target sends
+// (apiv1.RequestSpec, with the request's field names): namespace and
+// serviceAccount are required; ttl and minTTL are Go durations (empty: the
+// broker's policy decides).
+//
+// Credential is "token" (the default) or "clientCertificate": a client
+// certificate for a per-lease user with the grant's role, whose key the
+// agent makes itself and never sends (no serviceAccount then).
+//
+// Access is "direct" (a credential of the API server), "gateway" (a client
+// certificate for this one lease, good only at the broker's lease gateway,
+// which the kubeconfig's server then is; the agent makes the key and never
+// sends it) or empty: the mode of the grant that allows the request.
+// Gateway takes a serviceAccount, credential token (or none) and no
+// audiences; every output carries the certificate and key but a file
+// output's tokenFile, which holds a token only.
+type RequestConfig apiv1.RequestSpec
 
 // OutputConfig is one place a credential is written; exactly one of
 // Secret, File and ClusterProfile.

@@ -93,15 +93,7 @@ const (
 
 // APIRequest returns the wire form of the request.
 func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
-	return apiv1.KubeconfigRequest{
-		Namespace:      r.Namespace,
-		ServiceAccount: r.ServiceAccount,
-		TTL:            r.TTL,
-		MinTTL:         r.MinTTL,
-		Audiences:      append([]string(nil), r.Audiences...),
-		Credential:     r.Credential,
-		Access:         r.Access,
-	}
+	return apiv1.RequestSpec(r).Request()
 }
 
 // Subject names what a request is for in messages: namespace/ServiceAccount
