@@ -201,10 +201,7 @@ func renderArgoCD(o config.SecretOutput, meta outputMeta, c *Credential, data ma
 		// No credential: Argo CD runs the plugin, which asks the broker
 		// with the same request as this target.
 		ec := execcred.ExecConfig(e.Command, execcred.Target{
-			Broker: meta.broker, IdentityDir: e.IdentityDir,
-			Namespace: meta.req.Namespace, ServiceAccount: meta.req.ServiceAccount,
-			TTL: meta.req.TTL, MinTTL: meta.req.MinTTL, Audiences: meta.req.Audiences,
-			Credential: meta.req.Credential, Access: meta.req.Access,
+			Broker: meta.broker, IdentityDir: e.IdentityDir, RequestSpec: apiv1.RequestSpec(meta.req),
 		})
 		cfg = argoClusterConfig{ProxyURL: c.ProxyURL, ExecProviderConfig: &argoExecProvider{
 			Command: ec.Command, Args: ec.Args, Env: e.Env, APIVersion: ec.APIVersion, InstallHint: ec.InstallHint,

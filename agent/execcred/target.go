@@ -38,22 +38,11 @@ type Target struct {
 	Broker string
 	// IdentityDir holds tls.crt, tls.key and ca.crt. It should be absolute:
 	// client-go runs the plugin in the caller's working directory.
-	IdentityDir    string
-	Namespace      string
-	ServiceAccount string
-	// TTL and MinTTL are Go durations as the API takes them; empty means
-	// the broker's default and no minimum.
-	TTL    string
-	MinTTL string
-	// Audiences of the token; none means the API server's default.
-	Audiences []string
-	// Credential is "" or apiv1.CredentialToken for a token, or
-	// apiv1.CredentialClientCertificate for a client certificate.
-	Credential string
-	// Access is apiv1.AccessDirect, apiv1.AccessGateway (a certificate for
-	// one lease, good only at the broker's lease gateway) or "": the mode
+	IdentityDir string
+	// RequestSpec is what the plugin asks the broker for. Credential ""
+	// and apiv1.CredentialToken both mean a token; Access "" is the mode
 	// of the grant that allows the request.
-	Access string
+	apiv1.RequestSpec
 	// WorkloadTokenFile, if set, is the workload token sent to the broker
 	// (an absolute path: a projected ServiceAccount token).
 	WorkloadTokenFile string
@@ -62,10 +51,7 @@ type Target struct {
 // Args returns the arguments of the plugin's command: "credential" and its
 // flags (apiv1.PluginArgs, then --workload-token-file).
 func (t Target) Args() []string {
-	args := apiv1.PluginArgs(t.Broker, t.IdentityDir, apiv1.KubeconfigRequest{
-		Namespace: t.Namespace, ServiceAccount: t.ServiceAccount, TTL: t.TTL, MinTTL: t.MinTTL,
-		Audiences: t.Audiences, Credential: t.Credential, Access: t.Access,
-	})
+	args := apiv1.PluginArgs(t.Broker, t.IdentityDir, t.Request())
 	if t.WorkloadTokenFile != "" {
 		args = append(args, "--workload-token-file", t.WorkloadTokenFile)
 	}

@@ -19,24 +19,24 @@ func TestTargetArgs(t *testing.T) {
 		want   []string
 	}{
 		{name: "a token at the broker's default lifetime needs only the required flags",
-			target: Target{Broker: "https://b:8443", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner"},
+			target: Target{Broker: "https://b:8443", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner"}},
 			want:   []string{"credential", "--broker", "https://b:8443", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner"}},
 		{name: "lifetimes and audiences follow in a fixed order",
-			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", TTL: "8h", MinTTL: "1h", Audiences: []string{"a", "b"}},
+			target: Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", TTL: "8h", MinTTL: "1h", Audiences: []string{"a", "b"}}},
 			want: []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner",
 				"--ttl", "8h", "--min-ttl", "1h", "--audience", "a", "--audience", "b"}},
 		{name: "a client certificate says so and names no ServiceAccount",
-			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", Credential: apiv1.CredentialClientCertificate},
+			target: Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", Credential: apiv1.CredentialClientCertificate}},
 			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--credential", "client-certificate"}},
 		{name: "a gateway target asks for access gateway, after the request's other flags",
-			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", TTL: "1h", Access: apiv1.AccessGateway, WorkloadTokenFile: "/t"},
+			target: Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", TTL: "1h", Access: apiv1.AccessGateway}, WorkloadTokenFile: "/t"},
 			want: []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner",
 				"--ttl", "1h", "--access", "gateway", "--workload-token-file", "/t"}},
 		{name: "an explicit direct target says so: without it the grant's mode is used",
-			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessDirect},
+			target: Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessDirect}},
 			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner", "--access", "direct"}},
 		{name: "an explicit token credential is the default and is left out",
-			target: Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner", Credential: apiv1.CredentialToken},
+			target: Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", Credential: apiv1.CredentialToken}},
 			want:   []string{"credential", "--broker", "https://b", "--identity-dir", "/id", "--namespace", "argo", "--service-account", "runner"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -72,7 +72,7 @@ current-context: "argo/runner@east"
 
 func TestKubeconfigFromBrokerRunsThePluginAgainstTheBrokersCluster(t *testing.T) {
 	t.Parallel()
-	target := Target{Broker: "https://b:8443", IdentityDir: "/home/me/west", Namespace: "argo", ServiceAccount: "runner", TTL: "8h"}
+	target := Target{Broker: "https://b:8443", IdentityDir: "/home/me/west", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", TTL: "8h"}}
 	data, err := KubeconfigFromBroker([]byte(brokerKubeconfig), "/usr/local/bin/tokenbroker", target)
 	require.NoError(t, err)
 	require.NotContains(t, string(data), "SECRET", "nothing of the broker's user is kept")
@@ -114,14 +114,14 @@ func withoutLoadDefaults(e *clientcmdapi.ExecConfig) *clientcmdapi.ExecConfig {
 
 func TestKubeconfigRefusals(t *testing.T) {
 	t.Parallel()
-	good := Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", ServiceAccount: "runner"}
+	good := Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner"}}
 	for _, tc := range []struct {
 		name, kubeconfig, command string
 		target                    Target
 		err                       string
 	}{
 		{name: "a relative identity directory would be looked up in kubectl's working directory",
-			kubeconfig: brokerKubeconfig, command: "tokenbroker", target: Target{Broker: "https://b", IdentityDir: "west", Namespace: "argo", ServiceAccount: "r"},
+			kubeconfig: brokerKubeconfig, command: "tokenbroker", target: Target{Broker: "https://b", IdentityDir: "west", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "r"}},
 			err: "must be an absolute path"},
 		{name: "an empty command is refused", kubeconfig: brokerKubeconfig, target: good, err: "command is empty"},
 		{name: "a broker kubeconfig that does not parse is refused without quoting it",
@@ -141,7 +141,7 @@ func TestKubeconfigRefusals(t *testing.T) {
 func TestAClientCertificateKubeconfigNamesItsUserAfterTheCertificate(t *testing.T) {
 	t.Parallel()
 	data, err := Kubeconfig("east", &clientcmdapi.Cluster{Server: "https://east:6443"}, "/bin/tokenbroker",
-		Target{Broker: "https://b", IdentityDir: "/id", Namespace: "argo", Credential: apiv1.CredentialClientCertificate})
+		Target{Broker: "https://b", IdentityDir: "/id", RequestSpec: apiv1.RequestSpec{Namespace: "argo", Credential: apiv1.CredentialClientCertificate}})
 	require.NoError(t, err)
 	cfg, err := clientcmd.Load(data)
 	require.NoError(t, err)
@@ -177,7 +177,7 @@ current-context: "argo/runner@east"
 // hands out goes where it is good.
 func TestAGatewayExecKubeconfigPointsAtTheGatewayAndAsksForIt(t *testing.T) {
 	t.Parallel()
-	target := Target{Broker: "https://b:8443", IdentityDir: "/home/me/west", Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessGateway}
+	target := Target{Broker: "https://b:8443", IdentityDir: "/home/me/west", RequestSpec: apiv1.RequestSpec{Namespace: "argo", ServiceAccount: "runner", Access: apiv1.AccessGateway}}
 	data, err := KubeconfigFromBroker([]byte(gatewayKubeconfig), "/usr/local/bin/tokenbroker", target)
 	require.NoError(t, err)
 	require.NotContains(t, string(data), "Y2VydC1TRUNSRVQ=", "nothing of the broker's user is kept")

@@ -16,6 +16,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/agent"
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/agent/execcred"
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 )
 
 func newGetCommand() *cobra.Command {
@@ -212,15 +213,9 @@ func execKubeconfig(ctx context.Context, c *client.Client, cred *agent.Credentia
 		}
 	}
 	return execcred.KubeconfigFromBroker(cred.Kubeconfig, command, execcred.Target{
-		Broker:         cfg.Broker,
-		IdentityDir:    dir,
-		Namespace:      cfg.Request.Namespace,
-		ServiceAccount: cfg.Request.ServiceAccount,
-		TTL:            cfg.Request.TTL,
-		MinTTL:         cfg.Request.MinTTL,
-		Audiences:      cfg.Request.Audiences,
-		Credential:     cfg.Request.Credential,
-		Access:         cfg.Request.Access,
+		Broker:      cfg.Broker,
+		IdentityDir: dir,
+		RequestSpec: apiv1.RequestSpec(cfg.Request),
 		// The plugin reads the token at every run: the kubelet rotates it.
 		WorkloadTokenFile: tokenFile,
 	})
