@@ -81,6 +81,10 @@ type Credential struct {
 	// credentials.
 	CertificatePEM []byte
 	KeyPEM         []byte
+	// Leaf is CertificatePEM's first certificate, parsed, when the issuer
+	// holds it (both issuers do, having checked it): Ref reads it instead
+	// of parsing the PEM again. nil means Ref parses CertificatePEM.
+	Leaf *x509.Certificate
 	// NotBefore is when the credential starts to be valid: zero for a
 	// token (at once), the certificate's NotBefore for a certificate
 	// (which a signer may backdate).
@@ -112,9 +116,15 @@ type Ref struct{ LogKey, Value, APIID string }
 func (c Credential) Ref() Ref {
 	if c.Kind() == KindClientCertificate {
 		ref := Ref{LogKey: "certificate_serial"}
-		if leaf, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(leaf) > 0 {
-			ref.Value = leaf[0].SerialNumber.Text(16)
-			sum := sha256.Sum256(leaf[0].Raw)
+		leaf := c.Leaf
+		if leaf == nil {
+			if certs, err := pki.ParseCertificatesPEM(c.CertificatePEM); err == nil && len(certs) > 0 {
+				leaf = certs[0]
+			}
+		}
+		if leaf != nil {
+			ref.Value = leaf.SerialNumber.Text(16)
+			sum := sha256.Sum256(leaf.Raw)
 			ref.APIID = "X509SHA256=" + hex.EncodeToString(sum[:])
 		}
 		return ref

@@ -232,7 +232,7 @@ func (i *Issuer) sign(ctx context.Context, req issuers.Request, parsed *x509.Cer
 	if err != nil {
 		return issuers.Credential{}, err
 	}
-	return issuers.Credential{CertificatePEM: certPEM, NotBefore: cert.NotBefore, ExpiresAt: cert.NotAfter}, nil
+	return issuers.Credential{CertificatePEM: certPEM, Leaf: cert, NotBefore: cert.NotBefore, ExpiresAt: cert.NotAfter}, nil
 }
 
 // waitSigned watches the CSR until the signer has issued the certificate,

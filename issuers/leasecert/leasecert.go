@@ -71,5 +71,5 @@ func (i *Issuer) Issue(_ context.Context, req issuers.Request) (issuers.Credenti
 	if err != nil {
 		return issuers.Credential{}, err
 	}
-	return issuers.Credential{CertificatePEM: kp.CertPEM, KeyPEM: keyPEM, NotBefore: kp.Cert.NotBefore, ExpiresAt: kp.Cert.NotAfter}, nil
+	return issuers.Credential{CertificatePEM: kp.CertPEM, KeyPEM: keyPEM, Leaf: kp.Cert, NotBefore: kp.Cert.NotBefore, ExpiresAt: kp.Cert.NotAfter}, nil
 }
