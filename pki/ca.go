@@ -253,13 +253,9 @@ func LoadCAWithOptions(certFile, keyFile string, opts CAOptions) (*CA, error) {
 // intermediate whose certificate file leaves the root out is loaded. An empty
 // bundleFile means no bundle, as LoadCAWithOptions.
 func LoadCAChain(certFile, keyFile, bundleFile string, opts CAOptions) (*CA, error) {
-	certPEM, err := readFileLimited(certFile, MaxCertificatesPEMSize)
+	certPEM, keyPEM, err := readCAFiles(certFile, keyFile)
 	if err != nil {
-		return nil, fmt.Errorf("load CA certificate: %w", err)
-	}
-	keyPEM, err := readFileLimited(keyFile, MaxPrivateKeyPEMSize)
-	if err != nil {
-		return nil, fmt.Errorf("load CA key: %w", err)
+		return nil, err
 	}
 	ca, err := ParseCA(certPEM, keyPEM, opts)
 	if err != nil {
@@ -276,6 +272,20 @@ func LoadCAChain(certFile, keyFile, bundleFile string, opts CAOptions) (*CA, err
 		return nil, fmt.Errorf("load CA from %s with bundle %s: %w", certFile, bundleFile, err)
 	}
 	return ca, nil
+}
+
+// readCAFiles reads a CA's certificate (chain) and key files, each within
+// its size limit, for LoadCAChain and CAReloader.
+func readCAFiles(certFile, keyFile string) (certPEM, keyPEM []byte, err error) {
+	certPEM, err = readFileLimited(certFile, MaxCertificatesPEMSize)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load CA certificate: %w", err)
+	}
+	keyPEM, err = readFileLimited(keyFile, MaxPrivateKeyPEMSize)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load CA key: %w", err)
+	}
+	return certPEM, keyPEM, nil
 }
 
 // ParseCA builds a CA from PEM. Only opts.Now and opts.Rand are used.

@@ -4,7 +4,6 @@ import (
 	"crypto"
 	"crypto/x509"
 	"errors"
-	"fmt"
 	"time"
 )
 
@@ -33,13 +32,9 @@ func NewCAReloader(certFile, keyFile string, caOpts CAOptions, opts ...ReloaderO
 	r.FileReloader = FileReloader[CA]{
 		reloadSettings: newReloadSettings(opts),
 		read: func() ([][]byte, error) {
-			certPEM, err := readFileLimited(certFile, MaxCertificatesPEMSize)
+			certPEM, keyPEM, err := readCAFiles(certFile, keyFile)
 			if err != nil {
-				return nil, fmt.Errorf("load CA certificate: %w", err)
-			}
-			keyPEM, err := readFileLimited(keyFile, MaxPrivateKeyPEMSize)
-			if err != nil {
-				return nil, fmt.Errorf("load CA key: %w", err)
+				return nil, err
 			}
 			return [][]byte{certPEM, keyPEM}, nil
 		},
