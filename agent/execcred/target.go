@@ -122,40 +122,50 @@ func Kubeconfig(clusterName string, cluster *clientcmdapi.Cluster, command strin
 // kubeconfig the broker issued. That kubeconfig holds a credential: errors
 // never quote it, and nothing of its user is kept.
 func KubeconfigFromBroker(brokerKubeconfig []byte, command string, t Target) ([]byte, error) {
-	cfg, err := clientcmd.Load(brokerKubeconfig)
+	name, cluster, err := currentCluster(brokerKubeconfig)
 	if err != nil {
-		return nil, errors.New("exec kubeconfig: the broker's kubeconfig does not parse")
-	}
-	ctx, ok := cfg.Contexts[cfg.CurrentContext]
-	if !ok {
-		return nil, errors.New("exec kubeconfig: the broker's kubeconfig has no current context")
-	}
-	cluster, ok := cfg.Clusters[ctx.Cluster]
-	if !ok {
-		return nil, errors.New("exec kubeconfig: the broker's kubeconfig names no cluster")
+		return nil, fmt.Errorf("exec kubeconfig: %w", err)
 	}
 	// Load records where each entry came from; a kubeconfig written for
 	// another place must not carry that.
 	cluster = cluster.DeepCopy()
 	cluster.LocationOfOrigin = ""
-	return Kubeconfig(ctx.Cluster, cluster, command, t)
+	return Kubeconfig(name, cluster, command, t)
 }
 
 // ClusterOfKubeconfig is the cluster entry (server and CA) of the current
 // context of a kubeconfig the broker wrote, for CheckCluster. Errors never
 // quote the kubeconfig.
 func ClusterOfKubeconfig(data []byte) (ClusterRef, error) {
+	_, cluster, err := currentCluster(data)
+	if err != nil {
+		return ClusterRef{}, err
+	}
+	if cluster.Server == "" {
+		return ClusterRef{}, errNoCluster
+	}
+	return ClusterRef{Server: cluster.Server, CAData: cluster.CertificateAuthorityData}, nil
+}
+
+// errNoCluster is a broker's kubeconfig without the cluster entry of its
+// current context.
+var errNoCluster = errors.New("the broker's kubeconfig names no cluster")
+
+// currentCluster is the name and the entry of the cluster of the current
+// context of a kubeconfig the broker wrote. That kubeconfig holds a
+// credential: errors never quote it.
+func currentCluster(data []byte) (string, *clientcmdapi.Cluster, error) {
 	cfg, err := clientcmd.Load(data)
 	if err != nil {
-		return ClusterRef{}, errors.New("the broker's kubeconfig does not parse")
+		return "", nil, errors.New("the broker's kubeconfig does not parse")
 	}
 	ctx, ok := cfg.Contexts[cfg.CurrentContext]
 	if !ok {
-		return ClusterRef{}, errors.New("the broker's kubeconfig has no current context")
+		return "", nil, errors.New("the broker's kubeconfig has no current context")
 	}
 	cluster, ok := cfg.Clusters[ctx.Cluster]
-	if !ok || cluster.Server == "" {
-		return ClusterRef{}, errors.New("the broker's kubeconfig names no cluster")
+	if !ok {
+		return "", nil, errNoCluster
 	}
-	return ClusterRef{Server: cluster.Server, CAData: cluster.CertificateAuthorityData}, nil
+	return ctx.Cluster, cluster, nil
 }

@@ -138,6 +138,28 @@ func TestKubeconfigRefusals(t *testing.T) {
 	}
 }
 
+func TestClusterOfKubeconfigIsTheCurrentContextsClusterAndNeverQuotesTheKubeconfig(t *testing.T) {
+	t.Parallel()
+	got, err := ClusterOfKubeconfig([]byte(brokerKubeconfig))
+	require.NoError(t, err)
+	require.Equal(t, ClusterRef{Server: "https://east.example.com:6443", CAData: []byte("foo")}, got)
+	for _, tc := range []struct{ name, kubeconfig, err string }{
+		{name: "a kubeconfig that does not parse", kubeconfig: "token: tok-SECRET\n\t:", err: "the broker's kubeconfig does not parse"},
+		{name: "a kubeconfig without a current context",
+			kubeconfig: strings.Replace(brokerKubeconfig, `current-context: "argo/runner@east"`, "", 1), err: "the broker's kubeconfig has no current context"},
+		{name: "a current context whose cluster is missing",
+			kubeconfig: strings.Replace(brokerKubeconfig, `cluster: "east"`, `cluster: "west"`, 1), err: "the broker's kubeconfig names no cluster"},
+		{name: "a cluster without a server",
+			kubeconfig: strings.Replace(brokerKubeconfig, `server: "https://east.example.com:6443"`, `server: ""`, 1), err: "the broker's kubeconfig names no cluster"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := ClusterOfKubeconfig([]byte(tc.kubeconfig))
+			require.EqualError(t, err, tc.err)
+		})
+	}
+}
+
 func TestAClientCertificateKubeconfigNamesItsUserAfterTheCertificate(t *testing.T) {
 	t.Parallel()
 	data, err := Kubeconfig("east", &clientcmdapi.Cluster{Server: "https://east:6443"}, "/bin/tokenbroker",
