@@ -8,6 +8,8 @@ import (
 
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -58,7 +60,7 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 		return nil, err
 	}
 	defer done()
-	s, err := b.findLease(ctx, c, id, false)
+	s, _, err := b.findLease(ctx, c, id, false)
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +99,7 @@ func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
 }
 
 func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit.Event) error {
-	s, err := b.findLease(ctx, c, id, true)
+	s, h, err := b.findLease(ctx, c, id, true)
 	// A gateway lease answered before its claim, which has not landed
 	// since, is revoked as any: deleting its pooled Secret under its UID
 	// makes sure the claim never lands.
@@ -105,7 +107,16 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 	if err != nil && !unclaimed {
 		return err
 	}
-	ev.Peer, ev.Namespace = s.Labels[objects.LabelPeer], s.Namespace
+	if !unclaimed && !lease.Intact(s) {
+		// Found by its name and the caller's identity, though someone
+		// else edited its labels or annotations (lease/intact.go): its
+		// holder revokes it all the same.
+		b.cfg.Logger.Warn("the lease Secret was edited by someone other than the broker; revoking it as its holder asked",
+			zap.String("identity", c.Identity), zap.String("lease_id", id), zap.String("namespace", s.Namespace))
+	}
+	// The caller's peer, not the Secret's peer label, which anyone who may
+	// patch the Secret can change.
+	ev.Peer, ev.Namespace = h.Peer, s.Namespace
 	ev.ServiceAccount, ev.Credential, ev.User = s.Annotations[objects.AnnotationSA], s.Annotations[objects.AnnotationCred], s.Annotations[objects.AnnotationUser]
 	bindingErr, err := b.deleter().Revoke(ctx, s)
 	lease.LogBindingError(b.cfg.Logger.With(zap.String("lease_id", id)), bindingErr)
@@ -127,18 +138,20 @@ func holder(c Caller, peer *policy.PeerSpec) lease.Holder {
 	return lease.Holder{Peer: peer.Name, Identity: c.Identity, Workload: c.Workload.String()}
 }
 
-// findLease returns the caller's lease id (lease.Store.Find) or
-// KindNotFound.
-func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, error) {
+// findLease returns the caller's lease id (lease.Store.Find) and the
+// caller as its holder, or KindNotFound.
+func (b *Broker) findLease(ctx context.Context, c Caller, id string, wait bool) (*corev1.Secret, lease.Holder, error) {
 	p, err := b.policy()
 	if err != nil {
-		return nil, err
+		return nil, lease.Holder{}, err
 	}
 	peer := p.Peer(c.Identity)
 	if peer == nil {
-		return nil, problem.Errorf(problem.KindNotFound, "lease %q not found", id)
+		return nil, lease.Holder{}, problem.Errorf(problem.KindNotFound, "lease %q not found", id)
 	}
-	return b.store().Find(ctx, b.tenants.PeerNamespaces(peer), holder(c, peer), id, wait)
+	h := holder(c, peer)
+	s, err := b.store().Find(ctx, b.tenants.PeerNamespaces(peer), h, id, wait)
+	return s, h, err
 }
 
 // store reads and writes lease Secrets with the broker's client, clock,
@@ -149,7 +162,8 @@ func (b *Broker) store() *lease.Store {
 }
 
 // CollectGarbage runs one GC pass (lease.Store.Collect) and returns how
-// many expired Secrets it deleted. It looks in the namespaces the policy
+// many expired Secrets, and leases someone else edited (revokeTampered),
+// it deleted. It looks in the namespaces the policy
 // grants and the broker's own: a lease left in a namespace that no grant
 // names any more is not collected (its token still expires on time;
 // delete it with kubectl by its labels). It also queues the revocation of
@@ -175,6 +189,7 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 		UsedTokenRetention: enrollment.UsedJoinTokenFallbackRetention,
 		Delete:             b.deleter().DeleteSecret,
 		Requeue:            func(s *corev1.Secret) { b.queueSecretDeletion(s, deleteExpired) },
+		RevokeTampered:     b.revokeTampered,
 	}
 	if p := b.cfg.Policy.Load(); p != nil {
 		pass.MaxTTL = time.Duration(p.TTL.Max)
@@ -193,7 +208,45 @@ func (b *Broker) collectGarbage(ctx context.Context) (int, int, error) {
 	if res.Others > 0 {
 		b.cfg.Logger.Info("expired used join token records and unclaimed pooled Secrets deleted", zap.Int("count", res.Others))
 	}
-	return res.Leases + res.Others, res.Active, err
+	return res.Leases + res.Others + res.Tampered, res.Active, err
+}
+
+// deleteTampered is the reason of tokenbroker_leases_deleted_total for a
+// lease Secret someone other than the broker edited (lease/intact.go).
+const deleteTampered = "tampered"
+
+// revokeTampered revokes the lease Secret t, which someone other than the
+// broker edited after the lease counter saw it intact (lease/intact.go):
+// its RoleBinding first for a client certificate (only one the lease
+// owns), then the Secret under its UID, so that a Secret made since under
+// its name is never deleted. It reports whether this replica deleted it,
+// and then logs, counts and audits the revocation as one of the lease of
+// t's holder; a failure is retried in the background.
+func (b *Broker) revokeTampered(ctx context.Context, t lease.TamperedSecret) (bool, error) {
+	s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: t.Namespace, Name: t.Name, UID: t.UID}}
+	if t.Certificate {
+		s.Annotations = map[string]string{objects.AnnotationCred: apiv1.CredentialClientCertificate}
+	}
+	id := lease.IDOf(t.Name)
+	log := b.cfg.Logger.With(zap.String("lease_id", id), zap.String("namespace", t.Namespace))
+	bindingErr, err := b.deleter().Revoke(ctx, s)
+	lease.LogBindingError(log, bindingErr)
+	switch {
+	case errors.Is(err, lease.ErrGone) || apierrors.IsConflict(err):
+		return false, nil // revoked already (another replica, its holder), or another Secret of its name
+	case err != nil:
+		b.queueSecretDeletion(s, deleteTampered)
+		return false, err
+	}
+	b.cfg.Metrics.LeaseDeleted(deleteTampered, 1)
+	log.Warn("lease revoked: its Secret was edited by someone other than the broker",
+		zap.String("identity", t.Identity), zap.String("peer", t.Peer))
+	b.recorder().Write(ctx, audit.Event{
+		Action: audit.ActionRevoke, Decision: audit.DecisionAllow,
+		Reason:   "the lease Secret was edited by someone other than the broker",
+		Identity: t.Identity, Peer: t.Peer, Namespace: t.Namespace, LeaseID: id,
+	})
+	return true, nil
 }
 
 // RunGC collects expired leases and used join token records every

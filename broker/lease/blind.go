@@ -9,7 +9,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
@@ -98,16 +97,14 @@ func (t *trackedWatch) Stop() {
 
 func (t *trackedWatch) ResultChan() <-chan watch.Event { return t.out }
 
-// leaseOnlySelector selects the broker's lease Secrets, no pooled one.
-var leaseOnlySelector = labels.Set{objects.LabelManagedBy: objects.ManagedByValue, objects.LabelKind: objects.LeaseKind}.String()
-
 // Recheck asks the API server, not the counter's memory, whether the
 // lease Secret namespace/name under uid is a live lease issued to the
-// peer identity identity at now, with the checks of Holds: a Secret of
-// the lease type and labels (not a pooled one), under uid, not being
-// deleted, that the policy bears out (its namespace, peer label and
-// identity annotation), whose recorded expiry is readable and not passed,
-// and whose identity annotation is identity.
+// peer identity identity at now, with the checks of Holds: an intact
+// lease Secret (Intact: the lease type and every mark the broker writes,
+// so not a pooled one) under uid that the counter has not seen edited
+// since it was intact, not being deleted, that the policy bears out (its
+// namespace, peer label and identity annotation), whose recorded expiry
+// is readable and not passed, and whose identity annotation is identity.
 // expires is that expiry. A lease the API server does not have is
 // ok=false with no error; any error is the API server's (retryable), and
 // says nothing of the lease.
@@ -123,8 +120,9 @@ func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid type
 	if lc.client == nil {
 		return time.Time{}, false, errors.New("recheck lease: the counter has no API client")
 	}
+	// By name and type, not by label: a label edit must not hide the
+	// Secret from the check that refuses it.
 	list, err := lc.client.Resource(SecretsGVR).Namespace(namespace).List(ctx, metav1.ListOptions{
-		LabelSelector: leaseOnlySelector,
 		FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("metadata.name", name),
 			fields.OneTermEqualSelector("type", string(objects.SecretTypeLease))).String(),
 	})
@@ -141,7 +139,10 @@ func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid type
 		return time.Time{}, false, nil
 	}
 	id := bounded(m.Annotations[objects.AnnotationIdentity], maxKeptIdentity)
-	if m.Labels[objects.LabelKind] != objects.LeaseKind || id != identity {
+	if !intactMeta(m.Name, m.Labels, m.Annotations) || id != identity {
+		return time.Time{}, false, nil
+	}
+	if _, tampered := lc.TamperedHolder(namespace, name, uid); tampered {
 		return time.Time{}, false, nil
 	}
 	if !lc.currentRules().verify(namespace, m.Labels[objects.LabelPeer], id) {

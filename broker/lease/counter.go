@@ -8,12 +8,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -45,6 +45,13 @@ import (
 // annotation the policy does not bear out, or whose recorded expiry lies
 // past its creation plus the longest TTL, counts for nothing or only that
 // long. So a tenant who forges lease Secrets takes no place in any quota.
+//
+// It watches every Secret of that type, whatever its labels, so that no
+// edit of a lease's labels takes it out of the counter's sight (or out of
+// a lookup's, NamespacesOf); a Secret whose kind label is neither a
+// lease's nor a pooled Secret's is only indexed. A lease Secret it saw
+// intact and then saw edited is tampered (intact.go): it holds and counts
+// nothing from then on, and Tampered hands it to the GC to revoke.
 type Counter struct {
 	client metadata.Interface
 	clock  clock.PassiveClock
@@ -74,6 +81,9 @@ type Counter struct {
 	// expired holds those that have, for the GC, by key.
 	expiring expiryHeap
 	expired  map[string]*counted
+	// tampered holds the lease Secrets someone else edited since the
+	// counter saw them intact, by key, for the GC to revoke.
+	tampered map[string]*counted
 	// gone, if set, learns of each lease Secret the counter stops knowing
 	// (deleted, relisted away, replaced under another UID, its namespace
 	// no longer watched); added is closed and replaced whenever one is
@@ -111,7 +121,33 @@ type counted struct {
 	// coverage check.
 	grant, mark string
 	marked      bool
+	// foreign: its kind label is neither a lease's nor a pooled
+	// Secret's (someone else's Secret of the lease type, or a lease
+	// whose kind label was edited): indexed by name, nothing more.
+	foreign bool
+	// intact: it bears every mark the broker writes on a lease
+	// (intactMeta); only an intact lease is held for the gateway. sig is
+	// leaseSignature of it, certificate whether it is a client
+	// certificate's lease (a revocation deletes its RoleBinding first).
+	intact      bool
+	sig         signature
+	certificate bool
+	// tampered: seen intact, then edited by someone else under the same
+	// UID (intact.go); peer, identity and certificate are then as the
+	// intact Secret had them. It stays so until the Secret is gone.
+	tampered bool
 }
+
+// baseline reports whether c is a sight of an intact lease that later
+// sights of the same UID are held to.
+func (c *counted) baseline() bool {
+	return c.intact && !c.committed && !c.tampered && !c.pool && !c.foreign
+}
+
+// inert reports whether c neither counts nor is collected as a lease or
+// a pooled Secret: someone else's Secret, or a tampered lease (revoked
+// by Tampered's path instead).
+func (c *counted) inert() bool { return c.foreign || c.tampered }
 
 // reservation is one request's place in a quota; done once its Secret is
 // counted or the request gave the place back.
@@ -139,6 +175,7 @@ func NewCounter(client metadata.Interface, clk clock.PassiveClock, log *zap.Logg
 		client: client, clock: clk, log: log,
 		watches: map[string]*nsWatch{}, byKey: map[string]*counted{}, perPeer: map[string]int{}, reserved: map[string][]*reservation{},
 		expired: map[string]*counted{}, byName: map[string]string{}, dupNames: map[string][]string{},
+		tampered: map[string]*counted{},
 	}
 }
 
@@ -171,7 +208,7 @@ func (lc *Counter) applyLocked(r *Rules) {
 	}
 	lc.applied = r
 	for key, c := range lc.byKey {
-		verified := c.committed || !c.pool && r.verify(keyNamespace(key), c.peer, c.identity)
+		verified := c.committed || !c.pool && !c.inert() && r.verify(keyNamespace(key), c.peer, c.identity)
 		if c.verified == verified && c.until.Equal(lc.until(c)) {
 			continue
 		}
@@ -184,7 +221,8 @@ func (lc *Counter) applyLocked(r *Rules) {
 		lc.drop(key, c)
 		lc.count(&counted{key: key, uid: c.uid, peer: c.peer, identity: c.identity, expires: c.expires,
 			pool: c.pool, created: c.created, verified: verified, committed: c.committed,
-			grant: c.grant, mark: c.mark, marked: c.marked})
+			grant: c.grant, mark: c.mark, marked: c.marked,
+			foreign: c.foreign, intact: c.intact, sig: c.sig, certificate: c.certificate, tampered: c.tampered})
 	}
 }
 
@@ -200,13 +238,11 @@ func (lc *Counter) until(c *counted) time.Time {
 	return u
 }
 
-// leaseSelector selects the broker's lease Secrets and its pooled ones
-// (the GC collects both from the counter).
-var leaseSelector = labels.Set{objects.LabelManagedBy: objects.ManagedByValue}.String() + "," + objects.LabelKind + " in (" + objects.LeaseKind + "," + objects.PoolKind + ")"
-
-// leaseTypeSelector selects Secrets of the lease type only: the API server
+// TypeSelector selects Secrets of the lease type only: the API server
 // checks it, so a Secret of another type with the lease labels never
-// reaches the counter, which sees metadata only.
+// reaches the counter, which sees metadata only. It is the counter's only
+// selector: a Secret's type cannot change, its labels can, and a lease
+// whose labels someone stripped must stay in sight (intact.go).
 var TypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretTypeLease)).String()
 
 // Run counts until ctx ends. If the broker may list Secrets in every
@@ -216,7 +252,7 @@ var TypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretType
 // informer per namespace of namespaces(), which a policy reload or a
 // namespace label can change, checking every interval.
 func (lc *Counter) Run(ctx context.Context, namespaces func() []string, interval time.Duration) {
-	_, err := lc.client.Resource(SecretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{LabelSelector: leaseSelector, FieldSelector: TypeSelector, Limit: 1})
+	_, err := lc.client.Resource(SecretsGVR).Namespace(metav1.NamespaceAll).List(ctx, metav1.ListOptions{FieldSelector: TypeSelector, Limit: 1})
 	if err == nil {
 		lc.log.Info("counting leases with one cluster-wide informer")
 		lc.watch([]string{metav1.NamespaceAll})
@@ -274,11 +310,11 @@ func (lc *Counter) setWatches(namespaces []string, keepMarked bool) {
 		w := &nsWatch{stop: make(chan struct{}), since: lc.clock.Now()}
 		lw := &cache.ListWatch{
 			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
+				o.FieldSelector = TypeSelector
 				return lc.client.Resource(SecretsGVR).Namespace(ns).List(ctx, o)
 			},
 			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-				o.LabelSelector, o.FieldSelector = leaseSelector, TypeSelector
+				o.FieldSelector = TypeSelector
 				wi, err := lc.client.Resource(SecretsGVR).Namespace(ns).Watch(ctx, o)
 				if err != nil {
 					return nil, err
@@ -312,7 +348,7 @@ func (lc *Counter) markedNamespacesLocked() map[string]bool {
 // marked AnnotationRevokeOnUnmatch whose recorded expiry has not passed,
 // counted or not; lc.mu is held.
 func (lc *Counter) markedUnexpiredLocked(c *counted) bool {
-	if !c.marked || c.pool {
+	if !c.marked || c.pool || c.inert() {
 		return false
 	}
 	_, expired := lc.expired[c.key]
@@ -407,14 +443,28 @@ func (lc *Counter) addLocked(m *metav1.PartialObjectMetadata) string {
 		}
 	}
 	mark, marked := m.Annotations[objects.AnnotationRevokeOnUnmatch]
+	kind := m.Labels[objects.LabelKind]
 	// Anyone who may create Secrets can make one of the lease type (unless
 	// the lease admission policy is on): what is kept of it is bounded, so
 	// that large annotations cost the broker no memory. A value longer
 	// than the broker ever writes is kept as "", which verifies as nothing.
 	c := &counted{key: key, uid: m.UID, peer: m.Labels[objects.LabelPeer], identity: bounded(m.Annotations[objects.AnnotationIdentity], maxKeptIdentity), expires: exp,
-		pool: m.Labels[objects.LabelKind] == objects.PoolKind, created: m.CreationTimestamp.Time,
-		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked}
-	c.verified = !c.pool && lc.applied.verify(m.Namespace, c.peer, c.identity)
+		pool: kind == objects.PoolKind, created: m.CreationTimestamp.Time,
+		grant: bounded(m.Annotations[objects.AnnotationGrant], maxKeptGrant), mark: bounded(mark, maxKeptMark), marked: marked,
+		foreign: kind != objects.LeaseKind && kind != objects.PoolKind,
+		intact:  intactMeta(m.Name, m.Labels, m.Annotations), sig: leaseSignature(m.Labels, m.Annotations),
+		certificate: m.Annotations[objects.AnnotationCred] == apiv1.CredentialClientCertificate}
+	if was != nil && (was.tampered || was.baseline() && (!c.intact || c.sig != was.sig || c.expires.After(was.expires))) {
+		// Edited by someone else since it was seen intact (intact.go):
+		// revoked as the lease it was, trusted for nothing meanwhile.
+		if !was.tampered {
+			lc.log.Warn("lease Secret edited by someone other than the broker: it is trusted for nothing and revoked",
+				zap.String("namespace", m.Namespace), zap.String("name", m.Name), zap.String("uid", string(m.UID)),
+				zap.String("peer", was.peer), zap.String("identity", was.identity))
+		}
+		c.tampered, c.peer, c.identity, c.certificate = true, was.peer, was.identity, was.certificate
+	}
+	c.verified = !c.pool && !c.inert() && lc.applied.verify(m.Namespace, c.peer, c.identity)
 	if was != nil && was.verified && !was.pool && !was.committed && lc.gone != nil && (!c.verified || c.identity != was.identity) {
 		// Edited under its UID (by whoever may write Secrets there) so
 		// that it no longer holds the lease it held: its gateway
@@ -450,10 +500,17 @@ func bounded(s string, max int) string {
 }
 
 // count starts counting c, unless it has expired, is not verified or is a
-// pooled Secret; lc.mu is held.
+// pooled Secret; lc.mu is held. A foreign or tampered Secret is only
+// indexed (and, tampered, kept for Tampered).
 func (lc *Counter) count(c *counted) {
 	lc.byKey[c.key] = c
 	lc.index(c.key)
+	if c.tampered {
+		lc.tampered[c.key] = c
+	}
+	if c.inert() {
+		return
+	}
 	now := lc.clock.Now()
 	if !c.expires.IsZero() && !now.Before(c.expires) {
 		lc.expired[c.key] = c
@@ -541,6 +598,7 @@ func (lc *Counter) drop(key string, c *counted) {
 	delete(lc.byKey, key)
 	lc.unindex(key)
 	delete(lc.expired, key)
+	delete(lc.tampered, key)
 	lc.uncount(c)
 }
 
@@ -557,11 +615,13 @@ func (lc *Counter) OnGone(f func(namespace, name string, uid types.UID)) {
 }
 
 // Holds reports whether the counter knows the lease Secret
-// namespace/name under uid, as a lease (not an unclaimed pooled Secret)
-// issued to the peer identity identity (its AnnotationIdentity, which the
-// policy bears out as its peer label's identity: a lease certificate
-// names its peer by identity, as pki.LeaseName.Peer, and one naming
-// another peer holds nothing), that the policy bears out (its peer and
+// namespace/name under uid, as an intact lease (not an unclaimed pooled
+// Secret, nor one that lacks a mark the broker writes or that someone
+// else edited since: intact.go) issued to the peer identity identity
+// (its AnnotationIdentity, which the policy bears out as its peer label's
+// identity: a lease certificate names its peer by identity, as
+// pki.LeaseName.Peer, and one naming another peer holds nothing), that
+// the policy bears out (its peer and
 // namespace still granted, as for the quotas) and whose recorded expiry
 // has not passed at now; expires is that expiry.
 // It reads memory only: a lease Secret created a moment ago may not be
@@ -571,7 +631,7 @@ func (lc *Counter) Holds(namespace, name string, uid types.UID, identity string,
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	c, found := lc.byKey[namespace+"/"+name]
-	if !found || c.uid != uid || c.identity != identity || c.pool || !c.verified || c.expires.IsZero() || !now.Before(c.expires) {
+	if !found || c.uid != uid || c.identity != identity || c.pool || !c.verified || !c.intact || c.expires.IsZero() || !now.Before(c.expires) {
 		return time.Time{}, false
 	}
 	return c.expires, true
@@ -665,6 +725,88 @@ func (lc *Counter) Expired(max int) []ExpiredSecret {
 	return out
 }
 
+// TamperedSecret is a lease Secret that someone other than the broker
+// edited after the counter saw it intact (intact.go), with the holder it
+// named then.
+type TamperedSecret struct {
+	Namespace, Name string
+	UID             types.UID
+	Peer, Identity  string
+	// Certificate: a client certificate's lease, whose RoleBinding its
+	// revocation deletes first.
+	Certificate bool
+}
+
+// Tampered returns at most max of the lease Secrets the counter saw edited
+// by someone else, for the GC to revoke. Of several Secrets of one name
+// (a lease and copies made of it in other namespaces), only the one a
+// lookup by id takes for the lease, the earliest created (the first seen
+// on a tie), is returned: a later one is a copy, someone else's Secret,
+// which the broker does not delete; it holds nothing either way.
+func (lc *Counter) Tampered(max int) []TamperedSecret {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	var out []TamperedSecret
+	for key, c := range lc.tampered {
+		if len(out) == max {
+			break
+		}
+		ns, name, _ := cache.SplitMetaNamespaceKey(key)
+		if !lc.earliestLocked(ns, name, c) {
+			continue
+		}
+		out = append(out, TamperedSecret{Namespace: ns, Name: name, UID: c.uid, Peer: c.peer, Identity: c.identity, Certificate: c.certificate})
+	}
+	return out
+}
+
+// earliestLocked reports whether c, the Secret namespace/name, was
+// created before every other Secret of its name the counter knows, or
+// with one at the same second but seen first; lc.mu is held.
+func (lc *Counter) earliestLocked(namespace, name string, c *counted) bool {
+	first := lc.byName[name]
+	for _, ns := range append([]string{first}, lc.dupNames[name]...) {
+		o := lc.byKey[ns+"/"+name]
+		if ns == namespace || o == nil {
+			continue
+		}
+		if o.created.Before(c.created) || o.created.Equal(c.created) && ns == first {
+			return false
+		}
+	}
+	return true
+}
+
+// TamperedHolder returns the identity the lease Secret namespace/name of
+// uid named when the counter last saw it intact, if someone else has
+// edited it since (intact.go): whatever the Secret says now (restored,
+// even), it is no live lease (Recheck).
+func (lc *Counter) TamperedHolder(namespace, name string, uid types.UID) (identity string, ok bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, found := lc.byKey[namespace+"/"+name]
+	if !found || !c.tampered || c.uid != uid {
+		return "", false
+	}
+	return c.identity, true
+}
+
+// IntactHolder returns the identity the lease Secret namespace/name of
+// uid named when the counter last saw it intact, if it did: its holder
+// may still find and revoke it by id whatever someone else has made of
+// its identity annotation since, whether the counter has seen that edit
+// yet or not (Store.Find reads the Secret from the API server, which may
+// be ahead of the counter's watch).
+func (lc *Counter) IntactHolder(namespace, name string, uid types.UID) (identity string, ok bool) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	c, found := lc.byKey[namespace+"/"+name]
+	if !found || c.uid != uid || !c.tampered && !c.baseline() {
+		return "", false
+	}
+	return c.identity, true
+}
+
 // leaseRefs returns the leases the counter knows that record a grant, for
 // the GC's coverage check: those that count, and the unexpired ones marked
 // to be revoked on unmatch that no longer count because the policy no
@@ -677,7 +819,7 @@ func (lc *Counter) LeaseRefs() []Ref {
 	defer lc.mu.Unlock()
 	var out []Ref
 	for key, c := range lc.byKey {
-		if c.pool || c.grant == "" || !c.live && !lc.markedUnexpiredLocked(c) {
+		if c.pool || c.inert() || c.grant == "" || !c.live && !lc.markedUnexpiredLocked(c) {
 			continue
 		}
 		out = append(out, Ref{Namespace: keyNamespace(key), Peer: c.peer, Grant: c.grant,
@@ -707,7 +849,7 @@ func (lc *Counter) Claiming(namespace, name string) bool {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	c, ok := lc.byKey[namespace+"/"+name]
-	return ok && (c.pool || c.committed)
+	return ok && !c.inert() && (c.pool || c.committed)
 }
 
 // Pooled reports whether the counter has seen the Secret namespace/name
@@ -720,7 +862,7 @@ func (lc *Counter) Pooled(namespace, name string, uid types.UID) (seen, intact b
 	if !ok {
 		return false, false
 	}
-	return true, c.pool && c.uid == uid
+	return true, c.pool && !c.inert() && c.uid == uid
 }
 
 // Counted is how many unexpired leases the informers see, reserved places
@@ -817,7 +959,7 @@ func (p *Place) Commit(namespace, name string, expires time.Time) {
 		return
 	}
 	key := namespace + "/" + name
-	if c, seen := lc.byKey[key]; !seen || c.pool {
+	if c, seen := lc.byKey[key]; !seen || c.pool && !c.inert() {
 		var uid types.UID
 		if seen {
 			lc.drop(key, c) // a claimed pooled Secret the informer saw unclaimed

@@ -39,22 +39,74 @@ type GCPass struct {
 	// only at the next pass.
 	Delete  func(ctx context.Context, s *corev1.Secret) error
 	Requeue func(s *corev1.Secret)
+	// RevokeTampered, if set, revokes one lease Secret that someone else
+	// edited after the Counter saw it intact (Counter.Tampered), and
+	// reports whether it deleted it (false: gone already, or replaced);
+	// it queues its own retry of a failure. Every pass, full or not,
+	// revokes those in Namespaces.
+	RevokeTampered func(ctx context.Context, t TamperedSecret) (bool, error)
 }
 
 // GCBatch bounds the Secrets one pass deletes from the Counter's list.
 const GCBatch = 5000
 
-// GCResult is what one pass deleted: Leases, and Others (used join token
-// records and unclaimed pooled Secrets); and Active, the leases that have
-// not expired (from the Counter on a pass that is not full).
+// GCResult is what one pass deleted: Leases, Others (used join token
+// records and unclaimed pooled Secrets) and Tampered (leases someone else
+// edited); and Active, the leases that have not expired (from the Counter
+// on a pass that is not full).
 type GCResult struct {
-	Leases, Others, Active int
+	Leases, Others, Tampered, Active int
 }
 
-// Collect runs one pass. A Secret that cannot be deleted does not keep
-// the others: the error says how many failed. Safe to run on several
-// replicas at once.
+// Collect runs one pass: the expired Secrets, then the tampered leases.
+// A Secret that cannot be deleted does not keep the others: the error says
+// how many failed. Safe to run on several replicas at once.
 func (st *Store) Collect(ctx context.Context, pass GCPass) (GCResult, error) {
+	res, err := st.collectExpired(ctx, pass)
+	terr := st.collectTampered(ctx, pass, &res)
+	if err == nil {
+		return res, terr
+	}
+	if terr == nil {
+		return res, err
+	}
+	return res, errors.Join(err, terr)
+}
+
+// collectTampered revokes the lease Secrets in pass.Namespaces that the
+// Counter saw edited by someone else since they were intact (intact.go),
+// at most GCBatch a pass, and counts those it deleted in res.Tampered.
+func (st *Store) collectTampered(ctx context.Context, pass GCPass, res *GCResult) error {
+	if st.Counter == nil || pass.RevokeTampered == nil {
+		return nil
+	}
+	looked := make(map[string]bool, len(pass.Namespaces))
+	for _, ns := range pass.Namespaces {
+		looked[ns] = true
+	}
+	var errs []error
+	for _, t := range st.Counter.Tampered(GCBatch) {
+		if !looked[t.Namespace] {
+			continue
+		}
+		deleted, err := pass.RevokeTampered(ctx, t)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if deleted {
+			res.Tampered++
+		}
+	}
+	if len(errs) > 0 {
+		return problem.Classify(errors.Join(errs...), fmt.Sprintf("revoke %d tampered leases", len(errs)), "Secret vanished")
+	}
+	return nil
+}
+
+// collectExpired deletes what expired: every Secret of the broker listed a
+// page at a time on a full pass, else what the Counter saw expire.
+func (st *Store) collectExpired(ctx context.Context, pass GCPass) (GCResult, error) {
 	var res GCResult
 	if pass.Full {
 		// Every kind at once, including lease Secrets made before the kind

@@ -23,9 +23,13 @@ func (g *goneRecorder) record(ns, name string, uid types.UID) {
 // westID is west's identity, as its lease certificates name it.
 const westID = "spiffe://oc.example/cluster/west"
 
+// heldLease is the metadata of west's lease "a" in argo as the broker
+// writes it (intact: every mark of a lease).
 func heldLease(uid types.UID, expires time.Time) *metav1.PartialObjectMetadata {
 	m := secretMeta("argo", "tokenbroker-lease-a", "west", expires)
 	m.UID = uid
+	m.Labels[objects.LabelManagedBy] = objects.ManagedByValue
+	m.Labels[objects.LabelLeaseID] = "a"
 	m.Annotations[objects.AnnotationIdentity] = westID
 	return m
 }

@@ -16,11 +16,17 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 )
 
-// ToAPI is the lease that Secret s records, as the API answers it.
+// ToAPI is the lease that Secret s records, as the API answers it. Its id
+// is the one in its name, which a lookup by id finds (Store.Find), not its
+// lease-id label, which anyone who may patch the Secret can change.
 func ToAPI(s *corev1.Secret) apiv1.Lease {
 	exp, _ := time.Parse(time.RFC3339, s.Annotations[objects.AnnotationExpiresAt])
+	id := IDOf(s.Name)
+	if id == "" {
+		id = s.Labels[objects.LabelLeaseID]
+	}
 	return apiv1.Lease{
-		ID:             s.Labels[objects.LabelLeaseID],
+		ID:             id,
 		Peer:           s.Labels[objects.LabelPeer],
 		Namespace:      s.Namespace,
 		ServiceAccount: s.Annotations[objects.AnnotationSA],

@@ -10,6 +10,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -155,11 +156,16 @@ func (st *Store) Page(ctx context.Context, namespaces []string, h Holder, cur Cu
 	return out, nil
 }
 
-// Find returns h's lease id from namespaces (sorted; the holder's), or
-// KindNotFound. A lease's name is unique, but whoever may create Secrets
-// in one of those namespaces and learns an id can copy it; the copy is
-// made after the lease, so the earliest created of the Secrets h holds
-// wins. wait is as for lookupNamespaces.
+// Find returns h's lease id from namespaces (the holder's), or
+// KindNotFound. It reads the Secrets of the lease type named after the id
+// by their name and type, never by a label, which whoever may patch
+// Secrets there could strip or rewrite (intact.go). A lease's name is
+// unique in its namespace, but whoever may create Secrets in another of
+// those namespaces and learns an id can copy it; the copy is made after
+// the lease, so the earliest created (on a tie, the first in namespaces,
+// which lookupNamespaces orders as the counter saw them) is the lease,
+// and it is h's if it names h (namesHolder). wait is as for
+// lookupNamespaces.
 func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id string, wait bool) (*corev1.Secret, error) {
 	notFound := problem.Errorf(problem.KindNotFound, "lease %q not found", id)
 	if !apiv1.ValidLeaseID(id) {
@@ -170,27 +176,64 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 	if err != nil {
 		return nil, err
 	}
-	secrets, err := st.List(ctx, namespaces, labels.Set{objects.LabelLeaseID: id, objects.LabelPeer: h.Peer})
+	first, err := st.earliestNamed(ctx, namespaces, objects.LeaseSecretPrefix+id)
 	if err != nil {
 		return nil, err
 	}
-	var found *corev1.Secret
-	for i := range secrets {
-		s := &secrets[i]
-		if s.Name != objects.LeaseSecretPrefix+id || !h.Holds(s) {
-			continue
-		}
-		if found == nil || s.CreationTimestamp.Before(&found.CreationTimestamp) {
-			found = s
-		}
-	}
-	if found == nil && wait {
+	switch {
+	case first != nil && st.namesHolder(first, h):
+		return first, nil
+	case wait:
 		return st.awaitClaim(ctx, namespaces, all, h, id, notFound)
 	}
-	if found == nil {
-		return nil, notFound
+	return nil, notFound
+}
+
+// earliestNamed returns the earliest created Secret of the lease type
+// named name in namespaces (the first in namespaces on a tie), or nil. It
+// lists by name and type (field selectors the API server applies; unpaged,
+// one Secret per namespace at most), with the list RBAC the broker holds.
+func (st *Store) earliestNamed(ctx context.Context, namespaces []string, name string) (*corev1.Secret, error) {
+	opts := metav1.ListOptions{FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("metadata.name", name),
+		fields.OneTermEqualSelector("type", string(objects.SecretTypeLease))).String()}
+	var first *corev1.Secret
+	for _, ns := range namespaces {
+		t0 := st.Clock.Now()
+		list, err := st.Secrets.Secrets(ns).List(ctx, opts)
+		st.timed(ctx, "list_leases", t0, err)
+		if err != nil {
+			return nil, problem.Classify(err, "list lease Secrets in "+ns, "no Secrets")
+		}
+		for i := range list.Items {
+			s := &list.Items[i]
+			if s.Name != name || s.Type != objects.SecretTypeLease {
+				continue
+			}
+			if first == nil || s.CreationTimestamp.Before(&first.CreationTimestamp) {
+				first = s
+			}
+		}
 	}
-	return found, nil
+	return first, nil
+}
+
+// namesHolder reports whether the lease Secret s, found by its name, is
+// h's: its identity annotation is h's identity (the one thing a lease
+// certificate names and the caller proves; a peer label can be edited
+// away, so it is not asked for), or was when the counter last saw s,
+// under its UID, intact (Counter.IntactHolder: someone else edited it
+// since); and, when h comes with a workload, its workload annotation is
+// h's.
+func (st *Store) namesHolder(s *corev1.Secret, h Holder) bool {
+	if s.Annotations[objects.AnnotationIdentity] != h.Identity {
+		if st.Counter == nil {
+			return false
+		}
+		if was, ok := st.Counter.IntactHolder(s.Namespace, s.Name, s.UID); !ok || was != h.Identity {
+			return false
+		}
+	}
+	return h.Workload == "" || s.Annotations[objects.AnnotationWorkload] == h.Workload
 }
 
 // maxBlindLookups bounds the namespaces a revocation asks the API server
