@@ -8,7 +8,6 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
@@ -123,8 +122,7 @@ func (lc *Counter) Recheck(ctx context.Context, namespace, name string, uid type
 	// By name and type, not by label: a label edit must not hide the
 	// Secret from the check that refuses it.
 	list, err := lc.client.Resource(SecretsGVR).Namespace(namespace).List(ctx, metav1.ListOptions{
-		FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("metadata.name", name),
-			fields.OneTermEqualSelector("type", string(objects.SecretTypeLease))).String(),
+		FieldSelector: NamedSelector(name),
 	})
 	if err != nil {
 		return time.Time{}, false, fmt.Errorf("recheck lease %s/%s: %w", namespace, name, err)

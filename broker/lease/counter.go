@@ -245,6 +245,14 @@ func (lc *Counter) until(c *counted) time.Time {
 // whose labels someone stripped must stay in sight (intact.go).
 var TypeSelector = fields.OneTermEqualSelector("type", string(objects.SecretTypeLease)).String()
 
+// NamedSelector selects the Secret of the lease type named name: how a
+// lease is looked up by its id (the name holds it), since a label can be
+// stripped and a name cannot.
+func NamedSelector(name string) string {
+	return fields.AndSelectors(fields.OneTermEqualSelector("metadata.name", name),
+		fields.OneTermEqualSelector("type", string(objects.SecretTypeLease))).String()
+}
+
 // Run counts until ctx ends. If the broker may list Secrets in every
 // namespace (deploy/base binds its role cluster-wide), one informer
 // watches them all, however many namespaces a selector grant matches.

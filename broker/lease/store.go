@@ -10,7 +10,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -194,8 +193,7 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 // lists by name and type (field selectors the API server applies; unpaged,
 // one Secret per namespace at most), with the list RBAC the broker holds.
 func (st *Store) earliestNamed(ctx context.Context, namespaces []string, name string) (*corev1.Secret, error) {
-	opts := metav1.ListOptions{FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("metadata.name", name),
-		fields.OneTermEqualSelector("type", string(objects.SecretTypeLease))).String()}
+	opts := metav1.ListOptions{FieldSelector: NamedSelector(name)}
 	var first *corev1.Secret
 	for _, ns := range namespaces {
 		t0 := st.Clock.Now()
