@@ -17,7 +17,8 @@ import (
 //	                                                       the API server
 //	tokenbroker_apiserver_call_duration_seconds{call}      time spent waiting on the API server per call
 //	tokenbroker_leases_deleted_total{reason}               leases revoked on request, collected on expiry, or
-//	                                                       revoked as "unmatched" (see below)
+//	                                                       revoked as "unmatched" (see below), "unclaimed" or
+//	                                                       "tampered"
 //	tokenbroker_certificate_requests_total{operation,outcome}
 //	                                                       enrollments and renewals (operation "enroll" or
 //	                                                       "renew") by outcome: issued, unauthenticated,
@@ -160,7 +161,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"call"}),
 		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_leases_deleted_total",
-			Help: "Lease Secrets deleted, by reason (revoked, expired, unmatched).",
+			Help: "Lease Secrets deleted, by reason (revoked, expired, unmatched, unclaimed, tampered).",
 		}, []string{"reason"}),
 		certs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tokenbroker_certificate_requests_total",

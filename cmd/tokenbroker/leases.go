@@ -14,6 +14,8 @@ import (
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/client-go/kubernetes"
@@ -403,7 +405,7 @@ func runLeasesRevoke(ctx context.Context, d *lease.Deleter, namespace string, id
 			errs = append(errs, fmt.Errorf("%q is not a lease id (26 characters a-z, 2-7, as \"tokenbroker leases\" shows them)", id))
 			continue
 		}
-		list, err := lease.ListSecrets(ctx, d.Secrets, namespace, labels.Set{objects.LabelLeaseID: id})
+		list, err := secretsNamed(ctx, d.Secrets, namespace, objects.LeaseSecretPrefix+id)
 		if err != nil {
 			return errors.Join(append(errs, explainAPIError(err, "list", namespace))...)
 		}
@@ -447,6 +449,24 @@ func runLeasesRevoke(ctx context.Context, d *lease.Deleter, namespace string, id
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// secretsNamed lists the Secrets named name in namespace ("" for every
+// namespace): a lease is looked up by its name, which holds its id, not by
+// its lease-id label, which whoever may patch the Secret can strip. Any
+// type: one of another type is reported and left alone.
+func secretsNamed(ctx context.Context, secrets corev1client.SecretsGetter, namespace, name string) ([]corev1.Secret, error) {
+	list, err := secrets.Secrets(namespace).List(ctx, metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("metadata.name", name).String()})
+	if err != nil {
+		return nil, err
+	}
+	out := list.Items[:0]
+	for _, s := range list.Items {
+		if s.Name == name {
+			out = append(out, s)
+		}
+	}
+	return out, nil
 }
 
 // secretType is s's type as an error message shows it.

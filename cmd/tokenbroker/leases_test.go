@@ -223,6 +223,20 @@ func TestLeasesRevokeDeletesTheLeaseSecretsAndSaysWhat(t *testing.T) {
 	require.Len(t, list.Items, 3)
 }
 
+// A lease is found by its name, which holds its id: one whose labels a
+// tenant stripped (the lease-id label, or all of them) is still revoked.
+func TestLeasesRevokeFindsALeaseStrippedOfItsLabels(t *testing.T) {
+	t.Parallel()
+	stripped := leaseSecret("argo", idB, "west", "admiralty-source", 12*time.Minute, 48*time.Minute)
+	stripped.Labels = nil
+	cs := fake.NewClientset(stripped)
+	var out bytes.Buffer
+	require.NoError(t, runLeasesRevoke(context.Background(), &lease.Deleter{Secrets: cs.CoreV1(), RoleBindings: cs.RbacV1()}, "", []string{idB}, &out, leasesNow))
+	require.Contains(t, out.String(), "revoked lease "+idB+": argo/admiralty-source")
+	_, err := cs.CoreV1().Secrets("argo").Get(context.Background(), stripped.Name, metav1.GetOptions{})
+	require.True(t, apierrors.IsNotFound(err), "%v", err)
+}
+
 // A client certificate's lease is revoked as the broker revokes it: its
 // RoleBinding, the certificate's only permission, first, and only one the
 // lease owns.
