@@ -79,6 +79,10 @@ type result struct {
 	// APICalls is what each request of the row cost the API server
 	// (apicalls.go); absent for Vault's rows.
 	APICalls *apiCallsPerOp `json:"api_calls_per_op,omitempty"`
+	// OwnMillis is, for a broker row, the percentiles of the issuing
+	// broker's own time per issuance over that row's requests alone
+	// (tokenbroker_issuance_own_seconds read before and after it).
+	OwnMillis map[string]float64 `json:"own_ms,omitempty"`
 }
 
 func run() error {
@@ -230,15 +234,16 @@ func run() error {
 	// share.
 	row := func(name string, run func() result) result {
 		var pooled *float64
+		var own map[string]float64
 		r, calls := countAPICalls(ctx, direct, pids, func() result {
 			if name != caseBroker {
-				return run()
+				return ownTimeOf(ctx, name, br.opsURL, seq.opsURL, &own, run)
 			}
-			r, f := pooledFraction(ctx, br.opsURL, run)
+			r, f := pooledFraction(ctx, br.opsURL, func() result { return ownTimeOf(ctx, name, br.opsURL, seq.opsURL, &own, run) })
 			pooled = &f
 			return r
 		})
-		r.PoolFraction, r.APICalls = pooled, calls
+		r.PoolFraction, r.APICalls, r.OwnMillis = pooled, calls, own
 		return r
 	}
 	var results []result
@@ -490,6 +495,7 @@ func (r *report) print() {
 	printResults(r.Results)
 	fmt.Println()
 	printAPICalls(r.Results)
+	printOwnTimes(r.Results)
 	if len(r.Saturation) > 0 {
 		var parts []string
 		ceiling := 0.0
@@ -807,6 +813,23 @@ func watchRSS(ctx context.Context, pid int) func() float64 {
 // ownTime estimates percentiles of the broker's own-time histogram from
 // its /metrics, interpolating linearly inside buckets.
 func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
+	h, err := readOwnHistogram(ctx, opsURL)
+	if err != nil {
+		return nil, err
+	}
+	return h.quantiles(), nil
+}
+
+// ownHistogram is the broker's tokenbroker_issuance_own_seconds of
+// granted requests: each bucket's upper bound and cumulative count, in
+// order.
+type ownHistogram []ownBucket
+
+type ownBucket struct{ le, count float64 }
+
+const ownHistogramName = "tokenbroker_issuance_own_seconds_bucket"
+
+func readOwnHistogram(ctx context.Context, opsURL string) (ownHistogram, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -817,11 +840,13 @@ func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	const name = "tokenbroker_issuance_own_seconds_bucket"
-	type bucket struct{ le, count float64 }
-	var buckets []bucket
-	for _, line := range strings.Split(string(raw), "\n") {
-		if !strings.HasPrefix(line, name+"{") || !strings.Contains(line, `outcome="granted"`) {
+	return parseOwnHistogram(string(raw))
+}
+
+func parseOwnHistogram(metrics string) (ownHistogram, error) {
+	var h ownHistogram
+	for _, line := range strings.Split(metrics, "\n") {
+		if !strings.HasPrefix(line, ownHistogramName+"{") || !strings.Contains(line, `outcome="granted"`) {
 			continue
 		}
 		i := strings.Index(line, `le="`)
@@ -836,17 +861,39 @@ func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
 		}
 		f := strings.Fields(line)
 		cnt, _ := strconv.ParseFloat(f[len(f)-1], 64)
-		buckets = append(buckets, bucket{le, cnt})
+		h = append(h, ownBucket{le, cnt})
 	}
-	if len(buckets) == 0 {
-		return nil, fmt.Errorf("no %s in /metrics", name)
+	if len(h) == 0 {
+		return nil, fmt.Errorf("no %s in /metrics", ownHistogramName)
 	}
-	sort.Slice(buckets, func(i, j int) bool { return buckets[i].le < buckets[j].le })
-	total := buckets[len(buckets)-1].count
+	sort.Slice(h, func(i, j int) bool { return h[i].le < h[j].le })
+	return h, nil
+}
+
+// since is what h counted after before (an earlier read of the same
+// broker): the observations of the requests in between.
+func (h ownHistogram) since(before ownHistogram) ownHistogram {
+	out := make(ownHistogram, len(h))
+	for i, b := range h {
+		out[i] = b
+		if i < len(before) && before[i].le == b.le {
+			out[i].count -= before[i].count
+		}
+	}
+	return out
+}
+
+// quantiles are h's p50, p90 and p99 in milliseconds, interpolated
+// linearly inside each bucket; nil if h counted nothing.
+func (h ownHistogram) quantiles() map[string]float64 {
+	if len(h) == 0 || h[len(h)-1].count == 0 {
+		return nil
+	}
+	total := h[len(h)-1].count
 	q := func(p float64) float64 {
 		rank := p * total
 		lo, prev := 0.0, 0.0
-		for _, b := range buckets {
+		for _, b := range h {
 			if b.count >= rank {
 				if math.IsInf(b.le, 1) {
 					return lo * 1000
@@ -860,7 +907,7 @@ func ownTime(ctx context.Context, opsURL string) (map[string]float64, error) {
 		}
 		return lo * 1000
 	}
-	return map[string]float64{"p50": q(.5), "p90": q(.9), "p99": q(.99)}, nil
+	return map[string]float64{"p50": q(.5), "p90": q(.9), "p99": q(.99)}
 }
 
 // fetchProfile writes a 5-second CPU profile of the broker to file.
@@ -981,4 +1028,47 @@ func httpGet(url string) (string, error) {
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	return string(b), err
+}
+
+// ownTimeOf runs a row of the case name and, for a broker's row, sets
+// *own to the percentiles of that broker's own time per issuance over the
+// row alone (the broker with the pool off serves caseBrokerSequential,
+// the other every other broker row). A failed read leaves *own nil.
+func ownTimeOf(ctx context.Context, name, brokerURL, sequentialURL string, own *map[string]float64, run func() result) result {
+	name = strings.TrimPrefix(name, pacedPrefix)
+	if !strings.HasPrefix(name, "broker") {
+		return run()
+	}
+	opsURL := brokerURL
+	if name == caseBrokerSequential {
+		opsURL = sequentialURL
+	}
+	before, err := readOwnHistogram(ctx, opsURL)
+	r := run()
+	if err != nil {
+		return r
+	}
+	if after, err := readOwnHistogram(ctx, opsURL); err == nil {
+		*own = after.since(before).quantiles()
+	}
+	return r
+}
+
+// printOwnTimes prints the broker's own time per issuance of each broker
+// row that has it.
+func printOwnTimes(rs []result) {
+	printed := false
+	for _, r := range rs {
+		if r.OwnMillis == nil {
+			continue
+		}
+		if !printed {
+			fmt.Println("the issuing broker's own time per issuance, by row (tokenbroker_issuance_own_seconds over the row's requests; buckets 50, 100, 250, 500 µs…):")
+			printed = true
+		}
+		fmt.Printf("  %-44s c=%-3d p50 %.3f ms, p90 %.3f ms, p99 %.3f ms\n", r.Name, r.Concurrency, r.OwnMillis["p50"], r.OwnMillis["p90"], r.OwnMillis["p99"])
+	}
+	if printed {
+		fmt.Println()
+	}
 }
