@@ -211,12 +211,13 @@ func answered(pcr *certificatesv1.PodCertificateRequest) bool {
 func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateRequest) (certificatesv1.PodCertificateRequestStatus, error) {
 	spec := pcr.Spec
 	now := s.cfg.Clock.Now().Truncate(time.Second)
-	deny := func(reason, format string, args ...any) (certificatesv1.PodCertificateRequestStatus, error) {
-		return final(certificatesv1.PodCertificateRequestConditionTypeDenied, reason, fmt.Sprintf(format, args...), now, pcr.Generation), nil
+	// ends makes the answer of a final condition of type typ.
+	ends := func(typ string) func(reason, format string, args ...any) (certificatesv1.PodCertificateRequestStatus, error) {
+		return func(reason, format string, args ...any) (certificatesv1.PodCertificateRequestStatus, error) {
+			return final(typ, reason, fmt.Sprintf(format, args...), now, pcr.Generation), nil
+		}
 	}
-	fail := func(reason, format string, args ...any) (certificatesv1.PodCertificateRequestStatus, error) {
-		return final(certificatesv1.PodCertificateRequestConditionTypeFailed, reason, fmt.Sprintf(format, args...), now, pcr.Generation), nil
-	}
+	deny, fail := ends(certificatesv1.PodCertificateRequestConditionTypeDenied), ends(certificatesv1.PodCertificateRequestConditionTypeFailed)
 	pod, err := s.cfg.Client.CoreV1().Pods(pcr.Namespace).Get(ctx, spec.PodName, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
