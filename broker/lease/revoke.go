@@ -58,15 +58,27 @@ func (d *Deleter) timed(ctx context.Context, call string, start time.Time, err e
 // got to it: revoked by someone else, or expired and collected.
 var ErrGone = errors.New("the lease Secret was already gone")
 
-// Revoke deletes lease s: its RoleBinding first for a client certificate
-// (only one the lease owns), then the Secret, with a UID precondition so
-// that a namesake made since is never deleted. bindingErr reports a binding
-// that could not be deleted (or ErrNotOwned); it does not fail the
-// revocation, since the garbage collector deletes an owned binding with the
-// lease. err is ErrGone if the Secret was gone already.
+// Revoke deletes lease s: the RoleBinding it owns first (a client
+// certificate's only permission), then the Secret, with a UID
+// precondition so that a namesake made since is never deleted. bindingErr
+// reports a binding that could not be deleted (or ErrNotOwned); it does
+// not fail the revocation, since the garbage collector deletes an owned
+// binding with the lease. err is ErrGone if the Secret was gone already.
+//
+// The binding is looked for whatever the lease's credential annotation
+// says: whoever may patch the Secret can rewrite it to "token" and hold the
+// Secret with a finalizer, and the garbage collector keeps a binding while
+// its owner is only being deleted, so trusting the annotation would leave a
+// revoked certificate its rights. Only a binding the lease owns (by UID)
+// is deleted. A broker not allowed to read RoleBindings issues no client
+// certificate: for a lease that says it is no certificate, being refused
+// the read is no error.
 func (d *Deleter) Revoke(ctx context.Context, s *corev1.Secret) (bindingErr, err error) {
-	if s.Annotations[objects.AnnotationCred] == apiv1.CredentialClientCertificate && d.RoleBindings != nil {
+	if d.RoleBindings != nil {
 		bindingErr = d.DeleteOwnedRoleBinding(ctx, s)
+		if apierrors.IsForbidden(bindingErr) && s.Annotations[objects.AnnotationCred] != apiv1.CredentialClientCertificate {
+			bindingErr = nil
+		}
 	}
 	return bindingErr, d.deleteSecret(ctx, s, ErrGone)
 }
