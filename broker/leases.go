@@ -130,6 +130,39 @@ func (b *Broker) revokeLease(ctx context.Context, c Caller, id string, ev *audit
 		zap.String("namespace", s.Namespace),
 		zap.String("service_account", s.Annotations[objects.AnnotationSA]),
 		zap.Bool("unclaimed", unclaimed))
+	if !unclaimed {
+		return b.revokeTied(ctx, c, h, id, s)
+	}
+	return nil
+}
+
+// revokeTied revokes, after the lease s of h, the Secrets that cannot be
+// told from it (lease.Store.Tied: of its name, created in the same second,
+// naming h), one of which may be the lease itself if s was a copy. A
+// failure is the revocation's: the caller may ask again.
+func (b *Broker) revokeTied(ctx context.Context, c Caller, h lease.Holder, id string, s *corev1.Secret) error {
+	p, err := b.policy()
+	if err != nil {
+		return err
+	}
+	peer := p.Peer(c.Identity)
+	if peer == nil {
+		return nil
+	}
+	tied, err := b.store().Tied(ctx, b.tenants.PeerNamespaces(peer), h, id, s)
+	if err != nil {
+		return problem.Classify(err, "revoke lease", "lease not found")
+	}
+	for _, t := range tied {
+		b.cfg.Logger.Warn("a Secret created in the same second as the lease, under its name, naming its holder: revoked with it, since the two cannot be told apart",
+			zap.String("lease_id", id), zap.String("namespace", t.Namespace), zap.String("revoked_namespace", s.Namespace))
+		bindingErr, err := b.deleter().Revoke(ctx, t)
+		lease.LogBindingError(b.cfg.Logger.With(zap.String("lease_id", id)), bindingErr)
+		if err != nil && !errors.Is(err, lease.ErrGone) {
+			return problem.Classify(err, "revoke lease", "lease not found")
+		}
+		b.cfg.Metrics.LeaseDeleted("revoked", 1)
+	}
 	return nil
 }
 

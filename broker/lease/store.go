@@ -175,7 +175,7 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 	if err != nil {
 		return nil, err
 	}
-	first, err := st.earliestNamed(ctx, namespaces, objects.LeaseSecretPrefix+id)
+	first, _, err := st.earliestNamed(ctx, namespaces, objects.LeaseSecretPrefix+id)
 	if err != nil {
 		return nil, err
 	}
@@ -189,30 +189,63 @@ func (st *Store) Find(ctx context.Context, namespaces []string, h Holder, id str
 }
 
 // earliestNamed returns the earliest created Secret of the lease type
-// named name in namespaces (the first in namespaces on a tie), or nil. It
-// lists by name and type (field selectors the API server applies; unpaged,
-// one Secret per namespace at most), with the list RBAC the broker holds.
-func (st *Store) earliestNamed(ctx context.Context, namespaces []string, name string) (*corev1.Secret, error) {
+// named name in namespaces (the first in namespaces on a tie), or nil, and
+// every Secret created in that same second (first among them): creation
+// times are in whole seconds, so those cannot be told from it. It lists
+// by name and type (field selectors the API server applies; unpaged, one
+// Secret per namespace at most), with the list RBAC the broker holds.
+func (st *Store) earliestNamed(ctx context.Context, namespaces []string, name string) (*corev1.Secret, []*corev1.Secret, error) {
 	opts := metav1.ListOptions{FieldSelector: NamedSelector(name)}
 	var first *corev1.Secret
+	var tied []*corev1.Secret
 	for _, ns := range namespaces {
 		t0 := st.Clock.Now()
 		list, err := st.Secrets.Secrets(ns).List(ctx, opts)
 		st.timed(ctx, "list_leases", t0, err)
 		if err != nil {
-			return nil, problem.Classify(err, "list lease Secrets in "+ns, "no Secrets")
+			return nil, nil, problem.Classify(err, "list lease Secrets in "+ns, "no Secrets")
 		}
 		for i := range list.Items {
 			s := &list.Items[i]
 			if s.Name != name || s.Type != objects.SecretTypeLease {
 				continue
 			}
-			if first == nil || s.CreationTimestamp.Before(&first.CreationTimestamp) {
-				first = s
+			switch {
+			case first == nil || s.CreationTimestamp.Before(&first.CreationTimestamp):
+				first, tied = s, []*corev1.Secret{s}
+			case s.CreationTimestamp.Equal(&first.CreationTimestamp):
+				tied = append(tied, s)
 			}
 		}
 	}
-	return first, nil
+	return first, tied, nil
+}
+
+// Tied returns the Secrets that h's revocation of the lease id must
+// revoke besides s, the one Find returned: those of its name in
+// namespaces created in the same second as s that also name h. A copy
+// someone made in the same second as the lease cannot be told from it
+// (creation times are in whole seconds, and which the counter saw first
+// proves nothing after a restart or a relist), so rather than leave the
+// lease alive when its copy is taken for it, the revocation takes both.
+// What else it takes is a Secret of the lease type, named after h's
+// lease and naming h: someone's imitation of it.
+func (st *Store) Tied(ctx context.Context, namespaces []string, h Holder, id string, s *corev1.Secret) ([]*corev1.Secret, error) {
+	namespaces, err := st.lookupNamespaces(ctx, namespaces, id, false)
+	if err != nil {
+		return nil, err
+	}
+	_, tied, err := st.earliestNamed(ctx, namespaces, objects.LeaseSecretPrefix+id)
+	if err != nil {
+		return nil, err
+	}
+	var out []*corev1.Secret
+	for _, t := range tied {
+		if t.UID != s.UID && t.CreationTimestamp.Equal(&s.CreationTimestamp) && st.namesHolder(t, h) {
+			out = append(out, t)
+		}
+	}
+	return out, nil
 }
 
 // namesHolder reports whether the lease Secret s, found by its name, is
