@@ -182,7 +182,7 @@ func TestLeasesCommandShowsWhoHoldsACredentialAndRevokesIt(t *testing.T) {
 	})
 
 	t.Run("the kubectl revocation of docs/operations.md works too", func(t *testing.T) {
-		line := docLine(t, "docs/operations.md", "kubectl delete secrets -n argo -l tokenbroker.io/lease-id=")
+		line := docLine(t, "docs/operations.md", "kubectl delete secret -n argo tokenbroker-lease-")
 		runDocLine(t, kubectl, admin, strings.ReplaceAll(line, "q3fcxb7kumyz4pa2m6dxx5jnle", second.LeaseID), "")
 		require.Eventually(t, func() bool { return !tokenValid(t, c, second.Token) }, 20*time.Second, 100*time.Millisecond)
 		_, errOut, err := runErr(bin, "leases", "--kubeconfig", admin)
