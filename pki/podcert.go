@@ -41,7 +41,7 @@ func WorkloadIdentity(clusterIdentity, namespace, serviceAccount string) (string
 	if !isLabel(namespace) {
 		return "", fmt.Errorf("%w: namespace %q is not a DNS-1123 label", ErrInvalidWorkloadIdentity, namespace)
 	}
-	if validateDNSName(serviceAccount) != nil {
+	if strings.HasPrefix(serviceAccount, "*") || validateDNSName(serviceAccount) != nil {
 		return "", fmt.Errorf("%w: ServiceAccount %q is not a DNS-1123 subdomain", ErrInvalidWorkloadIdentity, serviceAccount)
 	}
 	return clusterIdentity + "/" + nsPath + "/" + namespace + "/" + saPath + "/" + serviceAccount, nil

@@ -32,7 +32,7 @@ func TestAWorkloadIdentityIsItsClustersPathToItsServiceAccount(t *testing.T) {
 		eastID + "/ns/argo/sa/runner/x", eastID + "/sa/argo/ns/runner", eastID + "/ns/Argo/sa/runner",
 		eastID + "/ns/argo/sa/..", eastID + "/ns/../sa/runner", eastID + "/ns/argo/sa/run%2Fner",
 		"spiffe://OC.example/cluster/east/ns/argo/sa/runner", "spiffe://oc.example/cluster/east/ns/argo/sa/runner?x",
-		eastID + "/ns/argo/sa/" + strings.Repeat("a", 2100),
+		eastID + "/ns/argo/sa/" + strings.Repeat("a", 2100), eastID + "/ns/argo/sa/*.runner",
 	} {
 		_, _, _, err := ParseWorkloadIdentity(bad)
 		require.ErrorIs(t, err, ErrInvalidWorkloadIdentity, bad)

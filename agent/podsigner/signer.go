@@ -14,9 +14,12 @@
 // ServiceAccount labelled LabelPodCertificates=true. A request is checked
 // against the live objects before it is signed, whoever created it: its
 // Pod must exist under the request's UID, run as the request's
-// ServiceAccount (under its UID) and be on the request's node. The API
-// server's NodeRestriction admission checks the same for a kubelet's
-// requests; anyone else allowed to create requests is held to it here.
+// ServiceAccount (under its UID), be on the request's node and have a
+// podCertificate volume for this signer. The API server's NodeRestriction
+// admission checks the same of a kubelet's requests. Anyone else allowed
+// to create requests (by default only cluster administrators) is held to
+// it here, but can still ask, with a key of its own, for any such Pod's
+// certificate: that permission is as good as the Pod's identity.
 package podsigner
 
 import (
@@ -60,6 +63,7 @@ const (
 const (
 	ReasonPodNotFound      = "PodNotFound"
 	ReasonPodMismatch      = "PodMismatch"
+	ReasonNotRequested     = "PodAsksForNoCertificate"
 	ReasonNotAllowed       = "ServiceAccountNotAllowed"
 	ReasonNoPublicKey      = "NoPublicKey"
 	ReasonLifetime         = "LifetimeNotSignable"
@@ -226,6 +230,10 @@ func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateR
 		return certificatesv1.PodCertificateRequestStatus{}, fmt.Errorf("read Pod %s/%s: %w", pcr.Namespace, spec.PodName, err)
 	case pod.UID != spec.PodUID || pod.Spec.ServiceAccountName != spec.ServiceAccountName || string(spec.NodeName) != pod.Spec.NodeName:
 		return deny(ReasonPodMismatch, "the request's Pod, ServiceAccount or node is not Pod %s/%s as it runs", pcr.Namespace, spec.PodName)
+	case !asksFor(pod, s.cfg.SignerName):
+		return deny(ReasonNotRequested, "Pod %s/%s has no podCertificate volume for %s", pcr.Namespace, spec.PodName, s.cfg.SignerName)
+	case len(spec.UnverifiedUserAnnotations) > 0:
+		return deny(certificatesv1.PodCertificateRequestConditionInvalidUserConfig, "this signer reads no user annotations; the Pod's podCertificate volume must set none")
 	}
 	sa, err := s.cfg.Client.CoreV1().ServiceAccounts(pcr.Namespace).Get(ctx, spec.ServiceAccountName, metav1.GetOptions{})
 	switch {
@@ -278,6 +286,24 @@ func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateR
 }
 
 func allowed(sa *corev1.ServiceAccount) bool { return sa.Labels[LabelPodCertificates] == "true" }
+
+// asksFor reports whether pod has a podCertificate projected volume for
+// signerName: a request for a Pod that asks for none is not the kubelet's
+// (the API server's NodeRestriction refuses a kubelet's request for a Pod
+// without one, from 1.37), and is denied whoever made it.
+func asksFor(pod *corev1.Pod, signerName string) bool {
+	for _, v := range pod.Spec.Volumes {
+		if v.Projected == nil {
+			continue
+		}
+		for _, src := range v.Projected.Sources {
+			if src.PodCertificate != nil && src.PodCertificate.SignerName == signerName {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 // final is a status of the one final condition typ.
 func final(typ, reason, message string, now time.Time, generation int64) certificatesv1.PodCertificateRequestStatus {

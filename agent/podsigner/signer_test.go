@@ -29,6 +29,16 @@ const (
 
 var t0 = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 
+// certVolume is a Pod's projected volume asking signer for its
+// certificate, as the kubelet reads it.
+func certVolume(signer string) corev1.Volume {
+	return corev1.Volume{Name: "identity", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
+		Sources: []corev1.VolumeProjection{{PodCertificate: &corev1.PodCertificateProjection{
+			SignerName: signer, KeyType: "ECDSAP256", CredentialBundlePath: "credentials.pem",
+		}}},
+	}}}
+}
+
 // fixture is a cluster with the Pod argo/runner-0 of the labelled
 // ServiceAccount argo/runner on node-a, and a signer for it whose CA is
 // an intermediate of a fleet root.
@@ -49,7 +59,7 @@ func newFixture(t *testing.T, mutate ...func(*corev1.ServiceAccount, *corev1.Pod
 	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "runner", UID: "sa-uid",
 		Labels: map[string]string{LabelPodCertificates: "true"}}}
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "runner-0", UID: "pod-uid"},
-		Spec: corev1.PodSpec{ServiceAccountName: "runner", NodeName: "node-a"}}
+		Spec: corev1.PodSpec{ServiceAccountName: "runner", NodeName: "node-a", Volumes: []corev1.Volume{certVolume(signerName)}}}
 	for _, m := range mutate {
 		m(sa, pod)
 	}
@@ -145,7 +155,18 @@ func TestRequestsThatAreNotTheLivePodsAreDenied(t *testing.T) {
 		"another ServiceAccount": {
 			cluster: func(_ *corev1.ServiceAccount, p *corev1.Pod) { p.Spec.ServiceAccountName = "default" }, reason: ReasonPodMismatch,
 		},
-		"another node":                         {request: func(p *certificatesv1.PodCertificateRequest) { p.Spec.NodeName = "node-b" }, reason: ReasonPodMismatch},
+		"another node":                       {request: func(p *certificatesv1.PodCertificateRequest) { p.Spec.NodeName = "node-b" }, reason: ReasonPodMismatch},
+		"a Pod that asks for no certificate": {cluster: func(_ *corev1.ServiceAccount, p *corev1.Pod) { p.Spec.Volumes = nil }, reason: ReasonNotRequested},
+		"a Pod that asks another signer": {
+			cluster: func(_ *corev1.ServiceAccount, p *corev1.Pod) {
+				p.Spec.Volumes = []corev1.Volume{certVolume("example.com/other")}
+			}, reason: ReasonNotRequested,
+		},
+		"user annotations it does not read": {
+			request: func(p *certificatesv1.PodCertificateRequest) {
+				p.Spec.UnverifiedUserAnnotations = map[string]string{"example.com/role": "admin"}
+			}, reason: certificatesv1.PodCertificateRequestConditionInvalidUserConfig,
+		},
 		"another ServiceAccount of the name":   {request: func(p *certificatesv1.PodCertificateRequest) { p.Spec.ServiceAccountUID = "old-sa" }, reason: ReasonPodMismatch},
 		"a ServiceAccount that does not exist": {cluster: func(sa *corev1.ServiceAccount, _ *corev1.Pod) { sa.Name = "gone" }, reason: ReasonPodMismatch},
 	} {

@@ -52,7 +52,7 @@ func TestThePodSignersAnswersMeetTheAPIServersRules(t *testing.T) {
 	}
 	require.True(t, served, "podcertificaterequests is served at certificates.k8s.io/v1 by default")
 
-	const ns = "podcerts"
+	const ns, signerName, cluster = "podcerts", "tokenbroker.io/workload", "spiffe://oc.example/cluster/east"
 	_, err = c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	sas := map[string]*corev1.ServiceAccount{}
@@ -69,7 +69,13 @@ func TestThePodSignersAnswersMeetTheAPIServersRules(t *testing.T) {
 		pods[name], err = c.Client.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Name: name + "-0"},
 			Spec: corev1.PodSpec{ServiceAccountName: name, NodeName: "node-a",
-				Containers: []corev1.Container{{Name: "c", Image: "registry.invalid/none"}}},
+				Containers: []corev1.Container{{Name: "c", Image: "registry.invalid/none",
+					VolumeMounts: []corev1.VolumeMount{{Name: "identity", MountPath: "/var/run/identity"}}}},
+				Volumes: []corev1.Volume{{Name: "identity", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
+					Sources: []corev1.VolumeProjection{{PodCertificate: &corev1.PodCertificateProjection{
+						SignerName: signerName, KeyType: "ECDSAP256", CredentialBundlePath: "credentials.pem",
+					}}},
+				}}}}},
 		}, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
@@ -78,7 +84,6 @@ func TestThePodSignersAnswersMeetTheAPIServersRules(t *testing.T) {
 	require.NoError(t, err)
 	ca, err := root.NewIntermediate(pki.CAOptions{CommonName: "east pod signer"})
 	require.NoError(t, err)
-	const signerName, cluster = "tokenbroker.io/workload", "spiffe://oc.example/cluster/east"
 	s, err := podsigner.New(podsigner.Config{Client: c.Client, SignerName: signerName, CA: ca, ClusterIdentity: cluster, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	go s.Run(ctx)
