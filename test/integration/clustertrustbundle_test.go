@@ -49,25 +49,11 @@ func TestClusterTrustBundle(t *testing.T) {
 	c := testcluster.Start(t)
 	ctx := context.Background()
 
-	v, err := c.Client.Discovery().ServerVersion()
-	require.NoError(t, err)
-	minor, err := strconv.Atoi(strings.TrimRight(v.Minor, "+"))
-	require.NoError(t, err, "minor version %q", v.Minor)
-	res, err := c.Client.Discovery().ServerResourcesForGroupVersion("certificates.k8s.io/v1")
-	require.NoError(t, err, "certificates.k8s.io/v1 is served")
-	served := false
-	for _, r := range res.APIResources {
-		served = served || r.Name == "clustertrustbundles"
-	}
-	if minor < 37 {
-		// make test-compat: the oldest supported releases serve only the
-		// beta, off by default; the feature is for 1.37 and later.
-		require.False(t, served, "Kubernetes %s does not serve clustertrustbundles at certificates.k8s.io/v1", v.GitVersion)
-		t.Skipf("ClusterTrustBundles (certificates.k8s.io/v1) need Kubernetes 1.37; this API server is %s", v.GitVersion)
-	}
-	require.True(t, served, "clustertrustbundles is served at certificates.k8s.io/v1 by default")
+	// make test-compat: the oldest supported releases serve only the
+	// beta, off by default; the feature is for 1.37 and later.
+	requireServedFrom(t, c, 37, "certificates.k8s.io/v1", "clustertrustbundles")
 
-	_, err = c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "argo"}}, metav1.CreateOptions{})
+	_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "argo"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	_, err = c.Client.CoreV1().ServiceAccounts("argo").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "runner"}}, metav1.CreateOptions{})
 	require.NoError(t, err)
@@ -381,4 +367,27 @@ func refreshFailures(t *testing.T, reg *prometheus.Registry, target string) floa
 		}
 	}
 	return 0
+}
+
+// requireServedFrom skips the test on a Kubernetes release before minor
+// (1.<minor>), after checking that it does not serve resource at
+// groupVersion, and otherwise requires that it does: a feature the test
+// needs is GA from that release, beta and off by default before it.
+func requireServedFrom(t *testing.T, c *testcluster.Cluster, minor int, groupVersion, resource string) {
+	t.Helper()
+	v, err := c.Client.Discovery().ServerVersion()
+	require.NoError(t, err)
+	got, err := strconv.Atoi(strings.TrimRight(v.Minor, "+"))
+	require.NoError(t, err, "minor version %q", v.Minor)
+	res, err := c.Client.Discovery().ServerResourcesForGroupVersion(groupVersion)
+	require.NoError(t, err, "%s is served", groupVersion)
+	served := false
+	for _, r := range res.APIResources {
+		served = served || r.Name == resource
+	}
+	if got < minor {
+		require.False(t, served, "Kubernetes %s does not serve %s at %s", v.GitVersion, resource, groupVersion)
+		t.Skipf("%s (%s) needs Kubernetes 1.%d; this API server is %s", resource, groupVersion, minor, v.GitVersion)
+	}
+	require.True(t, served, "%s is served at %s by default", resource, groupVersion)
 }

@@ -6,8 +6,6 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -35,25 +33,11 @@ func TestThePodSignersAnswersMeetTheAPIServersRules(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 
-	v, err := c.Client.Discovery().ServerVersion()
-	require.NoError(t, err)
-	minor, err := strconv.Atoi(strings.TrimRight(v.Minor, "+"))
-	require.NoError(t, err, "minor version %q", v.Minor)
-	res, err := c.Client.Discovery().ServerResourcesForGroupVersion("certificates.k8s.io/v1")
-	require.NoError(t, err)
-	served := false
-	for _, r := range res.APIResources {
-		served = served || r.Name == "podcertificaterequests"
-	}
-	if minor < 37 {
-		// make test-compat: 1.35 serves only the beta, off by default.
-		require.False(t, served, "Kubernetes %s does not serve podcertificaterequests at certificates.k8s.io/v1", v.GitVersion)
-		t.Skipf("PodCertificateRequests (certificates.k8s.io/v1) need Kubernetes 1.37; this API server is %s", v.GitVersion)
-	}
-	require.True(t, served, "podcertificaterequests is served at certificates.k8s.io/v1 by default")
+	// make test-compat: 1.35 serves only the beta, off by default.
+	requireServedFrom(t, c, 37, "certificates.k8s.io/v1", "podcertificaterequests")
 
 	const ns, signerName, cluster = "podcerts", "tokenbroker.io/workload", "spiffe://oc.example/cluster/east"
-	_, err = c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+	_, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
 	require.NoError(t, err)
 	sas := map[string]*corev1.ServiceAccount{}
 	pods := map[string]*corev1.Pod{}
