@@ -61,8 +61,9 @@ type CAOptions struct {
 	Now func() time.Time
 	// PathLen is how many intermediate CAs may sit below this CA: 0 (the
 	// default) makes a CA that signs leaf certificates only, 1 a root that
-	// may sign one level of intermediates (see NewIntermediate). Negative
-	// values are refused. Only NewCA uses it.
+	// may sign one level of intermediates (see NewIntermediate) or cluster
+	// CAs (SignClusterCA). Negative values are refused. NewCA and
+	// NewIntermediate use it.
 	PathLen int
 	// Rand is the source of serial numbers; nil means crypto/rand.Reader.
 	// It must be safe for concurrent use if the CA is. It is also handed to
@@ -133,20 +134,24 @@ func NewCA(opts CAOptions) (*CA, error) {
 
 // NewIntermediate makes an intermediate CA with a new ECDSA P-256 key, signed
 // by ca, which must allow a path length of at least 1 (a root made with
-// CAOptions.PathLen 1). The intermediate signs leaf certificates only (path
-// length 0), so it cannot make further CAs.
+// CAOptions.PathLen 1). With the default opts.PathLen of 0 the intermediate
+// signs leaf certificates only, so it cannot make further CAs; with 1 it
+// may sign cluster CAs (SignClusterCA), and ca must then allow 2.
 //
 // opts.CommonName names it (default DefaultCACommonName + " intermediate").
 // A zero opts.Lifetime makes it expire with ca; a longer lifetime than ca's
 // remaining validity fails with ErrLifetimeExceedsCA. opts.Now and opts.Rand
-// default to ca's; opts.PathLen must be 0.
+// default to ca's.
 func (ca *CA) NewIntermediate(opts CAOptions) (*CA, error) {
-	if opts.PathLen != 0 {
-		return nil, errors.New("new intermediate CA: an intermediate signs leaf certificates only (path length 0)")
+	if opts.PathLen < 0 {
+		return nil, fmt.Errorf("new intermediate CA: negative path length %d", opts.PathLen)
 	}
 	// A parsed certificate has MaxPathLen -1 when it sets no limit.
 	if ca.cert.MaxPathLen == 0 {
 		return nil, errors.New("new intermediate CA: the parent CA's path length does not allow intermediates")
+	}
+	if ca.cert.MaxPathLen > 0 && opts.PathLen >= ca.cert.MaxPathLen {
+		return nil, fmt.Errorf("new intermediate CA: the parent CA's path length %d allows an intermediate of path length %d at most", ca.cert.MaxPathLen, ca.cert.MaxPathLen-1)
 	}
 	now, rnd := ca.now, ca.rand
 	if opts.Now != nil {
@@ -174,7 +179,7 @@ func (ca *CA) NewIntermediate(opts CAOptions) (*CA, error) {
 	if err != nil {
 		return nil, fmt.Errorf("new intermediate CA: %w", err)
 	}
-	cert, err := createCert(rnd, caTemplate(cn, 0, t, notAfter), ca.cert, key.Public(), ca.signer)
+	cert, err := createCert(rnd, caTemplate(cn, opts.PathLen, t, notAfter), ca.cert, key.Public(), ca.signer)
 	if err != nil {
 		return nil, fmt.Errorf("new intermediate CA: %w", err)
 	}

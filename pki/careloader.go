@@ -64,6 +64,15 @@ func (r *CAReloader) SignClient(csr *x509.CertificateRequest, identity string, l
 	return r.get().SignClient(csr, identity, lifetime)
 }
 
+// SignClusterCA signs with the CA in service (see CA.SignClusterCA).
+func (r *CAReloader) SignClusterCA(csr *x509.CertificateRequest, clusterIdentity string, lifetime time.Duration) (*KeyPair, error) {
+	return r.get().SignClusterCA(csr, clusterIdentity, lifetime)
+}
+
+// CheckSignsClusterCAs checks the CA in service (see
+// CA.CheckSignsClusterCAs).
+func (r *CAReloader) CheckSignsClusterCAs() error { return r.get().CheckSignsClusterCAs() }
+
 // Certificate is the certificate of the CA in service.
 func (r *CAReloader) Certificate() *x509.Certificate { return r.get().Certificate() }
 

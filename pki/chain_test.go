@@ -130,7 +130,9 @@ func TestIntermediateCA(t *testing.T) {
 	t.Run("Invalid intermediate options are refused.", func(t *testing.T) {
 		t.Parallel()
 		_, err := root.NewIntermediate(CAOptions{PathLen: 1})
-		require.ErrorContains(t, err, "leaf certificates only")
+		require.ErrorContains(t, err, "path length 0 at most", "a root of path length 1 has intermediates that sign leaves only")
+		_, err = root.NewIntermediate(CAOptions{PathLen: -1})
+		require.ErrorContains(t, err, "negative path length")
 		_, err = root.NewIntermediate(CAOptions{Lifetime: -time.Hour})
 		require.ErrorContains(t, err, "negative lifetime")
 		_, err = NewCA(CAOptions{PathLen: -1})

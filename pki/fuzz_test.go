@@ -27,9 +27,26 @@ func FuzzParseCertificatesPEM(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
+	root, err := NewCA(CAOptions{Now: fixedNow, PathLen: 1})
+	if err != nil {
+		f.Fatal(err)
+	}
+	csrPEM, _, err := NewCSR("spiffe://oc.example/cluster/west", nil)
+	if err != nil {
+		f.Fatal(err)
+	}
+	csr, id, err := ParseCSRPEM(csrPEM)
+	if err != nil {
+		f.Fatal(err)
+	}
+	clusterCA, err := root.SignClusterCA(csr, id, 0)
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Add(ca.CertPEM())
 	f.Add(append(append([]byte(nil), kp.CertPEM...), ca.CertPEM()...))
 	f.Add(kp.KeyPEM)
+	f.Add(clusterCA.CertPEM)
 	f.Add([]byte("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n"))
 	f.Add([]byte("-----BEGIN CERTIFICATE-----\nProc-Type: 4,ENCRYPTED\n\nAAAA\n-----END CERTIFICATE-----\n"))
 	f.Add(append(ca.CertPEM(), "trailing"...))
@@ -50,6 +67,9 @@ func FuzzParseCertificatesPEM(f *testing.F) {
 			again = append(again, encodeCert(c.Raw)...)
 			_ = Fingerprint(c)
 			_, _ = IdentityFromCert(c)
+			if id, err := ClusterCAIdentity(c); err == nil && !c.IsCA {
+				t.Fatalf("%s: a cluster CA that is no CA", id)
+			}
 		}
 		round, err := ParseCertificatesPEM(again)
 		if err != nil || len(round) != len(certs) {

@@ -93,8 +93,10 @@ type PodCertificate struct {
 // p.NotBefore to p.NotAfter, which must lie within the CA's own validity.
 // clusterIdentity is the cluster the CA signs for; an identity under any
 // other cluster is refused, so that a cluster's CA never vouches for
-// another's workloads. It returns the certificate and the chain to
-// publish: the leaf, then the CA's chain (the root left out).
+// another's workloads; a cluster CA (SignClusterCA) signs for the
+// cluster it names only, whatever clusterIdentity says. It returns the
+// certificate and the chain to publish: the leaf, then the CA's chain
+// (the root left out).
 func (ca *CA) SignPodCertificate(clusterIdentity string, p PodCertificate) (*x509.Certificate, []byte, error) {
 	cluster, _, _, err := ParseWorkloadIdentity(p.Identity)
 	if err != nil {
@@ -102,6 +104,11 @@ func (ca *CA) SignPodCertificate(clusterIdentity string, p PodCertificate) (*x50
 	}
 	if cluster != clusterIdentity {
 		return nil, nil, fmt.Errorf("%w: %s is not under %s, the cluster this CA signs for", ErrInvalidWorkloadIdentity, p.Identity, clusterIdentity)
+	}
+	// A cluster CA (SignClusterCA) names its cluster: it signs for that
+	// one whatever its caller says.
+	if own, err := ClusterCAIdentity(ca.cert); err == nil && own != clusterIdentity {
+		return nil, nil, fmt.Errorf("%w: this CA is the cluster CA of %s, not of %s", ErrInvalidWorkloadIdentity, own, clusterIdentity)
 	}
 	if !p.NotBefore.Equal(p.NotBefore.Truncate(time.Second)) || !p.NotAfter.Equal(p.NotAfter.Truncate(time.Second)) {
 		return nil, nil, errors.New("sign pod certificate: validity must be in whole seconds")
