@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 )
 
 // routeUnmatched labels requests that match no route, so that scanners
@@ -24,36 +26,15 @@ type httpMetrics struct {
 
 func newHTTPMetrics(reg prometheus.Registerer) (*httpMetrics, error) {
 	m := &httpMetrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_http_requests_total",
-			Help: "API requests answered, by listener, route pattern, method and status code.",
-		}, []string{"listener", "route", "method", "code"}),
-		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "tokenbroker_http_request_duration_seconds",
-			Help:    "Time to answer an API request, by listener and route pattern.",
-			Buckets: prometheus.DefBuckets,
-		}, []string{"listener", "route"}),
-		handshakes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_tls_handshake_failures_total",
-			Help: "TLS handshakes that failed on an API listener, by listener and reason.",
-		}, []string{"listener", "reason"}),
-		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_connections_refused_total",
-			Help: "Connections closed unanswered over a cap, by listener and reason (per_ip, per_ip_handshakes, conns, handshakes, per_identity).",
-		}, []string{"listener", "reason"}),
-		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_connections_open",
-			Help: "Open connections of the TLS listeners, handshakes included, by listener.",
-		}, []string{"listener"}),
-		inHandshake: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_connections_handshaking",
-			Help: "Connections of the TLS listeners still in their TLS handshake, by listener.",
-		}, []string{"listener"}),
+		requests:    metrics.NewCounterVec("tokenbroker_http_requests_total", "API requests answered, by listener, route pattern, method and status code.", "listener", "route", "method", "code"),
+		duration:    metrics.NewHistogramVec("tokenbroker_http_request_duration_seconds", "Time to answer an API request, by listener and route pattern.", prometheus.DefBuckets, "listener", "route"),
+		handshakes:  metrics.NewCounterVec("tokenbroker_tls_handshake_failures_total", "TLS handshakes that failed on an API listener, by listener and reason.", "listener", "reason"),
+		refused:     metrics.NewCounterVec("tokenbroker_connections_refused_total", "Connections closed unanswered over a cap, by listener and reason (per_ip, per_ip_handshakes, conns, handshakes, per_identity).", "listener", "reason"),
+		openConns:   metrics.NewGaugeVec("tokenbroker_connections_open", "Open connections of the TLS listeners, handshakes included, by listener.", "listener"),
+		inHandshake: metrics.NewGaugeVec("tokenbroker_connections_handshaking", "Connections of the TLS listeners still in their TLS handshake, by listener.", "listener"),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.handshakes, m.refused, m.openConns, m.inHandshake} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	if err := metrics.Register(reg, m.requests, m.duration, m.handshakes, m.refused, m.openConns, m.inHandshake); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

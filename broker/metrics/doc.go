@@ -16,4 +16,9 @@
 // (tokenbroker_config_reloads_total{config,result}, also fed by the
 // composition root for the server certificate and client-CA reloaders),
 // the size of the deny list, audit events and build information.
+//
+// NewCounter, NewCounterVec, NewGauge, NewGaugeVec, NewHistogram,
+// NewHistogramVec and Register are how every metric of the broker process
+// is declared and registered: this package's, and the server's HTTP and
+// lease gateway metrics.
 package metrics

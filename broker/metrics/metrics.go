@@ -138,139 +138,47 @@ const (
 func New(reg prometheus.Registerer) (*Metrics, error) {
 	buckets := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
 	m := &Metrics{
-		issuances: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_issuances_total",
-			Help: "Kubeconfig requests by outcome.",
-		}, []string{"outcome"}),
-		issueDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "tokenbroker_issuance_duration_seconds",
-			Help:    "Time to decide and issue a kubeconfig, API server calls included.",
-			Buckets: buckets,
-		}, []string{"outcome"}),
-		issueOwn: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "tokenbroker_issuance_own_seconds",
-			Help: "The broker's own time per kubeconfig request: the issuance duration less the time spent waiting on the API server.",
-			// Finer at the low end: this is CPU time of the broker, tens of
-			// microseconds to a millisecond.
-			Buckets: []float64{.00005, .0001, .00025, .0005, .00075, .001, .0015, .002, .003, .005, .01, .025, .1},
-		}, []string{"outcome"}),
-		apiCall: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "tokenbroker_apiserver_call_duration_seconds",
-			Help:    "Time spent waiting on the Kubernetes API server, by call.",
-			Buckets: buckets,
-		}, []string{"call"}),
-		deleted: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_leases_deleted_total",
-			Help: "Lease Secrets deleted, by reason (revoked, expired, unmatched, unclaimed, tampered).",
-		}, []string{"reason"}),
-		certs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_certificate_requests_total",
-			Help: "Certificate enrollments and renewals, by operation and outcome.",
-		}, []string{"operation", "outcome"}),
-		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_config_reloads_total",
-			Help: "Reloads of changed configuration files, by config (policy, server-certificate, client-ca) and result (success, failure).",
-		}, []string{"config", "result"}),
-		revocations: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_revocations",
-			Help: "Entries of the revocation deny list in force, by kind (identity, serial).",
-		}, []string{"kind"}),
-		issuerDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "tokenbroker_issuer_duration_seconds",
-			Help:    "Time in one issuer call (issuer token: the TokenRequest), by issuer and result (success, error).",
-			Buckets: buckets,
-		}, []string{"issuer", "result"}),
-		issued: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_credentials_issued_total",
-			Help: "Credentials issued, by peer, namespace, ServiceAccount and credential kind.",
-		}, []string{"peer", "namespace", "service_account", "credential"}),
-		requestedTTL: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "tokenbroker_requested_ttl_seconds",
-			Help:    "TTLs peers asked for, in seconds (requests that named one).",
-			Buckets: ttlBuckets,
-		}),
-		grantedTTL: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "tokenbroker_granted_ttl_seconds",
-			Help:    "TTLs granted, in seconds.",
-			Buckets: ttlBuckets,
-		}),
-		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_ttl_clamps_total",
-			Help: "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, lease.minimum, apiserver, signer).",
-		}, []string{"by"}),
-		denials: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_denials_total",
-			Help: "Refused requests, by action (issue, revoke, enroll, renew, authenticate) and reason code.",
-		}, []string{"action", "reason"}),
-		activeLeases: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "tokenbroker_leases_active",
-			Help: "Unexpired lease Secrets seen by the last successful garbage collection pass, cluster-wide (the same on every replica).",
-		}),
-		gcRuns: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_lease_gc_runs_total",
-			Help: "Lease garbage collection passes, by result (success, failure).",
-		}, []string{"result"}),
-		gcDur: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "tokenbroker_lease_gc_duration_seconds",
-			Help:    "Time of one lease garbage collection pass.",
-			Buckets: buckets,
-		}),
-		gcLast: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "tokenbroker_lease_gc_last_success_timestamp_seconds",
-			Help: "Unix time of the last successful lease garbage collection pass.",
-		}),
-		pendingDel: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "tokenbroker_lease_deletions_pending",
-			Help: "Lease deletions (revocations, expired leases, leases of failed requests) that failed and wait for a retry.",
-		}),
+		issuances: NewCounterVec("tokenbroker_issuances_total", "Kubeconfig requests by outcome.", "outcome"),
+		issueDur:  NewHistogramVec("tokenbroker_issuance_duration_seconds", "Time to decide and issue a kubeconfig, API server calls included.", buckets, "outcome"),
+		// Finer buckets at the low end: this is CPU time of the broker, tens
+		// of microseconds to a millisecond.
+		issueOwn: NewHistogramVec("tokenbroker_issuance_own_seconds", "The broker's own time per kubeconfig request: the issuance duration less the time spent waiting on the API server.",
+			[]float64{.00005, .0001, .00025, .0005, .00075, .001, .0015, .002, .003, .005, .01, .025, .1}, "outcome"),
+		apiCall:      NewHistogramVec("tokenbroker_apiserver_call_duration_seconds", "Time spent waiting on the Kubernetes API server, by call.", buckets, "call"),
+		deleted:      NewCounterVec("tokenbroker_leases_deleted_total", "Lease Secrets deleted, by reason (revoked, expired, unmatched, unclaimed, tampered).", "reason"),
+		certs:        NewCounterVec("tokenbroker_certificate_requests_total", "Certificate enrollments and renewals, by operation and outcome.", "operation", "outcome"),
+		reloads:      NewCounterVec("tokenbroker_config_reloads_total", "Reloads of changed configuration files, by config (policy, server-certificate, client-ca) and result (success, failure).", "config", "result"),
+		revocations:  NewGaugeVec("tokenbroker_revocations", "Entries of the revocation deny list in force, by kind (identity, serial).", "kind"),
+		issuerDur:    NewHistogramVec("tokenbroker_issuer_duration_seconds", "Time in one issuer call (issuer token: the TokenRequest), by issuer and result (success, error).", buckets, "issuer", "result"),
+		issued:       NewCounterVec("tokenbroker_credentials_issued_total", "Credentials issued, by peer, namespace, ServiceAccount and credential kind.", "peer", "namespace", "service_account", "credential"),
+		requestedTTL: NewHistogram("tokenbroker_requested_ttl_seconds", "TTLs peers asked for, in seconds (requests that named one).", ttlBuckets),
+		grantedTTL:   NewHistogram("tokenbroker_granted_ttl_seconds", "TTLs granted, in seconds.", ttlBuckets),
+		clamps:       NewCounterVec("tokenbroker_ttl_clamps_total", "Granted TTLs shorter or longer than asked, by the limit that decided (grant.maxTTL, policy.maxTTL, lease.minimum, apiserver, signer).", "by"),
+		denials:      NewCounterVec("tokenbroker_denials_total", "Refused requests, by action (issue, revoke, enroll, renew, authenticate) and reason code.", "action", "reason"),
+		activeLeases: NewGauge("tokenbroker_leases_active", "Unexpired lease Secrets seen by the last successful garbage collection pass, cluster-wide (the same on every replica)."),
+		gcRuns:       NewCounterVec("tokenbroker_lease_gc_runs_total", "Lease garbage collection passes, by result (success, failure).", "result"),
+		gcDur:        NewHistogram("tokenbroker_lease_gc_duration_seconds", "Time of one lease garbage collection pass.", buckets),
+		gcLast:       NewGauge("tokenbroker_lease_gc_last_success_timestamp_seconds", "Unix time of the last successful lease garbage collection pass."),
+		pendingDel:   NewGauge("tokenbroker_lease_deletions_pending", "Lease deletions (revocations, expired leases, leases of failed requests) that failed and wait for a retry."),
 		certExpiry: &expiryCollector{desc: prometheus.NewDesc(
 			"tokenbroker_certificate_expiry_timestamp_seconds",
 			"NotAfter, as Unix time, of the server certificate (server), the signing CA (ca) and the earliest certificate of the client-CA bundle (client-ca).",
 			[]string{"certificate"}, nil)},
-		apiErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_apiserver_call_errors_total",
-			Help: "Failed Kubernetes API server calls, by call and reason (unavailable, forbidden, not_found, conflict, invalid, other).",
-		}, []string{"call", "reason"}),
-		auditEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_audit_events_total",
-			Help: "Audit events written, by action and decision.",
-		}, []string{"action", "decision"}),
-		auditErrors: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "tokenbroker_audit_write_errors_total",
-			Help: "Audit events that could not be written to the audit sink.",
-		}),
-		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_build_info",
-			Help: "Always 1, labelled with the version, VCS revision and Go version of the running binary.",
-		}, []string{"version", "revision", "goversion"}),
-		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_limited_total",
-			Help: "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases, lease_read_rate, lease_reads_in_flight).",
-		}, []string{"peer", "reason"}),
-		unmatched: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_unmatched_revocations_total",
-			Help: "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).",
-		}, []string{"reason"}),
-		selectorNS: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_selector_namespaces",
-			Help: "Namespaces a grant's namespaceSelector matches now, by peer and grant.",
-		}, []string{"peer", "grant"}),
-		poolIssued: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_lease_pool_issuances_total",
-			Help: "Token issuances by path: pool (a pre-created lease Secret claimed) or sequential (the Secret created first).",
-		}, []string{"path"}),
-		poolReady: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "tokenbroker_lease_pool_ready",
-			Help: "Unclaimed pre-created lease Secrets this replica holds.",
-		}),
+		apiErrors:   NewCounterVec("tokenbroker_apiserver_call_errors_total", "Failed Kubernetes API server calls, by call and reason (unavailable, forbidden, not_found, conflict, invalid, other).", "call", "reason"),
+		auditEvents: NewCounterVec("tokenbroker_audit_events_total", "Audit events written, by action and decision.", "action", "decision"),
+		auditErrors: NewCounter("tokenbroker_audit_write_errors_total", "Audit events that could not be written to the audit sink."),
+		buildInfo:   NewGaugeVec("tokenbroker_build_info", "Always 1, labelled with the version, VCS revision and Go version of the running binary.", "version", "revision", "goversion"),
+		limited:     NewCounterVec("tokenbroker_limited_total", "Requests refused with 429 by a limit, by peer (empty for enrollments) and reason (issuance_rate, renewal_rate, enrollment_rate, max_live_leases, global_max_live_leases, lease_read_rate, lease_reads_in_flight).", "peer", "reason"),
+		unmatched:   NewCounterVec("tokenbroker_unmatched_revocations_total", "Leases revoked because their namespace stopped being covered by their selector grant, by reason (label_changed, namespace_deleted, policy_narrowed, found_at_start, found_by_gc).", "reason"),
+		selectorNS:  NewGaugeVec("tokenbroker_selector_namespaces", "Namespaces a grant's namespaceSelector matches now, by peer and grant.", "peer", "grant"),
+		poolIssued:  NewCounterVec("tokenbroker_lease_pool_issuances_total", "Token issuances by path: pool (a pre-created lease Secret claimed) or sequential (the Secret created first).", "path"),
+		poolReady:   NewGauge("tokenbroker_lease_pool_ready", "Unclaimed pre-created lease Secrets this replica holds."),
 	}
-	for _, c := range []prometheus.Collector{m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
+	if err := Register(reg, m.issuances, m.issueDur, m.issueOwn, m.apiCall, m.deleted, m.certs, m.reloads, m.revocations,
 		m.issuerDur, m.issued, m.requestedTTL, m.grantedTTL, m.clamps, m.denials, m.activeLeases, m.gcRuns, m.gcDur, m.gcLast, m.pendingDel,
 		m.certExpiry, m.apiErrors, m.auditEvents, m.auditErrors, m.buildInfo, m.limited, m.unmatched, m.selectorNS,
-		m.poolIssued, m.poolReady} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+		m.poolIssued, m.poolReady); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/tokenbroker/tokenbroker/broker/metrics"
 )
 
 // Metrics are the gateway's: forwarded requests by peer and status
@@ -32,39 +34,18 @@ const (
 // NewMetrics registers the gateway's metrics on reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_gateway_requests_total",
-			Help: "Requests of gateway leases, by peer identity and status class (2xx, 4xx, 5xx; 1xx for upgrades).",
-		}, []string{"identity", "code"}),
-		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "tokenbroker_gateway_request_duration_seconds",
-			Help:    "Duration of gateway requests, watches and streams included, until they end.",
-			Buckets: []float64{0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10, 60, 600, 3600},
-		}),
-		open: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_gateway_connections",
-			Help: "Open connections of gateway leases, by peer identity.",
-		}, []string{"identity"}),
-		endedConns: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_gateway_connections_ended_total",
-			Help: "Connections of gateway leases the gateway ended, by reason: revoked (the lease Secret went), expired, denied (deny list).",
-		}, []string{"reason"}),
-		rechecks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_gateway_lease_rechecks_total",
-			Help: "Leases the gateway asked the API server about because the lease counter was blind to their namespace (its watch broken), by outcome: live, gone, error (no answer: the request was refused 503).",
-		}, []string{"outcome"}),
+		requests:   metrics.NewCounterVec("tokenbroker_gateway_requests_total", "Requests of gateway leases, by peer identity and status class (2xx, 4xx, 5xx; 1xx for upgrades).", "identity", "code"),
+		duration:   metrics.NewHistogram("tokenbroker_gateway_request_duration_seconds", "Duration of gateway requests, watches and streams included, until they end.", []float64{0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10, 60, 600, 3600}),
+		open:       metrics.NewGaugeVec("tokenbroker_gateway_connections", "Open connections of gateway leases, by peer identity.", "identity"),
+		endedConns: metrics.NewCounterVec("tokenbroker_gateway_connections_ended_total", "Connections of gateway leases the gateway ended, by reason: revoked (the lease Secret went), expired, denied (deny list).", "reason"),
+		rechecks:   metrics.NewCounterVec("tokenbroker_gateway_lease_rechecks_total", "Leases the gateway asked the API server about because the lease counter was blind to their namespace (its watch broken), by outcome: live, gone, error (no answer: the request was refused 503).", "outcome"),
 	}
-	m.inFlight = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "tokenbroker_gateway_requests_in_flight",
-		Help: "Requests of gateway leases under way (watches and streams included), counted from their forwarding to their end.",
-	})
+	m.inFlight = metrics.NewGauge("tokenbroker_gateway_requests_in_flight", "Requests of gateway leases under way (watches and streams included), counted from their forwarding to their end.")
 	for _, outcome := range []string{recheckLive, recheckGone, recheckError} {
 		m.rechecks.WithLabelValues(outcome)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.open, m.endedConns, m.rechecks, m.inFlight} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	if err := metrics.Register(reg, m.requests, m.duration, m.open, m.endedConns, m.rechecks, m.inFlight); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
