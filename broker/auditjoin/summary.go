@@ -110,19 +110,26 @@ type Use struct {
 // maxUseNamespaces bounds Use.AllowedIn.
 const maxUseNamespaces = 64
 
-// LeaseUsage is what one lease's credential was used for.
-type LeaseUsage struct {
-	Lease    Lease     `json:"lease"`
-	Subject  Subject   `json:"subject"`
-	Requests int       `json:"requests"`
-	First    time.Time `json:"first"`
-	Last     time.Time `json:"last"`
-	// AfterRevocation counts requests received once the lease was revoked.
-	AfterRevocation int   `json:"afterRevocation"`
-	Uses            []Use `json:"uses"`
+// Tally is what a lease's usage and a subject's usage both count: the
+// requests, the permissions they asked for, and the requests past
+// MaxPermissions distinct permissions.
+type Tally struct {
+	Requests int   `json:"requests"`
+	Uses     []Use `json:"uses"`
 	// OtherRequests are requests for permissions past the first
 	// MaxPermissions distinct ones, counted but not told apart.
 	OtherRequests int `json:"otherRequests,omitempty"`
+}
+
+// LeaseUsage is what one lease's credential was used for.
+type LeaseUsage struct {
+	Lease   Lease     `json:"lease"`
+	Subject Subject   `json:"subject"`
+	First   time.Time `json:"first"`
+	Last    time.Time `json:"last"`
+	// AfterRevocation counts requests received once the lease was revoked.
+	AfterRevocation int `json:"afterRevocation"`
+	Tally
 }
 
 // MaxPermissions bounds the distinct permissions kept per lease and per
@@ -140,10 +147,7 @@ type SubjectUsage struct {
 	// Namespace is the leases' namespace, where RoleBindings count.
 	Namespace string   `json:"namespace"`
 	Leases    []string `json:"leases"`
-	Requests  int      `json:"requests"`
-	Uses      []Use    `json:"uses"`
-	// OtherRequests: as LeaseUsage's.
-	OtherRequests int `json:"otherRequests,omitempty"`
+	Tally
 }
 
 type usage struct {
@@ -246,15 +250,16 @@ func (s *Summary) Add(r Row) {
 	}
 }
 
-func sortedUses(m map[Permission]*Use) []Use {
-	out := make([]Use, 0, len(m))
-	for _, u := range m {
-		out = append(out, *u)
+// tally is u's counts, its uses sorted by permission.
+func (u *usage) tally() Tally {
+	uses := make([]Use, 0, len(u.uses))
+	for _, use := range u.uses {
+		uses = append(uses, *use)
 	}
-	slices.SortFunc(out, func(a, b Use) int {
+	slices.SortFunc(uses, func(a, b Use) int {
 		return cmp.Or(cmp.Compare(a.Group, b.Group), cmp.Compare(a.Resource, b.Resource), cmp.Compare(a.Path, b.Path), cmp.Compare(a.Verb, b.Verb))
 	})
-	return out
+	return Tally{Requests: u.requests, Uses: uses, OtherRequests: u.other}
 }
 
 // Leases returns the usage of every lease, by first use.
@@ -262,8 +267,8 @@ func (s *Summary) Leases() []LeaseUsage {
 	out := make([]LeaseUsage, 0, len(s.leases))
 	for _, u := range s.leases {
 		out = append(out, LeaseUsage{
-			Lease: u.lease, Subject: u.lease.Subject(), Requests: u.requests, First: u.first, Last: u.last,
-			AfterRevocation: u.after, Uses: sortedUses(u.uses), OtherRequests: u.other,
+			Lease: u.lease, Subject: u.lease.Subject(), First: u.first, Last: u.last,
+			AfterRevocation: u.after, Tally: u.tally(),
 		})
 	}
 	slices.SortFunc(out, func(a, b LeaseUsage) int {
@@ -281,7 +286,7 @@ func (s *Summary) Subjects() []SubjectUsage {
 			ids = append(ids, id)
 		}
 		slices.Sort(ids)
-		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Requests: u.requests, Uses: sortedUses(u.uses), OtherRequests: u.other})
+		out = append(out, SubjectUsage{Grant: k.grant, Namespace: k.namespace, Subject: k.subject, Leases: ids, Tally: u.tally()})
 	}
 	slices.SortFunc(out, func(a, b SubjectUsage) int {
 		return cmp.Or(cmp.Compare(a.Grant, b.Grant), cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Subject.String(), b.Subject.String()))
