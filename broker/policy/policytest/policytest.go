@@ -6,15 +6,22 @@ package policytest
 
 import "strings"
 
-// Basic grants west tokens in argo and flux, and north a client certificate.
-const Basic = `
+// cluster is the cluster every document issues for.
+const cluster = `
 cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
+`
+
+// westGrants opens Basic, Tenants and Audiences: the cluster, a default
+// TTL of 1h (24h at most) and the peer west, up to its list of grants.
+const westGrants = cluster + `ttl: {default: 1h, max: 24h}
 peers:
   - name: west
     identity: spiffe://oc.example/cluster/west
     grants:
-      - namespaces: [argo]
+`
+
+// Basic grants west tokens in argo and flux, and north a client certificate.
+const Basic = westGrants + `      - namespaces: [argo]
         serviceAccounts: [admiralty-source]
         maxTTL: 12h
         audiences: [aud]
@@ -30,14 +37,7 @@ peers:
 `
 
 // Tenants grants namespaces by a Capsule tenant label (namespaceSelector).
-const Tenants = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants:
-      - name: oil
+const Tenants = westGrants + `      - name: oil
         namespaceSelector:
           matchLabels: {capsule.clastix.io/tenant: oil}
         namespaces: [oil-system]
@@ -56,9 +56,7 @@ peers:
 `
 
 // Limits sets limits at the top level and for one peer.
-const Limits = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-limits: {issuancesPerMinute: 2, burst: 2}
+const Limits = cluster + `limits: {issuancesPerMinute: 2, burst: 2}
 peers:
   - name: west
     identity: spiffe://oc.example/cluster/west
@@ -70,14 +68,7 @@ peers:
 `
 
 // Audiences grants tokens for listed audiences.
-const Audiences = `
-cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
-ttl: {default: 1h, max: 24h}
-peers:
-  - name: west
-    identity: spiffe://oc.example/cluster/west
-    grants:
-      - namespaces: [argo]
+const Audiences = westGrants + `      - namespaces: [argo]
         serviceAccounts: [runner]
         maxTTL: 2h
       - namespaces: [vault]
