@@ -371,6 +371,13 @@ type CertificateRequest struct {
 	// the caller enrolls or renews, spiffe://<trust-domain>/cluster/<name>.
 	// The key pair is made by the caller and never leaves it.
 	CSR string `json:"csr"`
+	// ClusterCACSR, if set, asks also for the cluster's CA (the
+	// intermediate its pod certificates chain through): a PEM
+	// "CERTIFICATE REQUEST" for another key, with the same identity as
+	// its only URI SAN. Only a broker that signs cluster CAs
+	// (serve --sign-cluster-cas) answers it; others refuse the whole
+	// request.
+	ClusterCACSR string `json:"clusterCACSR,omitempty"`
 }
 
 // CertificateResponse is the 201 answer of POST /v1/certificates.
@@ -385,6 +392,12 @@ type CertificateResponse struct {
 	// CABundle is the PEM trust bundle that verifies the broker and the
 	// peers (all CAs in force, old and new during a rotation).
 	CABundle string `json:"caBundle"`
+	// ClusterCA, when the request had a ClusterCACSR, is the cluster CA's
+	// PEM chain: the cluster CA first, then any intermediate CA
+	// certificates, not the root. It lives as long as the client
+	// certificate; ClusterCANotAfter is its NotAfter.
+	ClusterCA         string     `json:"clusterCA,omitempty"`
+	ClusterCANotAfter *time.Time `json:"clusterCANotAfter,omitempty"`
 }
 
 // TrustBundle is the answer of GET /v1/trust-bundle.

@@ -129,6 +129,10 @@ type Event struct {
 	JWKSDigest string `json:"jwks_digest,omitempty"`
 	Serial     string `json:"serial,omitempty"`
 	NotAfter   string `json:"not_after,omitempty"`
+	// ClusterCASerial and ClusterCANotAfter name the cluster CA signed
+	// with an enrolled or renewed certificate, when one was asked for.
+	ClusterCASerial   string `json:"cluster_ca_serial,omitempty"`
+	ClusterCANotAfter string `json:"cluster_ca_not_after,omitempty"`
 	// Grant is the grant a lease was issued under, on issuance and on a
 	// revocation because its namespace stopped matching it.
 	Grant string `json:"grant,omitempty"`

@@ -60,6 +60,11 @@ type Config struct {
 	// Revocations is the deny list; nil means nothing is revoked. While it
 	// is not synced the broker is not ready.
 	Revocations *RevocationList
+	// SignClusterCAs answers a request's clusterCACSR with the cluster's
+	// CA (pki.CA.SignClusterCA), signed by CA, which must then allow it
+	// (pki.CA.CheckSignsClusterCAs) and be a ClusterCASigner. Off (the
+	// default), such a request is refused whole.
+	SignClusterCAs bool
 }
 
 // Authority is the CA side of the broker: it enrolls new clusters with
@@ -165,6 +170,11 @@ var errCertificatesDisabled = problem.Errorf(problem.KindNotFound, "this broker 
 // exists, before anything is signed, so that of two replicas given the
 // same token only one issues a certificate. KindUnavailable (API server
 // unreachable, token not used up) is retryable.
+//
+// A request with a clusterCACSR also gets the cluster's CA, checked like
+// the CSR (field "clusterCACSR") and signed with the certificate, or is
+// refused whole, before the token is used up: KindUnprocessable with a
+// field error on "clusterCACSR" when Config.SignClusterCAs is off.
 func (auth *Authority) Enroll(ctx context.Context, addr, token string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	a := &audit.Pending{Event: audit.Event{Action: audit.ActionEnroll}}
 	resp, outcome, err := auth.enroll(ctx, addr, token, req, a)
@@ -216,11 +226,10 @@ func (auth *Authority) enroll(ctx context.Context, addr, token string, req apiv1
 		a.Denial, a.Reason = audit.DenyRevoked, "identity revoked"
 		return nil, certUnauthenticated, errJoinToken(errors.New("identity is revoked"))
 	}
-	csr, err := ParseCSR(req.CSR, claims.Identity)
+	csrs, outcome, err := auth.parseCSRs(req, claims.Identity, a)
 	if err != nil {
-		a.Denial = csrDenial(err)
 		log.Info("enrollment refused", zap.String("reason", problem.Detail(err)), zap.Error(err))
-		return nil, outcomeOfCert(err), err
+		return nil, outcome, err
 	}
 	if err := auth.recordJoinToken(ctx, claims); err != nil {
 		log.Info("enrollment refused", zap.String("reason", problem.Detail(err)), zap.Error(err))
@@ -231,18 +240,61 @@ func (auth *Authority) enroll(ctx context.Context, addr, token string, req apiv1
 	}
 	// If signing fails, the token is used up: a CA that cannot sign is an
 	// operator problem, and a second chance would need a second record.
-	return auth.signLogged(csr, claims.Identity, log, "enrollment failed after the join token was used", "certificate enrolled")
+	return auth.signLogged(csrs, claims.Identity, log, a, "enrollment failed after the join token was used", "certificate enrolled")
 }
 
-// signLogged signs csr for identity and logs the outcome with failed or
-// done.
-func (auth *Authority) signLogged(csr *x509.CertificateRequest, identity string, log *zap.Logger, failed, done string) (*apiv1.CertificateResponse, string, error) {
-	resp, err := auth.sign(csr, identity, log)
+// requestedCSRs are the parsed CSRs of a certificate request: the client
+// certificate's, and the cluster CA's when the request has one.
+type requestedCSRs struct {
+	client, clusterCA *x509.CertificateRequest
+}
+
+// parseCSRs parses the request's CSRs for identity, and refuses a
+// clusterCACSR that this broker does not sign, all before anything is
+// used up or signed: the answer is all of the request or an error.
+func (auth *Authority) parseCSRs(req apiv1.CertificateRequest, identity string, a *audit.Pending) (requestedCSRs, string, error) {
+	csr, err := ParseCSR(req.CSR, identity)
+	if err != nil {
+		a.Denial = csrDenial(err)
+		return requestedCSRs{}, outcomeOfCert(err), err
+	}
+	out := requestedCSRs{client: csr}
+	if req.ClusterCACSR == "" {
+		return out, "", nil
+	}
+	signer, ok := auth.CA.(ClusterCASigner)
+	if !ok || !auth.SignClusterCAs {
+		a.Denial, a.Reason = audit.DenyDisabled, "this broker does not sign cluster CAs"
+		return requestedCSRs{}, certDisabled, errClusterCAsDisabled
+	}
+	// A signing CA replaced by one that cannot sign CAs is the operator's
+	// to fix; the join token is not used up meanwhile.
+	if err := signer.CheckSignsClusterCAs(); err != nil {
+		return requestedCSRs{}, certError, fmt.Errorf("sign cluster CAs: %w", err)
+	}
+	if out.clusterCA, err = parseClusterCACSR(req.ClusterCACSR, identity, csr); err != nil {
+		a.Denial = csrDenial(err)
+		return requestedCSRs{}, outcomeOfCert(err), err
+	}
+	return out, "", nil
+}
+
+// signLogged signs csrs for identity, logs the outcome with failed or
+// done, and records the cluster CA signed in a's event (auditCertificate
+// records the client certificate).
+func (auth *Authority) signLogged(csrs requestedCSRs, identity string, log *zap.Logger, a *audit.Pending, failed, done string) (*apiv1.CertificateResponse, string, error) {
+	resp, clusterCA, err := auth.sign(csrs, identity, log)
 	if err != nil {
 		log.Error(failed, zap.Error(err))
 		return nil, outcomeOfCert(err), err
 	}
-	log.Info(done, zap.String("serial", resp.SerialNumber), zap.Time("not_after", resp.NotAfter))
+	fields := []zap.Field{zap.String("serial", resp.SerialNumber), zap.Time("not_after", resp.NotAfter)}
+	if clusterCA != nil {
+		a.Event.ClusterCASerial = clusterCA.SerialNumber.Text(16)
+		a.Event.ClusterCANotAfter = clusterCA.NotAfter.UTC().Format(time.RFC3339)
+		fields = append(fields, zap.String("cluster_ca_serial", a.Event.ClusterCASerial), zap.Time("cluster_ca_not_after", clusterCA.NotAfter))
+	}
+	log.Info(done, fields...)
 	return resp, certIssued, nil
 }
 
@@ -251,7 +303,8 @@ func (auth *Authority) signLogged(csr *x509.CertificateRequest, identity string,
 // new key if the caller wants one. A client certificate that the signing
 // CA (or Config.PreviousCA) did not issue, an identity that is not a peer
 // in the policy and a CSR for another identity are KindForbidden; a CSR
-// that does not parse is KindInvalid.
+// that does not parse is KindInvalid. A clusterCACSR is answered as by
+// Enroll, with a cluster CA of the signing CA in force.
 func (auth *Authority) Renew(ctx context.Context, c Peer, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	a := &audit.Pending{Event: audit.Event{Action: audit.ActionRenew, Identity: c.Identity, CertSHA256: c.CertSHA256}}
 	resp, outcome, err := auth.renew(c, req, a)
@@ -295,13 +348,12 @@ func (auth *Authority) renew(c Peer, req apiv1.CertificateRequest, a *audit.Pend
 		log.Info("renewal refused", zap.String("reason", problem.Detail(err)))
 		return nil, certLimited, err
 	}
-	csr, err := ParseCSR(req.CSR, c.Identity)
+	csrs, outcome, err := auth.parseCSRs(req, c.Identity, a)
 	if err != nil {
-		a.Denial = csrDenial(err)
 		log.Info("renewal refused", zap.String("reason", problem.Detail(err)), zap.Error(err))
-		return nil, outcomeOfCert(err), err
+		return nil, outcome, err
 	}
-	return auth.signLogged(csr, c.Identity, log, "renewal failed", "certificate renewed")
+	return auth.signLogged(csrs, c.Identity, log, a, "renewal failed", "certificate renewed")
 }
 
 // TrustBundle returns the CA bundle in force and the fingerprints of its
@@ -359,8 +411,10 @@ func (auth *Authority) recordJoinToken(ctx context.Context, claims pki.JoinToken
 
 // sign issues the certificate for identity with the peer's lifetime,
 // shortened (and logged) when the CA expires sooner: near the end of a CA's
-// life clusters get shorter certificates rather than none.
-func (auth *Authority) sign(csr *x509.CertificateRequest, identity string, log *zap.Logger) (*apiv1.CertificateResponse, error) {
+// life clusters get shorter certificates rather than none. With a cluster
+// CA's CSR it also signs the cluster CA, with the same lifetime and CA,
+// and returns it; if either fails, neither is answered.
+func (auth *Authority) sign(csrs requestedCSRs, identity string, log *zap.Logger) (*apiv1.CertificateResponse, *x509.Certificate, error) {
 	ttl := auth.CertificateTTL
 	if p := auth.Policy.Load(); p != nil {
 		ttl = p.CertificateTTL(identity, ttl)
@@ -372,14 +426,14 @@ func (auth *Authority) sign(csr *x509.CertificateRequest, identity string, log *
 		ttl = left.Truncate(time.Second)
 	}
 	t0 := auth.Clock.Now()
-	kp, err := auth.CA.SignClient(csr, identity, ttl)
+	kp, err := auth.CA.SignClient(csrs.client, identity, ttl)
 	auth.Metrics.ObserveAPI("sign_client_certificate", auth.Clock.Since(t0))
 	if err != nil {
 		if errors.Is(err, pki.ErrInvalidCSR) {
-			return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
+			return nil, nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
 				Fields: []apiv1.FieldError{{Field: "csr", Detail: CSRProblem(err)}}, Err: err}
 		}
-		return nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
+		return nil, nil, fmt.Errorf("sign client certificate for %s: %w", identity, err)
 	}
 	resp := &apiv1.CertificateResponse{
 		Identity:     identity,
@@ -391,7 +445,26 @@ func (auth *Authority) sign(csr *x509.CertificateRequest, identity string, log *
 	if auth.Trust != nil {
 		resp.CABundle = string(auth.Trust.PEM())
 	}
-	return resp, nil
+	if csrs.clusterCA == nil {
+		return resp, nil, nil
+	}
+	signer, ok := auth.CA.(ClusterCASigner)
+	if !ok {
+		return nil, nil, errClusterCAsDisabled
+	}
+	t0 = auth.Clock.Now()
+	ca, err := signer.SignClusterCA(csrs.clusterCA, identity, ttl)
+	auth.Metrics.ObserveAPI("sign_cluster_ca", auth.Clock.Since(t0))
+	if err != nil {
+		if errors.Is(err, pki.ErrInvalidCSR) {
+			return nil, nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
+				Fields: []apiv1.FieldError{{Field: fieldClusterCACSR, Detail: clusterCACSRProblem(err)}}, Err: err}
+		}
+		return nil, nil, fmt.Errorf("sign cluster CA for %s: %w", identity, err)
+	}
+	notAfter := ca.Cert.NotAfter.UTC()
+	resp.ClusterCA, resp.ClusterCANotAfter = string(ca.CertPEM), &notAfter
+	return resp, ca.Cert, nil
 }
 
 // csrDenial is the denial reason code of a refused CSR.

@@ -1,10 +1,12 @@
 package enrollment
 
 import (
+	"crypto"
 	"crypto/sha256"
 	"crypto/x509"
 	"encoding/hex"
 	"fmt"
+	"strings"
 	"time"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
@@ -22,6 +24,19 @@ type CertificateAuthority interface {
 	// Certificate is the signing CA's certificate; its key signs join
 	// tokens.
 	Certificate() *x509.Certificate
+}
+
+// ClusterCASigner is the optional ability of a CertificateAuthority to
+// sign the CAs of clusters (fleet CA → cluster CA → pod certificates);
+// *pki.CA and *pki.CAReloader have it.
+type ClusterCASigner interface {
+	// SignClusterCA signs a cluster CA for clusterIdentity with the CSR's
+	// public key. Errors wrapping pki.ErrInvalidCSR are the caller's;
+	// none is retryable.
+	SignClusterCA(csr *x509.CertificateRequest, clusterIdentity string, lifetime time.Duration) (*pki.KeyPair, error)
+	// CheckSignsClusterCAs fails, wrapping pki.ErrCannotSignCAs, when
+	// the CA's path length allows no CA below it.
+	CheckSignsClusterCAs() error
 }
 
 // TrustSource is the CA bundle in force, which peers use to verify brokers
@@ -44,6 +59,8 @@ type JoinTokenVerifier interface {
 var (
 	_ CertificateAuthority = (*pki.CA)(nil)
 	_ CertificateAuthority = (*pki.CAReloader)(nil)
+	_ ClusterCASigner      = (*pki.CA)(nil)
+	_ ClusterCASigner      = (*pki.CAReloader)(nil)
 	_ TrustSource          = (*pki.PoolReloader)(nil)
 	_ JoinTokenVerifier    = (*pki.JoinTokenVerifier)(nil)
 	_ JoinTokenVerifier    = caJoinTokens{}
@@ -117,6 +134,40 @@ func ParseCSR(csrPEM, identity string) (*x509.CertificateRequest, error) {
 			Err: fmt.Errorf("CSR identity %q, authenticated identity %q", csrIdentity, identity)}
 	}
 	return csr, nil
+}
+
+// fieldClusterCACSR is the request field of a cluster CA's CSR.
+const fieldClusterCACSR = "clusterCACSR"
+
+// errClusterCAsDisabled refuses a clusterCACSR on a broker that does not
+// sign cluster CAs: the whole request, so that a cluster never believes it
+// has a CA it was not given.
+var errClusterCAsDisabled = &problem.Error{Kind: problem.KindUnprocessable, Detail: "this broker does not sign cluster CAs",
+	Fields: []apiv1.FieldError{{Field: fieldClusterCACSR,
+		Detail: "this broker does not sign cluster CAs (tokenbroker serve --sign-cluster-cas); send the request without it"}}}
+
+// parseClusterCACSR parses a cluster CA's CSR and checks it as ParseCSR
+// does the client certificate's (same identity), and that it is for
+// another key than client's: a CA key is not a TLS client key.
+func parseClusterCACSR(csrPEM, identity string, client *x509.CertificateRequest) (*x509.CertificateRequest, error) {
+	csr, csrIdentity, err := pki.ParseCSRPEM([]byte(csrPEM))
+	if err != nil {
+		return nil, &problem.Error{Kind: problem.KindInvalid, Detail: "the request is invalid",
+			Fields: []apiv1.FieldError{{Field: fieldClusterCACSR, Detail: clusterCACSRProblem(err)}}, Err: err}
+	}
+	if csrIdentity != identity {
+		return nil, &problem.Error{Kind: problem.KindForbidden, Detail: errIdentityMismatch.Detail,
+			Err: fmt.Errorf("cluster CA CSR identity %q, authenticated identity %q", csrIdentity, identity)}
+	}
+	if pub, ok := csr.PublicKey.(interface{ Equal(crypto.PublicKey) bool }); ok && pub.Equal(client.PublicKey) {
+		return nil, problem.Invalid(apiv1.FieldError{Field: fieldClusterCACSR, Detail: "must be for another key than csr"})
+	}
+	return csr, nil
+}
+
+// clusterCACSRProblem is CSRProblem for the cluster CA's CSR.
+func clusterCACSRProblem(err error) string {
+	return strings.Replace(CSRProblem(err), "cluster identity", "cluster identity (the same as csr's)", 1)
 }
 
 // cSRProblem is the caller-facing description of a refused CSR: pki's

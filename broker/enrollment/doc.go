@@ -8,5 +8,6 @@
 // tokenbroker-revocations, watched by every replica; AddRevocation and
 // ReadRevocations for the API and the CLI) and the ClusterTrustBundle
 // publisher; and the flows themselves (Authority: Enroll and Renew, with
-// their limits, the used-join-token record and one audit event each).
+// their limits, the used-join-token record and one audit event each, and
+// the cluster's CA signed with its certificate when asked and allowed).
 package enrollment
