@@ -9,10 +9,10 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 )
 
-// Subject kinds.
+// Subject kinds: RBAC's own, as a RoleBinding's subjects name them.
 const (
-	SubjectServiceAccount = "ServiceAccount"
-	SubjectUser           = "User"
+	SubjectServiceAccount = rbacv1.ServiceAccountKind
+	SubjectUser           = rbacv1.UserKind
 )
 
 // Subject is an RBAC subject: a ServiceAccount (Namespace/Name) or a user.
@@ -110,17 +110,6 @@ type Use struct {
 // maxUseNamespaces bounds Use.AllowedIn.
 const maxUseNamespaces = 64
 
-// Tally is what a lease's usage and a subject's usage both count: the
-// requests, the permissions they asked for, and the requests past
-// MaxPermissions distinct permissions.
-type Tally struct {
-	Requests int   `json:"requests"`
-	Uses     []Use `json:"uses"`
-	// OtherRequests are requests for permissions past the first
-	// MaxPermissions distinct ones, counted but not told apart.
-	OtherRequests int `json:"otherRequests,omitempty"`
-}
-
 // LeaseUsage is what one lease's credential was used for.
 type LeaseUsage struct {
 	Lease   Lease     `json:"lease"`
@@ -148,6 +137,17 @@ type SubjectUsage struct {
 	Namespace string   `json:"namespace"`
 	Leases    []string `json:"leases"`
 	Tally
+}
+
+// Tally is what a lease's usage and a subject's usage both count: the
+// requests, the permissions they asked for, and the requests past
+// MaxPermissions distinct permissions.
+type Tally struct {
+	Requests int   `json:"requests"`
+	Uses     []Use `json:"uses"`
+	// OtherRequests are requests for permissions past the first
+	// MaxPermissions distinct ones, counted but not told apart.
+	OtherRequests int `json:"otherRequests,omitempty"`
 }
 
 type usage struct {
