@@ -39,6 +39,12 @@ func (b *Broker) Renew(ctx context.Context, c Caller, req apiv1.CertificateReque
 // certificates; both are empty when the broker has no TrustSource.
 func (b *Broker) TrustBundle() apiv1.TrustBundle { return b.authority().TrustBundle() }
 
+// RevokedPod reports whether the Pod of uid is on the deny list; false
+// when the broker has no RevocationList.
+func (b *Broker) RevokedPod(uid string) bool {
+	return b.cfg.Enrollment.Revocations != nil && b.cfg.Enrollment.Revocations.RevokedPod(uid)
+}
+
 // Revoked reports whether a caller's identity or one of its certificate
 // serials (hexadecimal, see enrollment.NormalizeSerial) is on the deny
 // list; false when the broker has no RevocationList.

@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // AuthenticateWorkload verifies a workload token that caller (a peer
@@ -39,6 +41,41 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 		return c, err
 	}
 	c.Workload = w
+	return c, nil
+}
+
+// AuthenticatePodCertificate decides whether the workload w, read from the
+// caller's verified pod certificate (pki.WorkloadFromChain; c.Identity is
+// the cluster of the CA that signed it), may ask here, and returns the
+// caller with its Workload: the peer's policy must accept pod
+// certificates, and with livePodsFromPeer the Pod must be live. Every
+// refusal is audited; it is KindBadPodCertificate with a Reason, or
+// KindUnavailable for a Pod newer than the peer's last report.
+func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pki.PodWorkload) (Caller, error) {
+	issuedAt := time.Time{}
+	if c.Certificate != nil {
+		issuedAt = c.Certificate.NotBefore.Add(pki.PodCertificateBackdate)
+	}
+	id, err := workload.VerifyPodCertificate(b.cfg.Policy.Load(), w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now)
+	if err != nil {
+		var be *problem.Error
+		reason := ""
+		if errors.As(err, &be) {
+			reason = be.Reason
+		}
+		a := &audit.Pending{Event: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256,
+			Workload: w.Namespace + "/" + w.ServiceAccount, WorkloadPod: w.PodName}}
+		if p := b.cfg.Policy.Load(); p != nil {
+			if peer := p.Peer(c.Identity); peer != nil {
+				a.Event.Peer = peer.Name
+			}
+		}
+		b.recorder().Conclude(ctx, a, audit.DecisionDeny, "pod certificate refused: "+reason, audit.DenyPodCertificate)
+		b.cfg.Logger.Info("pod certificate refused", zap.String("identity", c.Identity), zap.String("workload", w.Identity),
+			zap.String("pod_uid", w.PodUID), zap.String("reason", reason), zap.Error(err))
+		return c, err
+	}
+	c.Workload = id
 	return c, nil
 }
 

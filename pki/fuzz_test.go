@@ -6,9 +6,11 @@ import (
 	"crypto/ecdsa"
 	"crypto/sha256"
 	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/base64"
 	"errors"
 	"math/big"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -488,6 +490,46 @@ func FuzzMergeCABundles(f *testing.F) {
 			if !containsCert(parsed, c) || containsCert(certs[:i], c) {
 				t.Fatalf("certificate %d is not from a good bundle, or twice", i)
 			}
+		}
+	})
+}
+
+// FuzzWorkloadFromChain reads a pod certificate's names (its URI SAN and
+// subject, and its issuer's URI SAN and name constraint), which a source
+// cluster's signer chose: whatever it accepts is a workload of the very
+// cluster its CA names, a Pod of a valid uid, and nothing else.
+func FuzzWorkloadFromChain(f *testing.F) {
+	f.Add("spiffe://oc.example/cluster/east/ns/argo/sa/runner", "runner-0", "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54", "spiffe://oc.example/cluster/east", "oc.example")
+	f.Add("spiffe://oc.example/cluster/west/ns/argo/sa/runner", "runner-0", "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54", "spiffe://oc.example/cluster/east", "oc.example")
+	f.Add("spiffe://oc.example/cluster/east/ns/argo/sa/runner/x", "", "", "spiffe://oc.example/cluster/east", "")
+	f.Fuzz(func(t *testing.T, leafURI, podName, podUID, caURI, permitted string) {
+		leaf := &x509.Certificate{Subject: pkix.Name{CommonName: podName, SerialNumber: podUID}}
+		if u, err := url.Parse(leafURI); err == nil {
+			leaf.URIs = []*url.URL{u}
+		}
+		ca := &x509.Certificate{BasicConstraintsValid: true, IsCA: true, MaxPathLenZero: true, KeyUsage: x509.KeyUsageCertSign,
+			PermittedURIDomains: []string{permitted}}
+		if u, err := url.Parse(caURI); err == nil {
+			ca.URIs = []*url.URL{u}
+		}
+		root := &x509.Certificate{BasicConstraintsValid: true, IsCA: true}
+		w, err := WorkloadFromChain([][]*x509.Certificate{{leaf, ca, root}})
+		if err != nil {
+			if !errors.Is(err, ErrNotPodCertificate) {
+				t.Fatalf("a refusal that is not ErrNotPodCertificate: %v", err)
+			}
+			return
+		}
+		own, err := ClusterCAIdentity(ca)
+		if err != nil || own != w.Cluster {
+			t.Fatalf("accepted under CA %q (%v), workload of %q", own, err, w.Cluster)
+		}
+		cluster, ns, sa, err := ParseWorkloadIdentity(w.Identity)
+		if err != nil || cluster != w.Cluster || ns != w.Namespace || sa != w.ServiceAccount || w.Identity != leaf.URIs[0].String() {
+			t.Fatalf("accepted %+v for the URI %q (%v)", w, leafURI, err)
+		}
+		if !ValidPodUID(w.PodUID) || w.PodName == "" {
+			t.Fatalf("accepted the Pod %q uid %q", w.PodName, w.PodUID)
 		}
 	})
 }

@@ -19,7 +19,7 @@ import (
 // intermediate of the fleet's), so that whoever verifies one knows which
 // cluster vouched for the workload; X.509 name constraints cannot bound a
 // URI's path, so a relying party must check that the identity is under
-// the cluster of the CA that signed it (WorkloadIdentityOf).
+// the cluster of the CA that signed it (WorkloadFromChain).
 
 const (
 	nsPath = "ns"
@@ -86,6 +86,10 @@ type PodCertificate struct {
 	PublicKey crypto.PublicKey
 	NotBefore time.Time
 	NotAfter  time.Time
+	// PodName and PodUID name the Pod in the certificate's subject
+	// (WorkloadFromChain reads them); both or neither.
+	PodName string
+	PodUID  string
 }
 
 // SignPodCertificate signs a pod certificate: a client certificate for
@@ -126,7 +130,12 @@ func (ca *CA) SignPodCertificate(clusterIdentity string, p PodCertificate) (*x50
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: %w", ErrInvalidWorkloadIdentity, err)
 	}
+	subject, err := podSubject(p.PodName, p.PodUID)
+	if err != nil {
+		return nil, nil, fmt.Errorf("sign pod certificate: %w", err)
+	}
 	tmpl := &x509.Certificate{
+		Subject:               subject,
 		URIs:                  []*url.URL{u},
 		NotBefore:             p.NotBefore,
 		NotAfter:              p.NotAfter,

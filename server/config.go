@@ -87,6 +87,9 @@ type RevocationChecker interface {
 	// lower-case hexadecimal serial numbers of the certificates of every
 	// verified chain, the leaf first, each once) is revoked.
 	Revoked(identity string, serials ...string) bool
+	// RevokedPod reports whether the Pod of this uid, as a pod certificate
+	// names it, is revoked.
+	RevokedPod(uid string) bool
 }
 
 // RefusalAuditor is implemented by a Broker that records refused callers in
@@ -125,6 +128,11 @@ type WorkloadAuthenticator interface {
 	// ReportPeerPods stores the uids of the Pods that live in the caller's
 	// cluster (decoded, not yet validated).
 	ReportPeerPods(ctx context.Context, c broker.Caller, uids []string) (*apiv1.PeerLivePods, error)
+	// AuthenticatePodCertificate decides whether the workload w of the
+	// caller's verified pod certificate may ask here and returns the
+	// caller with its Workload. Refusals are problem.KindBadPodCertificate
+	// with a Reason.
+	AuthenticatePodCertificate(ctx context.Context, c broker.Caller, w *pki.PodWorkload) (broker.Caller, error)
 }
 
 // TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which

@@ -7,6 +7,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenbroker/tokenbroker/broker"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 type ctxKey int
@@ -34,6 +35,9 @@ type requestInfo struct {
 type peer struct {
 	caller broker.Caller
 	cert   *x509.Certificate
+	// pod is the workload of a pod certificate: the caller is a workload
+	// of the cluster of its CA, never the cluster itself.
+	pod *pki.PodWorkload
 }
 
 func withRequestInfo(ctx context.Context, info *requestInfo) context.Context {

@@ -74,6 +74,8 @@ var (
 		"Over a limit of the policy; retry after Retry-After seconds."}
 	classBadWorkloadToken = problemClass{http.StatusUnauthorized, "invalid-workload-token", false,
 		"The workload token was refused."}
+	classBadPodCertificate = problemClass{http.StatusUnauthorized, "invalid-pod-certificate", false,
+		"The pod certificate was refused."}
 	classInternal = problemClass{http.StatusInternalServerError, "internal", true,
 		"An internal error occurred; the request id identifies it in the server log."}
 )
@@ -93,6 +95,7 @@ var kindClasses = map[problem.Kind]problemClass{
 	problem.KindTimeout:              classTimeout,
 	problem.KindTooManyRequests:      classTooManyRequests,
 	problem.KindBadWorkloadToken:     classBadWorkloadToken,
+	problem.KindBadPodCertificate:    classBadPodCertificate,
 }
 
 // classOf chooses the class of err: a transport failure's, or its
@@ -135,7 +138,7 @@ func writeError(w http.ResponseWriter, r *http.Request, err error) {
 			p.Detail = be.Detail
 		}
 		p.Errors = be.Fields
-		if class == classBadWorkloadToken {
+		if class == classBadWorkloadToken || class == classBadPodCertificate {
 			p.Reason = be.Reason
 		}
 	}

@@ -81,6 +81,18 @@ type callerHandler func(w http.ResponseWriter, r *http.Request, p peer)
 // middleware put in the context, and answers errNoPeer (a bug: the route
 // is served without that middleware) if there is none.
 func withPeerOnly(h callerHandler) http.HandlerFunc {
+	return withAnyPeer(func(w http.ResponseWriter, r *http.Request, p peer) {
+		if p.pod != nil {
+			writeError(w, r, problem.Errorf(problem.KindForbidden, "a pod certificate speaks for its workload, not for its cluster"))
+			return
+		}
+		h(w, r, p)
+	})
+}
+
+// withAnyPeer adapts h to net/http for every caller, a workload of a pod
+// certificate included.
+func withAnyPeer(h callerHandler) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		p, ok := peerFrom(r.Context())
 		if !ok {
@@ -96,9 +108,14 @@ func withPeerOnly(h callerHandler) http.HandlerFunc {
 // "Authorization: Bearer" workload token is verified (a request without
 // one is the peer's), and a refused one is answered 401 with its reason.
 func (s *Server) withCaller(h callerHandler) http.HandlerFunc {
-	return withPeerOnly(func(w http.ResponseWriter, r *http.Request, p peer) {
+	return withAnyPeer(func(w http.ResponseWriter, r *http.Request, p peer) {
 		if len(r.Header.Values("Authorization")) == 0 {
 			h(w, r, p)
+			return
+		}
+		if p.pod != nil {
+			writeError(w, r, problem.Invalid(apiv1.FieldError{Field: "Authorization",
+				Detail: "a pod certificate names its workload already; send no workload token with it"}))
 			return
 		}
 		token, err := workloadToken(r.Header)

@@ -60,6 +60,7 @@ type fakeBroker struct {
 	renew       func(ctx context.Context, c broker.Caller, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
 	trustBundle func() apiv1.TrustBundle
 	revoked     func(identity string, serials ...string) bool
+	revokedPod  func(uid string) bool
 
 	calls atomic.Int32
 
@@ -233,6 +234,10 @@ func (f *fakeBroker) Revoked(identity string, serials ...string) bool {
 		return f.revoked(identity, serials...)
 	}
 	return false
+}
+
+func (f *fakeBroker) RevokedPod(uid string) bool {
+	return f.revokedPod != nil && f.revokedPod(uid)
 }
 
 func (f *fakeBroker) Ready(ctx context.Context) error {

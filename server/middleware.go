@@ -14,6 +14,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -187,8 +188,21 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 			writeError(w, r, &problem.Error{Kind: problem.KindUnauthenticated, Err: err})
 			return
 		}
+		if p.pod != nil {
+			var err error
+			if s.workloads == nil {
+				err = workload.BadPodCertificate(workload.PodCertificatesOff, errors.New("this broker verifies no workloads"))
+			} else {
+				p.caller, err = s.workloads.AuthenticatePodCertificate(r.Context(), p.caller, p.pod)
+			}
+			if err != nil {
+				writeError(w, r, err)
+				return
+			}
+		}
 		if info := requestInfoFrom(r.Context()); info != nil {
 			info.identity = p.caller.Identity
+			info.workload = p.caller.Workload.String()
 		}
 		next.ServeHTTP(w, r.WithContext(withPeer(r.Context(), p)))
 	})
@@ -232,6 +246,14 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		return known, refuse(audit.RefusedIdentity, errors.New("a lease certificate is for the lease gateway only: it names no cluster identity"))
 	}
 	id, err := pki.IdentityFromCert(cert)
+	if err != nil && pki.IsWorkloadCertificate(cert) {
+		// A pod certificate: the workload of the cluster whose CA
+		// signed it, never that cluster itself.
+		known.pod, err = pki.WorkloadFromChain(st.VerifiedChains)
+		if err == nil {
+			id = known.pod.Cluster
+		}
+	}
 	if err != nil {
 		return known, refuse(audit.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))
 	}
@@ -249,6 +271,9 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		// is refused whichever chain the TLS stack listed first.
 		if s.revocations.Revoked(id, chainSerials(st.VerifiedChains)...) {
 			return known, refuse(audit.RefusedRevoked, fmt.Errorf("client certificate (serial %s) or identity %s is revoked", cert.SerialNumber.Text(16), id))
+		}
+		if pw := known.pod; pw != nil && (s.revocations.Revoked(pw.Identity) || s.revocations.RevokedPod(pw.PodUID)) {
+			return known, refuse(audit.RefusedRevoked, fmt.Errorf("workload %s or its Pod %s/%s (uid %s) is revoked", pw.Identity, pw.Namespace, pw.PodName, pw.PodUID))
 		}
 	}
 	return known, nil

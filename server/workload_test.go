@@ -22,6 +22,7 @@ type workloadBroker struct {
 	auth func(c broker.Caller, token string) (broker.Caller, error)
 	put  func(c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error)
 	pods func(c broker.Caller, uids []string) (*apiv1.PeerLivePods, error)
+	pod  func(c broker.Caller, w *pki.PodWorkload) (broker.Caller, error)
 }
 
 var _ WorkloadAuthenticator = workloadBroker{}
@@ -36,6 +37,10 @@ func (w workloadBroker) PutPeerJWKS(_ context.Context, c broker.Caller, doc []by
 
 func (w workloadBroker) ReportPeerPods(_ context.Context, c broker.Caller, uids []string) (*apiv1.PeerLivePods, error) {
 	return w.pods(c, uids)
+}
+
+func (w workloadBroker) AuthenticatePodCertificate(_ context.Context, c broker.Caller, pw *pki.PodWorkload) (broker.Caller, error) {
+	return w.pod(c, pw)
 }
 
 const workloadToken1 = "eyJhbGciOiJFUzI1NiJ9.d29ya2xvYWQ.c2ln"

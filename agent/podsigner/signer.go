@@ -54,9 +54,6 @@ const (
 	// DefaultMaxLifetime bounds the certificates unless Config says less:
 	// the kubelet's default ask, 24 hours.
 	DefaultMaxLifetime = 24 * time.Hour
-	// backdate is how far NotBefore precedes the signing, for clocks a
-	// little behind (the API server accepts up to 5 minutes either way).
-	backdate = 2 * time.Minute
 )
 
 // The reasons of a Denied or Failed condition.
@@ -258,7 +255,7 @@ func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateR
 	if m := spec.MaxExpirationSeconds; m != nil && time.Duration(*m)*time.Second < lifetime {
 		lifetime = time.Duration(*m) * time.Second
 	}
-	notBefore := now.Add(-backdate)
+	notBefore := now.Add(-pki.PodCertificateBackdate)
 	notAfter := notBefore.Add(lifetime)
 	if caEnd := s.cfg.CA.Certificate().NotAfter.Truncate(time.Second); notAfter.After(caEnd) {
 		notAfter = caEnd
@@ -272,6 +269,7 @@ func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateR
 	}
 	_, chain, err := s.cfg.CA.SignPodCertificate(s.cfg.ClusterIdentity, pki.PodCertificate{
 		Identity: id, PublicKey: csr.PublicKey, NotBefore: notBefore, NotAfter: notAfter,
+		PodName: spec.PodName, PodUID: string(spec.PodUID),
 	})
 	if err != nil {
 		return certificatesv1.PodCertificateRequestStatus{}, fmt.Errorf("sign %s: %w", id, err)

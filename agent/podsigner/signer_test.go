@@ -25,6 +25,7 @@ import (
 const (
 	signerName = "tokenbroker.io/workload"
 	clusterID  = "spiffe://oc.example/cluster/east"
+	testPodUID = "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"
 )
 
 var t0 = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
@@ -58,7 +59,7 @@ func newFixture(t *testing.T, mutate ...func(*corev1.ServiceAccount, *corev1.Pod
 	require.NoError(t, err)
 	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "runner", UID: "sa-uid",
 		Labels: map[string]string{LabelPodCertificates: "true"}}}
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "runner-0", UID: "pod-uid"},
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "runner-0", UID: testPodUID},
 		Spec: corev1.PodSpec{ServiceAccountName: "runner", NodeName: "node-a", Volumes: []corev1.Volume{certVolume(signerName)}}}
 	for _, m := range mutate {
 		m(sa, pod)
@@ -79,7 +80,7 @@ func (f *fixture) request(t *testing.T, mutate ...func(*certificatesv1.PodCertif
 	pcr := &certificatesv1.PodCertificateRequest{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "argo", Name: "req-1"},
 		Spec: certificatesv1.PodCertificateRequestSpec{
-			SignerName: signerName, PodName: "runner-0", PodUID: "pod-uid", ServiceAccountName: "runner", ServiceAccountUID: "sa-uid",
+			SignerName: signerName, PodName: "runner-0", PodUID: testPodUID, ServiceAccountName: "runner", ServiceAccountUID: "sa-uid",
 			NodeName: "node-a", NodeUID: "node-uid", StubPKCS10Request: stub,
 		},
 	}
@@ -115,6 +116,8 @@ func TestAnAllowedPodGetsACertificateNamingItsServiceAccountOnly(t *testing.T) {
 	require.Len(t, leaf.URIs, 1)
 	require.Equal(t, clusterID+"/ns/argo/sa/runner", leaf.URIs[0].String())
 	require.Empty(t, leaf.DNSNames)
+	require.Equal(t, "runner-0", leaf.Subject.CommonName, "the Pod, for a per-Pod deny list")
+	require.Equal(t, testPodUID, leaf.Subject.SerialNumber)
 	require.False(t, leaf.IsCA)
 	require.True(t, leaf.PublicKey.(*ecdsa.PublicKey).Equal(f.key.Public()), "for the kubelet's key")
 

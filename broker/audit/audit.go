@@ -70,6 +70,7 @@ const (
 	DenyIdentityMismatch = "identity_mismatch"
 	DenyDisabled         = "disabled"
 	DenyWorkloadToken    = "workload_token"
+	DenyPodCertificate   = "pod_certificate"
 	DenyNotSigningCA     = "not_signing_ca"
 	DenyNotAPeer         = "not_a_peer"
 )

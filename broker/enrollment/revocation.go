@@ -14,6 +14,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/metrics"
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/pki"
 	"go.uber.org/zap"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -34,6 +35,13 @@ import (
 //	  spiffe://oc.example/cluster/west  # 2025-01-02T03:04:05Z key leaked
 //	serials: |
 //	  3f9a0c...  # 2025-01-02T03:04:05Z laptop lost
+//	pods: |
+//	  6f1c2a9e-...  # 2025-01-02T03:04:05Z compromised Pod
+//
+// An identity is a cluster identity (every caller of that cluster) or a
+// workload identity, spiffe://<td>/cluster/<name>/ns/<ns>/sa/<sa> (every
+// pod certificate of that ServiceAccount). A pod is the uid of one Pod of
+// a source cluster, as its pod certificates carry it (pki.WorkloadFromChain).
 //
 // Serials are hexadecimal as GET /v1/whoami shows them (lower case, no
 // leading zeros); upper case and openssl's colon-separated form are
@@ -42,12 +50,14 @@ const (
 	RevocationConfigMap     = "tokenbroker-revocations"
 	RevocationKeyIdentities = "identities"
 	RevocationKeySerials    = "serials"
+	RevocationKeyPods       = "pods"
 )
 
 // Kinds of revocation entries.
 const (
 	RevokeIdentity = "identity"
 	RevokeSerial   = "serial"
+	RevokePod      = "pod"
 )
 
 // maxRevocationReason bounds the comment AddRevocation writes.
@@ -55,9 +65,9 @@ const maxRevocationReason = 200
 
 // RevocationEntry is one line of the deny list.
 type RevocationEntry struct {
-	// Kind is RevokeIdentity or RevokeSerial.
+	// Kind is RevokeIdentity, RevokeSerial or RevokePod.
 	Kind string
-	// Value is the identity, or the serial in normal form.
+	// Value is the identity, the serial in normal form, or the Pod's uid.
 	Value string
 	// Comment is what followed '#' on the line, trimmed.
 	Comment string
@@ -68,6 +78,7 @@ type RevocationEntry struct {
 type DenyList struct {
 	identities map[string]bool
 	serials    map[string]bool
+	pods       map[string]bool
 }
 
 // Revoked reports whether identity, or any of the certificate serials
@@ -83,6 +94,9 @@ func (d *DenyList) Revoked(identity string, serials ...string) bool {
 	}
 	return false
 }
+
+// RevokedPod reports whether the Pod of this uid is on the list.
+func (d *DenyList) RevokedPod(uid string) bool { return uid != "" && d.pods[uid] }
 
 // Len returns the number of identities and serials on the list.
 func (d *DenyList) Len() (identities, serials int) { return len(d.identities), len(d.serials) }
@@ -108,7 +122,7 @@ func NormalizeSerial(s string) (string, error) {
 // reported in problems and skipped, so that one typo never lifts the rest
 // of the list.
 func ParseRevocations(data map[string]string) (entries []RevocationEntry, problems []string) {
-	for _, key := range []string{RevocationKeyIdentities, RevocationKeySerials} {
+	for _, key := range []string{RevocationKeyIdentities, RevocationKeySerials, RevocationKeyPods} {
 		for i, line := range strings.Split(data[key], "\n") {
 			value, comment, _ := strings.Cut(line, "#")
 			value = strings.TrimSpace(value)
@@ -116,13 +130,20 @@ func ParseRevocations(data map[string]string) (entries []RevocationEntry, proble
 				continue
 			}
 			e := RevocationEntry{Kind: RevokeIdentity, Value: value, Comment: strings.TrimSpace(comment)}
-			if key == RevocationKeySerials {
+			switch key {
+			case RevocationKeySerials:
 				s, err := NormalizeSerial(value)
 				if err != nil {
 					problems = append(problems, fmt.Sprintf("%s line %d: %v", key, i+1, err))
 					continue
 				}
 				e.Kind, e.Value = RevokeSerial, s
+			case RevocationKeyPods:
+				if err := validPodUID(value); err != nil {
+					problems = append(problems, fmt.Sprintf("%s line %d: %v", key, i+1, err))
+					continue
+				}
+				e.Kind = RevokePod
 			}
 			entries = append(entries, e)
 		}
@@ -132,11 +153,14 @@ func ParseRevocations(data map[string]string) (entries []RevocationEntry, proble
 
 // NewDenyList returns the deny list of entries (see ParseRevocations).
 func NewDenyList(entries []RevocationEntry) *DenyList {
-	d := &DenyList{identities: map[string]bool{}, serials: map[string]bool{}}
+	d := &DenyList{identities: map[string]bool{}, serials: map[string]bool{}, pods: map[string]bool{}}
 	for _, e := range entries {
-		if e.Kind == RevokeSerial {
+		switch e.Kind {
+		case RevokeSerial:
 			d.serials[e.Value] = true
-		} else {
+		case RevokePod:
+			d.pods[e.Value] = true
+		default:
 			d.identities[e.Value] = true
 		}
 	}
@@ -184,6 +208,13 @@ func (l *RevocationList) Revoked(identity string, serials ...string) bool {
 		return true
 	}
 	return d.Revoked(identity, serials...)
+}
+
+// RevokedPod reports whether the Pod of this uid is revoked, and true for
+// every Pod while the list is not yet synced.
+func (l *RevocationList) RevokedPod(uid string) bool {
+	d := l.current.Load()
+	return d == nil || d.RevokedPod(uid)
 }
 
 // Synced reports whether the list has been read from the API server.
@@ -336,8 +367,12 @@ func revocationKey(kind, value string) (key, normalized string, err error) {
 	value = strings.TrimSpace(value)
 	switch kind {
 	case RevokeIdentity:
+		// A workload identity (its pod certificates), else a cluster's.
+		if _, _, _, err := pki.ParseWorkloadIdentity(value); err == nil {
+			return RevocationKeyIdentities, value, nil
+		}
 		if err := policy.ValidSPIFFEID(value); err != nil {
-			return "", "", fmt.Errorf("identity: %w", err)
+			return "", "", fmt.Errorf("identity: %w (or a workload identity, <cluster identity>/ns/<namespace>/sa/<serviceAccount>)", err)
 		}
 		return RevocationKeyIdentities, value, nil
 	case RevokeSerial:
@@ -346,8 +381,13 @@ func revocationKey(kind, value string) (key, normalized string, err error) {
 			return "", "", err
 		}
 		return RevocationKeySerials, s, nil
+	case RevokePod:
+		if err := validPodUID(value); err != nil {
+			return "", "", err
+		}
+		return RevocationKeyPods, value, nil
 	}
-	return "", "", errors.New("revocation kind must be identity or serial")
+	return "", "", errors.New("revocation kind must be identity, serial or pod")
 }
 
 // cleanReason keeps a reason on one line of printable text.
@@ -363,4 +403,13 @@ func cleanReason(r string) string {
 		r = strings.ToValidUTF8(r[:maxRevocationReason], "")
 	}
 	return r
+}
+
+// validPodUID checks that s can be a Pod's uid as the API server makes
+// them: a UUID in its canonical lower-case form.
+func validPodUID(s string) error {
+	if !pki.ValidPodUID(s) {
+		return fmt.Errorf("pod %q is not a Pod uid (a lower-case UUID, as \"kubectl get pod -o jsonpath={.metadata.uid}\" prints it)", s)
+	}
+	return nil
 }

@@ -99,10 +99,17 @@ type PeerSpec struct {
 	WorkloadIdentity *WorkloadIdentitySpec `json:"workloadIdentity,omitempty"`
 }
 
-// WorkloadIdentitySpec is the trust in one peer cluster's ServiceAccount
-// tokens: its issuer, our audiences and its keys, from exactly one of
-// JWKS, JWKSFile and JWKSFromPeer.
+// WorkloadIdentitySpec is the trust in one peer cluster's workloads: in
+// its ServiceAccount tokens (its issuer, our audiences and its keys, from
+// exactly one of JWKS, JWKSFile and JWKSFromPeer), in the pod
+// certificates of its cluster CA (PodCertificates), or both.
 type WorkloadIdentitySpec struct {
+	// PodCertificates: a workload of the peer's cluster may prove itself
+	// with its pod certificate over mutual TLS, signed by the cluster CA
+	// the peer received at enrollment (fleet CA → cluster CA → pod
+	// certificate). With it alone (no issuer, audiences or key set), the
+	// peer's workloads prove themselves only so.
+	PodCertificates bool `json:"podCertificates,omitempty"`
 	// Issuer is the exact iss of the peer cluster's tokens (its
 	// --service-account-issuer).
 	Issuer string `json:"issuer"`
@@ -180,6 +187,12 @@ func (w *WorkloadIdentitySpec) EffectiveJWKSOverlap() time.Duration {
 		return time.Duration(w.JWKSOverlap)
 	}
 	return w.EffectiveMaxTokenAge()
+}
+
+// TrustsTokens reports whether the peer's ServiceAccount tokens are
+// trusted at all: a workloadIdentity of podCertificates alone trusts none.
+func (w *WorkloadIdentitySpec) TrustsTokens() bool {
+	return w.Issuer != "" || len(w.Audiences) > 0 || w.JWKS != "" || w.JWKSFile != "" || w.JWKSFromPeer
 }
 
 // StaticKeys is the pinned key set (jwks or jwksFile), nil for a peer
@@ -436,7 +449,7 @@ func (p *Policy) Validate() error {
 				add(gpath+".access", "must be %q or %q", apiv1.AccessDirect, apiv1.AccessGateway)
 			}
 			if len(g.Workloads) > 0 && peer.WorkloadIdentity == nil {
-				add(gpath+".workloads", "needs %s.workloadIdentity: without it no workload token can be verified", path)
+				add(gpath+".workloads", "needs %s.workloadIdentity: without it no workload can prove itself (by token or pod certificate)", path)
 			}
 			validateGrantAudiences(g, gpath, add)
 			for k, w := range g.Workloads {
@@ -459,6 +472,12 @@ func (p *Policy) Validate() error {
 // validateWorkloadIdentity checks one peer's workloadIdentity; an inline
 // jwks is parsed here (a jwksFile by the loader).
 func validateWorkloadIdentity(path string, wi *WorkloadIdentitySpec, add func(field, format string, args ...any)) {
+	if wi.PodCertificates && !wi.TrustsTokens() {
+		if wi.MaxTokenAge != 0 || wi.JWKSOverlap != 0 || wi.RequirePodBinding || wi.LivePodsFromPeer || wi.LivePodsMaxAge != 0 {
+			add(path, "token settings (maxTokenAge, jwksOverlap, requirePodBinding, livePodsFromPeer, livePodsMaxAge) need the token trust too: issuer, audiences and a key set")
+		}
+		return
+	}
 	switch {
 	case wi.Issuer == "":
 		add(path+".issuer", "is required: the iss of the peer cluster's ServiceAccount tokens")

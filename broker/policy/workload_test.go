@@ -192,3 +192,43 @@ peers:
 	require.NoError(t, err)
 	require.Equal(t, 30*time.Second, p.Peers[0].WorkloadIdentity.EffectiveLivePodsMaxAge())
 }
+
+func TestPodCertificatesAloneNeedNoTokenTrust(t *testing.T) {
+	t.Parallel()
+	peer := func(wi string) string {
+		return `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: ` + wi + `
+    grants: [{namespaces: [argo], serviceAccounts: [runner], workloads: [{namespace: argo, serviceAccount: runner}]}]
+`
+	}
+	p, err := Parse([]byte(peer(`{podCertificates: true}`)))
+	require.NoError(t, err)
+	wi := p.Peers[0].WorkloadIdentity
+	require.True(t, wi.PodCertificates)
+	require.False(t, wi.TrustsTokens())
+
+	// Token settings without the token trust they apply to are refused.
+	_, err = Parse([]byte(peer(`{podCertificates: true, livePodsFromPeer: true}`)))
+	var ve *apiv1.ValidationError
+	require.ErrorAs(t, err, &ve)
+	require.Equal(t, "peers[0].workloadIdentity", ve.Problems[0].Field)
+	require.Contains(t, ve.Problems[0].Detail, "need the token trust too")
+
+	// Half a token trust is still refused as before.
+	_, err = Parse([]byte(peer(`{podCertificates: true, issuer: "https://west.example"}`)))
+	require.ErrorAs(t, err, &ve)
+
+	// Both: tokens as before, and pod certificates.
+	p, err = Parse([]byte(peer(`{podCertificates: true, issuer: "https://west.example", audiences: [tokenbroker.east], jwksFromPeer: true}`)))
+	require.NoError(t, err)
+	require.True(t, p.Peers[0].WorkloadIdentity.TrustsTokens())
+
+	// Without workloadIdentity a grant's workloads prove nothing.
+	_, err = Parse([]byte(strings.Replace(peer(`{}`), "    workloadIdentity: {}\n", "", 1)))
+	require.ErrorAs(t, err, &ve)
+	require.Contains(t, ve.Problems[0].Detail, "by token or pod certificate")
+}

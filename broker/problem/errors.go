@@ -29,6 +29,10 @@ const (
 	// KindBadWorkloadToken: the request's workload token was refused. Its
 	// Reason (a pki.Token* code) is shown to the caller: 401.
 	KindBadWorkloadToken
+	// KindBadPodCertificate: the caller's pod certificate is sound but
+	// does not prove a workload here (the peer's policy accepts none, its
+	// Pod is not live). Its Reason is shown to the caller: 401.
+	KindBadPodCertificate
 )
 
 // Error is a classified failure. Detail and Fields are meant for the caller
@@ -36,7 +40,8 @@ const (
 type Error struct {
 	Kind   Kind
 	Detail string
-	// Reason is a caller-safe reason code, for KindBadWorkloadToken.
+	// Reason is a caller-safe reason code, for KindBadWorkloadToken and
+	// KindBadPodCertificate.
 	Reason string
 	Fields []apiv1.FieldError
 	Err    error

@@ -26,6 +26,9 @@ type Identity struct {
 	// ("" for a token bound to none).
 	UID string
 	Pod string
+	// PodUID is the uid of the Pod whose pod certificate proved it ("" for
+	// a token).
+	PodUID string
 	// TokenJTI and TokenSHA256 name the token that proved it, for the
 	// audit trail; the token itself is never kept.
 	TokenJTI    string
@@ -110,8 +113,8 @@ func Verify(p *policy.Policy, identity, token string, store *PeerKeyStore, now f
 		return nil, policy.ErrNoPolicy
 	}
 	peer := p.Peer(identity)
-	if peer == nil || peer.WorkloadIdentity == nil {
-		return nil, BadToken(TokenNoTrust, errors.New("the peer's policy has no workloadIdentity"))
+	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.TrustsTokens() {
+		return nil, BadToken(TokenNoTrust, errors.New("the peer's policy has no workloadIdentity for tokens"))
 	}
 	wi := peer.WorkloadIdentity
 	var sets []*pki.JWKS

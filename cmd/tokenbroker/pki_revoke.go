@@ -18,6 +18,7 @@ import (
 type revokeOptions struct {
 	Identity   string
 	Serial     string
+	PodUID     string
 	Reason     string
 	List       bool
 	Kubeconfig string
@@ -30,13 +31,19 @@ type revokeOptions struct {
 func newPKIRevokeCommand() *cobra.Command {
 	var o revokeOptions
 	cmd := &cobra.Command{
-		Use:   "revoke (--identity SPIFFE-ID | --serial HEX | --list)",
-		Short: "Revoke a cluster identity or a certificate serial at the brokers of this cluster",
-		Long: `Add a cluster identity or one certificate's serial number to the revocation
-deny list, the ConfigMap ` + enrollment.RevocationConfigMap + ` in the broker's namespace. Every
-broker replica watches it and refuses a revoked caller on its next request,
-keep-alive connections included, within a second or two; a revoked identity
-can no longer enroll or renew either.
+		Use:   "revoke (--identity SPIFFE-ID | --serial HEX | --pod-uid UID | --list)",
+		Short: "Revoke a cluster or workload identity, a certificate serial or a Pod at the brokers of this cluster",
+		Long: `Add a cluster identity, a workload identity, one certificate's serial number
+or one Pod's uid to the revocation deny list, the ConfigMap ` + enrollment.RevocationConfigMap + ` in the
+broker's namespace. Every broker replica watches it and refuses a revoked
+caller on its next request, keep-alive connections included, within a second
+or two; a revoked cluster identity can no longer enroll or renew either.
+
+A workload identity (spiffe://<trust-domain>/cluster/<name>/ns/<namespace>/sa/<sa>)
+refuses the pod certificates of every Pod of that ServiceAccount; --pod-uid
+those of one Pod (its uid in the source cluster: kubectl get pod NAME -o
+jsonpath='{.metadata.uid}'); the serial of a cluster CA every pod certificate
+it signed.
 
 Serials are hexadecimal as "GET /v1/whoami" and "tokenbroker pki inspect" show
 them; openssl's colon-separated form is accepted. The ConfigMap is created if
@@ -48,6 +55,7 @@ service account; the caller needs get, create and update on ConfigMaps in
 --namespace.`,
 		Example: `  tokenbroker pki revoke --identity spiffe://oc.example/cluster/west --reason "key leaked"
   tokenbroker pki revoke --serial 3f:9a:0c:... --namespace tokenbroker
+  tokenbroker pki revoke --pod-uid 6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54 --reason "compromised"
   tokenbroker pki revoke --list`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -63,8 +71,9 @@ service account; the caller needs get, create and update on ConfigMaps in
 		},
 	}
 	fs := cmd.Flags()
-	fs.StringVar(&o.Identity, "identity", "", "cluster identity to revoke, spiffe://<trust-domain>/cluster/<name>")
+	fs.StringVar(&o.Identity, "identity", "", "cluster identity to revoke, spiffe://<trust-domain>/cluster/<name>, or workload identity, .../ns/<namespace>/sa/<serviceAccount>")
 	fs.StringVar(&o.Serial, "serial", "", "serial number (hex) of one certificate to revoke")
+	fs.StringVar(&o.PodUID, "pod-uid", "", "uid of one Pod of a source cluster whose pod certificates to revoke")
 	fs.StringVar(&o.Reason, "reason", "", "why, kept with the entry as a comment")
 	fs.BoolVar(&o.List, "list", false, "print the deny list instead of changing it")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig of the cluster the brokers run in")
@@ -74,16 +83,16 @@ service account; the caller needs get, create and update on ConfigMaps in
 
 func (o revokeOptions) validate() error {
 	n := 0
-	for _, set := range []bool{o.Identity != "", o.Serial != "", o.List} {
+	for _, set := range []bool{o.Identity != "", o.Serial != "", o.PodUID != "", o.List} {
 		if set {
 			n++
 		}
 	}
 	if n != 1 {
-		return errors.New("give exactly one of --identity, --serial and --list")
+		return errors.New("give exactly one of --identity, --serial, --pod-uid and --list")
 	}
 	if o.List && o.Reason != "" {
-		return errors.New("--reason goes with --identity or --serial")
+		return errors.New("--reason goes with --identity, --serial or --pod-uid")
 	}
 	return nil
 }
@@ -120,8 +129,11 @@ func runPKIRevoke(ctx context.Context, cms corev1client.ConfigMapInterface, o re
 		return nil
 	}
 	kind, value := enrollment.RevokeIdentity, o.Identity
-	if o.Serial != "" {
+	switch {
+	case o.Serial != "":
 		kind, value = enrollment.RevokeSerial, o.Serial
+	case o.PodUID != "":
+		kind, value = enrollment.RevokePod, o.PodUID
 	}
 	added, err := enrollment.AddRevocation(ctx, cms, kind, value, o.Reason, now())
 	if err != nil {

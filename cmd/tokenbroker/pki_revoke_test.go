@@ -69,3 +69,38 @@ func TestPKIRevokeIsWiredIntoThePKICommand(t *testing.T) {
 		require.NotNil(t, cmd.Flags().Lookup(f), f)
 	}
 }
+
+func TestPKIRevokeRevokesAWorkloadAndAPod(t *testing.T) {
+	t.Parallel()
+	cms := fake.NewClientset().CoreV1().ConfigMaps("tokenbroker")
+	ctx := context.Background()
+	now := func() time.Time { return time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC) }
+	const uid = "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"
+	const wl = "spiffe://oc.example/cluster/west/ns/argo/sa/runner"
+	for _, o := range []revokeOptions{{PodUID: uid, Reason: "compromised"}, {Identity: wl}} {
+		require.NoError(t, o.validate())
+		var out bytes.Buffer
+		require.NoError(t, runPKIRevoke(ctx, cms, o, &out, now))
+		require.Contains(t, out.String(), "revoked ")
+	}
+	cm, err := cms.Get(ctx, enrollment.RevocationConfigMap, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Equal(t, uid+"  # 2030-01-02T03:04:05Z compromised\n", cm.Data[enrollment.RevocationKeyPods])
+	entries, problems := enrollment.ParseRevocations(cm.Data)
+	require.Empty(t, problems)
+	d := enrollment.NewDenyList(entries)
+	require.True(t, d.RevokedPod(uid))
+	require.False(t, d.RevokedPod("7a1e2f3c-0000-4000-8000-000000000002"))
+	require.False(t, d.RevokedPod(""))
+	require.True(t, d.Revoked(wl))
+	require.False(t, d.Revoked("spiffe://oc.example/cluster/west"), "the workload, not its cluster")
+
+	var out bytes.Buffer
+	err = runPKIRevoke(ctx, cms, revokeOptions{PodUID: "runner-0"}, &out, now)
+	require.ErrorContains(t, err, "not a Pod uid")
+	require.Error(t, revokeOptions{PodUID: uid, Serial: "ff"}.validate())
+
+	// A line of the ConfigMap that is no uid is skipped, and said.
+	_, problems = enrollment.ParseRevocations(map[string]string{enrollment.RevocationKeyPods: "runner-0\n" + uid})
+	require.Len(t, problems, 1)
+}

@@ -1,0 +1,79 @@
+package workload
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/tokenbroker/tokenbroker/broker/policy"
+	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/pki"
+)
+
+// Reason codes of a refused pod certificate (KindBadPodCertificate); the
+// live Pods' reasons are the tokens' (TokenPodsUnreported,
+// TokenPodNotLive).
+const (
+	// PodCertificatesOff: the peer's policy accepts no pod certificates
+	// (no workloadIdentity.podCertificates).
+	PodCertificatesOff = "pod-certificates-off"
+)
+
+var podCertificateDetails = map[string]string{
+	PodCertificatesOff:  "This broker accepts no pod certificates from your cluster (its policy's workloadIdentity.podCertificates).",
+	TokenPodsUnreported: "Your cluster has not reported its live Pods (PUT /v1/peers/self/pods) within the time this broker allows; is its agent running?",
+	TokenPodNotLive:     "The pod certificate's Pod is not among the live Pods your cluster last reported, which is newer than the certificate: the Pod was deleted.",
+}
+
+// BadPodCertificate returns the KindBadPodCertificate error of reason
+// with its caller-facing detail; cause is for the log.
+func BadPodCertificate(reason string, cause error) *problem.Error {
+	detail, ok := podCertificateDetails[reason]
+	if !ok {
+		detail = "The pod certificate was refused."
+	}
+	return &problem.Error{Kind: problem.KindBadPodCertificate, Reason: reason, Detail: detail, Err: cause}
+}
+
+// VerifyPodCertificate decides whether the workload w, read from a
+// verified pod certificate (pki.WorkloadFromChain), is one a peer of p
+// may speak for, and returns it as an Identity. The peer is the one whose
+// identity is w.Cluster, the cluster of the CA that signed it; its
+// policy must say workloadIdentity.podCertificates. With livePodsFromPeer
+// the Pod must be in the peer's last report, as for a pod-bound token:
+// issuedAt is when the certificate was made (its NotBefore less the
+// signer's backdating). nil p is KindUnavailable; every refusal is
+// KindBadPodCertificate with a reason code.
+func VerifyPodCertificate(p *policy.Policy, w *pki.PodWorkload, issuedAt time.Time, store *PeerKeyStore, now func() time.Time) (*Identity, error) {
+	if p == nil {
+		return nil, policy.ErrNoPolicy
+	}
+	peer := p.Peer(w.Cluster)
+	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.PodCertificates {
+		return nil, BadPodCertificate(PodCertificatesOff, fmt.Errorf("the policy of %s accepts no pod certificates", w.Cluster))
+	}
+	if wi := peer.WorkloadIdentity; wi.LivePodsFromPeer {
+		reason, reportedAt := TokenPodsUnreported, time.Time{}
+		if store != nil {
+			reason, reportedAt = store.LivePod(peer.Name, w.Cluster, w.PodUID, now(), wi.EffectiveLivePodsMaxAge())
+		}
+		cause := fmt.Errorf("pod %s/%s (uid %s): %s", w.Namespace, w.PodName, w.PodUID, reason)
+		if reason == TokenPodNotLive && !issuedAt.Before(reportedAt.Truncate(time.Second)) {
+			// Made after the report: the Pod lived then. Refused for now.
+			return nil, &problem.Error{Kind: problem.KindUnavailable, Reason: PodNotReportedYet, RetryAfter: time.Second,
+				Detail: "the pod certificate's Pod is newer than your cluster's last report of its live Pods; retry in a second", Err: cause}
+		}
+		if reason != "" {
+			return nil, BadPodCertificate(reason, cause)
+		}
+	}
+	if w.Namespace == "" || w.ServiceAccount == "" || w.PodUID == "" {
+		return nil, BadPodCertificate("", errors.New("the pod certificate names no workload"))
+	}
+	return &Identity{
+		Namespace:      w.Namespace,
+		ServiceAccount: w.ServiceAccount,
+		Pod:            w.PodName,
+		PodUID:         w.PodUID,
+	}, nil
+}
