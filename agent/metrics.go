@@ -1,11 +1,12 @@
 package agent
 
 import (
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	brokermetrics "github.com/tokenbroker/tokenbroker/broker/metrics"
 )
 
 // Result label values.
@@ -27,32 +28,13 @@ type metrics struct {
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
-		refresh: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_agent_refresh_total",
-			Help: "Attempts to obtain a credential and write it to every output of a target, by result (success, failure).",
-		}, []string{"target", "result"}),
-		lastSuccess: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tokenbroker_agent_last_success_timestamp_seconds",
-			Help: "Unix time of a target's last successful refresh.",
-		}, []string{"target"}),
-		outputWrites: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_agent_output_writes_total",
-			Help: "Writes of a credential to an output, by result (written, unchanged, failed).",
-		}, []string{"target", "output", "result"}),
-		revocations: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_agent_revocations_total",
-			Help: "Revocations of replaced leases, by result (success, failure).",
-		}, []string{"target", "result"}),
-		renewals: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "tokenbroker_agent_certificate_renewals_total",
-			Help: "Renewals of the agent's client certificate, by result (success, failure).",
-		}, []string{"result"}),
+		refresh:      brokermetrics.NewCounterVec("tokenbroker_agent_refresh_total", "Attempts to obtain a credential and write it to every output of a target, by result (success, failure).", "target", "result"),
+		lastSuccess:  brokermetrics.NewGaugeVec("tokenbroker_agent_last_success_timestamp_seconds", "Unix time of a target's last successful refresh.", "target"),
+		outputWrites: brokermetrics.NewCounterVec("tokenbroker_agent_output_writes_total", "Writes of a credential to an output, by result (written, unchanged, failed).", "target", "output", "result"),
+		revocations:  brokermetrics.NewCounterVec("tokenbroker_agent_revocations_total", "Revocations of replaced leases, by result (success, failure).", "target", "result"),
+		renewals:     brokermetrics.NewCounterVec("tokenbroker_agent_certificate_renewals_total", "Renewals of the agent's client certificate, by result (success, failure).", "result"),
 	}
-	var errs []error
-	for _, c := range []prometheus.Collector{m.refresh, m.lastSuccess, m.outputWrites, m.revocations, m.renewals} {
-		errs = append(errs, reg.Register(c))
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := brokermetrics.Register(reg, m.refresh, m.lastSuccess, m.outputWrites, m.revocations, m.renewals); err != nil {
 		return nil, fmt.Errorf("register agent metrics: %w", err)
 	}
 	for _, r := range []string{resultSuccess, resultFailure} {

@@ -2,9 +2,9 @@ package metrics
 
 import "github.com/prometheus/client_golang/prometheus"
 
-// The constructors below are how every metric of the broker process is
-// declared: the domain metrics of this package, and the server's HTTP and
-// lease gateway metrics. A metric is its name, its help text and its
+// The constructors below are how every tokenbroker metric is declared:
+// the domain metrics of this package, the server's HTTP and lease gateway
+// metrics, and the agent's. A metric is its name, its help text and its
 // variable labels, nothing else (no namespace, subsystem or constant
 // labels), so that the name in the code is the name on the scrape page,
 // the one the charts' alerts and the dashboard query.

@@ -18,7 +18,8 @@
 // the size of the deny list, audit events and build information.
 //
 // NewCounter, NewCounterVec, NewGauge, NewGaugeVec, NewHistogram,
-// NewHistogramVec and Register are how every metric of the broker process
-// is declared and registered: this package's, and the server's HTTP and
-// lease gateway metrics.
+// NewHistogramVec and Register are how every tokenbroker metric is
+// declared and registered: this package's, the server's HTTP and lease
+// gateway metrics, and the agent's (the one broker package the agent
+// imports; it imports only Prometheus).
 package metrics
