@@ -36,6 +36,10 @@ type CADirOptions struct {
 	// length 1) and an intermediate that signs (path length 0); their
 	// common names get " root" and " intermediate" appended.
 	Intermediate bool
+	// ClusterCAs lets the signing CA sign cluster CAs (SignClusterCA):
+	// every path length one more, so a root of path length 1, or with
+	// Intermediate a root of 2 and an intermediate of 1.
+	ClusterCAs bool
 	// Force overwrites existing files; without it InitCADir refuses,
 	// before writing anything, if any of them exists.
 	Force bool
@@ -70,8 +74,13 @@ func InitCADir(dir string, opts CADirOptions) (signing, root *CA, err error) {
 		}
 	}
 	caOpts := CAOptions{CommonName: opts.CommonName, Lifetime: opts.Lifetime, Now: opts.Now, Rand: opts.Rand}
+	// The intermediate's path length, if any.
+	interPathLen := 0
+	if opts.ClusterCAs {
+		caOpts.PathLen, interPathLen = 1, 1
+	}
 	if opts.Intermediate {
-		caOpts.PathLen = 1
+		caOpts.PathLen = interPathLen + 1
 		caOpts.CommonName = opts.CommonName + " root"
 	}
 	root, err = NewCA(caOpts)
@@ -80,7 +89,7 @@ func InitCADir(dir string, opts CADirOptions) (signing, root *CA, err error) {
 	}
 	signing = root
 	if opts.Intermediate {
-		signing, err = root.NewIntermediate(CAOptions{CommonName: opts.CommonName + " intermediate"})
+		signing, err = root.NewIntermediate(CAOptions{CommonName: opts.CommonName + " intermediate", PathLen: interPathLen})
 		if err != nil {
 			return nil, nil, err
 		}

@@ -81,10 +81,11 @@ func newPKIInitCommand(env pkiEnv) *cobra.Command {
 		commonName   string
 		force        bool
 		intermediate bool
+		clusterCAs   bool
 		lifetime     = durationFlag(cliCALifetime)
 	)
 	cmd := &cobra.Command{
-		Use:   "init --dir DIR [--intermediate]",
+		Use:   "init --dir DIR [--intermediate] [--cluster-cas]",
 		Short: "Create a new CA in DIR: ca.crt, ca.key and the trust bundle bundle.crt",
 		Long: `Create a new ECDSA P-256 certificate authority in DIR, creating DIR with mode
 0700 if it is missing. Keys are written with mode 0600, certificates with
@@ -105,15 +106,24 @@ issue carry it, so peers trust the root alone.
                                which expires with the root
   DIR/bundle.crt               the trust bundle (= root.crt)
 
+With --cluster-cas every path length is one more, so that the signing CA may
+sign the CAs of clusters (serve --sign-cluster-cas): the intermediates of
+their pod certificates, which sign leaf certificates only. Without it the
+signing CA signs leaf certificates only and a broker refuses to start with
+--sign-cluster-cas.
+
 Default lifetime: 5 years (1825d).`,
 		Example: `  tokenbroker pki init --dir ca
 
   # a root kept offline and an intermediate that signs
-  tokenbroker pki init --dir ca --intermediate --common-name "oc.example CA"`,
+  tokenbroker pki init --dir ca --intermediate --common-name "oc.example CA"
+
+  # a signing CA that may also sign the CAs of clusters
+  tokenbroker pki init --dir ca --intermediate --cluster-cas`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ca, root, err := pki.InitCADir(dir, pki.CADirOptions{CommonName: commonName, Lifetime: time.Duration(lifetime),
-				Intermediate: intermediate, Force: force, Now: env.now, Rand: env.rand})
+				Intermediate: intermediate, ClusterCAs: clusterCAs, Force: force, Now: env.now, Rand: env.rand})
 			if err != nil {
 				return withForceHint(err)
 			}
@@ -145,6 +155,7 @@ Default lifetime: 5 years (1825d).`,
 	f.Var(&lifetime, "lifetime", "validity of the CA, e.g. 1825d or 43800h")
 	f.BoolVar(&force, "force", false, "overwrite existing CA files")
 	f.BoolVar(&intermediate, "intermediate", false, "make a root and an intermediate CA; the intermediate signs")
+	f.BoolVar(&clusterCAs, "cluster-cas", false, "let the signing CA also sign the CAs of clusters (serve --sign-cluster-cas): path length 1 for it, 2 for the root with --intermediate")
 	_ = cmd.MarkFlagRequired("dir")
 	return cmd
 }

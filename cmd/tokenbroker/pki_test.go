@@ -333,6 +333,41 @@ func TestLifetimeFlagValue(t *testing.T) {
 	}
 }
 
+func TestPKIInitWithClusterCAsMakesASigningCAThatSignsThem(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		args []string
+		want []int // path lengths of ca.crt, then root.crt
+	}{
+		{name: "A root alone has path length 1.", args: []string{"--cluster-cas"}, want: []int{1}},
+		{name: "With an intermediate, 1 and a root of 2.", args: []string{"--cluster-cas", "--intermediate"}, want: []int{1, 2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			_, err := runPKI(t, append([]string{"init", "--dir", dir}, tc.args...)...)
+			require.NoError(t, err)
+			path := func(name string) string { return filepath.Join(dir, name) }
+			require.Equal(t, tc.want[0], readCert(t, path("ca.crt")).MaxPathLen)
+			if len(tc.want) > 1 {
+				require.Equal(t, tc.want[1], readCert(t, path("root.crt")).MaxPathLen)
+			}
+			ca, err := pki.LoadCAChain(path("ca.crt"), path("ca.key"), path("bundle.crt"), pki.CAOptions{})
+			require.NoError(t, err)
+			require.NoError(t, ca.CheckSignsClusterCAs())
+		})
+	}
+
+	// Without it, the signing CA cannot, and says how to make one that can.
+	dir := t.TempDir()
+	_, err := runPKI(t, "init", "--dir", dir, "--intermediate")
+	require.NoError(t, err)
+	ca, err := pki.LoadCA(filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key"))
+	require.NoError(t, err)
+	require.ErrorContains(t, ca.CheckSignsClusterCAs(), "pki init --cluster-cas")
+}
+
 func TestPKIInitWithIntermediate(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
