@@ -73,6 +73,10 @@ type Options struct {
 	// ClientCertTTL is the lifetime of issued client certificates unless
 	// the policy sets one for the peer.
 	ClientCertTTL time.Duration
+	// SignClusterCAs also signs, when a request asks (clusterCACSR), the
+	// cluster's CA with its client certificate (enrollment.Config). The
+	// signing CA must allow a CA below it; checked at start.
+	SignClusterCAs bool
 	// PolicyFile is the policy, reloaded when it changes.
 	PolicyFile string
 	// Namespace is the broker's own namespace: lease Secrets, used join
@@ -256,6 +260,9 @@ func (o Options) Validate() error {
 	if o.EnrollAddress != "" && o.CACertFile == "" {
 		errs = append(errs, errors.New("--enroll-address needs --ca-cert-file and --ca-key-file: enrollment issues certificates"))
 	}
+	if o.SignClusterCAs && o.CACertFile == "" {
+		errs = append(errs, errors.New("--sign-cluster-cas needs --ca-cert-file and --ca-key-file: the signing CA signs cluster CAs"))
+	}
 	if o.ClientCertTTL < policy.MinCertificateTTL || o.ClientCertTTL > policy.MaxCertificateTTL {
 		errs = append(errs, fmt.Errorf("--client-cert-ttl must be between %s and %s", policy.MinCertificateTTL, policy.MaxCertificateTTL))
 	}
@@ -367,7 +374,13 @@ func Run(ctx context.Context, opts Options) error {
 		mets.WatchCertificateExpiry(metrics.CertificateCA, func() time.Time { return c.Certificate().NotAfter })
 		log.Info("issuing client certificates",
 			zap.String("ca", pki.Fingerprint(c.Certificate())),
-			zap.Duration("default_ttl", opts.ClientCertTTL))
+			zap.Duration("default_ttl", opts.ClientCertTTL),
+			zap.Bool("cluster_cas", opts.SignClusterCAs))
+		if opts.SignClusterCAs {
+			if err := c.CheckSignsClusterCAs(); err != nil {
+				return fmt.Errorf("--sign-cluster-cas: %w", err)
+			}
+		}
 		warnUntrustedCA(log, c.Certificate(), clientCAs)
 	}
 
@@ -431,6 +444,7 @@ func Run(ctx context.Context, opts Options) error {
 			Trust:                   clientCAs,
 			CertificateTTL:          opts.ClientCertTTL,
 			Revocations:             revocations,
+			SignClusterCAs:          opts.SignClusterCAs,
 		},
 		Auditor:        auditor,
 		Leases:         leases,

@@ -68,15 +68,21 @@ const (
 	conditionMessageMaxLen = 1024
 )
 
+// errNoCA is why a request waits: the cluster has no CA yet (the agent
+// has not enrolled with one).
+var errNoCA = errors.New("the cluster has no CA yet: the agent has not enrolled with one")
+
 // Config is what a Signer needs.
 type Config struct {
 	Client kubernetes.Interface
 	// SignerName is the signer name the Pods' podCertificate volumes
 	// ask for; requests for any other are not this signer's.
 	SignerName string
-	// CA is the cluster's CA (an intermediate of the fleet's), and
-	// ClusterIdentity the cluster it signs for.
-	CA              *pki.CA
+	// CA returns the cluster's CA in force (the cluster CA the agent
+	// received at enrollment, replaced at each renewal), or nil while
+	// there is none: requests then wait, retried with backoff.
+	// ClusterIdentity is the cluster it signs for.
+	CA              func() *pki.CA
 	ClusterIdentity string
 	// MaxLifetime bounds every certificate (DefaultMaxLifetime when 0,
 	// at least MinLifetime); a request may ask for less.
@@ -251,23 +257,27 @@ func (s *Signer) decide(ctx context.Context, pcr *certificatesv1.PodCertificateR
 	if err != nil {
 		return fail(ReasonNoPublicKey, "the stubPKCS10Request does not parse: %v", err)
 	}
+	ca := s.cfg.CA()
+	if ca == nil {
+		return certificatesv1.PodCertificateRequestStatus{}, errNoCA
+	}
 	lifetime := s.cfg.MaxLifetime
 	if m := spec.MaxExpirationSeconds; m != nil && time.Duration(*m)*time.Second < lifetime {
 		lifetime = time.Duration(*m) * time.Second
 	}
 	notBefore := now.Add(-pki.PodCertificateBackdate)
 	notAfter := notBefore.Add(lifetime)
-	if caEnd := s.cfg.CA.Certificate().NotAfter.Truncate(time.Second); notAfter.After(caEnd) {
+	if caEnd := ca.Certificate().NotAfter.Truncate(time.Second); notAfter.After(caEnd) {
 		notAfter = caEnd
 	}
 	if notAfter.Sub(notBefore) < MinLifetime {
-		return fail(ReasonLifetime, "the signer's CA expires at %s: it cannot sign the %s the API requires at least", s.cfg.CA.Certificate().NotAfter.UTC().Format(time.RFC3339), MinLifetime)
+		return fail(ReasonLifetime, "the signer's CA expires at %s: it cannot sign the %s the API requires at least", ca.Certificate().NotAfter.UTC().Format(time.RFC3339), MinLifetime)
 	}
 	id, err := pki.WorkloadIdentity(s.cfg.ClusterIdentity, pcr.Namespace, spec.ServiceAccountName)
 	if err != nil {
 		return fail(ReasonPodMismatch, "no workload identity for %s/%s: %v", pcr.Namespace, spec.ServiceAccountName, err)
 	}
-	_, chain, err := s.cfg.CA.SignPodCertificate(s.cfg.ClusterIdentity, pki.PodCertificate{
+	_, chain, err := ca.SignPodCertificate(s.cfg.ClusterIdentity, pki.PodCertificate{
 		Identity: id, PublicKey: csr.PublicKey, NotBefore: notBefore, NotAfter: notAfter,
 		PodName: spec.PodName, PodUID: string(spec.PodUID),
 	})

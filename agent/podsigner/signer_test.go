@@ -65,7 +65,7 @@ func newFixture(t *testing.T, mutate ...func(*corev1.ServiceAccount, *corev1.Pod
 		m(sa, pod)
 	}
 	client := fake.NewClientset(sa, pod)
-	s, err := New(Config{Client: client, SignerName: signerName, CA: ca, ClusterIdentity: clusterID, Clock: clocktesting.NewFakePassiveClock(t0.Add(123 * time.Millisecond))})
+	s, err := New(Config{Client: client, SignerName: signerName, CA: func() *pki.CA { return ca }, ClusterIdentity: clusterID, Clock: clocktesting.NewFakePassiveClock(t0.Add(123 * time.Millisecond))})
 	require.NoError(t, err)
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	require.NoError(t, err)
@@ -196,7 +196,7 @@ func TestRequestsThatAreNotTheLivePodsAreDenied(t *testing.T) {
 func TestASignerWhoseCAEndsWithinTheHourFails(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
-	f.signer.cfg.Clock = clocktesting.NewFakePassiveClock(f.signer.cfg.CA.Certificate().NotAfter.Add(-30 * time.Minute))
+	f.signer.cfg.Clock = clocktesting.NewFakePassiveClock(f.signer.cfg.CA().Certificate().NotAfter.Add(-30 * time.Minute))
 	st := f.answer(t, f.request(t))
 	require.Equal(t, certificatesv1.PodCertificateRequestConditionTypeFailed, st.Conditions[0].Type)
 	require.Equal(t, ReasonLifetime, st.Conditions[0].Reason)
@@ -245,4 +245,21 @@ func TestNewRefusesWhatCannotSign(t *testing.T) {
 		_, err := New(c)
 		require.Error(t, err, name)
 	}
+}
+
+func TestARequestWaitsWhileTheClusterHasNoCA(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	ca := f.signer.cfg.CA()
+	var current *pki.CA // not enrolled yet
+	f.signer.cfg.CA = func() *pki.CA { return current }
+	pcr := f.request(t)
+	require.ErrorIs(t, f.signer.Answer(context.Background(), pcr), errNoCA, "retried, never denied")
+	got, err := f.client.CertificatesV1().PodCertificateRequests("argo").Get(context.Background(), pcr.Name, metav1.GetOptions{})
+	require.NoError(t, err)
+	require.Empty(t, got.Status.Conditions, "nothing written")
+
+	current = ca // enrolled: the next try signs
+	st := f.answer(t, pcr)
+	require.Equal(t, certificatesv1.PodCertificateRequestConditionTypeIssued, st.Conditions[0].Type)
 }

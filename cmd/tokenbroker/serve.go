@@ -58,6 +58,11 @@ renew. A join token must name this broker in its aud (pki join-token
 name no broker, as releases before audiences made them, are refused unless
 --accept-unbound-join-tokens.
 
+With --sign-cluster-cas a cluster that asks (clusterCACSR) also gets its own
+CA at enrollment and renewal, signed by the signing CA: the intermediate of the
+cluster's pod certificates (fleet CA -> cluster CA -> pod certificate). The
+signing CA must allow a CA below it (pki init --cluster-cas).
+
 The server certificate and key, the client CA bundle and the policy file are
 reloaded when they change; a bad new file is refused and the old one kept.
 
@@ -122,6 +127,7 @@ func serveFlags() *pflag.FlagSet {
 	fs.StringSlice("broker-name", nil, "name this broker answers to in a join token's aud (pki join-token --audience), repeatable; default the policy's cluster.name")
 	fs.Bool("accept-unbound-join-tokens", false, "also accept join tokens that name no broker (made without pki join-token --audience, as before audiences existed): any broker of the CA takes those, so a token can be replayed at another broker")
 	fs.Duration("client-cert-ttl", pki.DefaultClientLifetime, "lifetime of issued client certificates unless the policy sets peers[].certificateTTL")
+	fs.Bool("sign-cluster-cas", false, "at enrollment and renewal, also sign the cluster's CA when the request asks (clusterCACSR): an intermediate for the cluster's pod certificates, with the client certificate's identity and lifetime; the signing CA must allow a CA below it (pki init --cluster-cas); off: such requests are refused (422)")
 	fs.String("policy-file", "", "policy file (YAML): the cluster, TTL limits, peers and grants; reloaded when it changes")
 	fs.String("namespace", "", "the broker's own namespace (used join tokens, revocation ConfigMap); default $POD_NAMESPACE, else "+defaultNamespace)
 	fs.String("kubeconfig", "", "kubeconfig of the broker's own identity; default $KUBECONFIG, else ~/.kube/config, else in-cluster")
@@ -168,6 +174,7 @@ func serveConfigFrom(v *viper.Viper) (serveConfig, error) {
 		BrokerNames:                v.GetStringSlice("broker-name"),
 		AcceptUnboundJoinTokens:    v.GetBool("accept-unbound-join-tokens"),
 		ClientCertTTL:              v.GetDuration("client-cert-ttl"),
+		SignClusterCAs:             v.GetBool("sign-cluster-cas"),
 		PolicyFile:                 v.GetString("policy-file"),
 		Namespace:                  namespaceOrDefault(v.GetString("namespace")),
 		KubeQPS:                    float32(v.GetFloat64("kube-qps")),

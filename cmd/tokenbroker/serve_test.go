@@ -122,12 +122,14 @@ func TestServeCertificateFlags(t *testing.T) {
 	require.Empty(t, cfg.CACertFile)
 	require.Equal(t, 24*time.Hour, cfg.ClientCertTTL)
 	require.Equal(t, "tokenbroker", cfg.Namespace)
+	require.False(t, cfg.SignClusterCAs, "cluster CAs are signed only when asked for")
 
 	cfg, err = serveConfigOf(t, append(required, "--ca-cert-file", "ca.crt", "--ca-key-file", "ca.key",
-		"--enroll-address", ":8444", "--client-cert-ttl", "2h")...)
+		"--enroll-address", ":8444", "--client-cert-ttl", "2h", "--sign-cluster-cas")...)
 	require.NoError(t, err)
 	require.Equal(t, ":8444", cfg.EnrollAddress)
 	require.Equal(t, 2*time.Hour, cfg.ClientCertTTL)
+	require.True(t, cfg.SignClusterCAs)
 }
 
 func TestTheNamespaceComesFromTheFlagThenThePod(t *testing.T) {
@@ -152,6 +154,7 @@ func TestBadCertificateFlagsAreRefused(t *testing.T) {
 		{[]string{"--client-cert-ttl", "1000h"}, "--client-cert-ttl"},
 		{[]string{"--namespace", "Not_A_Namespace"}, "--namespace"},
 		{[]string{"--previous-ca-cert-file", "old.crt"}, "--previous-ca-cert-file needs --ca-cert-file"},
+		{[]string{"--sign-cluster-cas"}, "--sign-cluster-cas needs --ca-cert-file"},
 		{[]string{"--broker-name", "east west"}, "--broker-name: audience \"east west\": only printable ASCII without spaces or commas"},
 		{[]string{"--publish-cluster-trust-bundle", "east"}, "--publish-cluster-trust-bundle: signer name \"east\""},
 		{[]string{"--broker-name", "tokenbroker-enrollment"}, "--broker-name: audience \"tokenbroker-enrollment\" is the mark of an unbound token"},

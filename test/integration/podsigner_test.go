@@ -68,7 +68,7 @@ func TestThePodSignersAnswersMeetTheAPIServersRules(t *testing.T) {
 	require.NoError(t, err)
 	ca, err := root.NewIntermediate(pki.CAOptions{CommonName: "east pod signer"})
 	require.NoError(t, err)
-	s, err := podsigner.New(podsigner.Config{Client: c.Client, SignerName: signerName, CA: ca, ClusterIdentity: cluster, Logger: zaptest.NewLogger(t)})
+	s, err := podsigner.New(podsigner.Config{Client: c.Client, SignerName: signerName, CA: func() *pki.CA { return ca }, ClusterIdentity: cluster, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	go s.Run(ctx)
 
