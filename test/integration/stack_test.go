@@ -88,7 +88,12 @@ type stackConfig struct {
 	publishCTB string
 	// gateway turns the lease gateway on, on a free port of 127.0.0.1.
 	gateway bool
+	// signClusterCAs is serve's --sign-cluster-cas.
+	signClusterCAs bool
 }
+
+// withSignClusterCAs sets serve's --sign-cluster-cas.
+func withSignClusterCAs() stackOption { return func(c *stackConfig) { c.signClusterCAs = true } }
 
 // withGateway turns the lease gateway on (serve --gateway-address and
 // --gateway-url).
@@ -181,6 +186,7 @@ func startStack(t *testing.T, c *testcluster.Cluster, pol string, opts ...stackO
 			CAKeyFile:                 caKey,
 			PreviousCACertFile:        s.previousCAFile,
 			ClientCertTTL:             pki.DefaultClientLifetime,
+			SignClusterCAs:            sc.signClusterCAs,
 			PolicyFile:                s.policyFile,
 			Namespace:                 brokerNamespace,
 			Kube:                      kube,
