@@ -621,20 +621,31 @@ func (ca *CA) checkValidity(t, notAfter time.Time) error {
 	return nil
 }
 
-// sign fills in the fields every leaf shares and signs tmpl for pub.
-func (ca *CA) sign(tmpl *x509.Certificate, pub crypto.PublicKey, lifetime, def time.Duration) (*x509.Certificate, error) {
+// validity is the NotBefore (Backdate ago) and NotAfter of a certificate
+// of lifetime (def when zero) that ca signs now, which must end within
+// ca's own validity.
+func (ca *CA) validity(lifetime, def time.Duration) (notBefore, notAfter time.Time, err error) {
 	if lifetime == 0 {
 		lifetime = def
 	}
 	if lifetime < 0 {
-		return nil, fmt.Errorf("negative lifetime %s", lifetime)
+		return time.Time{}, time.Time{}, fmt.Errorf("negative lifetime %s", lifetime)
 	}
 	t := ca.now()
-	notAfter := t.Add(lifetime)
+	notAfter = t.Add(lifetime)
 	if err := ca.checkValidity(t, notAfter); err != nil {
+		return time.Time{}, time.Time{}, err
+	}
+	return t.Add(-Backdate), notAfter, nil
+}
+
+// sign fills in the fields every leaf shares and signs tmpl for pub.
+func (ca *CA) sign(tmpl *x509.Certificate, pub crypto.PublicKey, lifetime, def time.Duration) (*x509.Certificate, error) {
+	notBefore, notAfter, err := ca.validity(lifetime, def)
+	if err != nil {
 		return nil, err
 	}
-	tmpl.NotBefore = t.Add(-Backdate)
+	tmpl.NotBefore = notBefore
 	tmpl.NotAfter = notAfter
 	tmpl.KeyUsage = x509.KeyUsageDigitalSignature
 	tmpl.BasicConstraintsValid = true

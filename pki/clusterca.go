@@ -107,22 +107,14 @@ func (ca *CA) SignClusterCA(csr *x509.CertificateRequest, clusterIdentity string
 	if err := ca.CheckSignsClusterCAs(); err != nil {
 		return nil, fmt.Errorf("sign cluster CA: %w", err)
 	}
-	if lifetime == 0 {
-		lifetime = DefaultClientLifetime
-	}
-	if lifetime < 0 {
-		return nil, fmt.Errorf("sign cluster CA: negative lifetime %s", lifetime)
-	}
-	t := ca.now()
-	notAfter := t.Add(lifetime)
-	if err := ca.checkValidity(t, notAfter); err != nil {
+	notBefore, notAfter, err := ca.validity(lifetime, DefaultClientLifetime)
+	if err != nil {
 		return nil, fmt.Errorf("sign cluster CA: %w", err)
 	}
 	u, err := url.Parse(clusterIdentity)
 	if err != nil {
 		return nil, fmt.Errorf("sign cluster CA: %w: %w", ErrInvalidIdentity, err)
 	}
-	notBefore := t.Add(-Backdate)
 	if notBefore.Before(ca.cert.NotBefore) {
 		notBefore = ca.cert.NotBefore
 	}

@@ -528,7 +528,7 @@ func FuzzWorkloadFromChain(f *testing.F) {
 		if err != nil || cluster != w.Cluster || ns != w.Namespace || sa != w.ServiceAccount || w.Identity != leaf.URIs[0].String() {
 			t.Fatalf("accepted %+v for the URI %q (%v)", w, leafURI, err)
 		}
-		if !ValidPodUID(w.PodUID) || w.PodName == "" {
+		if !ValidUID(w.PodUID) || w.PodName == "" {
 			t.Fatalf("accepted the Pod %q uid %q", w.PodName, w.PodUID)
 		}
 	})

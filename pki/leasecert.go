@@ -62,15 +62,16 @@ func (n LeaseName) validate() error {
 	if !apiv1.ValidLeaseID(n.ID) {
 		return fmt.Errorf("%w: lease id %q", ErrInvalidLeaseCertificate, n.ID)
 	}
-	if !validUID(n.UID) {
+	if !ValidUID(n.UID) {
 		return fmt.Errorf("%w: uid %q", ErrInvalidLeaseCertificate, n.UID)
 	}
 	return nil
 }
 
-// validUID accepts what the API server writes as a UID: a UUID, lower
-// case, with dashes.
-func validUID(uid string) bool {
+// ValidUID reports whether uid is what the API server writes as an
+// object's UID (a Pod's, a Secret's): a UUID in its canonical lower-case
+// form, 8-4-4-4-12 hexadecimal digits.
+func ValidUID(uid string) bool {
 	if len(uid) != 36 {
 		return false
 	}

@@ -25,28 +25,6 @@ var ErrNotPodCertificate = errors.New("not a pod certificate of a cluster CA")
 // maxPodNameLen is a Pod name's longest (a DNS-1123 subdomain).
 const maxPodNameLen = 253
 
-// ValidPodUID reports whether s is a Pod uid as the API server makes them:
-// a UUID in canonical lower-case form, 8-4-4-4-12 hexadecimal digits.
-func ValidPodUID(s string) bool {
-	if len(s) != 36 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch i {
-		case 8, 13, 18, 23:
-			if c != '-' {
-				return false
-			}
-		default:
-			if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-				return false
-			}
-		}
-	}
-	return true
-}
-
 // podSubject is the subject of the pod certificate of the Pod name/uid.
 func podSubject(name, uid string) (pkix.Name, error) {
 	if name == "" && uid == "" {
@@ -55,7 +33,7 @@ func podSubject(name, uid string) (pkix.Name, error) {
 	if name == "" || len(name) > maxPodNameLen || validateDNSName(name) != nil {
 		return pkix.Name{}, fmt.Errorf("%w: Pod name %q is not a DNS-1123 subdomain", ErrInvalidWorkloadIdentity, name)
 	}
-	if !ValidPodUID(uid) {
+	if !ValidUID(uid) {
 		return pkix.Name{}, fmt.Errorf("%w: Pod uid %q is not a lower-case UUID", ErrInvalidWorkloadIdentity, uid)
 	}
 	return pkix.Name{CommonName: name, SerialNumber: uid}, nil

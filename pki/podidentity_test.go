@@ -124,7 +124,7 @@ func TestAPodCertificateNamesAPodByAUIDOnly(t *testing.T) {
 			NotBefore: nb, NotAfter: nb.Add(time.Hour), PodName: c.name, PodUID: c.uid})
 		require.ErrorIs(t, err, ErrInvalidWorkloadIdentity, "%+v", c)
 	}
-	require.True(t, ValidPodUID(testPodUID))
-	require.False(t, ValidPodUID(testPodUID+"0"))
-	require.False(t, ValidPodUID("6f1c2a9e_3b1d-4c55-9a1e-2f0d8c7b6a54"))
+	require.True(t, ValidUID(testPodUID))
+	require.False(t, ValidUID(testPodUID+"0"))
+	require.False(t, ValidUID("6f1c2a9e_3b1d-4c55-9a1e-2f0d8c7b6a54"))
 }

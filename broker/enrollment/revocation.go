@@ -408,7 +408,7 @@ func cleanReason(r string) string {
 // validPodUID checks that s can be a Pod's uid as the API server makes
 // them: a UUID in its canonical lower-case form.
 func validPodUID(s string) error {
-	if !pki.ValidPodUID(s) {
+	if !pki.ValidUID(s) {
 		return fmt.Errorf("pod %q is not a Pod uid (a lower-case UUID, as \"kubectl get pod -o jsonpath={.metadata.uid}\" prints it)", s)
 	}
 	return nil

@@ -3,7 +3,7 @@ package policy
 import (
 	"encoding/json"
 	"errors"
-	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/broker/policy/policytest"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -318,7 +319,7 @@ func FuzzParsePolicy(f *testing.F) {
 					continue
 				}
 				require.NotNil(t, g.NamespaceSelector)
-				require.True(t, uIDText(string(o.UID)), "%q", o.UID)
+				require.True(t, pki.ValidUID(strings.ToLower(string(o.UID))), "%q", o.UID)
 				require.True(t, kindName(o.Kind), "%q", o.Kind)
 				require.NotEmpty(t, o.Name)
 				ref := metav1.OwnerReference{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: o.UID}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // NamespaceLabels tells a grant's namespaceSelector what a namespace looks
@@ -256,31 +257,9 @@ func validateNamespaceOwner(o *NamespaceOwner, path string, add func(field, form
 	}
 	if o.UID == "" {
 		add(path+".uid", "is required: the owner's metadata.uid (kubectl get <kind> <name> -o jsonpath='{.metadata.uid}'), which no object created later can have")
-	} else if !uIDText(string(o.UID)) {
+	} else if !pki.ValidUID(strings.ToLower(string(o.UID))) {
 		add(path+".uid", "must be a UID as Kubernetes writes it (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
 	}
-}
-
-// uIDText reports whether s is a UUID as Kubernetes writes a UID: 36
-// characters, hexadecimal digits in groups of 8, 4, 4, 4 and 12.
-func uIDText(s string) bool {
-	if len(s) != 36 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch i {
-		case 8, 13, 18, 23:
-			if c != '-' {
-				return false
-			}
-		default:
-			if (c < '0' || c > '9') && (c < 'a' || c > 'f') && (c < 'A' || c > 'F') {
-				return false
-			}
-		}
-	}
-	return true
 }
 
 // kindName reports whether s looks like a Kubernetes kind: an ASCII

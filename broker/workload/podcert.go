@@ -28,11 +28,7 @@ var podCertificateDetails = map[string]string{
 // BadPodCertificate returns the KindBadPodCertificate error of reason
 // with its caller-facing detail; cause is for the log.
 func BadPodCertificate(reason string, cause error) *problem.Error {
-	detail, ok := podCertificateDetails[reason]
-	if !ok {
-		detail = "The pod certificate was refused."
-	}
-	return &problem.Error{Kind: problem.KindBadPodCertificate, Reason: reason, Detail: detail, Err: cause}
+	return refused(problem.KindBadPodCertificate, podCertificateDetails, "The pod certificate was refused.", reason, cause)
 }
 
 // VerifyPodCertificate decides whether the workload w, read from a
@@ -52,19 +48,9 @@ func VerifyPodCertificate(p *policy.Policy, w *pki.PodWorkload, issuedAt time.Ti
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.PodCertificates {
 		return nil, BadPodCertificate(PodCertificatesOff, fmt.Errorf("the policy of %s accepts no pod certificates", w.Cluster))
 	}
-	if wi := peer.WorkloadIdentity; wi.LivePodsFromPeer {
-		reason, reportedAt := TokenPodsUnreported, time.Time{}
-		if store != nil {
-			reason, reportedAt = store.LivePod(peer.Name, w.Cluster, w.PodUID, now(), wi.EffectiveLivePodsMaxAge())
-		}
-		cause := fmt.Errorf("pod %s/%s (uid %s): %s", w.Namespace, w.PodName, w.PodUID, reason)
-		if reason == TokenPodNotLive && !issuedAt.Before(reportedAt.Truncate(time.Second)) {
-			// Made after the report: the Pod lived then. Refused for now.
-			return nil, &problem.Error{Kind: problem.KindUnavailable, Reason: PodNotReportedYet, RetryAfter: time.Second,
-				Detail: "the pod certificate's Pod is newer than your cluster's last report of its live Pods; retry in a second", Err: cause}
-		}
-		if reason != "" {
-			return nil, BadPodCertificate(reason, cause)
+	if peer.WorkloadIdentity.LivePodsFromPeer {
+		if err := checkLivePod(store, peer, w.Cluster, w.Namespace+"/"+w.PodName, w.PodUID, issuedAt, now, "pod certificate", BadPodCertificate); err != nil {
+			return nil, err
 		}
 	}
 	if w.Namespace == "" || w.ServiceAccount == "" || w.PodUID == "" {

@@ -86,11 +86,39 @@ var workloadTokenDetails = map[string]string{
 // BadToken returns the KindBadWorkloadToken error of reason with
 // its caller-facing detail; cause is for the log.
 func BadToken(reason string, cause error) *problem.Error {
-	detail, ok := workloadTokenDetails[reason]
+	return refused(problem.KindBadWorkloadToken, workloadTokenDetails, "The workload token was refused.", reason, cause)
+}
+
+// refused is the error of kind with reason and its caller-facing detail
+// from details, fallback when it has none.
+func refused(kind problem.Kind, details map[string]string, fallback, reason string, cause error) *problem.Error {
+	detail, ok := details[reason]
 	if !ok {
-		detail = "The workload token was refused."
+		detail = fallback
 	}
-	return &problem.Error{Kind: problem.KindBadWorkloadToken, Reason: reason, Detail: detail, Err: cause}
+	return &problem.Error{Kind: kind, Reason: reason, Detail: detail, Err: cause}
+}
+
+// checkLivePod is livePodsFromPeer's check of the Pod of uid (named pod,
+// for the log) whose proof, a what, was made at issuedAt: nil while the
+// peer's last report lists it; a retryable KindUnavailable for a Pod newer
+// than the report; else bad's refusal with the reason.
+func checkLivePod(store *PeerKeyStore, peer *policy.PeerSpec, identity, pod, uid string, issuedAt time.Time, now func() time.Time,
+	what string, bad func(reason string, cause error) *problem.Error) error {
+	reason, reportedAt := TokenPodsUnreported, time.Time{}
+	if store != nil {
+		reason, reportedAt = store.LivePod(peer.Name, identity, uid, now(), peer.WorkloadIdentity.EffectiveLivePodsMaxAge())
+	}
+	cause := fmt.Errorf("pod %s (uid %s): %s", pod, uid, reason)
+	if reason == TokenPodNotLive && !issuedAt.Before(reportedAt.Truncate(time.Second)) {
+		// Made after the report: the Pod lived then. Refused for now.
+		return &problem.Error{Kind: problem.KindUnavailable, Reason: PodNotReportedYet, RetryAfter: time.Second,
+			Detail: "the " + what + "'s Pod is newer than your cluster's last report of its live Pods; retry in a second", Err: cause}
+	}
+	if reason != "" {
+		return bad(reason, cause)
+	}
+	return nil
 }
 
 // TokenFingerprint is "sha256:<hex>" of a token, to name it in logs.
@@ -141,18 +169,8 @@ func Verify(p *policy.Policy, identity, token string, store *PeerKeyStore, now f
 		return nil, BadToken(pki.TokenMalformed, err)
 	}
 	if wi.LivePodsFromPeer {
-		reason, reportedAt := TokenPodsUnreported, time.Time{}
-		if store != nil {
-			reason, reportedAt = store.LivePod(peer.Name, identity, claims.PodUID, now(), wi.EffectiveLivePodsMaxAge())
-		}
-		cause := fmt.Errorf("pod %s/%s (uid %s): %s", claims.Namespace, claims.Pod, claims.PodUID, reason)
-		if reason == TokenPodNotLive && !claims.IssuedAt.Before(reportedAt.Truncate(time.Second)) {
-			// Issued after the report: the Pod lived then. Refused for now.
-			return nil, &problem.Error{Kind: problem.KindUnavailable, Reason: PodNotReportedYet, RetryAfter: time.Second,
-				Detail: "the workload token's Pod is newer than your cluster's last report of its live Pods; retry in a second", Err: cause}
-		}
-		if reason != "" {
-			return nil, BadToken(reason, cause)
+		if err := checkLivePod(store, peer, identity, claims.Namespace+"/"+claims.Pod, claims.PodUID, claims.IssuedAt, now, "workload token", BadToken); err != nil {
+			return nil, err
 		}
 	}
 	return &Identity{
