@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -8,6 +9,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +18,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -140,4 +143,25 @@ func TestAClusterGetsItsCAAtEnrollmentAndSignsPodCertificatesUnderIt(t *testing.
 	audit, err := os.ReadFile(signs.auditLog)
 	require.NoError(t, err)
 	require.Equal(t, 2, strings.Count(string(audit), `"cluster_ca_serial"`), string(audit))
+
+	t.Run("A broker told to sign cluster CAs with a CA that cannot does not start.", func(t *testing.T) {
+		leafOnly, err := pki.NewCA(pki.CAOptions{CommonName: "leaf-only CA"})
+		require.NoError(t, err)
+		dir := t.TempDir()
+		caCert, caKey := filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key")
+		require.NoError(t, leafOnly.WriteFiles(caCert, caKey))
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		err = server.Run(ctx, server.Options{
+			ListenAddress: "127.0.0.1:0", OpsAddress: "127.0.0.1:0",
+			TLSCertFile: signs.serverCert, TLSKeyFile: signs.serverKey, ClientCAFile: signs.clientCAFile,
+			CACertFile: caCert, CAKeyFile: caKey, SignClusterCAs: true,
+			ClientCertTTL: pki.DefaultClientLifetime, PolicyFile: signs.policyFile, Namespace: brokerNamespace,
+			Kube: c.Config, KubeQPS: 100, KubeBurst: 100, GCInterval: time.Minute, MaxBodyBytes: server.DefaultMaxBodyBytes,
+			Credentials: []string{apiv1.CredentialToken}, AuditLog: filepath.Join(dir, "audit.jsonl"),
+		})
+		require.ErrorIs(t, err, pki.ErrCannotSignCAs)
+		require.ErrorContains(t, err, "--sign-cluster-cas")
+		require.ErrorContains(t, err, "pki init --cluster-cas")
+	})
 }
