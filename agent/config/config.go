@@ -36,6 +36,9 @@ import (
 //	                 argocd: {project: team-a, namespaces: [apps], clusterResources: false, shard: 1}}
 //	      - secret: {namespace: kargo, name: east, format: kubeconfig, key: kubeconfig.yaml, adopt: true}
 //	      - file: {path: /shared/east.kubeconfig}   # and /shared/east.kubeconfig.meta
+//	podSigner:                                     # sign this cluster's pod certificates (Kubernetes 1.37+)
+//	  signerName: tokenbroker.io/workloads
+//	  maxLifetime: 24h
 //	opsAddress: ":9091"
 //	kubeconfig: ""                                 # the source cluster; empty: in-cluster
 type Config struct {
@@ -46,6 +49,10 @@ type Config struct {
 	// JWKSUpload, if set, uploads this cluster's key set to brokers, for
 	// workload identity without a public issuer.
 	JWKSUpload *JWKSUploadConfig `json:"jwksUpload,omitempty"`
+	// PodSigner, if set, makes the agent this cluster's pod-certificate
+	// signer: it asks for the cluster's CA when it enrolls and renews, and
+	// signs with it the PodCertificateRequests of SignerName.
+	PodSigner *PodSignerConfig `json:"podSigner,omitempty"`
 	// OpsAddress serves /healthz, /readyz and /metrics; default ":9091".
 	OpsAddress string `json:"opsAddress,omitempty"`
 	// Kubeconfig of the source cluster for secret outputs and a secret
@@ -183,6 +190,23 @@ type JWKSUploadConfig struct {
 	// workloadIdentity.livePodsFromPeer: they honour a Pod's token only
 	// while the Pod is in the last report. Needs list and watch on Pods.
 	LivePods *LivePodsConfig `json:"livePods,omitempty"`
+}
+
+// PodSignerConfig is the agent's pod-certificate signer (KEP-4317,
+// certificates.k8s.io/v1 PodCertificateRequests, Kubernetes 1.37 or
+// later). The cluster's CA comes with the agent's identity: enrollment and
+// renewal ask the broker for it (its --sign-cluster-cas must be on), and
+// it is kept beside tls.crt and tls.key (cluster-ca.crt, cluster-ca.key).
+// A Pod gets a certificate of its ServiceAccount's workload identity if
+// its ServiceAccount is labelled tokenbroker.io/pod-certificates=true.
+type PodSignerConfig struct {
+	// SignerName (required) is the signer name Pods' podCertificate
+	// volumes ask for, a domain-prefixed path such as
+	// tokenbroker.io/workloads; not a kubernetes.io name.
+	SignerName string `json:"signerName"`
+	// MaxLifetime bounds every certificate; default 24h, between 1h (the
+	// API's minimum) and 91 days. A request may ask for less.
+	MaxLifetime apiv1.Duration `json:"maxLifetime,omitempty"`
 }
 
 // LivePodsConfig says which Pods the agent reports and how often.

@@ -408,3 +408,28 @@ func TestAGatewayTargetIsNotedWithWhatTheBrokerMustHave(t *testing.T) {
 	require.Contains(t, notes[0].Detail, "grant with access: gateway")
 	require.Contains(t, notes[0].Detail, "serve --gateway-address")
 }
+
+func TestAPodSignerGetsItsLifetimeNeedsKubernetesAndAValidSignerName(t *testing.T) {
+	t.Parallel()
+	cfg, err := Parse([]byte(`
+identity: {secret: {namespace: tokenbroker-agent, name: agent-identity}, renewBroker: "https://east:8443"}
+podSigner: {signerName: tokenbroker.io/workloads}
+`), "")
+	require.NoError(t, err, "a pod signer alone needs no target")
+	require.Equal(t, 24*time.Hour, time.Duration(cfg.PodSigner.MaxLifetime))
+	require.True(t, cfg.UsesKubernetes())
+
+	for signer, want := range map[string]string{
+		`{signerName: ""}`:                                   "is required",
+		`{signerName: workloads}`:                            "<domain>/<path>",
+		`{signerName: "Tokenbroker.IO/workloads"}`:           "<domain>/<path>",
+		`{signerName: kubernetes.io/kube-apiserver-client}`:  "Kubernetes' own",
+		`{signerName: tokenbroker.io/w, maxLifetime: 30m}`:   "between 1h",
+		`{signerName: tokenbroker.io/w, maxLifetime: 2400h}`: "between 1h",
+	} {
+		_, err := Parse([]byte("identity: {dir: /id, renewBroker: \"https://east:8443\"}\npodSigner: "+signer+"\n"), "")
+		var ve *apiv1.ValidationError
+		require.ErrorAs(t, err, &ve, signer)
+		require.Contains(t, ve.Error(), want, signer)
+	}
+}

@@ -143,6 +143,9 @@ func (c *Config) Default() {
 	if c.OpsAddress == "" {
 		c.OpsAddress = DefaultOpsAddress
 	}
+	if s := c.PodSigner; s != nil && s.MaxLifetime == 0 {
+		s.MaxLifetime = apiv1.Duration(DefaultPodCertificateLifetime)
+	}
 }
 
 func (r *RefreshConfig) Fill(d RefreshConfig) {
@@ -189,7 +192,7 @@ func (c *Config) UsesClusterProfiles() bool {
 // cluster: for a Secret identity, ClusterTrustBundles, a Secret output
 // or a clusterProfile output.
 func (c *Config) UsesKubernetes() bool {
-	if c.Identity.Secret != nil || c.JWKSUpload != nil || c.Identity.TrustBundleFrom != nil {
+	if c.Identity.Secret != nil || c.JWKSUpload != nil || c.Identity.TrustBundleFrom != nil || c.PodSigner != nil {
 		return true
 	}
 	for _, t := range c.Targets {
@@ -213,8 +216,11 @@ func (c *Config) Validate() error {
 			v.add("opsAddress", "must be host:port or :port: %v", err)
 		}
 	}
-	if len(c.Targets) == 0 && c.JWKSUpload == nil {
+	if len(c.Targets) == 0 && c.JWKSUpload == nil && c.PodSigner == nil {
 		v.add("targets", "at least one target is required")
+	}
+	if s := c.PodSigner; s != nil {
+		validatePodSigner(v, s)
 	}
 	if u := c.JWKSUpload; u != nil {
 		if len(u.Brokers) == 0 {
@@ -607,4 +613,21 @@ func countSet(b ...bool) int {
 		}
 	}
 	return n
+}
+
+// validatePodSigner checks podSigner: a signer name the API accepts for a
+// PodCertificateRequest and is not Kubernetes' own, a lifetime it allows.
+func validatePodSigner(v *validator, s *PodSignerConfig) {
+	domain, path, ok := strings.Cut(s.SignerName, "/")
+	switch {
+	case s.SignerName == "":
+		v.add("podSigner.signerName", "is required, e.g. tokenbroker.io/workloads")
+	case !ok || path == "" || len(validation.IsDNS1123Subdomain(domain)) > 0 || len(s.SignerName) > 571:
+		v.add("podSigner.signerName", "must be <domain>/<path>, such as tokenbroker.io/workloads")
+	case domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io"):
+		v.add("podSigner.signerName", "kubernetes.io signer names are Kubernetes' own")
+	}
+	if d := time.Duration(s.MaxLifetime); d != 0 && (d < time.Hour || d > MaxPodCertificateLifetime) {
+		v.add("podSigner.maxLifetime", "must be between 1h (the API's minimum) and %s (its maximum)", MaxPodCertificateLifetime)
+	}
 }

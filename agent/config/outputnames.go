@@ -91,6 +91,13 @@ const (
 	DefaultLivePodsInterval   = 30 * time.Second
 )
 
+// Bounds of podSigner.maxLifetime: the PodCertificateRequest API's
+// maximum maxExpirationSeconds (91 days), and the kubelet's default ask.
+const (
+	DefaultPodCertificateLifetime = 24 * time.Hour
+	MaxPodCertificateLifetime     = 91 * 24 * time.Hour
+)
+
 // APIRequest returns the wire form of the request.
 func (r RequestConfig) APIRequest() apiv1.KubeconfigRequest {
 	return apiv1.RequestSpec(r).Request()
