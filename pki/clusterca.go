@@ -179,3 +179,26 @@ func ClusterCAIdentity(cert *x509.Certificate) (string, error) {
 	}
 	return id, nil
 }
+
+// ErrCertificateUnderClusterCA is wrapped by CheckNoClusterCA's refusal.
+// Not retryable.
+var ErrCertificateUnderClusterCA = errors.New("a cluster CA vouches for workloads of its own cluster only")
+
+// CheckNoClusterCA refuses, with an error wrapping
+// ErrCertificateUnderClusterCA, verified chains of which any passes
+// through a cluster CA (ClusterCAIdentity). A cluster's identity, and
+// everything but a pod certificate, is the fleet's signing CA's to give:
+// a cluster CA's name constraint keeps it in its trust domain only, so
+// without this check a cluster with a CA could sign itself another
+// cluster's identity and be taken for it. Relying parties call it on the
+// chains of every certificate they take for a cluster's.
+func CheckNoClusterCA(chains [][]*x509.Certificate) error {
+	for _, chain := range chains {
+		for _, c := range chain[min(1, len(chain)):] {
+			if id, err := ClusterCAIdentity(c); err == nil {
+				return fmt.Errorf("%w: the certificate chains through the cluster CA of %s", ErrCertificateUnderClusterCA, id)
+			}
+		}
+	}
+	return nil
+}

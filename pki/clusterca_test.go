@@ -316,3 +316,34 @@ func TestOnlyAClusterCANamesTheClusterItSignsFor(t *testing.T) {
 	_, err = IdentityFromCert(kp.Cert)
 	require.ErrorIs(t, err, ErrInvalidIdentity, "a cluster CA is never a client certificate")
 }
+
+func TestNothingButAPodCertificateIsTakenFromUnderAClusterCA(t *testing.T) {
+	t.Parallel()
+	root := fleetRoot(t)
+	kp, cluster := signedClusterCA(t, root, eastID, 0)
+
+	// A cluster identity under a cluster CA verifies under X.509 (the
+	// name constraint bounds the trust domain only) and is refused.
+	forged := leafUnder(t, cluster, westID, false, x509.ExtKeyUsageClientAuth)
+	inter := x509.NewCertPool()
+	inter.AddCert(kp.Cert)
+	chains, err := forged.Verify(x509.VerifyOptions{Roots: root.CertPool(), Intermediates: inter, CurrentTime: testNow,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err)
+	require.ErrorIs(t, CheckNoClusterCA(chains), ErrCertificateUnderClusterCA)
+
+	// A client certificate of the fleet CA itself is not.
+	client := issueClient(t, root, "west")
+	chains, err = client.Cert.Verify(x509.VerifyOptions{Roots: root.CertPool(), CurrentTime: testNow,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	require.NoError(t, err)
+	require.NoError(t, CheckNoClusterCA(chains))
+	require.NoError(t, CheckNoClusterCA(nil))
+
+	// A lease certificate (a URN, no host) under a cluster CA fails the
+	// name constraint: a cluster cannot mint gateway leases.
+	lease := leafUnder(t, cluster, leaseURNPrefix+"x", false, x509.ExtKeyUsageClientAuth)
+	_, err = VerifyLeaseCertificate([]*x509.Certificate{lease, kp.Cert}, root.CertPool(), testNow)
+	require.ErrorIs(t, err, ErrInvalidLeaseCertificate)
+	require.ErrorContains(t, err, "cannot be matched against constraints")
+}

@@ -412,7 +412,8 @@ func peerIdentity(st tls.ConnectionState) string {
 		return ""
 	}
 	id, err := pki.IdentityFromCert(st.PeerCertificates[0])
-	if err != nil {
+	if err != nil || pki.CheckNoClusterCA(st.VerifiedChains) != nil {
+		// Not counted as the cluster it names: the middleware refuses it.
 		return ""
 	}
 	return id

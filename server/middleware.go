@@ -246,6 +246,12 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 		return known, refuse(audit.RefusedIdentity, errors.New("a lease certificate is for the lease gateway only: it names no cluster identity"))
 	}
 	id, err := pki.IdentityFromCert(cert)
+	if err == nil {
+		// A cluster's identity is the signing CA's to give, never a
+		// cluster CA's (which could otherwise name any cluster of its
+		// trust domain).
+		err = pki.CheckNoClusterCA(st.VerifiedChains)
+	}
 	if err != nil && pki.IsWorkloadCertificate(cert) {
 		// A pod certificate: the workload of the cluster whose CA
 		// signed it, never that cluster itself.
