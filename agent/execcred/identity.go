@@ -11,8 +11,11 @@ import (
 const maxCertFileBytes = 1 << 20
 
 // PeerIdentity returns the SPIFFE ID of the client certificate in certFile
-// (the first certificate of the chain), for the cache key. It only reads
-// the certificate; the broker client checks the key and the chain.
+// (the first certificate of the chain), for the cache key: a cluster's
+// identity, or a workload's when it is a pod certificate (the kubelet's
+// podCertificate volume, whose chain names the cluster CA), so that a
+// workload's plugin never shares its cluster's cache. It only reads the
+// certificate; the broker client checks the key, and the broker the chain.
 func PeerIdentity(certFile string) (string, error) {
 	data, err := pki.ReadFileLimit(certFile, maxCertFileBytes)
 	if err != nil {
@@ -21,6 +24,9 @@ func PeerIdentity(certFile string) (string, error) {
 	certs, err := pki.ParseCertificatesPEM(data)
 	if err != nil {
 		return "", fmt.Errorf("the client certificate %s: %w", certFile, err)
+	}
+	if pki.IsWorkloadCertificate(certs[0]) {
+		return certs[0].URIs[0].String(), nil
 	}
 	id, err := pki.IdentityFromCert(certs[0])
 	if err != nil {

@@ -218,6 +218,25 @@ func TestAgentChartRenders(t *testing.T) {
 		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
 	})
 
+	t.Run("podSigner adds the signer's rules, for its signer name alone, and needs no target", func(t *testing.T) {
+		docs := h.renderAs(t, "west", "agents", "-f", h.values("default"), "--set-json", `config.targets=[]`,
+			"--set-json", `config.identity={"renewBroker":"https://east.example.com:8443"}`,
+			"--set-json", `config.podSigner={"signerName":"tokenbroker.io/workloads"}`)
+		require.Equal(t, []string{"ClusterRole/west-tokenbroker-agent-pod-signer"}, kindNames(manifestsOf(docs, "ClusterRole")))
+		role := decode[rbacv1.ClusterRole](t, findManifest(t, docs, "ClusterRole", "west-tokenbroker-agent-pod-signer"))
+		require.Equal(t, []rbacv1.PolicyRule{
+			{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"podcertificaterequests"}, Verbs: []string{"get", "list", "watch"}},
+			{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"podcertificaterequests/status"}, Verbs: []string{"update"}},
+			{APIGroups: []string{"certificates.k8s.io"}, Resources: []string{"signers"}, ResourceNames: []string{"tokenbroker.io/workloads"}, Verbs: []string{"sign"}},
+			{APIGroups: []string{""}, Resources: []string{"pods", "serviceaccounts"}, Verbs: []string{"get"}},
+		}, role.Rules)
+		binding := decode[rbacv1.ClusterRoleBinding](t, findManifest(t, docs, "ClusterRoleBinding", "west-tokenbroker-agent-pod-signer"))
+		require.Equal(t, []rbacv1.Subject{{Kind: "ServiceAccount", Name: "west-tokenbroker-agent", Namespace: "agents"}}, binding.Subjects)
+		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "west-tokenbroker-agent-config"))
+		file := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
+		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
+	})
+
 	t.Run("without targets, rendering fails and says what is missing", func(t *testing.T) {
 		_, stderr, err := h.runErr("template", "tokenbroker-agent", h.chart)
 		require.Error(t, err)

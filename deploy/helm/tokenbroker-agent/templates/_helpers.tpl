@@ -75,8 +75,8 @@ values.yaml). Fails rendering without targets.
 */}}
 {{- define "agent.config" -}}
 {{- $c := deepCopy .Values.config }}
-{{- if and (not $c.targets) (not .Values.existingConfigMap) }}
-{{- required "config.targets is required: the brokers, requests and outputs of the agent (docs/agent.md)" nil }}
+{{- if and (not $c.targets) (not $c.jwksUpload) (not $c.podSigner) (not .Values.existingConfigMap) }}
+{{- required "config.targets is required (or config.jwksUpload, config.podSigner): the brokers, requests and outputs of the agent (docs/agent.md)" nil }}
 {{- end }}
 {{- $id := default dict $c.identity }}
 {{- if not $id.dir }}
