@@ -164,12 +164,12 @@ func (r brokerRef) RevokeLease(ctx context.Context, id string) error {
 	return c.RevokeLease(ctx, id)
 }
 
-func (r brokerRef) Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+func (r brokerRef) Renew(ctx context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	c, err := r.b.client(r.url)
 	if err != nil {
 		return nil, err
 	}
-	return c.Renew(ctx, csrPEM)
+	return c.Renew(ctx, req)
 }
 
 // NewIdentityClient returns a client of the broker at brokerURL that

@@ -71,11 +71,25 @@ func newPinServer(t *testing.T, o pinServerOptions) *pinServer {
 				w.WriteHeader(http.StatusInternalServerError)
 				return
 			}
-			w.WriteHeader(http.StatusCreated)
-			_ = json.NewEncoder(w).Encode(apiv1.CertificateResponse{
+			resp := apiv1.CertificateResponse{
 				Identity: identity, Certificate: string(kp.CertPEM), SerialNumber: kp.Cert.SerialNumber.Text(16),
 				NotBefore: kp.Cert.NotBefore, NotAfter: kp.Cert.NotAfter, CABundle: string(o.caBundle),
-			})
+			}
+			if req.ClusterCACSR != "" {
+				caCSR, caIdentity, err := pki.ParseCSRPEM([]byte(req.ClusterCACSR))
+				if err != nil {
+					w.WriteHeader(http.StatusBadRequest)
+					return
+				}
+				ca, err := o.real.SignClusterCA(caCSR, caIdentity, time.Hour)
+				if err != nil {
+					w.WriteHeader(http.StatusUnprocessableEntity)
+					return
+				}
+				resp.ClusterCA, resp.ClusterCANotAfter = string(ca.CertPEM), &ca.Cert.NotAfter
+			}
+			w.WriteHeader(http.StatusCreated)
+			_ = json.NewEncoder(w).Encode(resp)
 		default:
 			w.WriteHeader(http.StatusNotFound)
 		}

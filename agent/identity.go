@@ -25,6 +25,11 @@ const (
 	CertFile   = "tls.crt"
 	KeyFile    = "tls.key"
 	BundleFile = "ca.crt"
+	// ClusterCACertFile and ClusterCAKeyFile hold the cluster's CA, if the
+	// identity has one: its chain (the cluster CA, then any intermediates)
+	// and its key (0600).
+	ClusterCACertFile = "cluster-ca.crt"
+	ClusterCAKeyFile  = "cluster-ca.key"
 )
 
 // identity is the agent's client certificate (with its chain), its private
@@ -39,9 +44,64 @@ type identity struct {
 	keyPEM    []byte // a secret: never log it
 	bundlePEM []byte
 	roots     *x509.CertPool
+	// clusterCA is the cluster's CA, which signs its pod certificates;
+	// nil when the identity has none.
+	clusterCA *clusterCA
 }
 
 func (id *identity) leaf() *x509.Certificate { return id.cert.Leaf }
+
+// clusterCA is the CA the broker signed for the identity's cluster
+// (fleet CA → cluster CA → pod certificates), with its key.
+type clusterCA struct {
+	certPEM []byte
+	keyPEM  []byte // a secret: never log it
+	ca      *pki.CA
+}
+
+// withClusterCA returns a copy of id that holds the cluster CA of certPEM
+// (the cluster CA, then any intermediates) and keyPEM, after checking that
+// the key is the CA's, that the CA is a cluster CA of id's own identity
+// (pki.ClusterCAIdentity), and that it chains to id's trust bundle at at.
+// A zero at is the moment the CA was issued, so that a stored identity
+// loads whatever the time, like its certificate: expiry is the caller's
+// business.
+func (id *identity) withClusterCA(certPEM, keyPEM []byte, at time.Time) (*identity, error) {
+	ca, err := pki.ParseCA(certPEM, keyPEM, pki.CAOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("cluster CA: %w", err)
+	}
+	cert := ca.Certificate()
+	cluster, err := pki.ClusterCAIdentity(cert)
+	if err != nil {
+		return nil, fmt.Errorf("cluster CA: %w", err)
+	}
+	if cluster != id.spiffeID {
+		return nil, fmt.Errorf("cluster CA: it is the CA of %s, not of %s", cluster, id.spiffeID)
+	}
+	if at.IsZero() {
+		// NotBefore is backdated by pki.Backdate against clock skew.
+		if at = cert.NotBefore.Add(pki.Backdate); !at.Before(cert.NotAfter) {
+			at = cert.NotBefore
+		}
+	}
+	inter := x509.NewCertPool()
+	for _, c := range ca.Chain() {
+		if !c.Equal(cert) {
+			inter.AddCert(c)
+		}
+	}
+	if _, err := cert.Verify(x509.VerifyOptions{
+		Roots: id.roots, Intermediates: inter, CurrentTime: at,
+		// A cluster CA's extended key usage is client authentication.
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny},
+	}); err != nil {
+		return nil, fmt.Errorf("cluster CA: it does not chain to the trust bundle: %w", err)
+	}
+	next := *id
+	next.clusterCA = &clusterCA{certPEM: certPEM, keyPEM: keyPEM, ca: ca}
+	return &next, nil
+}
 
 // parseIdentity checks that the key matches the certificate, that the
 // certificate names a cluster identity and that the bundle holds
@@ -93,6 +153,16 @@ func (h *identityHolder) leaf() *x509.Certificate {
 	return nil
 }
 
+// clusterCA is the cluster CA of the identity in service, nil when there
+// is none: the pod signer's CA source (podsigner.Config.CA), asked at
+// every request so that a renewal's new CA signs from then on.
+func (h *identityHolder) clusterCA() *pki.CA {
+	if id := h.p.Load(); id != nil && id.clusterCA != nil {
+		return id.clusterCA.ca
+	}
+	return nil
+}
+
 // GetClientCertificate is the tls.Config hook of every broker client: the
 // certificate in service at the moment of the handshake. Before an identity
 // is loaded it presents none, which the broker refuses.
@@ -116,8 +186,13 @@ type EnrollOptions struct {
 	Bundle []byte
 	// Token is the join token.
 	Token string
-	// Dir receives tls.crt, tls.key (0600) and ca.crt.
+	// Dir receives tls.crt, tls.key (0600) and ca.crt, and with ClusterCA
+	// cluster-ca.crt and cluster-ca.key (0600).
 	Dir IdentityDir
+	// ClusterCA asks the broker also for the cluster's CA, with a key of
+	// its own (the agent as its cluster's pod-certificate signer). The
+	// broker must run with --sign-cluster-cas, else enrollment fails.
+	ClusterCA bool
 }
 
 // Enroll makes a key pair, sends a CSR for the join token's identity with
@@ -161,11 +236,11 @@ func enroll(ctx context.Context, opts EnrollOptions) (*identity, *apiv1.Certific
 		return nil, nil, err
 	}
 	defer c.CloseIdleConnections()
-	csrPEM, keyPEM, err := pki.NewCSR(claims.sub, rand.Reader)
+	req, keys, err := newCertificateRequest(claims.sub, opts.ClusterCA)
 	if err != nil {
-		return nil, nil, fmt.Errorf("make CSR: %w", err)
+		return nil, nil, err
 	}
-	resp, err := c.Enroll(ctx, opts.Token, csrPEM)
+	resp, err := c.Enroll(ctx, opts.Token, req)
 	if err != nil {
 		return nil, nil, fmt.Errorf("enroll: %w", err)
 	}
@@ -178,30 +253,73 @@ func enroll(ctx context.Context, opts EnrollOptions) (*identity, *apiv1.Certific
 	}
 	// Keep the bundle that was verified, never the answer's: the answer
 	// could add an anchor beside the pinned CA.
-	id, err := parseIdentity([]byte(resp.Certificate), keyPEM, bundle)
+	id, err := parseIdentity([]byte(resp.Certificate), keys.key, bundle)
 	if err != nil {
 		return nil, nil, fmt.Errorf("issued certificate: %w", err)
 	}
+	if opts.ClusterCA {
+		if id, err = takeClusterCA(id, resp, keys.clusterCAKey, time.Now()); err != nil {
+			return nil, nil, fmt.Errorf("enroll: %w", err)
+		}
+	}
 	return id, resp, nil
+}
+
+// requestKeys are the private keys of a CertificateRequest's CSRs; secrets.
+type requestKeys struct {
+	key          []byte
+	clusterCAKey []byte // only when the cluster CA is asked for
+}
+
+// newCertificateRequest makes a key and a CSR for spiffeID and, with
+// clusterCA, another key and CSR for the cluster's CA: two keys, so that
+// the CA's key signs nothing but pod certificates.
+func newCertificateRequest(spiffeID string, clusterCA bool) (apiv1.CertificateRequest, requestKeys, error) {
+	csrPEM, keyPEM, err := pki.NewCSR(spiffeID, rand.Reader)
+	if err != nil {
+		return apiv1.CertificateRequest{}, requestKeys{}, fmt.Errorf("make CSR: %w", err)
+	}
+	req, keys := apiv1.CertificateRequest{CSR: string(csrPEM)}, requestKeys{key: keyPEM}
+	if clusterCA {
+		caCSR, caKey, err := pki.NewCSR(spiffeID, rand.Reader)
+		if err != nil {
+			return apiv1.CertificateRequest{}, requestKeys{}, fmt.Errorf("make the cluster CA's CSR: %w", err)
+		}
+		req.ClusterCACSR, keys.clusterCAKey = string(caCSR), caKey
+	}
+	return req, keys, nil
+}
+
+// errNoClusterCA is wrapped when an answer asked for the cluster's CA
+// holds none. Not retryable: the broker must be configured.
+var errNoClusterCA = errors.New("the broker signs no cluster CA: run it with --sign-cluster-cas")
+
+// takeClusterCA returns id with the cluster CA of resp and keyPEM, its
+// key, checked as identity.withClusterCA does and valid at now.
+func takeClusterCA(id *identity, resp *apiv1.CertificateResponse, keyPEM []byte, now time.Time) (*identity, error) {
+	if resp.ClusterCA == "" {
+		return nil, errNoClusterCA
+	}
+	return id.withClusterCA([]byte(resp.ClusterCA), keyPEM, now)
 }
 
 // renewAPI is the part of the broker API that renewal needs;
 // *client.Client implements it.
 type renewAPI interface {
-	Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error)
+	Renew(ctx context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error)
 }
 
 // Renew asks the broker, through c (which authenticates with the current
 // certificate in dir), for a new certificate with a new key for the same
-// identity, and replaces the files in dir. The old files stay if anything
-// fails.
+// identity, and replaces the files in dir. If dir holds a cluster CA, a
+// new one is asked for too. The old files stay if anything fails.
 func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.CertificateResponse, error) {
 	store := dirStore{dir: dir}
 	cur, err := store.load(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read current identity: %w", err)
 	}
-	next, resp, err := renewIdentity(ctx, c, cur, cur.bundlePEM, time.Now())
+	next, resp, err := renewIdentity(ctx, c, cur, cur.bundlePEM, time.Now(), false)
 	if err != nil {
 		return nil, err
 	}
@@ -218,13 +336,17 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 // now. Its trust bundle is the part of the answer's caBundle that the CAs
 // of trusted (PEM; cur's bundle, and the stored one if an operator wrote a
 // new ca.crt since it was loaded) vouch for (pki.TrustedBundle); an answer
-// with none of it is refused. It stores nothing.
-func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []byte, now time.Time) (*identity, *apiv1.CertificateResponse, error) {
-	csrPEM, keyPEM, err := pki.NewCSR(cur.spiffeID, rand.Reader)
+// with none of it is refused. If cur has a cluster CA, or wantClusterCA
+// is set, a new cluster CA with a new key is asked for too, and the
+// successor is refused without one that passes identity.withClusterCA's
+// checks against its new bundle and is valid at now. It stores nothing.
+func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []byte, now time.Time, wantClusterCA bool) (*identity, *apiv1.CertificateResponse, error) {
+	askCA := wantClusterCA || cur.clusterCA != nil
+	req, keys, err := newCertificateRequest(cur.spiffeID, askCA)
 	if err != nil {
-		return nil, nil, fmt.Errorf("make CSR: %w", err)
+		return nil, nil, err
 	}
-	resp, err := api.Renew(ctx, csrPEM)
+	resp, err := api.Renew(ctx, req)
 	if err != nil {
 		return nil, nil, fmt.Errorf("renew: %w", err)
 	}
@@ -242,7 +364,7 @@ func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []b
 	if err != nil {
 		return nil, nil, fmt.Errorf("renew: the broker's caBundle: %w", err)
 	}
-	next, err := parseIdentity([]byte(resp.Certificate), keyPEM, bundlePEM)
+	next, err := parseIdentity([]byte(resp.Certificate), keys.key, bundlePEM)
 	if err != nil {
 		return nil, nil, fmt.Errorf("issued certificate: %w", err)
 	}
@@ -251,6 +373,11 @@ func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []b
 	}
 	if !now.Before(next.leaf().NotAfter) {
 		return nil, nil, fmt.Errorf("renew: the issued certificate expired at %s", next.leaf().NotAfter.UTC().Format(time.RFC3339))
+	}
+	if askCA {
+		if next, err = takeClusterCA(next, resp, keys.clusterCAKey, now); err != nil {
+			return nil, nil, fmt.Errorf("renew: %w", err)
+		}
 	}
 	return next, resp, nil
 }

@@ -72,14 +72,18 @@ func (p *testPKI) sign(csrPEM []byte) (*apiv1.CertificateResponse, error) {
 	}, nil
 }
 
-func (p *testPKI) Renew(_ context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+func (p *testPKI) Renew(_ context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.fail != nil {
 		return nil, p.fail
 	}
 	p.renews++
-	return p.sign(csrPEM)
+	resp, err := p.sign([]byte(req.CSR))
+	if err != nil || req.ClusterCACSR == "" {
+		return resp, err
+	}
+	return resp, p.signClusterCA(resp, req.ClusterCACSR)
 }
 
 func TestADirectoryIdentityRoundTrips(t *testing.T) {
@@ -296,12 +300,13 @@ func TestACertificateForAnotherIdentityIsRefused(t *testing.T) {
 		require.NoError(t, err)
 		return &apiv1.CertificateResponse{Certificate: string(kp.CertPEM), CABundle: string(f.pki.ca.BundlePEM())}, nil
 	})
-	_, _, err := renewIdentity(context.Background(), evil, cur, cur.bundlePEM, f.clock.Now())
+	_, _, err := renewIdentity(context.Background(), evil, cur, cur.bundlePEM, f.clock.Now(), false)
 	require.ErrorContains(t, err, "not "+westID)
 }
 
+// renewFunc is a renewAPI that answers the client certificate's CSR.
 type renewFunc func(context.Context, []byte) (*apiv1.CertificateResponse, error)
 
-func (f renewFunc) Renew(ctx context.Context, csr []byte) (*apiv1.CertificateResponse, error) {
-	return f(ctx, csr)
+func (f renewFunc) Renew(ctx context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
+	return f(ctx, []byte(req.CSR))
 }

@@ -43,6 +43,10 @@ type renewer struct {
 	// CAs too, so that after a CA rotation the new CA, which the bundles
 	// already carry, is kept in the stored ca.crt.
 	trust func() *trustState
+	// wantClusterCA asks for the cluster's CA at every renewal, also when
+	// the identity in service has none yet (the agent signs pod
+	// certificates). An identity with one always asks for a new one.
+	wantClusterCA bool
 
 	forCert    *x509.Certificate // the certificate renewAt was computed for
 	renewAt    time.Time
@@ -67,7 +71,7 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	if now.Before(r.nextAttempt()) {
 		return r.nextAttempt()
 	}
-	next, resp, err := renewIdentity(ctx, r.api, cur, r.trusted(ctx, cur), now)
+	next, resp, err := renewIdentity(ctx, r.api, cur, r.trusted(ctx, cur), now, r.wantClusterCA)
 	if err == nil {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), saveTimeout)
 		err = r.store.save(sctx, next)
@@ -99,10 +103,14 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	r.forCert = next.leaf()
 	r.renewAt = r.sched.refreshAt(certGrant(next.leaf(), now))
 	r.setNext(0, r.renewAt)
-	r.log.Info("client certificate renewed",
-		zap.String("identity", next.spiffeID), zap.String("serial", resp.SerialNumber),
+	fields := []zap.Field{zap.String("identity", next.spiffeID), zap.String("serial", resp.SerialNumber),
 		zap.Time("not_after", next.leaf().NotAfter), zap.Time("next_renewal", r.renewAt),
-		zap.String("store", r.store.String()))
+		zap.String("store", r.store.String())}
+	if ca := next.clusterCA; ca != nil {
+		fields = append(fields, zap.String("cluster_ca_serial", ca.ca.Certificate().SerialNumber.Text(16)),
+			zap.Time("cluster_ca_not_after", ca.ca.Certificate().NotAfter))
+	}
+	r.log.Info("client certificate renewed", fields...)
 	return r.renewAt
 }
 

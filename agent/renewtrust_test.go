@@ -87,7 +87,7 @@ func TestRenewalKeepsOnlyTheCAsTheCurrentBundleVouchesFor(t *testing.T) {
 				return &apiv1.CertificateResponse{Certificate: string(kp.CertPEM), CABundle: tt.bundle(p)}, nil
 			})
 
-			next, _, err := renewIdentity(context.Background(), api, cur, cur.bundlePEM, clock.Now())
+			next, _, err := renewIdentity(context.Background(), api, cur, cur.bundlePEM, clock.Now(), false)
 			if tt.wantErr != nil {
 				require.ErrorIs(t, err, tt.wantErr)
 				return

@@ -303,21 +303,24 @@ func (c *Client) doAs(ctx context.Context, method, path string, in any, want int
 	return c.do(ctx, method, path, bearer, in, want, out)
 }
 
-// Renew asks for a new client certificate for the caller's own identity.
-func (c *Client) Renew(ctx context.Context, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+// Renew asks for a new client certificate for the caller's own identity
+// (req.CSR) and, with req.ClusterCACSR, a new cluster CA. The answer
+// holds no key.
+func (c *Client) Renew(ctx context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	var out apiv1.CertificateResponse
-	err := c.do(ctx, http.MethodPost, "/v1/certificates", "", apiv1.CertificateRequest{CSR: string(csrPEM)}, http.StatusCreated, &out)
+	err := c.do(ctx, http.MethodPost, "/v1/certificates", "", req, http.StatusCreated, &out)
 	if err != nil {
 		return nil, err
 	}
 	return &out, nil
 }
 
-// Enroll exchanges a join token and a CSR for a first client certificate.
-// The client must point at the broker's enrollment listener.
-func (c *Client) Enroll(ctx context.Context, joinToken string, csrPEM []byte) (*apiv1.CertificateResponse, error) {
+// Enroll exchanges a join token and req (a CSR and, with ClusterCACSR,
+// the cluster CA's) for a first client certificate (and cluster CA). The
+// client must point at the broker's enrollment listener.
+func (c *Client) Enroll(ctx context.Context, joinToken string, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
 	var out apiv1.CertificateResponse
-	err := c.do(ctx, http.MethodPost, "/v1/certificates", joinToken, apiv1.CertificateRequest{CSR: string(csrPEM)}, http.StatusCreated, &out)
+	err := c.do(ctx, http.MethodPost, "/v1/certificates", joinToken, req, http.StatusCreated, &out)
 	if err != nil {
 		return nil, err
 	}
