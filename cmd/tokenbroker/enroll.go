@@ -16,8 +16,9 @@ import (
 
 func newEnrollCommand() *cobra.Command {
 	var brokerURL, fingerprint, tokenFile, dir string
+	var clusterCA bool
 	cmd := &cobra.Command{
-		Use:   "enroll --broker URL --ca-fingerprint sha256:HEX --token-file FILE --dir DIR",
+		Use:   "enroll --broker URL --ca-fingerprint sha256:HEX --token-file FILE --dir DIR [--cluster-ca]",
 		Short: "Join a broker with a join token: get a client certificate for this cluster",
 		Long: `Enroll this cluster with a broker, using a single-use join token made on the
 CA side with "tokenbroker pki join-token".
@@ -31,7 +32,10 @@ here and never leaves this machine; the broker signs a certificate for the
 identity named in the token, and its answer must hold the pinned CA too.
 
 Writes DIR/tls.crt, DIR/tls.key (mode 0600) and DIR/ca.crt: the pinned CA and
-the bundle's CAs below it, never another CA the broker sent. The token is read
+the bundle's CAs below it, never another CA the broker sent. With --cluster-ca
+it also asks for the cluster's CA (the broker must run with --sign-cluster-cas)
+and writes DIR/cluster-ca.crt and DIR/cluster-ca.key (0600), for the agent's
+pod-certificate signer; "tokenbroker renew" keeps renewing it. The token is read
 from --token-file ("-" for standard input) or $TOKENBROKER_JOIN_TOKEN, never
 from a flag, so that it does not end up in shell history or ps output.`,
 		Example: `  # on the CA side
@@ -47,7 +51,7 @@ from a flag, so that it does not end up in shell history or ps output.`,
 			}
 			start := time.Now()
 			resp, err := agent.Enroll(cmd.Context(), agent.EnrollOptions{
-				BrokerURL: brokerURL, Fingerprint: fingerprint, Token: token, Dir: agent.IdentityDir(dir),
+				BrokerURL: brokerURL, Fingerprint: fingerprint, Token: token, Dir: agent.IdentityDir(dir), ClusterCA: clusterCA,
 			})
 			if err != nil {
 				return err
@@ -56,6 +60,9 @@ from a flag, so that it does not end up in shell history or ps output.`,
 			fmt.Fprintf(cmd.OutOrStdout(), "enrolled as %s in %s\n  certificate %s (serial %s, expires %s)\n  key         %s\n  trust       %s\n",
 				resp.Identity, time.Since(start).Round(time.Millisecond), d.Cert(), resp.SerialNumber,
 				resp.NotAfter.Format(time.RFC3339), d.Key(), d.Bundle())
+			if clusterCA {
+				fmt.Fprintf(cmd.OutOrStdout(), "  cluster CA  %s, key %s\n", d.ClusterCACert(), d.ClusterCAKey())
+			}
 			return nil
 		},
 	}
@@ -64,6 +71,7 @@ from a flag, so that it does not end up in shell history or ps output.`,
 	fs.StringVar(&fingerprint, "ca-fingerprint", "", "SHA-256 fingerprint of the CA to trust, sha256:HEX (required)")
 	fs.StringVar(&tokenFile, "token-file", "", `file holding the join token, "-" for stdin (default $TOKENBROKER_JOIN_TOKEN)`)
 	fs.StringVar(&dir, "dir", "", "directory for tls.crt, tls.key and ca.crt (required)")
+	fs.BoolVar(&clusterCA, "cluster-ca", false, "also get the cluster's CA (cluster-ca.crt, cluster-ca.key), for the agent's pod signer; the broker must run with --sign-cluster-cas")
 	for _, f := range []string{"broker", "ca-fingerprint", "dir"} {
 		_ = cmd.MarkFlagRequired(f)
 	}
@@ -92,8 +100,9 @@ func newRenewCommand() *cobra.Command {
 		Long: `Renew the client certificate in DIR (tls.crt, tls.key, ca.crt, as written by
 "tokenbroker enroll") while it is still valid: a new key pair is made here, the
 broker signs a certificate for the same identity, and the files are replaced
-atomically. The old files stay if renewal fails. The agent does this by
-itself; this command is for scripts and debugging.`,
+atomically. A directory with a cluster CA (cluster-ca.crt, cluster-ca.key)
+gets a new one with a new key too. The old files stay if renewal fails. The
+agent does this by itself; this command is for scripts and debugging.`,
 		Example: `  tokenbroker renew --broker https://east.example.com:8443 --dir west-identity`,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

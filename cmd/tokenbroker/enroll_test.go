@@ -59,11 +59,25 @@ func newFakeEnrollmentServer(t *testing.T, signer, issuer *pki.CA, bundle, caBun
 			w.WriteHeader(http.StatusInternalServerError)
 			return
 		}
-		w.WriteHeader(http.StatusCreated)
-		_ = json.NewEncoder(w).Encode(apiv1.CertificateResponse{
+		resp := apiv1.CertificateResponse{
 			Identity: identity, Certificate: string(kp.CertPEM), SerialNumber: kp.Cert.SerialNumber.Text(16),
 			NotBefore: kp.Cert.NotBefore, NotAfter: kp.Cert.NotAfter, CABundle: string(caBundle),
-		})
+		}
+		if req.ClusterCACSR != "" {
+			caCSR, caIdentity, err := pki.ParseCSRPEM([]byte(req.ClusterCACSR))
+			if err != nil {
+				w.WriteHeader(http.StatusBadRequest)
+				return
+			}
+			ca, err := issuer.SignClusterCA(caCSR, caIdentity, time.Hour)
+			if err != nil {
+				w.WriteHeader(http.StatusUnprocessableEntity)
+				return
+			}
+			resp.ClusterCA = string(ca.CertPEM)
+		}
+		w.WriteHeader(http.StatusCreated)
+		_ = json.NewEncoder(w).Encode(resp)
 	}))
 	srv.TLS = &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}}
 	srv.StartTLS()
@@ -143,4 +157,39 @@ func TestEnrollTrustsThePinnedCAAlone(t *testing.T) {
 			require.Equal(t, string(tc.wantBundle), string(written))
 		})
 	}
+}
+
+func TestEnrollWithClusterCAWritesTheClusterCAsFiles(t *testing.T) {
+	t.Parallel()
+	fleet, err := pki.NewCA(pki.CAOptions{CommonName: "operators' CA", PathLen: 1})
+	require.NoError(t, err)
+	srv := newFakeEnrollmentServer(t, fleet, fleet, fleet.BundlePEM(), fleet.BundlePEM())
+	token, _, err := fleet.IssueJoinToken(pki.JoinTokenOptions{Identity: "spiffe://oc.example/cluster/west"})
+	require.NoError(t, err)
+	tmp := t.TempDir()
+	tokenFile := filepath.Join(tmp, "west.token")
+	require.NoError(t, os.WriteFile(tokenFile, []byte(token), 0o600))
+	dir := filepath.Join(tmp, "west-identity")
+
+	cmd := newRootCommand()
+	cmd.SilenceUsage, cmd.SilenceErrors = true, true
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&out)
+	cmd.SetArgs([]string{"enroll", "--broker", srv.url, "--ca-fingerprint", pki.Fingerprint(fleet.Certificate()),
+		"--token-file", tokenFile, "--dir", dir, "--cluster-ca"})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, cmd.ExecuteContext(ctx))
+	require.Contains(t, out.String(), filepath.Join(dir, "cluster-ca.crt"))
+	certPEM, err := os.ReadFile(filepath.Join(dir, "cluster-ca.crt"))
+	require.NoError(t, err)
+	keyPEM, err := os.ReadFile(filepath.Join(dir, "cluster-ca.key"))
+	require.NoError(t, err)
+	ca, err := pki.ParseCA(certPEM, keyPEM, pki.CAOptions{})
+	require.NoError(t, err)
+	id, err := pki.ClusterCAIdentity(ca.Certificate())
+	require.NoError(t, err)
+	require.Equal(t, "spiffe://oc.example/cluster/west", id)
+	require.NotContains(t, out.String(), string(keyPEM), "the key is never printed")
 }
