@@ -20,6 +20,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/agent/client"
 	"github.com/tokenbroker/tokenbroker/agent/config"
+	"github.com/tokenbroker/tokenbroker/agent/podsigner"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
@@ -76,6 +77,9 @@ type Agent struct {
 	jwks    *jwksUploader
 	pods    *podReporter
 	trust   *clusterTrust
+	// kube is the source cluster's client, for the pod signer (nil when
+	// the config needs none).
+	kube kubernetes.Interface
 
 	runOnce sync.Once
 }
@@ -101,6 +105,7 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		registry: deps.Registry,
 		opsLn:    deps.OpsListener,
 		holder:   &identityHolder{},
+		kube:     deps.Kubernetes,
 	}
 	if a.log == nil {
 		a.log = zap.NewNop()
@@ -204,6 +209,8 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		log:       a.log.Named("renew"),
 		metrics:   m,
 		onRenewed: a.brokers.closeIdle,
+		// The pod signer's CA comes with the identity.
+		wantClusterCA: cfg.PodSigner != nil,
 	}
 	if a.trust != nil {
 		a.renewer.trust = a.trust.get
@@ -274,6 +281,20 @@ func (a *Agent) run(ctx context.Context) error {
 		if a.jwks != nil {
 			wg.Go(func() { a.jwks.run(ctx) })
 		}
+		if ps := a.cfg.PodSigner; ps != nil {
+			s, serr := podsigner.New(podsigner.Config{
+				Client: a.kube, SignerName: ps.SignerName, CA: a.holder.clusterCA, ClusterIdentity: a.holder.get().spiffeID,
+				MaxLifetime: time.Duration(ps.MaxLifetime), Clock: a.clock, Logger: a.log.Named("podsigner"),
+			})
+			if serr != nil {
+				err = serr
+				cancel()
+			} else {
+				a.log.Info("signing pod certificates", zap.String("signer", ps.SignerName),
+					zap.Bool("cluster_ca", a.holder.clusterCA() != nil))
+				wg.Go(func() { s.Run(ctx) })
+			}
+		}
 		for _, r := range a.targets {
 			wg.Go(func() { r.run(ctx) })
 		}
@@ -343,7 +364,7 @@ func (a *Agent) enroll(ctx context.Context) error {
 	sched := newSchedule(a.cfg.Refresh, a.rand)
 	var id *identity
 	for failures := 1; ; failures++ {
-		id, _, err = enroll(ctx, EnrollOptions{BrokerURL: e.Broker, Fingerprint: e.CAFingerprint, Token: token})
+		id, _, err = enroll(ctx, EnrollOptions{BrokerURL: e.Broker, Fingerprint: e.CAFingerprint, Token: token, ClusterCA: a.cfg.PodSigner != nil})
 		if err == nil {
 			break
 		}

@@ -363,3 +363,25 @@ func TestEnrollmentWithClusterCAStoresItOrNothing(t *testing.T) {
 		require.NotEqual(t, id.keyPEM, id.clusterCA.keyPEM, "two keys")
 	}
 }
+
+// TestTheRenewerAsksAtOnceWhenThePodSignerHasNoCA: a pod signer turned on
+// for an identity without a cluster CA gets one from the first step, not
+// at the certificate's half-life.
+func TestTheRenewerAsksAtOnceWhenThePodSignerHasNoCA(t *testing.T) {
+	t.Parallel()
+	f := newRenewerFixture(t)
+	p := newClusterCAPKI(t, f.clock)
+	id := p.identity(t)
+	require.NoError(t, f.store.save(context.Background(), id))
+	f.r.holder.set(id)
+	f.r.api, f.r.wantClusterCA = p, true
+	start := f.clock.Now()
+	next := f.r.step(context.Background())
+	require.NotNil(t, f.r.holder.clusterCA(), "renewed in the first step")
+	require.True(t, f.clock.Now().Equal(start), "without waiting")
+	require.True(t, next.After(start.Add(time.Minute)), "then at the new certificate's renewal time")
+
+	// With a CA in service, the renewal waits for its time again.
+	f.r.step(context.Background())
+	require.Equal(t, next, f.r.nextAttempt())
+}

@@ -65,6 +65,11 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	if cur.leaf() != r.forCert {
 		r.forCert = cur.leaf()
 		r.renewAt = r.sched.refreshAt(certGrant(cur.leaf(), r.clock.Now()))
+		if r.wantClusterCA && cur.clusterCA == nil {
+			// The pod signer was turned on for an identity without a
+			// cluster CA: renew now to get one, not at half-life.
+			r.renewAt = r.clock.Now()
+		}
 		r.setNext(0, r.renewAt)
 	}
 	now := r.clock.Now()
