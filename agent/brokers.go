@@ -175,7 +175,10 @@ func (r brokerRef) Renew(ctx context.Context, req apiv1.CertificateRequest) (*ap
 // NewIdentityClient returns a client of the broker at brokerURL that
 // presents the identity in dir and trusts dir's bundle, as the agent's own
 // clients do ("tokenbroker get kubeconfig" uses it). dir is read once; an
-// interrupted replacement of its files is finished first.
+// interrupted replacement of its files is finished first. The identity is
+// a cluster's, or a workload's pod certificate (the kubelet's
+// podCertificate volume, certificateChainPath tls.crt and keyPath tls.key,
+// beside a ca.crt).
 func NewIdentityClient(ctx context.Context, brokerURL string, dir IdentityDir) (*client.Client, error) {
 	return NewWorkloadClient(ctx, brokerURL, dir, "")
 }
@@ -184,7 +187,7 @@ func NewIdentityClient(ctx context.Context, brokerURL string, dir IdentityDir) (
 // with the ServiceAccount token in workloadTokenFile ("" for none), read
 // at every request.
 func NewWorkloadClient(ctx context.Context, brokerURL string, dir IdentityDir, workloadTokenFile string) (*client.Client, error) {
-	id, err := dirStore{dir: dir}.load(ctx)
+	id, err := dirStore{dir: dir, workload: true}.load(ctx)
 	if err != nil {
 		return nil, err
 	}

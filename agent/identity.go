@@ -107,6 +107,14 @@ func (id *identity) withClusterCA(certPEM, keyPEM []byte, at time.Time) (*identi
 // certificate names a cluster identity and that the bundle holds
 // certificates. Expiry is the caller's business.
 func parseIdentity(certPEM, keyPEM, bundlePEM []byte) (*identity, error) {
+	return parseIdentityAs(certPEM, keyPEM, bundlePEM, false)
+}
+
+// parseIdentityAs is parseIdentity that, with workload, also takes a pod
+// certificate (a workload identity, pki.IsWorkloadCertificate), as a
+// workload's client presents it: never the agent's own identity, which
+// speaks for its cluster.
+func parseIdentityAs(certPEM, keyPEM, bundlePEM []byte, workload bool) (*identity, error) {
 	certs, err := pki.ParseCertificatesPEM(certPEM)
 	if err != nil {
 		return nil, fmt.Errorf("certificate: %w", err)
@@ -120,6 +128,9 @@ func parseIdentity(certPEM, keyPEM, bundlePEM []byte) (*identity, error) {
 	}
 	pair.Leaf = certs[0]
 	spiffeID, err := pki.IdentityFromCert(certs[0])
+	if err != nil && workload && pki.IsWorkloadCertificate(certs[0]) {
+		spiffeID, err = certs[0].URIs[0].String(), nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("certificate: %w", err)
 	}

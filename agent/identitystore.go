@@ -69,6 +69,9 @@ func (d IdentityDir) staged(name string) string {
 // dirStore keeps the identity in an IdentityDir.
 type dirStore struct {
 	dir IdentityDir
+	// workload also loads a pod certificate (a workload's clients, never
+	// the agent's own identity).
+	workload bool
 }
 
 var _ identityStore = dirStore{}
@@ -211,7 +214,7 @@ func (s dirStore) load(context.Context) (*identity, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read identity: %w", err)
 	}
-	id, err := parseIdentity(certPEM, keyPEM, bundlePEM)
+	id, err := parseIdentityAs(certPEM, keyPEM, bundlePEM, s.workload)
 	if err != nil {
 		return nil, fmt.Errorf("identity in %s: %w", s.dir, err)
 	}

@@ -1,0 +1,252 @@
+//go:build node
+
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	clientauthv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
+
+	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/test/testcluster"
+)
+
+const podSignerName = "tokenbroker.io/e2e-workloads"
+
+// TestNodeAPodCertificateFromTheAgentsSignerGetsALease runs the chain of
+// pod certificates where it runs in production. The broker signs cluster
+// CAs (pki init --cluster-cas, serve --sign-cluster-cas); the agent's
+// chart, with podSigner, runs the agent as a Pod that enrolls with a join
+// token, receives its cluster's CA and answers the kubelet's
+// PodCertificateRequests; a workload Pod whose projected podCertificate
+// volume names that signer gets its key from the kubelet (never leaving
+// the node) and its certificate from the agent, and runs the exec plugin
+// with them alone: no Secret holds any credential of that workload. The
+// lease it gets authenticates to the API server as the granted
+// ServiceAccount. Revoking the Pod's uid at the broker ends its access on
+// the next request. The test logs the time from the Pod's creation to its
+// first lease.
+func TestNodeAPodCertificateFromTheAgentsSignerGetsALease(t *testing.T) {
+	c := testcluster.Start(t, testcluster.WithNode())
+	requirePodCertificates(t, c)
+	setUpTarget(t, c) // argo/runner may read ConfigMaps; argo/hello
+	ctx := t.Context()
+	require.NoError(t, c.Node.ImportImage(ctx, imageArchive(t)))
+	runner, err := c.Client.CoreV1().ServiceAccounts("argo").Get(ctx, "runner", metav1.GetOptions{})
+	require.NoError(t, err)
+	runner.Labels = map[string]string{"tokenbroker.io/pod-certificates": "true"}
+	_, err = c.Client.CoreV1().ServiceAccounts("argo").Update(ctx, runner, metav1.UpdateOptions{})
+	require.NoError(t, err)
+
+	// The broker, on the host: a CA that may sign cluster CAs, and a
+	// policy that takes west's workloads by their pod certificates.
+	bin := tokenbrokerBinary(t)
+	dir := t.TempDir()
+	pkiDir := filepath.Join(dir, "pki")
+	run(t, bin, "pki", "init", "--dir", pkiDir, "--cluster-cas")
+	run(t, bin, "pki", "issue", "server", "--ca-dir", pkiDir, "--ip", "127.0.0.1", "--dns", "localhost")
+	writeFile(t, filepath.Join(dir, "cluster-ca.crt"), string(c.CAData))
+	pol := writeFile(t, filepath.Join(dir, "policy.yaml"), fmt.Sprintf(`cluster: {name: east, server: %s, caFile: cluster-ca.crt}
+peers:
+  - name: west
+    identity: spiffe://e2e.example/cluster/west
+    workloadIdentity: {podCertificates: true}
+    grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: argo, serviceAccount: runner}]
+`, c.URL))
+	api, enroll, ops := fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	proc := startProcess(t, bin, "serve", "--listen-address", api, "--enroll-address", enroll, "--ops-address", ops,
+		"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
+		"--client-ca-file", filepath.Join(pkiDir, "ca.crt"),
+		"--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"),
+		"--sign-cluster-cas", "--policy-file", pol, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
+	waitReady(t, proc, "http://"+ops+"/readyz")
+	caPEM, err := os.ReadFile(filepath.Join(pkiDir, "ca.crt"))
+	require.NoError(t, err)
+
+	// The agent's chart in west, podSigner on, enrolling with a join token.
+	token, stderr, err := runErr(bin, "pki", "join-token", "--ca-dir", pkiDir, "--trust-domain", "e2e.example", "--cluster", "west", "--audience", "east", "--ttl", "10m")
+	require.NoError(t, err, stderr)
+	fp := fingerprintRE.FindString(stderr)
+	require.NotEmpty(t, fp, stderr)
+	_, err = c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-agent"}}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = c.Client.CoreV1().Secrets("tokenbroker-agent").Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-agent-join"}, StringData: map[string]string{"token": strings.TrimSpace(token)},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	ref := imageRef(t)
+	apiPort := c.URL[strings.LastIndex(c.URL, ":")+1:]
+	agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostNetwork: true
+containerPorts: {ops: %d}
+extraEnv:
+  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
+config:
+  identity:
+    renewBroker: https://%s
+    enroll: {broker: "https://%s", caFingerprint: "%s"}
+  podSigner: {signerName: %s}
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, api, enroll, fp, podSignerName))
+	ha := newHelm(t)
+	ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
+	ha.run(t, "install", "tokenbroker-agent", ha.chart, "-f", agentValues, "--wait", "--timeout", "120s",
+		"--kubeconfig", c.KubeconfigPath, "--namespace", "tokenbroker-agent")
+	var identity *corev1.Secret
+	require.Eventually(t, func() bool {
+		identity, err = c.Client.CoreV1().Secrets("tokenbroker-agent").Get(ctx, "tokenbroker-agent-identity", metav1.GetOptions{})
+		return err == nil && len(identity.Data["cluster-ca.crt"]) > 0
+	}, 60*time.Second, 200*time.Millisecond, "the agent enrolls and stores its cluster's CA")
+	clusterCAs, err := pki.ParseCertificatesPEM(identity.Data["cluster-ca.crt"])
+	require.NoError(t, err)
+	own, err := pki.ClusterCAIdentity(clusterCAs[0])
+	require.NoError(t, err)
+	require.Equal(t, "spiffe://e2e.example/cluster/west", own)
+
+	// The broker's CA for the workload's plugin, in a ConfigMap: public.
+	_, err = c.Client.CoreV1().ConfigMaps("argo").Create(ctx, &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: "broker-ca"}, Data: map[string]string{"ca.crt": string(caPEM)},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+
+	pod := runPodCertificatePod(t, c, api)
+	require.Equal(t, corev1.PodRunning, pod.phase, pod.logs)
+	t.Logf("the Pod's creation to its first lease (the kubelet's key, the agent's certificate, the plugin's request): at most %s (seen Running; the plugin's container finished at %s)",
+		pod.running.Sub(pod.created).Round(10*time.Millisecond), pod.finished.Format(time.RFC3339))
+	var cred clientauthv1.ExecCredential
+	require.NoError(t, json.Unmarshal([]byte(pod.logs), &cred), pod.logs)
+	require.NotNil(t, cred.Status)
+	review, err := c.Client.AuthenticationV1().TokenReviews().Create(ctx, &authenticationv1.TokenReview{
+		Spec: authenticationv1.TokenReviewSpec{Token: cred.Status.Token},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.True(t, review.Status.Authenticated, review.Status.Error)
+	require.Equal(t, "system:serviceaccount:argo:runner", review.Status.User.Username)
+
+	// The certificate the kubelet wrote, read from the node: its chain is
+	// the agent's cluster CA's, and it names the Pod.
+	chain, err := pki.ParseCertificatesPEM(pod.certPEM)
+	require.NoError(t, err)
+	require.Equal(t, "spiffe://e2e.example/cluster/west/ns/argo/sa/runner", chain[0].URIs[0].String())
+	require.Equal(t, pod.uid, chain[0].Subject.SerialNumber)
+	require.True(t, chain[1].Equal(clusterCAs[0]), "signed by the cluster CA the agent received")
+
+	// Revoked by its Pod's uid: the next request is refused.
+	client := filepath.Join(t.TempDir(), "pod")
+	writeFile(t, client+".crt", string(pod.certPEM))
+	writeFile(t, client+".key", string(pod.keyPEM))
+	e := &brokerEnv{dir: dir, api: api, ca: filepath.Join(pkiDir, "ca.crt")}
+	body := `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`
+	status, out := e.postKubeconfig(t, client, body)
+	require.Equal(t, 201, status, "the Pod's own certificate and key, by hand: %s", out)
+	run(t, bin, "pki", "revoke", "--pod-uid", pod.uid, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
+	revoked := time.Now()
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, client, body)
+		return status == 401
+	}, 10*time.Second, 20*time.Millisecond, "a revoked Pod's certificate is refused")
+	t.Logf("the Pod's certificate was refused %s after pki revoke --pod-uid returned", time.Since(revoked).Round(time.Millisecond))
+}
+
+// requirePodCertificates skips on a Kubernetes that does not serve
+// PodCertificateRequests at certificates.k8s.io/v1 by default (before
+// 1.37).
+func requirePodCertificates(t *testing.T, c *testcluster.Cluster) {
+	t.Helper()
+	res, err := c.Client.Discovery().ServerResourcesForGroupVersion("certificates.k8s.io/v1")
+	require.NoError(t, err)
+	for _, r := range res.APIResources {
+		if r.Name == "podcertificaterequests" {
+			return
+		}
+	}
+	v, err := c.Client.Discovery().ServerVersion()
+	require.NoError(t, err)
+	t.Skipf("pod certificates need certificates.k8s.io/v1 PodCertificateRequests (Kubernetes 1.37); this API server is %s", v.GitVersion)
+}
+
+// podCertificatePod is how the workload Pod went, with what the kubelet
+// wrote to its podCertificate volume.
+type podCertificatePod struct {
+	uid             string
+	phase           corev1.PodPhase
+	logs            string
+	created         time.Time // its create call returned
+	running         time.Time // first seen Running, the plugin done
+	finished        time.Time // the plugin's container finished (to the second)
+	certPEM, keyPEM []byte
+}
+
+// runPodCertificatePod runs `tokenbroker credential` once in a Pod of
+// argo/runner on the host's network (where the broker listens on
+// 127.0.0.1), whose identity directory is its podCertificate volume
+// (tls.crt, tls.key) and the broker's CA (ca.crt, a ConfigMap).
+func runPodCertificatePod(t *testing.T, c *testcluster.Cluster, api string) podCertificatePod {
+	t.Helper()
+	nonroot := int64(65532)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "pod-certificate", Namespace: "argo"},
+		Spec: corev1.PodSpec{
+			ServiceAccountName:           "runner",
+			AutomountServiceAccountToken: ptrTo(false),
+			HostNetwork:                  true,
+			RestartPolicy:                corev1.RestartPolicyNever,
+			SecurityContext:              &corev1.PodSecurityContext{RunAsUser: &nonroot, RunAsGroup: &nonroot, FSGroup: &nonroot},
+			Containers:                   []corev1.Container{{Name: "hold", Image: testcluster.NodeImageRef, ImagePullPolicy: corev1.PullNever}},
+			InitContainers: []corev1.Container{{
+				Name: "credential", Image: imageRef(t), ImagePullPolicy: corev1.PullNever,
+				Args: []string{"credential", "--broker", "https://" + api, "--identity-dir", "/identity",
+					"--namespace", "argo", "--service-account", "runner", "--ttl", "1h", "--no-cache"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "identity", MountPath: "/identity", ReadOnly: true}},
+			}},
+			Volumes: []corev1.Volume{{Name: "identity", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
+				DefaultMode: ptrTo(int32(0o440)),
+				Sources: []corev1.VolumeProjection{
+					{PodCertificate: &corev1.PodCertificateProjection{SignerName: podSignerName, KeyType: "ECDSAP256",
+						CertificateChainPath: "tls.crt", KeyPath: "tls.key"}},
+					{ConfigMap: &corev1.ConfigMapProjection{LocalObjectReference: corev1.LocalObjectReference{Name: "broker-ca"}}},
+				},
+			}}}},
+		},
+	}
+	created, err := c.Client.CoreV1().Pods("argo").Create(t.Context(), pod, metav1.CreateOptions{})
+	require.NoError(t, err)
+	createdAt := time.Now()
+	var p *corev1.Pod
+	require.Eventually(t, func() bool {
+		p, err = c.Client.CoreV1().Pods("argo").Get(t.Context(), pod.Name, metav1.GetOptions{})
+		return err == nil && (p.Status.Phase == corev1.PodRunning || p.Status.Phase == corev1.PodFailed)
+	}, 120*time.Second, 200*time.Millisecond, "the Pod never ran its plugin")
+	logs, err := c.Client.CoreV1().Pods("argo").GetLogs(pod.Name, &corev1.PodLogOptions{Container: "credential"}).DoRaw(t.Context())
+	require.NoError(t, err)
+	out := podCertificatePod{uid: string(created.UID), phase: p.Status.Phase, logs: strings.TrimSpace(string(logs)),
+		created: createdAt, running: time.Now()}
+	if p.Status.Phase != corev1.PodRunning {
+		return out
+	}
+	if st := p.Status.InitContainerStatuses; len(st) == 1 && st[0].State.Terminated != nil {
+		out.finished = st[0].State.Terminated.FinishedAt.Time
+	}
+	vol := filepath.Join(c.Node.Dir, "kubelet", "pods", out.uid, "volumes", "kubernetes.io~projected", "identity")
+	out.certPEM, err = os.ReadFile(filepath.Join(vol, "tls.crt"))
+	require.NoError(t, err, "the kubelet projects the certificate chain into %s", vol)
+	out.keyPEM, err = os.ReadFile(filepath.Join(vol, "tls.key"))
+	require.NoError(t, err)
+	return out
+}
