@@ -3,6 +3,7 @@ package broker
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"go.uber.org/zap"
@@ -23,6 +24,13 @@ import (
 // fingerprint, never the token.
 func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token string) (Caller, error) {
 	w, err := workload.Verify(b.cfg.Policy.Load(), c.Identity, token, b.cfg.PeerKeys, b.cfg.Clock.Now)
+	if err == nil {
+		// A workload identity on the deny list is refused whatever proves
+		// it, a token as well as a pod certificate.
+		if id, idErr := pki.WorkloadIdentity(c.Identity, w.Namespace, w.ServiceAccount); idErr == nil && b.Revoked(id) {
+			err = workload.BadToken(workload.TokenRevoked, fmt.Errorf("workload %s is revoked", id))
+		}
+	}
 	if err != nil {
 		var be *problem.Error
 		reason := ""

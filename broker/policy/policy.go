@@ -149,6 +149,10 @@ type WorkloadIdentitySpec struct {
 type WorkloadRef struct {
 	Namespace      string `json:"namespace"`
 	ServiceAccount string `json:"serviceAccount"`
+	// Standalone, on a caller's workload (never in a policy), says the
+	// workload proved itself without the peer's certificate: by its own
+	// pod certificate. Such a caller gets only grants that name it.
+	Standalone bool `json:"-"`
 }
 
 // Bounds of a workloadIdentity.
@@ -700,12 +704,18 @@ func (p *Policy) decideFor(nss NamespaceLabels, identity string, workload *Workl
 }
 
 // admits reports whether the grant applies to a request from workload
-// (nil: no workload token): a grant without workloads applies to all.
+// (nil: no workload token): a grant without workloads applies to the
+// peer and to every workload that asks over the peer's connection, never
+// to one that proved itself alone (a pod certificate, which any
+// namespace's ServiceAccount of the peer's cluster may have): that one
+// gets only the grants that name it.
 func (g *GrantSpec) admits(w *WorkloadRef) bool {
 	if len(g.Workloads) == 0 {
-		return true
+		return w == nil || !w.Standalone
 	}
-	return w != nil && slices.Contains(g.Workloads, *w)
+	return w != nil && slices.ContainsFunc(g.Workloads, func(x WorkloadRef) bool {
+		return x.Namespace == w.Namespace && x.ServiceAccount == w.ServiceAccount
+	})
 }
 
 func OrDefault(s, def string) string {

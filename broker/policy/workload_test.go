@@ -42,6 +42,11 @@ func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
 	const west = "spiffe://oc.example/cluster/west"
 	runner := &WorkloadRef{Namespace: "argo", ServiceAccount: "runner"}
 	other := &WorkloadRef{Namespace: "argo", ServiceAccount: "other"}
+	// A workload proved by its own pod certificate, not over the peer's
+	// connection: any namespace's ServiceAccount of the peer's cluster
+	// may have one, so it never gets what the peer's agent gets.
+	runnerAlone := &WorkloadRef{Namespace: "argo", ServiceAccount: "runner", Standalone: true}
+	tenantAlone := &WorkloadRef{Namespace: "tenant-a", ServiceAccount: "mine", Standalone: true}
 	tests := []struct {
 		name     string
 		workload *WorkloadRef
@@ -53,6 +58,9 @@ func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
 		{name: "the peer without a workload token does not", sa: "runner"},
 		{name: "a grant without workloads applies to any workload", workload: other, sa: "reader", allowed: true},
 		{name: "a grant without workloads applies without a token", sa: "reader", allowed: true},
+		{name: "a pod certificate's workload gets the grant that names it", workload: runnerAlone, sa: "runner", allowed: true},
+		{name: "a pod certificate's workload never gets a grant without workloads", workload: runnerAlone, sa: "reader"},
+		{name: "nor does a tenant's, labelled by the tenant", workload: tenantAlone, sa: "reader"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -70,6 +78,10 @@ func TestAGrantThatNamesWorkloadsMatchesOnlyThem(t *testing.T) {
 	_, grants = p.GrantsFor(west, runner, true, nil)
 	require.Len(t, grants, 2)
 	require.Equal(t, []apiv1.WorkloadRef{{Namespace: "argo", ServiceAccount: "runner"}}, grants[0].Workloads)
+	_, grants = p.GrantsFor(west, runnerAlone, true, nil)
+	require.Len(t, grants, 1, "a pod certificate's workload sees only the grant that names it")
+	_, grants = p.GrantsFor(west, tenantAlone, true, nil)
+	require.Empty(t, grants)
 }
 
 func TestWorkloadIdentityIsValidatedWithFieldPaths(t *testing.T) {

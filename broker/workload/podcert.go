@@ -60,6 +60,7 @@ func VerifyPodCertificate(p *policy.Policy, w *pki.PodWorkload, issuedAt time.Ti
 		Namespace:      w.Namespace,
 		ServiceAccount: w.ServiceAccount,
 		Pod:            w.PodName,
+		PodCertificate: true,
 		PodUID:         w.PodUID,
 	}, nil
 }

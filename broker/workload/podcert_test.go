@@ -38,7 +38,8 @@ func TestAPodCertificateIsAWorkloadOnlyWherePolicySaysSo(t *testing.T) {
 	podsOnly := podCertificatePolicy(t, "{podCertificates: true}")
 	got, err := VerifyPodCertificate(podsOnly, w, now(), nil, now)
 	require.NoError(t, err)
-	require.Equal(t, &Identity{Namespace: "argo", ServiceAccount: "runner", Pod: "runner-0", PodUID: livePod}, got)
+	require.Equal(t, &Identity{Namespace: "argo", ServiceAccount: "runner", Pod: "runner-0", PodCertificate: true, PodUID: livePod}, got)
+	require.True(t, got.Ref().Standalone, "it asks without the peer's certificate")
 
 	other := westPod(livePod)
 	other.Cluster = "spiffe://oc.example/cluster/north"

@@ -26,9 +26,10 @@ type Identity struct {
 	// ("" for a token bound to none).
 	UID string
 	Pod string
-	// PodUID is the uid of the Pod whose pod certificate proved it ("" for
-	// a token).
-	PodUID string
+	// PodCertificate says its own pod certificate proved it, without the
+	// peer's certificate (Ref's Standalone); PodUID is that Pod's uid.
+	PodCertificate bool
+	PodUID         string
 	// TokenJTI and TokenSHA256 name the token that proved it, for the
 	// audit trail; the token itself is never kept.
 	TokenJTI    string
@@ -40,7 +41,7 @@ func (w *Identity) Ref() *policy.WorkloadRef {
 	if w == nil {
 		return nil
 	}
-	return &policy.WorkloadRef{Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+	return &policy.WorkloadRef{Namespace: w.Namespace, ServiceAccount: w.ServiceAccount, Standalone: w.PodCertificate}
 }
 
 // String is "namespace/serviceAccount", as leases record it.
@@ -60,6 +61,9 @@ const (
 	// TokenNoKeys: the peer uploads its own keys (jwksFromPeer) and has
 	// not done so yet.
 	TokenNoKeys = "no-keys"
+	// TokenRevoked: the token's workload identity is on the broker's deny
+	// list (tokenbroker pki revoke --identity <workload identity>).
+	TokenRevoked = "revoked"
 )
 
 // workloadTokenDetails are the caller-facing details of each reason: they
@@ -79,6 +83,7 @@ var workloadTokenDetails = map[string]string{
 	pki.TokenPodBindingNeeded: "This broker accepts only pod-bound (projected) workload tokens from your cluster.",
 	TokenNoTrust:              "This broker has no workload identity trust for your cluster.",
 	TokenNoKeys:               "Your cluster has not uploaded its key set (PUT /v1/peers/self/jwks) to this broker.",
+	TokenRevoked:              "This workload is revoked at this broker.",
 	TokenPodsUnreported:       "Your cluster has not reported its live Pods (PUT /v1/peers/self/pods) within the time this broker allows; is its agent running?",
 	TokenPodNotLive:           "The workload token's Pod is not among the live Pods your cluster last reported, which is newer than the token: the Pod was deleted.",
 }
