@@ -5,6 +5,7 @@ import (
 	"crypto/x509/pkix"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"slices"
 	"time"
@@ -136,6 +137,14 @@ func (ca *CA) SignClusterCA(csr *x509.CertificateRequest, clusterIdentity string
 		PermittedURIDomains:         []string{td},
 		ExcludedURIDomains:          []string{"." + td},
 		PermittedDNSDomainsCritical: true, // marks the whole extension critical
+		// And no DNS name, IP address or email under it at all, for
+		// verifiers that check a leaf's extended key usage alone (so that
+		// a cluster could never mint a server certificate for a broker's
+		// name): "invalid" is a reserved name (RFC 6761), and every
+		// address is excluded.
+		PermittedDNSDomains:     []string{"invalid"},
+		ExcludedIPRanges:        []*net.IPNet{{IP: net.IPv4zero.To4(), Mask: net.CIDRMask(0, 32)}, {IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}},
+		PermittedEmailAddresses: []string{"invalid"},
 	}
 	cert, err := createCert(ca.rand, tmpl, ca.cert, csr.PublicKey, ca.signer)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"math/big"
+	"net"
 	"net/url"
 	"testing"
 	"time"
@@ -188,6 +189,40 @@ func TestAClusterCAsNameConstraintKeepsWhatItSignsInItsTrustDomain(t *testing.T)
 		var invalid x509.CertificateInvalidError
 		require.ErrorAs(t, verifyUnder(root, leaf, x509.ExtKeyUsageClientAuth, kp.Cert), &invalid)
 		require.Equal(t, x509.CANotAuthorizedForThisName, invalid.Reason)
+	})
+
+	t.Run("No DNS name, IP address or email verifies under it, whatever the key usage asked.", func(t *testing.T) {
+		t.Parallel()
+		// A verifier that checks only the leaf's extended key usage
+		// would take a server certificate a cluster minted for a
+		// broker's name: the name constraints refuse it first.
+		for _, dns := range []string{"broker.oc.example", "localhost", "invalid.example"} {
+			leaf := leafUnder(t, cluster, eastID+"/ns/argo/sa/runner", false, x509.ExtKeyUsageServerAuth, dns)
+			var invalid x509.CertificateInvalidError
+			require.ErrorAs(t, verifyUnder(root, leaf, x509.ExtKeyUsageAny, kp.Cert), &invalid, dns)
+			require.Equal(t, x509.CANotAuthorizedForThisName, invalid.Reason, dns)
+		}
+		for _, names := range []struct {
+			ip    net.IP
+			email string
+		}{{ip: net.IPv4(127, 0, 0, 1)}, {ip: net.ParseIP("::1")}, {email: "admin@oc.example"}} {
+			key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+			require.NoError(t, err)
+			tmpl := &x509.Certificate{SerialNumber: big.NewInt(9), NotBefore: testNow.Add(-time.Minute), NotAfter: testNow.Add(time.Hour),
+				KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+			if names.ip != nil {
+				tmpl.IPAddresses = []net.IP{names.ip}
+			} else {
+				tmpl.EmailAddresses = []string{names.email}
+			}
+			der, err := x509.CreateCertificate(rand.Reader, tmpl, cluster.Certificate(), key.Public(), cluster.signer)
+			require.NoError(t, err)
+			leaf, err := x509.ParseCertificate(der)
+			require.NoError(t, err)
+			var invalid x509.CertificateInvalidError
+			require.ErrorAs(t, verifyUnder(root, leaf, x509.ExtKeyUsageAny, kp.Cert), &invalid, "%v", names)
+			require.Equal(t, x509.CANotAuthorizedForThisName, invalid.Reason, "%v", names)
+		}
 	})
 
 	t.Run("SignPodCertificate refuses another cluster's workload and a caller naming another cluster.", func(t *testing.T) {

@@ -174,8 +174,14 @@ func VerifyLeaseCertificate(chain []*x509.Certificate, roots *x509.CertPool, now
 	for _, ic := range chain[1:] {
 		inter.AddCert(ic)
 	}
-	if _, err := c.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now,
-		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
+	chains, err := c.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	if err != nil {
+		return LeaseName{}, fmt.Errorf("%w: %w", ErrInvalidLeaseCertificate, err)
+	}
+	// A lease certificate is the gateway's CA's to sign, never a cluster
+	// CA's (whose URI constraint refuses a URN already).
+	if err := CheckNoClusterCA(chains); err != nil {
 		return LeaseName{}, fmt.Errorf("%w: %w", ErrInvalidLeaseCertificate, err)
 	}
 	if c.IsCA || len(c.URIs) != 1 || len(c.DNSNames)+len(c.EmailAddresses)+len(c.IPAddresses) != 0 {
