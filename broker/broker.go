@@ -359,7 +359,7 @@ func (b *Broker) issue(ctx context.Context, c Caller, req apiv1.KubeconfigReques
 		return nil, outcome, err
 	}
 	p, d, issuer, requested, minTTL := dec.policy, dec.Decision, dec.issuer, dec.requested, dec.minTTL
-	place, err := b.admission().Lease(p, c.Identity, d.Peer, a)
+	place, err := b.admission().Lease(p, c.Identity, limitKey(c), d.Peer, a)
 	if err != nil {
 		return nil, outcomeLimited, err
 	}

@@ -43,7 +43,7 @@ func (b *Broker) execKubeconfig(c Caller, req apiv1.KubeconfigRequest, brokerURL
 	if err != nil {
 		return nil, outcome, err
 	}
-	if err := b.admission().Issuance(dec.policy, c.Identity, dec.Peer, a); err != nil {
+	if err := b.admission().Issuance(dec.policy, c.Identity, limitKey(c), dec.Peer, a); err != nil {
 		return nil, outcomeLimited, err
 	}
 	cluster := dec.policy.Cluster

@@ -6,6 +6,7 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/limits"
+	"github.com/tokenbroker/tokenbroker/pki"
 )
 
 // admission applies the policy's limits (limits.Admission) with the
@@ -22,7 +23,7 @@ func (b *Broker) admitLeaseRead(c Caller, a *audit.Pending) (done func(), err er
 	if err != nil {
 		return nil, err
 	}
-	return b.admission().LeaseRead(p, c.Identity, a)
+	return b.admission().LeaseRead(p, c.Identity, limitKey(c), a)
 }
 
 // Limits is the peer's limits and usage, for whoami; nil for an identity
@@ -55,4 +56,17 @@ func WithRemoteAddr(ctx context.Context, addr string) context.Context {
 func RemoteAddr(ctx context.Context) string {
 	a, _ := ctx.Value(remoteAddrKey{}).(string)
 	return a
+}
+
+// limitKey names whose buckets a request takes from: the peer's, or, for
+// a workload that proved itself with its own pod certificate, that
+// workload's own (with the peer's figures), so that one workload of the
+// source cluster cannot drain what the peer's agent needs.
+func limitKey(c Caller) string {
+	if w := c.Workload; w != nil && w.PodCertificate {
+		if id, err := pki.WorkloadIdentity(c.Identity, w.Namespace, w.ServiceAccount); err == nil {
+			return id
+		}
+	}
+	return c.Identity
 }

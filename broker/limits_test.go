@@ -18,6 +18,7 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/objects"
 	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
+	"github.com/tokenbroker/tokenbroker/broker/workload"
 )
 
 func newLimitsEnv(t *testing.T, pol string) (*env, *clocktesting.FakeClock) {
@@ -125,7 +126,7 @@ func BenchmarkAdmitLease(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		clk.Step(time.Millisecond) // the bucket refills as on a busy broker
-		pl, err := bk.admission().Lease(p, west.Identity, "west", nil)
+		pl, err := bk.admission().Lease(p, west.Identity, west.Identity, "west", nil)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -139,4 +140,42 @@ func leaseMeta(ns, name, peer string, expires time.Time) *metav1.PartialObjectMe
 		Namespace: ns, Name: name, Labels: map[string]string{objects.LabelPeer: peer, objects.LabelKind: objects.LeaseKind},
 		Annotations: map[string]string{objects.AnnotationExpiresAt: expires.UTC().Format(time.RFC3339)},
 	}}
+}
+
+// TestAPodCertificatesWorkloadHasBucketsOfItsOwn: a workload that proved
+// itself with its own pod certificate takes from buckets of its own, with
+// its peer's figures, so that draining them never refuses the peer's
+// agent; a workload that asks over the peer's connection (a token) takes
+// from the peer's.
+func TestAPodCertificatesWorkloadHasBucketsOfItsOwn(t *testing.T) {
+	t.Parallel()
+	e, _ := newLimitsEnv(t, `cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+limits: {issuancesPerMinute: 2, burst: 2}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: {podCertificates: true}
+    grants:
+      - {namespaces: [argo], serviceAccounts: [runner]}
+      - {namespaces: [argo], serviceAccounts: [runner], workloads: [{namespace: argo, serviceAccount: app}]}
+`)
+	ctx := context.Background()
+	req := apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"}
+	app := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "argo", ServiceAccount: "app", PodCertificate: true,
+		PodUID: "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"}}
+	for range 2 {
+		_, err := e.b.IssueKubeconfig(ctx, app, req)
+		require.NoError(t, err, "the workload's burst")
+	}
+	_, err := e.b.IssueKubeconfig(ctx, app, req)
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err), "the workload is over its own bucket")
+	for range 2 {
+		_, err := e.b.IssueKubeconfig(ctx, west, req)
+		require.NoError(t, err, "the peer's agent is not refused: its bucket is its own")
+	}
+	_, err = e.b.IssueKubeconfig(ctx, west, req)
+	require.Equal(t, problem.KindTooManyRequests, problem.KindOf(err))
+	require.Equal(t, "spiffe://oc.example/cluster/west/ns/argo/sa/app", limitKey(app))
+	tokenApp := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "argo", ServiceAccount: "app"}}
+	require.Equal(t, west.Identity, limitKey(tokenApp), "a token's workload asks over the peer's connection")
 }

@@ -406,9 +406,16 @@ func (l *handshakeListener) handshake(raw *trackedConn, handshakeDone func()) {
 // peerIdentity is the SPIFFE identity of the verified client certificate,
 // or "" (a certificate without one is refused by the authentication
 // middleware with 401 and not counted per identity; a lease certificate,
-// which names none either, never gets this far).
+// which names none either, never gets this far). A pod certificate counts
+// under its workload identity, apart from its cluster's agent.
 func peerIdentity(st tls.ConnectionState) string {
 	if len(st.PeerCertificates) == 0 {
+		return ""
+	}
+	if pki.IsWorkloadCertificate(st.PeerCertificates[0]) {
+		if w, err := pki.WorkloadFromChain(st.VerifiedChains); err == nil {
+			return w.Identity
+		}
 		return ""
 	}
 	id, err := pki.IdentityFromCert(st.PeerCertificates[0])

@@ -199,3 +199,16 @@ func TestAWorkloadCertificateNotSignedByItsClustersCAIsRefused(t *testing.T) {
 	require.Zero(t, fb.calls.Load())
 	require.Equal(t, audit.RefusedIdentity, fb.refused()[0].code)
 }
+
+// TestAPodCertificatesConnectionsCountUnderItsWorkload: the per-identity
+// connection cap counts a pod certificate's connections under its
+// workload identity, apart from its cluster's (the agent's), and a
+// workload certificate no cluster CA of its own vouches for under none.
+func TestAPodCertificatesConnectionsCountUnderItsWorkload(t *testing.T) {
+	t.Parallel()
+	pp := newPodPKI(t)
+	require.Equal(t, testIdentity+"/ns/argo/sa/runner", peerIdentity(*pp.state(t)))
+	forged := *pp.state(t)
+	forged.VerifiedChains = [][]*x509.Certificate{{pp.leaf, pp.root.Certificate()}}
+	require.Empty(t, peerIdentity(forged))
+}

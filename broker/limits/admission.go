@@ -50,7 +50,12 @@ const quotaRetry = time.Minute
 // quota and the global one, then the peer's issuance bucket. On success
 // it holds a place in the quota (nil without Leases), which the caller
 // commits once the lease Secret exists or releases.
-func (ad *Admission) Lease(p *policy.Policy, identity, peer string, a *audit.Pending) (*lease.Place, error) {
+//
+// key names the buckets taken from: the peer's identity, or a workload's
+// own (its workload identity) for one that asks without the peer (a pod
+// certificate), with the peer's figures; the live-lease quota is the
+// peer's whoever asks.
+func (ad *Admission) Lease(p *policy.Policy, identity, key, peer string, a *audit.Pending) (*lease.Place, error) {
 	lim := p.LimitsFor(p.Peer(identity))
 	var pl *lease.Place
 	if ad.Leases != nil {
@@ -67,7 +72,7 @@ func (ad *Admission) Lease(p *policy.Policy, identity, peer string, a *audit.Pen
 				"the broker holds its --max-live-leases of %d live leases for all peers together; retry later", ad.MaxLiveLeases))
 		}
 	}
-	if err := ad.issuance(identity, peer, lim, a); err != nil {
+	if err := ad.issuance(key, peer, lim, a); err != nil {
 		if pl != nil {
 			pl.Release()
 		}
@@ -76,15 +81,15 @@ func (ad *Admission) Lease(p *policy.Policy, identity, peer string, a *audit.Pen
 	return pl, nil
 }
 
-// Issuance applies the peer's issuance bucket alone.
-func (ad *Admission) Issuance(p *policy.Policy, identity, peer string, a *audit.Pending) error {
-	return ad.issuance(identity, peer, p.LimitsFor(p.Peer(identity)), a)
+// Issuance applies the peer's issuance bucket alone (key as for Lease).
+func (ad *Admission) Issuance(p *policy.Policy, identity, key, peer string, a *audit.Pending) error {
+	return ad.issuance(key, peer, p.LimitsFor(p.Peer(identity)), a)
 }
 
-// issuance takes a token of the peer's issuance bucket, whose figures are
+// issuance takes a token of the issuance bucket of key, whose figures are
 // lim.
-func (ad *Admission) issuance(identity, peer string, lim policy.Limits, a *audit.Pending) error {
-	if ok, wait := ad.Buckets.Take("issue:"+identity, lim.IssuancesPerMinute, lim.Burst); !ok {
+func (ad *Admission) issuance(key, peer string, lim policy.Limits, a *audit.Pending) error {
+	if ok, wait := ad.Buckets.Take("issue:"+key, lim.IssuancesPerMinute, lim.Burst); !ok {
 		return ad.refuse(a, peer, ReasonIssuanceRate, Limited(wait,
 			"peer %s is over its limit of %d issuances a minute (burst %d); retry in %ds", peer, lim.IssuancesPerMinute, lim.Burst, RetrySeconds(wait)))
 	}
@@ -101,23 +106,23 @@ const leaseReadsRetry = time.Second
 // bucket, so that a read the cap refuses takes no token. On success the
 // caller calls done when the read is over. An identity the policy does
 // not know is not limited here: it is answered from memory (an empty
-// list, not found) without an API call.
-func (ad *Admission) LeaseRead(p *policy.Policy, identity string, a *audit.Pending) (done func(), err error) {
+// list, not found) without an API call. key is as for Lease.
+func (ad *Admission) LeaseRead(p *policy.Policy, identity, key string, a *audit.Pending) (done func(), err error) {
 	peer := p.Peer(identity)
 	if peer == nil {
 		return func() {}, nil
 	}
 	lim := p.LimitsFor(peer)
-	if !ad.Reads.Acquire(identity, lim.LeaseReadsInFlight) {
+	if !ad.Reads.Acquire(key, lim.LeaseReadsInFlight) {
 		return nil, ad.refuse(a, peer.Name, ReasonLeaseReads, Limited(leaseReadsRetry,
 			"peer %s has its leaseReadsInFlight of %d lease reads waiting on the API server; retry in %ds", peer.Name, lim.LeaseReadsInFlight, RetrySeconds(leaseReadsRetry)))
 	}
-	if ok, wait := ad.Buckets.Take("read:"+identity, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
-		ad.Reads.Release(identity)
+	if ok, wait := ad.Buckets.Take("read:"+key, lim.LeaseReadsPerMinute, lim.LeaseReadsPerMinute); !ok {
+		ad.Reads.Release(key)
 		return nil, ad.refuse(a, peer.Name, ReasonLeaseReadRate, Limited(wait,
 			"peer %s is over its limit of %d lease reads a minute; retry in %ds", peer.Name, lim.LeaseReadsPerMinute, RetrySeconds(wait)))
 	}
-	return func() { ad.Reads.Release(identity) }, nil
+	return func() { ad.Reads.Release(key) }, nil
 }
 
 // Renewal applies the peer's renewal bucket.
