@@ -224,7 +224,7 @@ func (f renewReqFunc) Renew(ctx context.Context, req apiv1.CertificateRequest) (
 	return f(ctx, req)
 }
 
-func TestRenewalAsksForTheClusterCAWhenTheIdentityHasOneOrTheAgentWantsOne(t *testing.T) {
+func TestRenewalAsksForTheClusterCAOnlyWhenTheAgentWantsOne(t *testing.T) {
 	t.Parallel()
 	p := newClusterCAPKI(t, newFakeClock(time.Now()))
 	for _, tc := range []struct {
@@ -233,9 +233,10 @@ func TestRenewalAsksForTheClusterCAWhenTheIdentityHasOneOrTheAgentWantsOne(t *te
 		want   bool
 		wantCA bool
 	}{
-		{"an identity with a cluster CA gets a new one with a new key", p.identityWithClusterCA(t), false, true},
+		{"an identity with a cluster CA gets a new one with a new key", p.identityWithClusterCA(t), true, true},
 		{"an agent that signs pod certificates asks for one though its identity has none", p.identity(t), true, true},
 		{"an identity without one, in an agent that wants none, asks for none", p.identity(t), false, false},
+		{"an identity with one, in an agent that no longer signs, asks for none and loses it", p.identityWithClusterCA(t), false, false},
 	} {
 		var asked apiv1.CertificateRequest
 		api := renewReqFunc(func(ctx context.Context, req apiv1.CertificateRequest) (*apiv1.CertificateResponse, error) {
@@ -300,11 +301,11 @@ func TestARenewalAnswerWithoutAGoodClusterCAIsRefusedWhole(t *testing.T) {
 			return nil
 		}), "cluster CA"},
 	} {
-		next, _, err := renewIdentity(context.Background(), tc.api, cur, cur.bundlePEM, p.clock.Now(), false)
+		next, _, err := renewIdentity(context.Background(), tc.api, cur, cur.bundlePEM, p.clock.Now(), true)
 		require.ErrorContains(t, err, tc.wantErr, tc.name)
 		require.Nil(t, next, tc.name)
 	}
-	_, _, err := renewIdentity(context.Background(), withCA(func(*apiv1.CertificateResponse, apiv1.CertificateRequest) error { return nil }), cur, cur.bundlePEM, p.clock.Now(), false)
+	_, _, err := renewIdentity(context.Background(), withCA(func(*apiv1.CertificateResponse, apiv1.CertificateRequest) error { return nil }), cur, cur.bundlePEM, p.clock.Now(), true)
 	require.ErrorIs(t, err, errNoClusterCA)
 }
 

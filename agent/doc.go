@@ -44,6 +44,7 @@
 //	tokenbroker_agent_revocations_total{target,result}            counter: revocations of replaced leases (success, failure)
 //	tokenbroker_agent_certificate_expiry_seconds                  gauge, at scrape time: seconds until the client certificate expires
 //	tokenbroker_agent_certificate_renewals_total{result}          counter: renewals by result (success, failure)
+//	tokenbroker_agent_cluster_ca_refusals_total                   counter: renewals whose cluster CA the broker refused (renewed without it)
 //
 // Tokens, keys and kubeconfigs are never logged; leases appear by id, join
 // tokens by jti.

@@ -7,6 +7,8 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -314,6 +316,22 @@ func takeClusterCA(id *identity, resp *apiv1.CertificateResponse, keyPEM []byte,
 	return id.withClusterCA([]byte(resp.ClusterCA), keyPEM, now)
 }
 
+// clusterCARefused reports whether err is a broker's refusal of a
+// request's cluster CA: a 422 whose field error is the clusterCACSR (the
+// broker runs without --sign-cluster-cas, or its CA cannot sign one). The
+// same request without the cluster CA is not refused for it.
+func clusterCARefused(err error) bool {
+	var pe *client.ProblemError
+	if !errors.As(err, &pe) || pe.Status != http.StatusUnprocessableEntity {
+		return false
+	}
+	return slices.ContainsFunc(pe.Problem.Errors, func(f apiv1.FieldError) bool { return f.Field == fieldClusterCACSR })
+}
+
+// fieldClusterCACSR is the request field of the cluster CA's CSR, as a
+// broker's field errors name it.
+const fieldClusterCACSR = "clusterCACSR"
+
 // renewAPI is the part of the broker API that renewal needs;
 // *client.Client implements it.
 type renewAPI interface {
@@ -330,7 +348,7 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 	if err != nil {
 		return nil, fmt.Errorf("read current identity: %w", err)
 	}
-	next, resp, err := renewIdentity(ctx, c, cur, cur.bundlePEM, time.Now(), false)
+	next, resp, err := renewIdentity(ctx, c, cur, cur.bundlePEM, time.Now(), cur.clusterCA != nil)
 	if err != nil {
 		return nil, err
 	}
@@ -347,12 +365,14 @@ func Renew(ctx context.Context, c *client.Client, dir IdentityDir) (*apiv1.Certi
 // now. Its trust bundle is the part of the answer's caBundle that the CAs
 // of trusted (PEM; cur's bundle, and the stored one if an operator wrote a
 // new ca.crt since it was loaded) vouch for (pki.TrustedBundle); an answer
-// with none of it is refused. If cur has a cluster CA, or wantClusterCA
-// is set, a new cluster CA with a new key is asked for too, and the
-// successor is refused without one that passes identity.withClusterCA's
-// checks against its new bundle and is valid at now. It stores nothing.
+// with none of it is refused. With wantClusterCA a new cluster CA with a
+// new key is asked for too, and the successor is refused without one that
+// passes identity.withClusterCA's checks against its new bundle and is
+// valid at now; without it the successor has no cluster CA, whatever cur
+// had. A broker that signs no cluster CA refuses the whole request
+// (clusterCARefused). It stores nothing.
 func renewIdentity(ctx context.Context, api renewAPI, cur *identity, trusted []byte, now time.Time, wantClusterCA bool) (*identity, *apiv1.CertificateResponse, error) {
-	askCA := wantClusterCA || cur.clusterCA != nil
+	askCA := wantClusterCA
 	req, keys, err := newCertificateRequest(cur.spiffeID, askCA)
 	if err != nil {
 		return nil, nil, err

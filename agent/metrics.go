@@ -24,6 +24,10 @@ type metrics struct {
 	outputWrites *prometheus.CounterVec
 	revocations  *prometheus.CounterVec
 	renewals     *prometheus.CounterVec
+	// clusterCARefusals counts renewals whose cluster CA the broker
+	// refused (it signs none): the client certificate was renewed
+	// without it, and the pod signer signs nothing until one comes.
+	clusterCARefusals prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -33,8 +37,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		outputWrites: brokermetrics.NewCounterVec("tokenbroker_agent_output_writes_total", "Writes of a credential to an output, by result (written, unchanged, failed).", "target", "output", "result"),
 		revocations:  brokermetrics.NewCounterVec("tokenbroker_agent_revocations_total", "Revocations of replaced leases, by result (success, failure).", "target", "result"),
 		renewals:     brokermetrics.NewCounterVec("tokenbroker_agent_certificate_renewals_total", "Renewals of the agent's client certificate, by result (success, failure).", "result"),
+		clusterCARefusals: brokermetrics.NewCounter("tokenbroker_agent_cluster_ca_refusals_total",
+			"Renewals whose cluster CA the broker refused (it signs none); the client certificate was renewed without it and the pod signer signs nothing until a renewal gets one."),
 	}
-	if err := brokermetrics.Register(reg, m.refresh, m.lastSuccess, m.outputWrites, m.revocations, m.renewals); err != nil {
+	if err := brokermetrics.Register(reg, m.refresh, m.lastSuccess, m.outputWrites, m.revocations, m.renewals, m.clusterCARefusals); err != nil {
 		return nil, fmt.Errorf("register agent metrics: %w", err)
 	}
 	for _, r := range []string{resultSuccess, resultFailure} {

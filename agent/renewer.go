@@ -45,7 +45,10 @@ type renewer struct {
 	trust func() *trustState
 	// wantClusterCA asks for the cluster's CA at every renewal, also when
 	// the identity in service has none yet (the agent signs pod
-	// certificates). An identity with one always asks for a new one.
+	// certificates). Without it a renewal asks for none, and an identity
+	// that has one loses it. A broker that refuses the CA (it signs none)
+	// still renews the certificate: the CA is then dropped, counted and
+	// logged, and asked for again at the next renewal.
 	wantClusterCA bool
 
 	forCert    *x509.Certificate // the certificate renewAt was computed for
@@ -65,9 +68,11 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	if cur.leaf() != r.forCert {
 		r.forCert = cur.leaf()
 		r.renewAt = r.sched.refreshAt(certGrant(cur.leaf(), r.clock.Now()))
-		if r.wantClusterCA && cur.clusterCA == nil {
+		if r.wantClusterCA != (cur.clusterCA != nil) {
 			// The pod signer was turned on for an identity without a
-			// cluster CA: renew now to get one, not at half-life.
+			// cluster CA: renew now to get one, not at half-life. Or it
+			// was turned off: renew now, so that the CA's key, which
+			// nothing uses, leaves the store.
 			r.renewAt = r.clock.Now()
 		}
 		r.setNext(0, r.renewAt)
@@ -76,7 +81,17 @@ func (r *renewer) step(ctx context.Context) time.Time {
 	if now.Before(r.nextAttempt()) {
 		return r.nextAttempt()
 	}
-	next, resp, err := renewIdentity(ctx, r.api, cur, r.trusted(ctx, cur), now, r.wantClusterCA)
+	trusted := r.trusted(ctx, cur)
+	next, resp, err := renewIdentity(ctx, r.api, cur, trusted, now, r.wantClusterCA)
+	if r.wantClusterCA && clusterCARefused(err) {
+		// The client certificate is what every target needs: renew it
+		// without the CA rather than let it expire. The pod signer waits
+		// (its requests are retried) until a renewal gets one.
+		r.metrics.clusterCARefusals.Inc()
+		r.log.Error("the broker signs no cluster CA (tokenbroker serve --sign-cluster-cas); renewing the client certificate without it: no pod certificates are signed until a renewal gets one",
+			zap.Time("certificate_expires_at", cur.leaf().NotAfter), zap.Bool("had_cluster_ca", cur.clusterCA != nil), zap.Error(err))
+		next, resp, err = renewIdentity(ctx, r.api, cur, trusted, now, false)
+	}
 	if err == nil {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), saveTimeout)
 		err = r.store.save(sctx, next)

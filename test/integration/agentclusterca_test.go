@@ -135,7 +135,8 @@ peers:
 	verifiesToTheBundle(t, second)
 
 	// The agent, with this identity in its Secret, renews the cluster CA
-	// there with the certificate.
+	// there with the certificate: it signs pod certificates (podSigner),
+	// without which it would drop the CA.
 	const ns, name = "tokenbroker-agent", "agent-identity"
 	ensureNamespace(t, c, ns)
 	data := map[string][]byte{}
@@ -152,7 +153,8 @@ peers:
 		Targets: []config.TargetConfig{{Name: "east", Broker: s.url,
 			Request: config.RequestConfig{Namespace: "argo", ServiceAccount: "runner", TTL: "1h"},
 			Outputs: []config.OutputConfig{{File: &config.FileOutput{Path: filepath.Join(out, "east")}}}}},
-		Refresh: config.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
+		Refresh:   config.RefreshConfig{MinBackoff: apiv1.Duration(200 * time.Millisecond), MaxBackoff: apiv1.Duration(time.Second)},
+		PodSigner: &config.PodSignerConfig{SignerName: "tokenbroker.io/workloads"},
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
