@@ -65,9 +65,15 @@ peers:
       - namespaces: [argo]
         serviceAccounts: [runner]
         workloads: [{namespace: argo, serviceAccount: runner}]
+      - namespaces: [argo]
+        serviceAccounts: [runner]
+        workloads: [{namespace: argo, serviceAccount: runner}]
+        access: gateway
 `, c.URL))
 	api, enroll, ops := fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	gateway := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	proc := startProcess(t, bin, "serve", "--listen-address", api, "--enroll-address", enroll, "--ops-address", ops,
+		"--gateway-address", gateway, "--gateway-url", "https://"+gateway,
 		"--tls-cert-file", filepath.Join(pkiDir, "server.crt"), "--tls-key-file", filepath.Join(pkiDir, "server.key"),
 		"--client-ca-file", filepath.Join(pkiDir, "ca.crt"),
 		"--ca-cert-file", filepath.Join(pkiDir, "ca.crt"), "--ca-key-file", filepath.Join(pkiDir, "ca.key"),
@@ -146,6 +152,25 @@ config:
 	require.Equal(t, "spiffe://e2e.example/cluster/west/ns/argo/sa/runner", chain[0].URIs[0].String())
 	require.Equal(t, pod.uid, chain[0].Subject.SerialNumber)
 	require.True(t, chain[1].Equal(clusterCAs[0]), "signed by the cluster CA the agent received")
+
+	// The same files as a gateway kubeconfig's identity, as a client-go
+	// program in the Pod would name them: kubectl reads through the lease
+	// gateway, the lease's key never written anywhere.
+	idDir := t.TempDir()
+	writeFile(t, filepath.Join(idDir, "tls.crt"), string(pod.certPEM))
+	writeFile(t, filepath.Join(idDir, "tls.key"), string(pod.keyPEM))
+	writeFile(t, filepath.Join(idDir, "ca.crt"), string(caPEM))
+	gatewayKC := filepath.Join(t.TempDir(), "gateway.kubeconfig")
+	run(t, bin, "get", "kubeconfig", "--exec", "--access", "gateway", "--broker", "https://"+api, "--identity-dir", idDir,
+		"--namespace", "argo", "--service-account", "runner", "--ttl", "1h", "-o", gatewayKC)
+	kcText, err := os.ReadFile(gatewayKC)
+	require.NoError(t, err)
+	require.Contains(t, string(kcText), "https://"+gateway, "the kubeconfig names the gateway")
+	require.Contains(t, string(kcText), idDir, "and the pod certificate's files, for the plugin")
+	out, stderr, err := runWithEnv([]string{"TOKENBROKER_NO_CACHE=true"}, kubectlBinary(t), "--kubeconfig", gatewayKC, "-n", "argo",
+		"get", "configmap", "hello", "-o", "jsonpath={.data.k}")
+	require.NoError(t, err, stderr)
+	require.Equal(t, "v", out)
 
 	// Revoked by its Pod's uid: the next request is refused.
 	client := filepath.Join(t.TempDir(), "pod")
