@@ -2,11 +2,6 @@ package agent
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"os"
 	"path/filepath"
 	"testing"
@@ -15,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/pki/pkitest"
 )
 
 // TestAWorkloadsClientPresentsItsPodCertificateButTheAgentNever: an
@@ -24,25 +20,9 @@ import (
 // kubeconfig", and never the agent's own, which speaks for its cluster.
 func TestAWorkloadsClientPresentsItsPodCertificateButTheAgentNever(t *testing.T) {
 	t.Parallel()
-	root, err := pki.NewCA(pki.CAOptions{PathLen: 1, Lifetime: 48 * time.Hour})
-	require.NoError(t, err)
-	csrPEM, caKeyPEM, err := pki.NewCSR(westID, nil)
-	require.NoError(t, err)
-	csr, _, err := pki.ParseCSRPEM(csrPEM)
-	require.NoError(t, err)
-	kp, err := root.SignClusterCA(csr, westID, 24*time.Hour)
-	require.NoError(t, err)
-	clusterCA, err := pki.ParseCA(kp.CertPEM, caKeyPEM, pki.CAOptions{})
-	require.NoError(t, err)
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	nb := time.Now().Add(-time.Minute).Truncate(time.Second)
-	_, chain, err := clusterCA.SignPodCertificate(westID, pki.PodCertificate{Identity: westID + "/ns/argo/sa/runner",
-		PublicKey: key.Public(), NotBefore: nb, NotAfter: nb.Add(time.Hour), PodName: "runner-0", PodUID: "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"})
-	require.NoError(t, err)
-	der, err := x509.MarshalPKCS8PrivateKey(key)
-	require.NoError(t, err)
-	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})
+	root := pkitest.FleetRoot(t, 48*time.Hour)
+	_, clusterCA := pkitest.ClusterCA(t, root, westID, 24*time.Hour)
+	chain, _, keyPEM := pkitest.PodCertificate(t, clusterCA, westID, "argo", "runner")
 	dir := t.TempDir()
 	for name, data := range map[string][]byte{CertFile: chain, KeyFile: keyPEM, BundleFile: root.BundlePEM()} {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), data, 0o600))

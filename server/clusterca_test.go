@@ -17,6 +17,7 @@ import (
 
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/pki/pkitest"
 )
 
 // A cluster CA's name constraint keeps it in its trust domain, not in its
@@ -26,13 +27,9 @@ import (
 // of its client certificate's serial reaches).
 func TestAClusterIdentitySignedByAClusterCAIsRefused(t *testing.T) {
 	t.Parallel()
-	root, err := pki.NewCA(pki.CAOptions{CommonName: "fleet root", PathLen: 1, Lifetime: 24 * time.Hour})
-	require.NoError(t, err)
-	csrPEM, keyPEM, err := pki.NewCSR(testIdentity, nil)
-	require.NoError(t, err)
-	csr, _, err := pki.ParseCSRPEM(csrPEM)
-	require.NoError(t, err)
-	clusterCA, err := root.SignClusterCA(csr, testIdentity, time.Hour)
+	root := pkitest.FleetRoot(t, 24*time.Hour)
+	clusterCA, ca := pkitest.ClusterCA(t, root, testIdentity, time.Hour)
+	keyPEM, err := ca.KeyPEM()
 	require.NoError(t, err)
 	caKey, err := pki.ParsePrivateKeyPEM(keyPEM)
 	require.NoError(t, err)

@@ -17,9 +17,10 @@ import (
 	"github.com/tokenbroker/tokenbroker/broker/audit"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/pki/pkitest"
 )
 
-const testPodUID = "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"
+const testPodUID = pkitest.PodUID
 
 // podPKI is a fleet root that signs cluster CAs, the cluster CA of west
 // (testIdentity), and a pod certificate of west's argo/runner under it.
@@ -31,22 +32,9 @@ type podPKI struct {
 
 func newPodPKI(t *testing.T) *podPKI {
 	t.Helper()
-	root, err := pki.NewCA(pki.CAOptions{CommonName: "fleet root", PathLen: 1, Lifetime: 24 * time.Hour})
-	require.NoError(t, err)
-	csrPEM, keyPEM, err := pki.NewCSR(testIdentity, nil)
-	require.NoError(t, err)
-	csr, _, err := pki.ParseCSRPEM(csrPEM)
-	require.NoError(t, err)
-	kp, err := root.SignClusterCA(csr, testIdentity, time.Hour)
-	require.NoError(t, err)
-	ca, err := pki.ParseCA(kp.CertPEM, keyPEM, pki.CAOptions{})
-	require.NoError(t, err)
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	nb := time.Now().Add(-pki.PodCertificateBackdate).Truncate(time.Second)
-	leaf, _, err := ca.SignPodCertificate(testIdentity, pki.PodCertificate{Identity: testIdentity + "/ns/argo/sa/runner",
-		PublicKey: key.Public(), NotBefore: nb, NotAfter: nb.Add(time.Hour), PodName: "runner-0", PodUID: testPodUID})
-	require.NoError(t, err)
+	root := pkitest.FleetRoot(t, 24*time.Hour)
+	kp, ca := pkitest.ClusterCA(t, root, testIdentity, time.Hour)
+	_, leaf, _ := pkitest.PodCertificate(t, ca, testIdentity, "argo", "runner")
 	return &podPKI{root: root, clusterCA: kp, leaf: leaf}
 }
 

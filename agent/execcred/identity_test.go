@@ -1,9 +1,6 @@
 package execcred
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"os"
 	"path/filepath"
 	"testing"
@@ -12,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/pki/pkitest"
 )
 
 // TestThePluginsIdentityIsItsClustersOrItsPodCertificatesWorkload: the
@@ -22,8 +20,7 @@ import (
 func TestThePluginsIdentityIsItsClustersOrItsPodCertificatesWorkload(t *testing.T) {
 	t.Parallel()
 	const west = "spiffe://oc.example/cluster/west"
-	root, err := pki.NewCA(pki.CAOptions{PathLen: 1, Lifetime: 48 * time.Hour})
-	require.NoError(t, err)
+	root := pkitest.FleetRoot(t, 48*time.Hour)
 	dir := t.TempDir()
 	write := func(name string, pem []byte) string {
 		p := filepath.Join(dir, name)
@@ -37,20 +34,8 @@ func TestThePluginsIdentityIsItsClustersOrItsPodCertificatesWorkload(t *testing.
 	require.NoError(t, err)
 	require.Equal(t, west, id)
 
-	csrPEM, keyPEM, err := pki.NewCSR(west, nil)
-	require.NoError(t, err)
-	csr, _, err := pki.ParseCSRPEM(csrPEM)
-	require.NoError(t, err)
-	kp, err := root.SignClusterCA(csr, west, time.Hour)
-	require.NoError(t, err)
-	clusterCA, err := pki.ParseCA(kp.CertPEM, keyPEM, pki.CAOptions{})
-	require.NoError(t, err)
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	nb := time.Now().Truncate(time.Second)
-	_, chain, err := clusterCA.SignPodCertificate(west, pki.PodCertificate{Identity: west + "/ns/argo/sa/runner", PublicKey: key.Public(),
-		NotBefore: nb, NotAfter: nb.Add(time.Hour), PodName: "runner-0", PodUID: "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"})
-	require.NoError(t, err)
+	kp, clusterCA := pkitest.ClusterCA(t, root, west, time.Hour)
+	chain, _, _ := pkitest.PodCertificate(t, clusterCA, west, "argo", "runner")
 	id, err = PeerIdentity(write("pod.crt", chain))
 	require.NoError(t, err)
 	require.Equal(t, west+"/ns/argo/sa/runner", id)
