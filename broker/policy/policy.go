@@ -133,12 +133,15 @@ type WorkloadIdentitySpec struct {
 	RequirePodBinding bool `json:"requirePodBinding,omitempty"`
 	// LivePodsFromPeer: the peer reports the Pods that live in its cluster
 	// (PUT /v1/peers/self/pods; the agent's jwksUpload.livePods), and a
-	// token is honoured only while its Pod is in the last report, as the
-	// peer cluster's own API server honours it only while the Pod exists.
-	// Needs jwksFromPeer and requirePodBinding.
+	// token or pod certificate is honoured only while its Pod is in the
+	// last report, as the peer cluster's own API server honours a token
+	// only while the Pod exists. With token trust it needs jwksFromPeer
+	// and requirePodBinding; with PodCertificates alone, nothing else (the
+	// peer then reports without uploading keys).
 	LivePodsFromPeer bool `json:"livePodsFromPeer,omitempty"`
-	// LivePodsMaxAge is how old that report may be before every token of
-	// the peer is refused; zero means 2m. Only with LivePodsFromPeer.
+	// LivePodsMaxAge is how old that report may be before every token and
+	// pod certificate of the peer is refused; zero means 2m. Only with
+	// LivePodsFromPeer.
 	LivePodsMaxAge apiv1.Duration `json:"livePodsMaxAge,omitempty"`
 
 	// keys is the parsed JWKS or JWKSFile content (nil with JWKSFromPeer).
@@ -477,9 +480,12 @@ func (p *Policy) Validate() error {
 // jwks is parsed here (a jwksFile by the loader).
 func validateWorkloadIdentity(path string, wi *WorkloadIdentitySpec, add func(field, format string, args ...any)) {
 	if wi.PodCertificates && !wi.TrustsTokens() {
-		if wi.MaxTokenAge != 0 || wi.JWKSOverlap != 0 || wi.RequirePodBinding || wi.LivePodsFromPeer || wi.LivePodsMaxAge != 0 {
-			add(path, "token settings (maxTokenAge, jwksOverlap, requirePodBinding, livePodsFromPeer, livePodsMaxAge) need the token trust too: issuer, audiences and a key set")
+		if wi.MaxTokenAge != 0 || wi.JWKSOverlap != 0 || wi.RequirePodBinding {
+			add(path, "token settings (maxTokenAge, jwksOverlap, requirePodBinding) need the token trust too: issuer, audiences and a key set")
 		}
+		// The live Pods apply to pod certificates as well: the peer's
+		// agent reports them without uploading keys.
+		validateLivePodsMaxAge(path, wi, add)
 		return
 	}
 	switch {
@@ -533,6 +539,12 @@ func validateWorkloadIdentity(path string, wi *WorkloadIdentitySpec, add func(fi
 			add(path+".livePodsFromPeer", "needs requirePodBinding: true (a token bound to no Pod could not be checked against the report)")
 		}
 	}
+	validateLivePodsMaxAge(path, wi, add)
+}
+
+// validateLivePodsMaxAge checks livePodsMaxAge, for token trust and pod
+// certificates alike.
+func validateLivePodsMaxAge(path string, wi *WorkloadIdentitySpec, add func(field, format string, args ...any)) {
 	if d := time.Duration(wi.LivePodsMaxAge); d != 0 {
 		if !wi.LivePodsFromPeer {
 			add(path+".livePodsMaxAge", "only applies with livePodsFromPeer: true")

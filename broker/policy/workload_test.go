@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -224,11 +225,17 @@ peers:
 	require.False(t, wi.TrustsTokens())
 
 	// Token settings without the token trust they apply to are refused.
-	_, err = Parse([]byte(peer(`{podCertificates: true, livePodsFromPeer: true}`)))
 	var ve *apiv1.ValidationError
-	require.ErrorAs(t, err, &ve)
-	require.Equal(t, "peers[0].workloadIdentity", ve.Problems[0].Field)
-	require.Contains(t, ve.Problems[0].Detail, "need the token trust too")
+	for _, wi := range []string{
+		`{podCertificates: true, requirePodBinding: true}`,
+		`{podCertificates: true, maxTokenAge: 1h}`,
+		`{podCertificates: true, jwksOverlap: 1h}`,
+	} {
+		_, err = Parse([]byte(peer(wi)))
+		require.ErrorAs(t, err, &ve, wi)
+		require.Equal(t, "peers[0].workloadIdentity", ve.Problems[0].Field, wi)
+		require.Contains(t, ve.Problems[0].Detail, "need the token trust too", wi)
+	}
 
 	// Half a token trust is still refused as before.
 	_, err = Parse([]byte(peer(`{podCertificates: true, issuer: "https://west.example"}`)))
@@ -243,4 +250,47 @@ peers:
 	_, err = Parse([]byte(strings.Replace(peer(`{}`), "    workloadIdentity: {}\n", "", 1)))
 	require.ErrorAs(t, err, &ve)
 	require.Contains(t, ve.Problems[0].Detail, "by token or pod certificate")
+}
+
+// TestLivePodsApplyToPodCertificatesAlone: a peer that trusts pod
+// certificates only may have its agent report its live Pods, with no key
+// set and no pod binding (which are about tokens), and livePodsMaxAge is
+// checked as for tokens.
+func TestLivePodsApplyToPodCertificatesAlone(t *testing.T) {
+	t.Parallel()
+	peer := func(wi string) string {
+		return `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: ` + wi + `
+    grants: [{namespaces: [argo], serviceAccounts: [runner], workloads: [{namespace: argo, serviceAccount: runner}]}]
+`
+	}
+	p, err := Parse([]byte(peer(`{podCertificates: true, livePodsFromPeer: true}`)))
+	require.NoError(t, err)
+	wi := p.Peers[0].WorkloadIdentity
+	require.True(t, wi.LivePodsFromPeer)
+	require.False(t, wi.TrustsTokens(), "still no token trust")
+	require.Equal(t, DefaultLivePodsMaxAge, wi.EffectiveLivePodsMaxAge())
+
+	p, err = Parse([]byte(peer(`{podCertificates: true, livePodsFromPeer: true, livePodsMaxAge: 30s}`)))
+	require.NoError(t, err)
+	require.Equal(t, 30*time.Second, p.Peers[0].WorkloadIdentity.EffectiveLivePodsMaxAge())
+
+	for _, tc := range []struct{ wi, field, detail string }{
+		{`{podCertificates: true, livePodsMaxAge: 1m}`, "livePodsMaxAge", "only applies with livePodsFromPeer"},
+		{`{podCertificates: true, livePodsFromPeer: true, livePodsMaxAge: 5s}`, "livePodsMaxAge", "between 10s and 1h0m0s"},
+		// With token trust the rules for tokens hold, pod certificates or not.
+		{`{podCertificates: true, issuer: "https://west.example", audiences: [tokenbroker.east], jwks: '{"keys":[]}', livePodsFromPeer: true, requirePodBinding: true}`, "livePodsFromPeer", "needs jwksFromPeer"},
+		{`{podCertificates: true, issuer: "https://west.example", audiences: [tokenbroker.east], jwksFromPeer: true, livePodsFromPeer: true}`, "livePodsFromPeer", "needs requirePodBinding"},
+	} {
+		_, err := Parse([]byte(peer(tc.wi)))
+		var ve *apiv1.ValidationError
+		require.ErrorAs(t, err, &ve, tc.wi)
+		require.True(t, slices.ContainsFunc(ve.Problems, func(p apiv1.FieldError) bool {
+			return p.Field == "peers[0].workloadIdentity."+tc.field && strings.Contains(p.Detail, tc.detail)
+		}), "%s: want %s %q in %v", tc.wi, tc.field, tc.detail, ve.Problems)
+	}
 }

@@ -130,7 +130,9 @@ func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge
 // peer of policy p, authenticated as identity, and names the peer in ev.
 // The peer's policy must say livePodsFromPeer: true (else KindForbidden);
 // a report that is not a list of uids is KindInvalid; one made before the
-// peer uploaded its key set is KindUnprocessable.
+// peer uploaded its key set is KindUnprocessable, unless the peer trusts
+// pod certificates alone (no token trust, so no keys to upload): its
+// report is then the Secret's only content.
 func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, identity string, uids []string, now time.Time, ev *audit.Event) (*apiv1.PeerLivePods, error) {
 	peer := p.Peer(identity)
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.LivePodsFromPeer {
@@ -153,7 +155,8 @@ func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, ide
 	if err != nil {
 		return nil, problem.Wrap(problem.KindInternal, "", err)
 	}
-	if err := s.putLivePods(ctx, peer.Name, identity, doc, now); err != nil {
+	keysFirst := peer.WorkloadIdentity.TrustsTokens()
+	if err := s.putLivePods(ctx, peer.Name, identity, doc, now, keysFirst); err != nil {
 		return nil, err
 	}
 	s.log.Debug("peer reported its live Pods", zap.String("peer", peer.Name), zap.Int("pods", len(uids)))
@@ -168,12 +171,23 @@ func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, ide
 var errKeysFirst = problem.Errorf(problem.KindUnprocessable, "upload your cluster's key set (PUT /v1/peers/self/jwks) before reporting its Pods")
 
 // putLivePods writes doc as peer's last report, made at now, into the
-// peer's key set Secret. Conflicts with another replica are retried.
-func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, doc []byte, now time.Time) error {
+// peer's key set Secret. With keysFirst the Secret must hold the peer's
+// keys already (errKeysFirst); without, a missing Secret is created with
+// the report alone, and one written for another identity (a peer name
+// reused in the policy) is replaced by it, its keys dropped. Conflicts
+// with another replica are retried.
+func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, doc []byte, now time.Time, keysFirst bool) error {
 	secrets := s.secrets.Secrets(s.namespace)
 	var written *corev1.Secret
-	err := retry.OnError(retry.DefaultRetry, apierrors.IsConflict, func() error {
+	err := retry.OnError(retry.DefaultRetry, func(err error) bool {
+		// Without keysFirst a Secret deleted since the read is made anew.
+		return apierrors.IsConflict(err) || apierrors.IsAlreadyExists(err) || (!keysFirst && apierrors.IsNotFound(err))
+	}, func() error {
 		sec, err := s.read(ctx, peer)
+		if apierrors.IsNotFound(err) && !keysFirst {
+			written, err = secrets.Create(ctx, newLivePodsSecret(peer, identity, doc, now), metav1.CreateOptions{})
+			return err
+		}
 		if apierrors.IsNotFound(err) {
 			return errKeysFirst
 		}
@@ -181,16 +195,25 @@ func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, d
 			return err
 		}
 		if sec.Annotations[objects.AnnotationIdentity] != identity {
-			return errKeysFirst
+			if keysFirst {
+				return errKeysFirst
+			}
+			next := newLivePodsSecret(peer, identity, doc, now)
+			next.ResourceVersion = sec.ResourceVersion
+			written, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
+			return err
 		}
 		next := sec.DeepCopy()
 		if next.Data == nil {
 			next.Data = map[string][]byte{}
 		}
+		if next.Annotations == nil {
+			next.Annotations = map[string]string{}
+		}
 		next.Data[PeerLivePodsKey] = doc
 		next.Annotations[AnnotationPodsReportedAt] = now.UTC().Format(time.RFC3339Nano)
 		written, err = secrets.Update(ctx, next, metav1.UpdateOptions{})
-		if apierrors.IsNotFound(err) {
+		if apierrors.IsNotFound(err) && keysFirst {
 			return errKeysFirst // deleted since the read
 		}
 		return err
@@ -198,11 +221,26 @@ func (s *PeerKeyStore) putLivePods(ctx context.Context, peer, identity string, d
 	if errors.Is(err, errKeysFirst) {
 		return err
 	}
+	if apierrors.IsNotFound(err) {
+		// The broker's own namespace is missing: its misconfiguration,
+		// not the peer's fault.
+		return problem.Wrap(problem.KindInternal, "", fmt.Errorf("store the Pods of peer %s: namespace %q: %w", peer, s.namespace, err))
+	}
 	if err != nil {
 		return problem.Classify(fmt.Errorf("store the Pods of peer %s in Secret %s/%s: %w", peer, s.namespace, PeerKeysSecretName(peer), err), "store live pods", "namespace not found")
 	}
 	s.observe(written)
 	return nil
+}
+
+// newLivePodsSecret is the Secret of a peer that reports its Pods without
+// keys: the key set Secret (same name, labels and identity) with
+// live-pods.json alone.
+func newLivePodsSecret(peer, identity string, doc []byte, now time.Time) *corev1.Secret {
+	sec := newPeerKeysSecret(peer, identity, nil)
+	sec.Data = map[string][]byte{PeerLivePodsKey: doc}
+	sec.Annotations[AnnotationPodsReportedAt] = now.UTC().Format(time.RFC3339Nano)
+	return sec
 }
 
 // reportSlot takes peer's next report slot on this replica at now: zero if

@@ -41,8 +41,10 @@ import (
 //	            after replaced-at), live-pods.json (the uids of the Pods
 //	            of the peer's last report, workloadIdentity.livePodsFromPeer)
 //
-// A peer can make the broker write exactly this one Secret, of at most
-// twice pki.MaxJWKSBytes plus MaxLivePods uids.
+// A peer that trusts pod certificates alone (no token trust) reports its
+// Pods without uploading keys: its Secret holds live-pods.json and no
+// jwks.json. A peer can make the broker write exactly this one Secret, of
+// at most twice pki.MaxJWKSBytes plus MaxLivePods uids.
 const (
 	PeerKeysCurrentKey       = "jwks.json"
 	PeerKeysPreviousKey      = "previous.json"
@@ -55,7 +57,9 @@ func PeerKeysSecretName(peer string) string { return peerKeysSecretPrefix + peer
 
 // peerKeySet is one peer's uploaded keys as read from its Secret.
 type peerKeySet struct {
-	identity   string
+	identity string
+	// current is nil for a Secret of live Pods alone (a peer that trusts
+	// pod certificates only); previous is then nil too.
 	current    *pki.JWKS
 	previous   *pki.JWKS
 	replacedAt time.Time
@@ -163,11 +167,20 @@ func (s *PeerKeyStore) set(peer string, ks *peerKeySet) {
 }
 
 func keySetFromSecret(sec *corev1.Secret) (*peerKeySet, error) {
-	cur, err := pki.ParseJWKS(sec.Data[PeerKeysCurrentKey])
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", PeerKeysCurrentKey, err)
+	ks := &peerKeySet{identity: sec.Annotations[objects.AnnotationIdentity]}
+	doc, hasKeys := sec.Data[PeerKeysCurrentKey]
+	if !hasKeys && len(sec.Data[PeerLivePodsKey]) == 0 {
+		return nil, fmt.Errorf("%s: neither a key set nor a report of live Pods (%s)", PeerKeysCurrentKey, PeerLivePodsKey)
 	}
-	ks := &peerKeySet{identity: sec.Annotations[objects.AnnotationIdentity], current: cur}
+	if hasKeys {
+		var err error
+		if ks.current, err = pki.ParseJWKS(doc); err != nil {
+			return nil, fmt.Errorf("%s: %w", PeerKeysCurrentKey, err)
+		}
+	} else if len(sec.Data[PeerKeysPreviousKey]) > 0 {
+		return nil, fmt.Errorf("%s without %s", PeerKeysPreviousKey, PeerKeysCurrentKey)
+	}
+	var err error
 	if prev := sec.Data[PeerKeysPreviousKey]; len(prev) > 0 {
 		if ks.previous, err = pki.ParseJWKS(prev); err != nil {
 			return nil, fmt.Errorf("%s: %w", PeerKeysPreviousKey, err)
@@ -192,7 +205,7 @@ func keySetFromSecret(sec *corev1.Secret) (*peerKeySet, error) {
 // after it was replaced, the previous one. None: nil.
 func (s *PeerKeyStore) Keys(peer, identity string, now time.Time, overlap time.Duration) []*pki.JWKS {
 	ks := (*s.sets.Load())[peer]
-	if ks == nil || ks.identity != identity {
+	if ks == nil || ks.identity != identity || ks.current == nil {
 		return nil
 	}
 	if ks.previous != nil && now.Before(ks.replacedAt.Add(overlap)) {
@@ -239,7 +252,7 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 		}
 		old, parseErr := keySetFromSecret(sec)
 		sameOwner := parseErr == nil && old.identity == identity
-		if sameOwner && old.current.Digest() == set.Digest() {
+		if sameOwner && old.current != nil && old.current.Digest() == set.Digest() {
 			if old.previous != nil && now.Before(old.replacedAt.Add(overlap)) {
 				out.Previous, out.PreviousUntil = old.previous.KeyIDs(), old.replacedAt.Add(overlap).UTC()
 			}
@@ -250,6 +263,8 @@ func (s *PeerKeyStore) Put(ctx context.Context, peer, identity string, raw []byt
 		next.ResourceVersion = sec.ResourceVersion
 		if sameOwner {
 			keepLivePods(sec, next)
+		}
+		if sameOwner && old.current != nil {
 			next.Data[PeerKeysPreviousKey] = sec.Data[PeerKeysCurrentKey]
 			next.Annotations[AnnotationJWKSReplacedAt] = now.UTC().Format(time.RFC3339)
 			out.Previous, out.PreviousUntil = old.current.KeyIDs(), now.Add(overlap).UTC().Truncate(time.Second)
