@@ -179,7 +179,7 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		if src == nil {
 			src = APIServerJWKS{Client: deps.Kubernetes.Discovery().RESTClient()}
 		}
-		a.jwks = &jwksUploader{
+		jwks := &jwksUploader{
 			source:   src,
 			brokers:  map[string]jwksAPI{},
 			interval: time.Duration(u.Interval),
@@ -191,10 +191,18 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		podBrokers := map[string]podsAPI{}
 		for _, b := range u.Brokers {
 			ref := brokerRef{b: a.brokers, url: b}
-			a.jwks.brokers[b], podBrokers[b] = ref, ref
+			jwks.brokers[b], podBrokers[b] = ref, ref
+		}
+		if u.UploadsKeys() {
+			a.jwks = jwks
 		}
 		if p := u.LivePods; p != nil {
-			a.pods = newPodReporter(deps.Kubernetes, podBrokers, p.Interval, p.Audiences, p.Namespaces, a.clock, a.log.Named("pods"))
+			// With podSigner, the Pods of its pod certificates too.
+			signerName := ""
+			if cfg.PodSigner != nil {
+				signerName = cfg.PodSigner.SignerName
+			}
+			a.pods = newPodReporter(deps.Kubernetes, podBrokers, p.Interval, p.Audiences, signerName, p.Namespaces, a.clock, a.log.Named("pods"))
 		}
 	}
 

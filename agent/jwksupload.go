@@ -2,13 +2,16 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net/http"
 	"time"
 
 	"go.uber.org/zap"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/clock"
 
+	"github.com/tokenbroker/tokenbroker/agent/client"
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 )
@@ -89,6 +92,13 @@ func (u *jwksUploader) syncOnce(ctx context.Context) {
 			continue
 		}
 		resp, err := api.PutJWKS(ctx, doc)
+		var pe *client.ProblemError
+		if errors.As(err, &pe) && pe.Status == http.StatusForbidden {
+			// Not the live Pods' business: they are reported apart.
+			u.log.Warn("the broker takes no key set from this cluster (its policy has no workloadIdentity.jwksFromPeer); if it trusts this cluster's pod certificates alone, set jwksUpload.keys: false",
+				zap.String("broker", url), zap.Error(err))
+			continue
+		}
 		if err != nil {
 			u.log.Warn("key set upload failed; retrying", zap.String("broker", url), zap.Error(err))
 			continue

@@ -40,8 +40,8 @@ const (
 )
 
 // podReporter tells brokers which Pods live in this cluster (their uids),
-// so that they honour a Pod's token only while the Pod exists, as this
-// cluster's API server does: within a second when a Pod comes or goes,
+// so that they honour a Pod's token or pod certificate only while the Pod
+// exists, as this cluster's API server does for a token: within a second when a Pod comes or goes,
 // and every interval otherwise, which tells them the agent is alive. It
 // vouches only for what it can see: a round whose informer has lost its
 // watch, or whose fresh read of the Pods fails, reports nothing, and the
@@ -50,7 +50,8 @@ const (
 type podReporter struct {
 	client     kubernetes.Interface
 	brokers    map[string]podsAPI
-	audiences  []string // a Pod is reported if it has a projected token for one
+	audiences  []string // a Pod is reported if it has a projected token for one,
+	signerName string   // or a podCertificate volume of this signer ("": none),
 	namespaces []string // and is in one of them; empty: any namespace
 	interval   time.Duration
 	clock      clock.Clock
@@ -72,9 +73,12 @@ type podReport struct {
 	at   time.Time
 }
 
-func newPodReporter(client kubernetes.Interface, brokers map[string]podsAPI, interval apiv1.Duration, audiences, namespaces []string, clk clock.Clock, log *zap.Logger) *podReporter {
+// newPodReporter reports the Pods with a projected token for one of
+// audiences or, if signerName is set (the agent's podSigner), a
+// podCertificate volume of that signer.
+func newPodReporter(client kubernetes.Interface, brokers map[string]podsAPI, interval apiv1.Duration, audiences []string, signerName string, namespaces []string, clk clock.Clock, log *zap.Logger) *podReporter {
 	return &podReporter{
-		client: client, brokers: brokers, audiences: audiences, namespaces: namespaces, interval: time.Duration(interval),
+		client: client, brokers: brokers, audiences: audiences, signerName: signerName, namespaces: namespaces, interval: time.Duration(interval),
 		clock: clk, log: log, changed: make(chan struct{}, 1), last: map[string]podReport{},
 	}
 }
@@ -168,9 +172,11 @@ func (r *podReporter) trim(obj any) (any, error) {
 // found to be reported.
 const reportedLabel = "tokenbroker.io/reported"
 
-// wanted says whether pod can hold a token for the brokers: it is in one
-// of the namespaces, and one of its projected serviceAccountToken volumes
-// is for one of the audiences.
+// wanted says whether pod can hold a credential for the brokers: it is in
+// one of the namespaces, and one of its projected volumes is a
+// serviceAccountToken for one of the audiences or a podCertificate of the
+// agent's signer (whose certificates the brokers check against the report
+// as they do tokens).
 func (r *podReporter) wanted(pod *corev1.Pod) bool {
 	if len(r.namespaces) > 0 && !slices.Contains(r.namespaces, pod.Namespace) {
 		return false
@@ -181,6 +187,9 @@ func (r *podReporter) wanted(pod *corev1.Pod) bool {
 		}
 		for _, s := range v.Projected.Sources {
 			if s.ServiceAccountToken != nil && slices.Contains(r.audiences, s.ServiceAccountToken.Audience) {
+				return true
+			}
+			if s.PodCertificate != nil && r.signerName != "" && s.PodCertificate.SignerName == r.signerName {
 				return true
 			}
 		}
@@ -235,7 +244,7 @@ func (r *podReporter) reportOnce(ctx context.Context, inf cache.SharedIndexInfor
 		uids = []string{}
 	}
 	if len(uids) > apiv1.MaxLivePods {
-		r.log.Error("more Pods to report than a broker accepts; narrow jwksUpload.livePods (audiences, namespaces): brokers refuse this cluster's tokens until then",
+		r.log.Error("more Pods to report than a broker accepts; narrow jwksUpload.livePods (audiences, namespaces): brokers refuse this cluster's tokens and pod certificates until then",
 			zap.Int("pods", len(uids)), zap.Int("max", apiv1.MaxLivePods))
 		return false
 	}

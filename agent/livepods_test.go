@@ -80,6 +80,13 @@ type reporterRun struct {
 
 func startReporter(t *testing.T, namespaces []string, pods ...*corev1.Pod) *reporterRun {
 	t.Helper()
+	return startReporterFor(t, "", namespaces, pods...)
+}
+
+// startReporterFor is startReporter for an agent whose podSigner signs for
+// signerName ("": none).
+func startReporterFor(t *testing.T, signerName string, namespaces []string, pods ...*corev1.Pod) *reporterRun {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &reporterRun{clk: newFakeClock(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)), broker: &fakePodsBroker{}}
 	objs := make([]runtime.Object, len(pods))
@@ -94,7 +101,7 @@ func startReporter(t *testing.T, namespaces []string, pods ...*corev1.Pod) *repo
 		return false, nil, nil
 	})
 	rep := newPodReporter(r.client, map[string]podsAPI{"https://east": r.broker}, apiv1.Duration(30*time.Second),
-		[]string{"tokenbroker.east"}, namespaces, r.clk, zap.NewNop())
+		[]string{"tokenbroker.east"}, signerName, namespaces, r.clk, zap.NewNop())
 	done := make(chan struct{})
 	go func() { rep.run(ctx); close(done) }()
 	t.Cleanup(func() { cancel(); <-done })

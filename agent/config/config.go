@@ -179,6 +179,12 @@ type TargetConfig struct {
 type JWKSUploadConfig struct {
 	// Brokers are the mTLS listeners to upload to (https, at least one).
 	Brokers []string `json:"brokers"`
+	// Keys, if false, uploads no key set, only the live Pods (LivePods is
+	// then required): for brokers that trust this cluster's pod
+	// certificates and none of its tokens (workloadIdentity
+	// {podCertificates: true, livePodsFromPeer: true}), which answer a key
+	// set 403. Default true.
+	Keys *bool `json:"keys,omitempty"`
 	// Interval is how often the key set is read; default 1m.
 	Interval apiv1.Duration `json:"interval,omitempty"`
 	// ResyncInterval is how often an unchanged set is uploaded again (the
@@ -187,10 +193,14 @@ type JWKSUploadConfig struct {
 	ResyncInterval apiv1.Duration `json:"resyncInterval,omitempty"`
 	// LivePods, if set, also reports to the same brokers the Pods that
 	// live in this cluster, for brokers whose policy says
-	// workloadIdentity.livePodsFromPeer: they honour a Pod's token only
-	// while the Pod is in the last report. Needs list and watch on Pods.
+	// workloadIdentity.livePodsFromPeer: they honour a Pod's token or pod
+	// certificate only while the Pod is in the last report. Needs list
+	// and watch on Pods.
 	LivePods *LivePodsConfig `json:"livePods,omitempty"`
 }
+
+// UploadsKeys says whether the key set is uploaded (Keys unset or true).
+func (u *JWKSUploadConfig) UploadsKeys() bool { return u.Keys == nil || *u.Keys }
 
 // PodSignerConfig is the agent's pod-certificate signer (KEP-4317,
 // certificates.k8s.io/v1 PodCertificateRequests, Kubernetes 1.37 or
@@ -211,10 +221,13 @@ type PodSignerConfig struct {
 
 // LivePodsConfig says which Pods the agent reports and how often.
 type LivePodsConfig struct {
-	// Audiences (required): a Pod is reported if one of its projected
+	// Audiences: a Pod is reported if one of its projected
 	// serviceAccountToken volumes is for one of them (the brokers'
-	// workloadIdentity audiences). A report holds at most 1024 Pods.
-	Audiences []string `json:"audiences"`
+	// workloadIdentity audiences). With PodSigner, a Pod whose projected
+	// podCertificate volume names its SignerName is reported too, and
+	// Audiences may be empty (brokers that trust pod certificates alone);
+	// without, at least one is required. A report holds at most 1024 Pods.
+	Audiences []string `json:"audiences,omitempty"`
 	// Namespaces, if set, reports only the Pods of these namespaces (those
 	// of the workloads the brokers grant): a tenant elsewhere who can
 	// create Pods cannot then push the report over its bound.

@@ -226,6 +226,9 @@ func (c *Config) Validate() error {
 		if len(u.Brokers) == 0 {
 			v.add("jwksUpload.brokers", "at least one broker is required")
 		}
+		if !u.UploadsKeys() && u.LivePods == nil {
+			v.add("jwksUpload.keys", "with keys: false only the live Pods are reported: set jwksUpload.livePods")
+		}
 		for i, b := range u.Brokers {
 			v.httpsURL(fmt.Sprintf("jwksUpload.brokers[%d]", i), b, true)
 		}
@@ -239,8 +242,8 @@ func (c *Config) Validate() error {
 			if d := time.Duration(p.Interval); d != 0 && (d < time.Second || d > 30*time.Minute) {
 				v.add("jwksUpload.livePods.interval", "must be between 1s and 30m (and well under the brokers' livePodsMaxAge)")
 			}
-			if len(p.Audiences) == 0 {
-				v.add("jwksUpload.livePods.audiences", "list the brokers' workload audiences: a Pod is reported if it has a projected token for one")
+			if len(p.Audiences) == 0 && c.PodSigner == nil {
+				v.add("jwksUpload.livePods.audiences", "list the brokers' workload audiences: a Pod is reported if it has a projected token for one (or, with podSigner, a podCertificate volume of its signer)")
 			}
 			if len(p.Audiences) > 16 {
 				v.add("jwksUpload.livePods.audiences", "at most 16 audiences")
