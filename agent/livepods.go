@@ -152,10 +152,14 @@ func (r *podReporter) run(ctx context.Context) {
 }
 
 // trim keeps of a Pod only what the reporter reads: the informer's cache
-// holds every Pod of the cluster. (Tombstones are not transformed.)
+// holds every Pod of the cluster. (Tombstones are not transformed.) It is
+// idempotent, as client-go requires: the informer may pass an object it
+// already transformed (client-go 0.37 does at its first list against a
+// real API server), which must keep its mark. A trimmed Pod has no
+// container, which no Pod of the API server lacks.
 func (r *podReporter) trim(obj any) (any, error) {
 	pod, ok := obj.(*corev1.Pod)
-	if !ok {
+	if !ok || len(pod.Spec.Containers) == 0 {
 		return obj, nil
 	}
 	out := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{

@@ -55,7 +55,9 @@ func (f *fakePodsBroker) setFail(v bool) {
 // pod is a Pod with uid n in namespace argo and, if audience is set, a
 // projected token for it (as a Pod that runs tokenbroker credential has).
 func pod(n int, audience string) *corev1.Pod {
-	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("p%d", n), Namespace: "argo", UID: types.UID(podUID(n))}}
+	// A container, as the API server requires of every Pod.
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("p%d", n), Namespace: "argo", UID: types.UID(podUID(n))},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "registry.invalid/none"}}}}
 	if audience != "" {
 		p.Spec.Volumes = []corev1.Volume{{Name: "token", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
 			Sources: []corev1.VolumeProjection{{ServiceAccountToken: &corev1.ServiceAccountTokenProjection{Audience: audience, Path: "token"}}},

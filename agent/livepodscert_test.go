@@ -152,3 +152,20 @@ func TestAKeySetTheBrokerRefusesSaysHowToStopSendingIt(t *testing.T) {
 	require.Empty(t, u.uploaded)
 	require.Equal(t, 1, logs.FilterMessageSnippet("jwksUpload.keys: false").Len())
 }
+
+// TestTrimmingAPodTwiceKeepsItsMark: client-go passes objects of the
+// informer's cache to the transform again (a relist against a real API
+// server does), so trim must be idempotent, else a reported Pod loses its
+// mark and the report leaves it out.
+func TestTrimmingAPodTwiceKeepsItsMark(t *testing.T) {
+	t.Parallel()
+	r := &podReporter{audiences: []string{"tokenbroker.east"}, signerName: workloadSigner}
+	for _, p := range []*corev1.Pod{pod(1, "tokenbroker.east"), certPod(2, workloadSigner), pod(3, "")} {
+		once, err := r.trim(p)
+		require.NoError(t, err)
+		twice, err := r.trim(once)
+		require.NoError(t, err)
+		require.Equal(t, once, twice, p.Name)
+		require.Equal(t, r.wanted(p), twice.(*corev1.Pod).Labels[reportedLabel] == "true", p.Name)
+	}
+}
