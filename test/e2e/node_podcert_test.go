@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	clientauthv1 "k8s.io/client-go/pkg/apis/clientauthentication/v1"
 
@@ -60,7 +61,7 @@ func TestNodeAPodCertificateFromTheAgentsSignerGetsALease(t *testing.T) {
 peers:
   - name: west
     identity: spiffe://e2e.example/cluster/west
-    workloadIdentity: {podCertificates: true}
+    workloadIdentity: {podCertificates: true, livePodsFromPeer: true}
     grants:
       - namespaces: [argo]
         serviceAccounts: [runner]
@@ -109,7 +110,11 @@ config:
     renewBroker: https://%s
     enroll: {broker: "https://%s", caFingerprint: "%s"}
   podSigner: {signerName: %s}
-`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, api, enroll, fp, podSignerName))
+  jwksUpload:
+    brokers: ["https://%s"]
+    keys: false
+    livePods: {namespaces: [argo], interval: 5s}
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, api, enroll, fp, podSignerName, api))
 	ha := newHelm(t)
 	ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
 	ha.run(t, "install", "tokenbroker-agent", ha.chart, "-f", agentValues, "--wait", "--timeout", "120s",
@@ -131,7 +136,7 @@ config:
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
 
-	pod := runPodCertificatePod(t, c, api)
+	pod := runPodCertificatePod(t, c, api, "pod-certificate")
 	require.Equal(t, corev1.PodRunning, pod.phase, pod.logs)
 	t.Logf("the Pod's creation to its first lease (the kubelet's key, the agent's certificate, the plugin's request): at most %s (seen Running; the plugin's container finished at %s)",
 		pod.running.Sub(pod.created).Round(10*time.Millisecond), pod.finished.Format(time.RFC3339))
@@ -172,21 +177,55 @@ config:
 	require.NoError(t, err, stderr)
 	require.Equal(t, "v", out)
 
-	// Revoked by its Pod's uid: the next request is refused.
-	client := filepath.Join(t.TempDir(), "pod")
-	writeFile(t, client+".crt", string(pod.certPEM))
-	writeFile(t, client+".key", string(pod.keyPEM))
+	// Deleted: the agent reports the Pods without it, and the broker
+	// refuses the certificate, long before it expires.
 	e := &brokerEnv{dir: dir, api: api, ca: filepath.Join(pkiDir, "ca.crt")}
 	body := `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`
-	status, out := e.postKubeconfig(t, client, body)
-	require.Equal(t, 201, status, "the Pod's own certificate and key, by hand: %s", out)
-	run(t, bin, "pki", "revoke", "--pod-uid", pod.uid, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
+	client := podClient(t, pod)
+	var status int
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, client, body)
+		return status == 201
+	}, 10*time.Second, 50*time.Millisecond, "the Pod's own certificate and key, by hand")
+	require.NoError(t, c.Client.CoreV1().Pods("argo").Delete(ctx, "pod-certificate", metav1.DeleteOptions{GracePeriodSeconds: ptrTo(int64(0))}))
+	require.Eventually(t, func() bool {
+		_, err := c.Client.CoreV1().Pods("argo").Get(ctx, "pod-certificate", metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	}, 60*time.Second, 100*time.Millisecond, "the Pod is deleted")
+	gone := time.Now()
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, client, body)
+		return status == 401
+	}, 15*time.Second, 50*time.Millisecond, "a deleted Pod's certificate is refused")
+	require.Equal(t, "pod-not-live", problemReason(t, out))
+	t.Logf("a deleted Pod's certificate (valid until %s) was refused %s after the Pod was gone from the API server",
+		chain[0].NotAfter.Format(time.RFC3339), time.Since(gone).Round(10*time.Millisecond))
+
+	// Revoked by its Pod's uid: the next request is refused.
+	second := runPodCertificatePod(t, c, api, "pod-certificate-2")
+	require.Equal(t, corev1.PodRunning, second.phase, second.logs)
+	client = podClient(t, second)
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, client, body)
+		return status == 201
+	}, 10*time.Second, 50*time.Millisecond, "the new Pod is reported (a 503 until then)")
+	run(t, bin, "pki", "revoke", "--pod-uid", second.uid, "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
 	revoked := time.Now()
 	require.Eventually(t, func() bool {
 		status, out = e.postKubeconfig(t, client, body)
 		return status == 401
 	}, 10*time.Second, 20*time.Millisecond, "a revoked Pod's certificate is refused")
 	t.Logf("the Pod's certificate was refused %s after pki revoke --pod-uid returned", time.Since(revoked).Round(time.Millisecond))
+}
+
+// podClient writes the certificate and key the kubelet wrote for pod, for
+// brokerEnv.curl, and returns their common prefix.
+func podClient(t *testing.T, pod podCertificatePod) string {
+	t.Helper()
+	client := filepath.Join(t.TempDir(), "pod")
+	writeFile(t, client+".crt", string(pod.certPEM))
+	writeFile(t, client+".key", string(pod.keyPEM))
+	return client
 }
 
 // requirePodCertificates skips on a Kubernetes that does not serve
@@ -222,11 +261,11 @@ type podCertificatePod struct {
 // argo/runner on the host's network (where the broker listens on
 // 127.0.0.1), whose identity directory is its podCertificate volume
 // (tls.crt, tls.key) and the broker's CA (ca.crt, a ConfigMap).
-func runPodCertificatePod(t *testing.T, c *testcluster.Cluster, api string) podCertificatePod {
+func runPodCertificatePod(t *testing.T, c *testcluster.Cluster, api, name string) podCertificatePod {
 	t.Helper()
 	nonroot := int64(65532)
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "pod-certificate", Namespace: "argo"},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "argo"},
 		Spec: corev1.PodSpec{
 			ServiceAccountName:           "runner",
 			AutomountServiceAccountToken: ptrTo(false),
