@@ -223,6 +223,7 @@ func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.Kubeco
 	}}
 	if w := c.Workload; w != nil {
 		a.Event.Workload, a.Event.WorkloadUID, a.Event.WorkloadPod, a.Event.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
+		a.Event.WorkloadPodUID = w.PodUID
 	}
 	b.activity.Start()
 	defer func() {

@@ -179,3 +179,29 @@ peers:
 	tokenApp := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "argo", ServiceAccount: "app"}}
 	require.Equal(t, west.Identity, limitKey(tokenApp), "a token's workload asks over the peer's connection")
 }
+
+// TestAPodCertificatesIssuanceIsAuditedWithItsPodsUID: the audit event of
+// a pod certificate's issuance names its Pod's uid, the one
+// "tokenbroker pki revoke --pod-uid" takes.
+func TestAPodCertificatesIssuanceIsAuditedWithItsPodsUID(t *testing.T) {
+	t.Parallel()
+	e, _ := newLimitsEnv(t, `cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    workloadIdentity: {podCertificates: true}
+    grants: [{namespaces: [argo], serviceAccounts: [runner], workloads: [{namespace: argo, serviceAccount: app}]}]
+`)
+	rec := newAuditRecorder()
+	e.b.cfg.Auditor = rec
+	app := Caller{Identity: west.Identity, Workload: &workload.Identity{Namespace: "argo", ServiceAccount: "app", Pod: "app-0",
+		PodCertificate: true, PodUID: "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54"}}
+	_, err := e.b.IssueKubeconfig(context.Background(), app, apiv1.KubeconfigRequest{Namespace: "argo", ServiceAccount: "runner"})
+	require.NoError(t, err)
+	evs := rec.all()
+	ev := evs[len(evs)-1]
+	require.Equal(t, audit.DecisionAllow, ev.Decision)
+	require.Equal(t, "argo/app", ev.Workload)
+	require.Equal(t, "app-0", ev.WorkloadPod)
+	require.Equal(t, "6f1c2a9e-3b1d-4c55-9a1e-2f0d8c7b6a54", ev.WorkloadPodUID)
+}

@@ -72,7 +72,7 @@ func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pk
 			reason = be.Reason
 		}
 		a := &audit.Pending{Event: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256,
-			Workload: w.Namespace + "/" + w.ServiceAccount, WorkloadPod: w.PodName}}
+			Workload: w.Namespace + "/" + w.ServiceAccount, WorkloadPod: w.PodName, WorkloadPodUID: w.PodUID}}
 		if p := b.cfg.Policy.Load(); p != nil {
 			if peer := p.Peer(c.Identity); peer != nil {
 				a.Event.Peer = peer.Name

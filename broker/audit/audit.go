@@ -121,9 +121,12 @@ type Event struct {
 	// Workload is the "namespace/serviceAccount" of the source cluster's
 	// workload that asked, proven by its token (whose jti is
 	// WorkloadTokenJTI); WorkloadTokenSHA256 names a refused one.
-	Workload            string `json:"workload,omitempty"`
-	WorkloadUID         string `json:"workload_uid,omitempty"`
-	WorkloadPod         string `json:"workload_pod,omitempty"`
+	Workload    string `json:"workload,omitempty"`
+	WorkloadUID string `json:"workload_uid,omitempty"`
+	WorkloadPod string `json:"workload_pod,omitempty"`
+	// WorkloadPodUID is the uid of the Pod whose pod certificate proved
+	// the workload (what tokenbroker pki revoke --pod-uid takes).
+	WorkloadPodUID      string `json:"workload_pod_uid,omitempty"`
 	WorkloadTokenJTI    string `json:"workload_token_jti,omitempty"`
 	WorkloadTokenSHA256 string `json:"workload_token_sha256,omitempty"`
 	// JWKSDigest names an uploaded key set.
