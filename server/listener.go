@@ -412,16 +412,13 @@ func peerIdentity(st tls.ConnectionState) string {
 	if len(st.PeerCertificates) == 0 {
 		return ""
 	}
-	if pki.IsWorkloadCertificate(st.PeerCertificates[0]) {
-		if w, err := pki.WorkloadFromChain(st.VerifiedChains); err == nil {
-			return w.Identity
-		}
+	id, pod, err := chainIdentity(st.PeerCertificates[0], st.VerifiedChains)
+	switch {
+	case err != nil:
+		// Not counted as what it names: the middleware refuses it.
 		return ""
-	}
-	id, err := pki.IdentityFromCert(st.PeerCertificates[0])
-	if err != nil || pki.CheckNoClusterCA(st.VerifiedChains) != nil {
-		// Not counted as the cluster it names: the middleware refuses it.
-		return ""
+	case pod != nil:
+		return pod.Identity
 	}
 	return id
 }

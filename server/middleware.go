@@ -245,21 +245,8 @@ func (s *Server) authenticatePeer(r *http.Request) (peer, *authError) {
 	if pki.IsLeaseCertificate(cert) {
 		return known, refuse(audit.RefusedIdentity, errors.New("a lease certificate is for the lease gateway only: it names no cluster identity"))
 	}
-	id, err := pki.IdentityFromCert(cert)
-	if err == nil {
-		// A cluster's identity is the signing CA's to give, never a
-		// cluster CA's (which could otherwise name any cluster of its
-		// trust domain).
-		err = pki.CheckNoClusterCA(st.VerifiedChains)
-	}
-	if err != nil && pki.IsWorkloadCertificate(cert) {
-		// A pod certificate: the workload of the cluster whose CA
-		// signed it, never that cluster itself.
-		known.pod, err = pki.WorkloadFromChain(st.VerifiedChains)
-		if err == nil {
-			id = known.pod.Cluster
-		}
-	}
+	id, pod, err := chainIdentity(cert, st.VerifiedChains)
+	known.pod = pod
 	if err != nil {
 		return known, refuse(audit.RefusedIdentity, fmt.Errorf("client certificate identity: %w", err))
 	}
@@ -316,4 +303,22 @@ func anchoredIn(chains [][]*x509.Certificate, anchors []*x509.Certificate) bool 
 		}
 	}
 	return false
+}
+
+// chainIdentity reads who a verified chain (leaf cert) names: a cluster
+// identity, which is the signing CA's to give and never a cluster CA's
+// (one could otherwise name any cluster of its trust domain); or, for a
+// pod certificate, the workload of the cluster whose CA signed it (pod),
+// never that cluster itself, with its cluster as id.
+func chainIdentity(cert *x509.Certificate, chains [][]*x509.Certificate) (id string, pod *pki.PodWorkload, err error) {
+	if pki.IsWorkloadCertificate(cert) {
+		if pod, err = pki.WorkloadFromChain(chains); err != nil {
+			return "", nil, err
+		}
+		return pod.Cluster, pod, nil
+	}
+	if id, err = pki.IdentityFromCert(cert); err == nil {
+		err = pki.CheckNoClusterCA(chains)
+	}
+	return id, nil, err
 }
