@@ -74,9 +74,12 @@ type Agent struct {
 	brokers *brokers
 	targets []*refresher
 	renewer *renewer
-	jwks    *jwksUploader
-	pods    *podReporter
-	trust   *clusterTrust
+	// reloader reads a pod certificate identity again (nil otherwise,
+	// when renewer renews the client certificate).
+	reloader *podCertificateReloader
+	jwks     *jwksUploader
+	pods     *podReporter
+	trust    *clusterTrust
 	// kube is the source cluster's client, for the pod signer (nil when
 	// the config needs none).
 	kube kubernetes.Interface
@@ -137,9 +140,12 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		a.brokers.trust = a.trust.get
 	}
 
-	if cfg.Identity.Secret != nil {
+	switch {
+	case cfg.Identity.Secret != nil:
 		a.store = secretStore{secrets: deps.Kubernetes.CoreV1(), ref: *cfg.Identity.Secret}
-	} else {
+	case cfg.Identity.PodCertificate != nil:
+		a.store = podCertificateStore{dir: IdentityDir(cfg.Identity.PodCertificate.Dir)}
+	default:
 		a.store = dirStore{dir: IdentityDir(cfg.Identity.Dir)}
 	}
 
@@ -206,6 +212,15 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		}
 	}
 
+	if cfg.Identity.PodCertificate != nil {
+		// The kubelet renews it; the agent reads it again.
+		a.reloader = &podCertificateReloader{store: a.store, holder: a.holder, clock: a.clock,
+			log: a.log.Named("identity"), onChanged: a.brokers.closeIdle}
+		if err := a.registry.Register(newExpiryCollector(a.clock.Now, a.targets, a.holder)); err != nil {
+			return nil, fmt.Errorf("register agent metrics: %w", err)
+		}
+		return a, nil
+	}
 	renewSched := newSchedule(cfg.Refresh, a.rand)
 	renewSched.fraction = cfg.Identity.RenewAt
 	a.renewer = &renewer{
@@ -282,7 +297,11 @@ func (a *Agent) run(ctx context.Context) error {
 			}
 			wg.Go(func() { a.trust.run(ctx) })
 		}
-		wg.Go(func() { a.renewer.run(ctx) })
+		if a.reloader != nil {
+			wg.Go(func() { a.reloader.run(ctx) })
+		} else {
+			wg.Go(func() { a.renewer.run(ctx) })
+		}
 		if a.pods != nil {
 			wg.Go(func() { a.pods.run(ctx) })
 		}
@@ -335,6 +354,13 @@ func (a *Agent) startIdentity(ctx context.Context) error {
 			zap.String("serial", id.leaf().SerialNumber.Text(16)), zap.Time("not_after", id.leaf().NotAfter),
 			zap.String("store", a.store.String()))
 		return nil
+	case err == nil && a.reloader != nil:
+		// The kubelet replaces it before it expires; until then brokers
+		// refuse it, and the reloader takes the new one.
+		a.holder.set(id)
+		a.log.Warn("the pod certificate has expired; waiting for the kubelet's next one", zap.String("identity", id.spiffeID),
+			zap.Time("not_after", id.leaf().NotAfter), zap.String("store", a.store.String()))
+		return nil
 	case err == nil:
 		if a.cfg.Identity.Enroll == nil {
 			return fmt.Errorf("the client certificate of %s in %s expired at %s; give identity.enroll a new join token to enroll again",
@@ -342,6 +368,8 @@ func (a *Agent) startIdentity(ctx context.Context) error {
 		}
 		a.log.Warn("the stored client certificate has expired; enrolling again",
 			zap.String("identity", id.spiffeID), zap.Time("not_after", id.leaf().NotAfter))
+	case errors.Is(err, errNoIdentity) && a.reloader != nil:
+		return fmt.Errorf("%w (%s): the Pod needs a podCertificate volume there, with certificateChainPath tls.crt and keyPath tls.key, and ca.crt", errNoIdentity, a.store)
 	case errors.Is(err, errNoIdentity):
 		if a.cfg.Identity.Enroll == nil {
 			return fmt.Errorf("%w (%s) and identity.enroll is not set: run \"tokenbroker enroll\" or configure identity.enroll with a join token", errNoIdentity, a.store)

@@ -14,7 +14,8 @@ import (
 // to the file's directory.
 //
 //	identity:
-//	  dir: /var/run/tokenbroker/identity        # tls.crt, tls.key, ca.crt (or secret:)
+//	  dir: /var/run/tokenbroker/identity        # tls.crt, tls.key, ca.crt (or secret:, or podCertificate:)
+//	  podCertificate: {dir: /var/run/tokenbroker/pod}  # its own Pod's certificate, from the kubelet (Kubernetes 1.37+)
 //	  secret: {namespace: tokenbroker-agent, name: agent-identity}  # kubernetes.io/tls + ca.crt, in the source cluster
 //	  renewBroker: https://east.example.com:8443  # mTLS listener that renews; default: the first target's broker
 //	  renewAt: 0.66                                # fraction of the certificate's lifetime
@@ -61,9 +62,10 @@ type Config struct {
 }
 
 // IdentityConfig says where the agent's client certificate lives and how
-// it is obtained and renewed. Exactly one of Dir and Secret is required.
-// The trust bundle that verifies every broker is the identity's ca.crt,
-// or, with TrustBundleFrom, the ClusterTrustBundles it names.
+// it is obtained and renewed. Exactly one of Dir, Secret and
+// PodCertificate is required. The trust bundle that verifies every broker
+// is the identity's ca.crt, or, with TrustBundleFrom, the
+// ClusterTrustBundles it names.
 type IdentityConfig struct {
 	// Dir holds tls.crt, tls.key (0600) and ca.crt (see IdentityDir).
 	Dir string `json:"dir,omitempty"`
@@ -71,6 +73,9 @@ type IdentityConfig struct {
 	// tls.key and ca.crt, so that a Deployment keeps its identity across
 	// restarts without a volume; made as kubernetes.io/tls if absent.
 	Secret *ObjectRef `json:"secret,omitempty"`
+	// PodCertificate makes the agent's own Pod certificate its identity:
+	// no key is stored, nothing is enrolled or renewed.
+	PodCertificate *PodCertificateIdentity `json:"podCertificate,omitempty"`
 	// RenewBroker is the mTLS listener that renews the certificate;
 	// default: the first target's broker.
 	RenewBroker string `json:"renewBroker,omitempty"`
@@ -201,6 +206,23 @@ type JWKSUploadConfig struct {
 
 // UploadsKeys says whether the key set is uploaded (Keys unset or true).
 func (u *JWKSUploadConfig) UploadsKeys() bool { return u.Keys == nil || *u.Keys }
+
+// PodCertificateIdentity is an agent identity that is its own Pod's
+// certificate (KEP-4317, Kubernetes 1.37 or later): the kubelet makes the
+// key, which never leaves the node, and gets the certificate from the
+// cluster's pod signer (another agent's podSigner) for the Pod's
+// ServiceAccount; brokers whose policy names that ServiceAccount as the
+// peer's agent (peers[].agent) take it for the cluster. The kubelet
+// rotates it; the agent reads it again every minute. Neither enroll,
+// renewBroker nor podSigner apply: a signer cannot have a certificate of
+// its own, since the kubelet starts its Pod only once it is signed.
+type PodCertificateIdentity struct {
+	// Dir (required) is the projected volume: tls.crt (the volume's
+	// certificateChainPath), tls.key (keyPath) and ca.crt, the CAs that
+	// verify the brokers (a ConfigMap or clusterTrustBundle source of the
+	// same volume, so that the kubelet swaps them together).
+	Dir string `json:"dir"`
+}
 
 // PodSignerConfig is the agent's pod-certificate signer (KEP-4317,
 // certificates.k8s.io/v1 PodCertificateRequests, Kubernetes 1.37 or

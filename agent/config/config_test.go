@@ -110,8 +110,8 @@ func TestConfigValidationReportsEveryProblemWithItsFieldPath(t *testing.T) {
 		yaml string
 		want []string // "field: detail" fragments
 	}{
-		{"no identity store", "identity: {}\ntargets:" + target, []string{"identity: give dir or secret"}},
-		{"both identity stores", "identity: {dir: /id, secret: {namespace: a, name: b}}\ntargets:" + target, []string{"identity: give dir or secret, not both"}},
+		{"no identity store", "identity: {}\ntargets:" + target, []string{"identity: give dir, secret or podCertificate"}},
+		{"both identity stores", "identity: {dir: /id, secret: {namespace: a, name: b}}\ntargets:" + target, []string{"identity: give one of dir, secret and podCertificate"}},
 		{"a bad identity secret", "identity: {secret: {namespace: Bad_NS}}\ntargets:" + target,
 			[]string{"identity.secret.namespace:", "identity.secret.name: is required"}},
 		{"renewAt out of range", "identity: {dir: /id, renewAt: 1.5}\ntargets:" + target, []string{"identity.renewAt: must be between 0 and 1"}},

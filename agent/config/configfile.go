@@ -89,6 +89,9 @@ func (c *Config) resolvePaths(base string) {
 		}
 	}
 	abs(&c.Identity.Dir)
+	if pc := c.Identity.PodCertificate; pc != nil {
+		abs(&pc.Dir)
+	}
 	abs(&c.Kubeconfig)
 	if c.Identity.Enroll != nil {
 		abs(&c.Identity.Enroll.TokenFile)
@@ -137,7 +140,7 @@ func (c *Config) Default() {
 	if c.Identity.RenewAt == 0 {
 		c.Identity.RenewAt = DefaultRenewAt
 	}
-	if c.Identity.RenewBroker == "" && len(c.Targets) > 0 {
+	if c.Identity.RenewBroker == "" && len(c.Targets) > 0 && c.Identity.PodCertificate == nil {
 		c.Identity.RenewBroker = c.Targets[0].Broker
 	}
 	if c.OpsAddress == "" {
@@ -375,13 +378,21 @@ func (c *Config) Validate() error {
 
 func (c *Config) validateIdentity(v *validator) {
 	id := c.Identity
+	given := 0
+	for _, set := range []bool{id.Dir != "", id.Secret != nil, id.PodCertificate != nil} {
+		if set {
+			given++
+		}
+	}
 	switch {
-	case id.Dir != "" && id.Secret != nil:
-		v.add("identity", "give dir or secret, not both")
-	case id.Dir == "" && id.Secret == nil:
-		v.add("identity", "give dir or secret")
+	case given > 1:
+		v.add("identity", "give one of dir, secret and podCertificate")
+	case given == 0:
+		v.add("identity", "give dir, secret or podCertificate")
 	case id.Secret != nil:
 		v.objectRef("identity.secret", *id.Secret)
+	case id.PodCertificate != nil:
+		c.validatePodCertificateIdentity(v)
 	}
 	v.httpsURL("identity.renewBroker", id.RenewBroker, false)
 	if id.RenewAt <= 0 || id.RenewAt >= 1 {
@@ -414,6 +425,26 @@ func (c *Config) validateIdentity(v *validator) {
 		if d := time.Duration(ctb.Interval); d < time.Second || d > time.Hour {
 			v.add(path+".interval", "must be between 1s and 1h")
 		}
+	}
+}
+
+// validatePodCertificateIdentity checks identity.podCertificate and what
+// it rules out: the kubelet issues and rotates that identity, so nothing
+// enrolls or renews it, and the cluster's signer cannot be the agent that
+// waits for it.
+func (c *Config) validatePodCertificateIdentity(v *validator) {
+	id := c.Identity
+	if id.PodCertificate.Dir == "" {
+		v.add("identity.podCertificate.dir", "is required: the directory of the Pod's podCertificate volume (tls.crt, tls.key, ca.crt)")
+	}
+	if id.Enroll != nil {
+		v.add("identity.enroll", "must not be set with podCertificate: the kubelet issues the agent's certificate, no join token is used")
+	}
+	if id.RenewBroker != "" {
+		v.add("identity.renewBroker", "must not be set with podCertificate: the kubelet renews the agent's certificate")
+	}
+	if c.PodSigner != nil {
+		v.add("podSigner", "must not be set with identity.podCertificate: the kubelet starts a Pod only once its certificate is signed, so the signer cannot wait for its own; run the signer as an agent of its own with a client certificate (docs/agent.md)")
 	}
 }
 

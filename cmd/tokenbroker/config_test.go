@@ -126,7 +126,7 @@ func TestConfigValidateReportsEveryProblemWithItsFieldPath(t *testing.T) {
 		{
 			name: "an agent config with problems in every part", file: "agent.yaml", content: badAgent, kind: "agent",
 			want: []string{
-				"identity: give dir or secret, not both",
+				"identity: give one of dir, secret and podCertificate",
 				"identity.enroll.broker: must be an https://host[:port] URL",
 				"identity.enroll.caFingerprint: must be \"sha256:\" and 64 hex digits",
 				"identity.enroll.tokenFile: is required",
