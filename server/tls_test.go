@@ -304,9 +304,23 @@ func TestGracefulShutdown(t *testing.T) {
 			t.Fatalf("Run returned before the in-flight request finished: %v", r.runErr)
 		default:
 		}
-		fresh := r.client(r.goodClientCert(t))
-		_, err := fresh.Get(r.apiURL("/v1/whoami"))
-		require.Error(t, err, "a new connection must be refused while draining")
+		// /readyz turns first, then the listeners close: a new connection
+		// (a new client each time, so that none is kept alive) is refused
+		// soon after, while the in-flight request still runs.
+		require.Eventually(t, func() bool {
+			fresh := r.client(r.goodClientCert(t))
+			defer fresh.CloseIdleConnections()
+			resp, err := fresh.Get(r.apiURL("/v1/whoami"))
+			if err == nil {
+				_ = resp.Body.Close()
+			}
+			return err != nil
+		}, 5*time.Second, 10*time.Millisecond, "a new connection must be refused while draining")
+		select {
+		case <-r.finished:
+			t.Fatalf("Run returned before the in-flight request finished: %v", r.runErr)
+		default:
+		}
 
 		close(release)
 		res := <-inflight
