@@ -10,7 +10,10 @@
 //     by every broker client at each handshake, whichever store holds it;
 //     a renewer replaces it at identity.renewAt of its lifetime through
 //     POST /v1/certificates, stores it (three files replaced together, or
-//     one Secret update) and only then puts it into service.
+//     one Secret update) and only then puts it into service. Or its
+//     identity is its own Pod's certificate (identity.podCertificate),
+//     which the kubelet writes and rotates: read from the volume, read
+//     again every minute, never stored, enrolled or renewed.
 //   - Refresh. For each target a refresher asks the target's broker for a
 //     kubeconfig (POST /v1/kubeconfigs), writes it to every output, and
 //     schedules the next refresh at refresh.fraction of the granted
