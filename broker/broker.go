@@ -212,15 +212,9 @@ func (b *Broker) policy() (*policy.Policy, error) { return b.cfg.Policy.Current(
 func (b *Broker) IssueKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest) (*apiv1.KubeconfigResponse, error) {
 	start := b.cfg.Clock.Now()
 	wait := new(apiWait)
-	a := &audit.Pending{Event: audit.Event{
-		Action:         audit.ActionIssue,
-		Identity:       c.Identity,
-		CertSHA256:     c.CertSHA256,
-		Namespace:      req.Namespace,
-		ServiceAccount: req.ServiceAccount,
-		Credential:     policy.OrDefault(req.Credential, apiv1.CredentialToken),
-		RequestedTTL:   req.TTL,
-	}}
+	a := &audit.Pending{Event: c.event(audit.ActionIssue)}
+	a.Event.Namespace, a.Event.ServiceAccount = req.Namespace, req.ServiceAccount
+	a.Event.Credential, a.Event.RequestedTTL = policy.OrDefault(req.Credential, apiv1.CredentialToken), req.TTL
 	if w := c.Workload; w != nil {
 		a.Event.Workload, a.Event.WorkloadUID, a.Event.WorkloadPod, a.Event.WorkloadTokenJTI = w.String(), w.UID, w.Pod, w.TokenJTI
 		a.Event.WorkloadPodUID = w.PodUID

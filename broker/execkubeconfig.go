@@ -23,15 +23,9 @@ import (
 // caller at once whether the policy grants the request, rather than at its
 // first kubectl. Every call ends in one audit event (ActionExecKubeconfig).
 func (b *Broker) ExecKubeconfig(ctx context.Context, c Caller, req apiv1.KubeconfigRequest, brokerURL string) ([]byte, error) {
-	a := &audit.Pending{Event: audit.Event{
-		Action:         audit.ActionExecKubeconfig,
-		Identity:       c.Identity,
-		CertSHA256:     c.CertSHA256,
-		Namespace:      req.Namespace,
-		ServiceAccount: req.ServiceAccount,
-		Credential:     policy.OrDefault(req.Credential, apiv1.CredentialToken),
-		RequestedTTL:   req.TTL,
-	}}
+	a := &audit.Pending{Event: c.event(audit.ActionExecKubeconfig)}
+	a.Event.Namespace, a.Event.ServiceAccount = req.Namespace, req.ServiceAccount
+	a.Event.Credential, a.Event.RequestedTTL = policy.OrDefault(req.Credential, apiv1.CredentialToken), req.TTL
 	kc, outcome, err := b.execKubeconfig(c, req, brokerURL, a)
 	b.concludeOutcome(ctx, a, outcome, err)
 	return kc, err

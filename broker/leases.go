@@ -77,7 +77,8 @@ func (b *Broker) GetLease(ctx context.Context, c Caller, id string) (*apiv1.Leas
 // then says so). A retried DELETE is harmless: it finds the lease or gets
 // KindNotFound once it is gone.
 func (b *Broker) RevokeLease(ctx context.Context, c Caller, id string) error {
-	a := &audit.Pending{Event: audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}}
+	a := &audit.Pending{Event: c.event(audit.ActionRevoke)}
+	a.Event.LeaseID = id
 	done, err := b.admitLeaseRead(c, a)
 	if err == nil {
 		defer done()

@@ -52,7 +52,8 @@ func (b *Broker) queueRevocation(c Caller, id string) bool {
 	return b.retries.Queue("revoke/"+c.Identity+"/"+id, deleteRevoked, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), b.cfg.CleanupTimeout)
 		defer cancel()
-		ev := audit.Event{Action: audit.ActionRevoke, Identity: c.Identity, CertSHA256: c.CertSHA256, LeaseID: id}
+		ev := c.event(audit.ActionRevoke)
+		ev.LeaseID = id
 		err := b.revokeLease(ctx, c, id, &ev)
 		switch {
 		case err == nil:

@@ -10,6 +10,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/broker/audit"
+	"github.com/tokenbroker/tokenbroker/broker/policy"
 	"github.com/tokenbroker/tokenbroker/broker/problem"
 	"github.com/tokenbroker/tokenbroker/broker/workload"
 	"github.com/tokenbroker/tokenbroker/pki"
@@ -37,7 +38,8 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 		if errors.As(err, &be) {
 			reason = be.Reason
 		}
-		a := &audit.Pending{Event: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256, WorkloadTokenSHA256: workload.TokenFingerprint(token)}}
+		a := &audit.Pending{Event: c.event(audit.ActionAuthenticate)}
+		a.Event.WorkloadTokenSHA256 = workload.TokenFingerprint(token)
 		if p := b.cfg.Policy.Load(); p != nil {
 			if peer := p.Peer(c.Identity); peer != nil {
 				a.Event.Peer = peer.Name
@@ -52,36 +54,63 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 	return c, nil
 }
 
-// AuthenticatePodCertificate decides whether the workload w, read from the
-// caller's verified pod certificate (pki.WorkloadFromChain; c.Identity is
-// the cluster of the CA that signed it), may ask here, and returns the
-// caller with its Workload: the peer's policy must accept pod
-// certificates, and with livePodsFromPeer the Pod must be live. Every
-// refusal is audited; it is KindBadPodCertificate with a Reason, or
+// AuthenticatePodCertificate decides who the caller's verified pod
+// certificate (pki.WorkloadFromChain; c.Identity is the cluster of the CA
+// that signed it, w what it says) speaks for, and returns the caller so:
+//
+//   - the peer itself, Agent set and Workload nil, when w is the workload
+//     the peer's policy names its agent (peers[].agent): it needs no
+//     workloadIdentity, and with livePodsFromPeer its Pod must be live but
+//     when reportingPods (the request is PUT /v1/peers/self/pods:
+//     workload.VerifyAgentPodCertificate);
+//   - otherwise a workload of the peer's cluster, Workload set: the
+//     peer's policy must accept pod certificates, and with
+//     livePodsFromPeer the Pod must be live.
+//
+// The policy is read once, so a reload applies from the next request.
+// Every refusal is audited; it is KindBadPodCertificate with a Reason, or
 // KindUnavailable for a Pod newer than the peer's last report.
-func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pki.PodWorkload) (Caller, error) {
+func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pki.PodWorkload, reportingPods bool) (Caller, error) {
 	issuedAt := time.Time{}
 	if c.Certificate != nil {
 		issuedAt = c.Certificate.NotBefore.Add(pki.PodCertificateBackdate)
 	}
-	id, err := workload.VerifyPodCertificate(b.cfg.Policy.Load(), w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now)
+	p := b.cfg.Policy.Load()
+	var peer *policy.PeerSpec
+	if p != nil {
+		peer = p.Peer(w.Cluster)
+	}
+	var id *workload.Identity
+	var err error
+	agent := peer.IsAgent(w.Namespace, w.ServiceAccount)
+	if agent {
+		err = workload.VerifyAgentPodCertificate(peer, w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now, reportingPods)
+	} else {
+		id, err = workload.VerifyPodCertificate(p, w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now)
+	}
 	if err != nil {
 		var be *problem.Error
 		reason := ""
 		if errors.As(err, &be) {
 			reason = be.Reason
 		}
-		a := &audit.Pending{Event: audit.Event{Action: audit.ActionAuthenticate, Identity: c.Identity, CertSHA256: c.CertSHA256,
-			Workload: w.Namespace + "/" + w.ServiceAccount, WorkloadPod: w.PodName, WorkloadPodUID: w.PodUID}}
-		if p := b.cfg.Policy.Load(); p != nil {
-			if peer := p.Peer(c.Identity); peer != nil {
-				a.Event.Peer = peer.Name
-			}
+		a := &audit.Pending{Event: c.event(audit.ActionAuthenticate)}
+		if agent {
+			a.Event.AgentPod, a.Event.AgentPodUID = w.Namespace+"/"+w.PodName, w.PodUID
+		} else {
+			a.Event.Workload, a.Event.WorkloadPod, a.Event.WorkloadPodUID = w.Namespace+"/"+w.ServiceAccount, w.PodName, w.PodUID
+		}
+		if peer != nil {
+			a.Event.Peer = peer.Name
 		}
 		b.recorder().Conclude(ctx, a, audit.DecisionDeny, "pod certificate refused: "+reason, audit.DenyPodCertificate)
 		b.cfg.Logger.Info("pod certificate refused", zap.String("identity", c.Identity), zap.String("workload", w.Identity),
-			zap.String("pod_uid", w.PodUID), zap.String("reason", reason), zap.Error(err))
+			zap.String("pod_uid", w.PodUID), zap.Bool("agent", agent), zap.String("reason", reason), zap.Error(err))
 		return c, err
+	}
+	if agent {
+		c.Agent = w
+		return c, nil
 	}
 	c.Workload = id
 	return c, nil
@@ -93,7 +122,7 @@ func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pk
 // that is not a usable set is KindInvalid. Uploading the set in force
 // again changes nothing.
 func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.PeerJWKS, error) {
-	a := &audit.Pending{Event: audit.Event{Action: audit.ActionUploadJWKS, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	a := &audit.Pending{Event: c.event(audit.ActionUploadJWKS)}
 	var resp *apiv1.PeerJWKS
 	p, err := b.policy()
 	if err == nil {
@@ -109,13 +138,15 @@ func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.
 
 // ReportPeerPods stores the uids of the Pods that live in the caller's
 // cluster (PUT /v1/peers/self/pods). The peer's policy must say
-// livePodsFromPeer: true (else KindForbidden).
+// livePodsFromPeer: true (else KindForbidden). A report the agent's pod
+// certificate makes must list the agent's own Pod (else
+// KindUnprocessable).
 func (b *Broker) ReportPeerPods(ctx context.Context, c Caller, uids []string) (*apiv1.PeerLivePods, error) {
-	a := &audit.Pending{Event: audit.Event{Action: audit.ActionReportPods, Identity: c.Identity, CertSHA256: c.CertSHA256}}
+	a := &audit.Pending{Event: c.event(audit.ActionReportPods)}
 	var resp *apiv1.PeerLivePods
 	p, err := b.policy()
 	if err == nil {
-		resp, err = b.cfg.PeerKeys.ReportLivePods(ctx, p, c.Identity, uids, b.cfg.Clock.Now(), &a.Event)
+		resp, err = b.cfg.PeerKeys.ReportLivePods(ctx, p, c.Identity, uids, agentPodUID(c), b.cfg.Clock.Now(), &a.Event)
 	}
 	outcome := outcomeGranted
 	if err != nil {
@@ -123,4 +154,13 @@ func (b *Broker) ReportPeerPods(ctx context.Context, c Caller, uids []string) (*
 	}
 	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
+}
+
+// agentPodUID is the uid of the agent's Pod whose pod certificate c
+// presented, or "".
+func agentPodUID(c Caller) string {
+	if c.Agent == nil {
+		return ""
+	}
+	return c.Agent.PodUID
 }

@@ -36,7 +36,8 @@ type peer struct {
 	caller broker.Caller
 	cert   *x509.Certificate
 	// pod is the workload of a pod certificate: the caller is a workload
-	// of the cluster of its CA, never the cluster itself.
+	// of the cluster of its CA, or, for the cluster's agent
+	// (caller.Agent), the cluster itself.
 	pod *pki.PodWorkload
 }
 

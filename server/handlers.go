@@ -79,10 +79,11 @@ type callerHandler func(w http.ResponseWriter, r *http.Request, p peer)
 
 // withPeerOnly adapts h to net/http: it takes the peer the authentication
 // middleware put in the context, and answers errNoPeer (a bug: the route
-// is served without that middleware) if there is none.
+// is served without that middleware) if there is none. A pod certificate
+// is the peer only if it is its agent's (caller.Agent).
 func withPeerOnly(h callerHandler) http.HandlerFunc {
 	return withAnyPeer(func(w http.ResponseWriter, r *http.Request, p peer) {
-		if p.pod != nil {
+		if p.pod != nil && p.caller.Agent == nil {
 			writeError(w, r, problem.Errorf(problem.KindForbidden, "a pod certificate speaks for its workload, not for its cluster"))
 			return
 		}
@@ -107,13 +108,14 @@ func withAnyPeer(h callerHandler) http.HandlerFunc {
 // peer's cluster may say who it is: after the certificate, an
 // "Authorization: Bearer" workload token is verified (a request without
 // one is the peer's), and a refused one is answered 401 with its reason.
+// The agent's pod certificate is the peer's, a token beside it too.
 func (s *Server) withCaller(h callerHandler) http.HandlerFunc {
 	return withAnyPeer(func(w http.ResponseWriter, r *http.Request, p peer) {
 		if len(r.Header.Values("Authorization")) == 0 {
 			h(w, r, p)
 			return
 		}
-		if p.pod != nil {
+		if p.pod != nil && p.caller.Agent == nil {
 			writeError(w, r, problem.Invalid(apiv1.FieldError{Field: "Authorization",
 				Detail: "a pod certificate names its workload already; send no workload token with it"}))
 			return
@@ -475,8 +477,13 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 
 // renewCertificate handles POST /v1/certificates on the mutual-TLS
 // listener: the caller's verified certificate authorizes a new one for the
-// same identity. A bearer token is ignored here.
+// same identity. A bearer token is ignored here, and every pod
+// certificate, the agent's too, is refused.
 func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer) {
+	if p.pod != nil {
+		writeError(w, r, problem.Errorf(problem.KindForbidden, "a pod certificate is renewed by its kubelet; the broker renews client certificates only"))
+		return
+	}
 	if !jsonRouteAnswerable(w, r, s.certs != nil) {
 		return
 	}

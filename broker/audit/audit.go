@@ -129,6 +129,13 @@ type Event struct {
 	WorkloadPodUID      string `json:"workload_pod_uid,omitempty"`
 	WorkloadTokenJTI    string `json:"workload_token_jti,omitempty"`
 	WorkloadTokenSHA256 string `json:"workload_token_sha256,omitempty"`
+	// AgentPod ("namespace/name") and AgentPodUID name the Pod of the
+	// peer's agent whose pod certificate made the request as the peer
+	// itself (the policy's peers[].agent); empty for the peer's client
+	// certificate. Not workload_pod: the agent asks as its cluster, not
+	// as a workload.
+	AgentPod    string `json:"agent_pod,omitempty"`
+	AgentPodUID string `json:"agent_pod_uid,omitempty"`
 	// JWKSDigest names an uploaded key set.
 	JWKSDigest string `json:"jwks_digest,omitempty"`
 	Serial     string `json:"serial,omitempty"`

@@ -97,6 +97,19 @@ type PeerSpec struct {
 	// workload asking (grants[].workloads). The peer's certificate
 	// decides that this trust applies, never the token's iss alone.
 	WorkloadIdentity *WorkloadIdentitySpec `json:"workloadIdentity,omitempty"`
+	// Agent, if set, is the workload of the peer's cluster that is its
+	// agent: a pod certificate of that namespace and ServiceAccount,
+	// signed by the peer's own cluster CA, speaks for the peer itself, as
+	// its client certificate does (every grant, the peer's own routes but
+	// renewal), with no workloadIdentity needed. Any other pod certificate
+	// stays a workload's.
+	Agent *WorkloadRef `json:"agent,omitempty"`
+}
+
+// IsAgent reports whether namespace/serviceAccount is the workload the
+// peer names its agent.
+func (p *PeerSpec) IsAgent(namespace, serviceAccount string) bool {
+	return p != nil && p.Agent != nil && p.Agent.Namespace == namespace && p.Agent.ServiceAccount == serviceAccount
 }
 
 // WorkloadIdentitySpec is the trust in one peer cluster's workloads: in
@@ -385,6 +398,9 @@ func (p *Policy) Validate() error {
 		if wi := peer.WorkloadIdentity; wi != nil {
 			validateWorkloadIdentity(path+".workloadIdentity", wi, add)
 		}
+		if peer.Agent != nil {
+			validateWorkloadRef(path+".agent", *peer.Agent, add)
+		}
 		certNamespaces := map[string]bool{}
 		grantNames := map[string]bool{}
 		for j, g := range peer.Grants {
@@ -460,13 +476,7 @@ func (p *Policy) Validate() error {
 			}
 			validateGrantAudiences(g, gpath, add)
 			for k, w := range g.Workloads {
-				wpath := fmt.Sprintf("%s.workloads[%d]", gpath, k)
-				if errs := validation.IsDNS1123Label(w.Namespace); len(errs) > 0 {
-					add(wpath+".namespace", "%s", strings.Join(errs, "; "))
-				}
-				if errs := validation.IsDNS1123Subdomain(w.ServiceAccount); len(errs) > 0 {
-					add(wpath+".serviceAccount", "%s", strings.Join(errs, "; "))
-				}
+				validateWorkloadRef(fmt.Sprintf("%s.workloads[%d]", gpath, k), w, add)
 			}
 		}
 	}
@@ -474,6 +484,23 @@ func (p *Policy) Validate() error {
 		return &apiv1.ValidationError{Document: "policy", Problems: probs}
 	}
 	return nil
+}
+
+// validateWorkloadRef checks a workload a policy names: a namespace (a
+// DNS-1123 label) and a ServiceAccount (a DNS-1123 subdomain).
+func validateWorkloadRef(path string, w WorkloadRef, add func(field, format string, args ...any)) {
+	switch errs := validation.IsDNS1123Label(w.Namespace); {
+	case w.Namespace == "":
+		add(path+".namespace", "is required")
+	case len(errs) > 0:
+		add(path+".namespace", "%s", strings.Join(errs, "; "))
+	}
+	switch errs := validation.IsDNS1123Subdomain(w.ServiceAccount); {
+	case w.ServiceAccount == "":
+		add(path+".serviceAccount", "is required")
+	case len(errs) > 0:
+		add(path+".serviceAccount", "%s", strings.Join(errs, "; "))
+	}
 }
 
 // validateWorkloadIdentity checks one peer's workloadIdentity; an inline

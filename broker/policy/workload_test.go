@@ -294,3 +294,51 @@ peers:
 		}), "%s: want %s %q in %v", tc.wi, tc.field, tc.detail, ve.Problems)
 	}
 }
+
+func TestAPeersAgentNamesOneWorkloadOfItsCluster(t *testing.T) {
+	t.Parallel()
+	const head = `
+cluster: {name: east, server: "https://east.example.com:6443", caData: "x"}
+peers:
+  - name: west
+    identity: spiffe://oc.example/cluster/west
+    grants: [{namespaces: [argo], serviceAccounts: [runner]}]
+`
+	p := parsed(t, head+"    agent: {namespace: tokenbroker-agent, serviceAccount: tokenbroker-agent}\n")
+	west := p.Peer("spiffe://oc.example/cluster/west")
+	require.True(t, west.IsAgent("tokenbroker-agent", "tokenbroker-agent"), "it needs no workloadIdentity")
+	require.False(t, west.IsAgent("other", "tokenbroker-agent"), "the same ServiceAccount in another namespace is not")
+	require.False(t, west.IsAgent("tokenbroker-agent", "other"))
+	require.False(t, parsed(t, head).Peer("spiffe://oc.example/cluster/west").IsAgent("tokenbroker-agent", "tokenbroker-agent"), "no agent: none is")
+	require.False(t, (*PeerSpec)(nil).IsAgent("tokenbroker-agent", "tokenbroker-agent"), "no peer: none is")
+
+	tests := []struct {
+		name, agent string
+		want        map[string]string
+	}{
+		{name: "both fields are required", agent: "{}", want: map[string]string{
+			"peers[0].agent.namespace": "is required", "peers[0].agent.serviceAccount": "is required"}},
+		{name: "the namespace is a DNS-1123 label", agent: "{namespace: Tokenbroker.Agent, serviceAccount: agent}", want: map[string]string{
+			"peers[0].agent.namespace": "RFC 1123 label"}},
+		{name: "the ServiceAccount is a DNS-1123 subdomain", agent: `{namespace: agent, serviceAccount: "bad name"}`, want: map[string]string{
+			"peers[0].agent.serviceAccount": "RFC 1123 subdomain"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := Parse([]byte(head + "    agent: " + tc.agent + "\n"))
+			var ve *apiv1.ValidationError
+			require.ErrorAs(t, err, &ve)
+			got := map[string]string{}
+			for _, p := range ve.Problems {
+				got[p.Field] = p.Detail
+			}
+			require.Len(t, got, len(tc.want), "%v", ve.Problems)
+			for field, detail := range tc.want {
+				require.Contains(t, got[field], detail)
+			}
+		})
+	}
+	_, err := Parse([]byte(head + "    agent: {namespace: a, serviceAccount: b, pod: c}\n"))
+	require.ErrorContains(t, err, `unknown field "pod"`)
+}
