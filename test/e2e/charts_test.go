@@ -237,6 +237,49 @@ func TestAgentChartRenders(t *testing.T) {
 		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
 	})
 
+	t.Run("podCertificate makes the agent's identity its Pod's certificate: no identity Secret, no join token", func(t *testing.T) {
+		docs := h.renderAs(t, "tokenbroker-agent-pod", "agents", "-f", h.values("default"), "--set-json", `config.identity=null`,
+			"--set", "podCertificate.signerName=tokenbroker.io/workloads", "--set", "podCertificate.caConfigMap=broker-ca")
+		require.ElementsMatch(t, []string{
+			"ServiceAccount/agents/tokenbroker-agent-pod",
+			"ConfigMap/agents/tokenbroker-agent-pod-config",
+			"Role/argo/tokenbroker-agent-pod-output",
+			"RoleBinding/argo/tokenbroker-agent-pod-output",
+			"Deployment/agents/tokenbroker-agent-pod",
+		}, kindNames(docs), "no Role on an identity Secret: there is none")
+		sa := decode[corev1.ServiceAccount](t, findManifest(t, docs, "ServiceAccount", "tokenbroker-agent-pod"))
+		require.Equal(t, "true", sa.Labels["tokenbroker.io/pod-certificates"], "the signer signs for labelled ServiceAccounts only")
+		d := decode[appsv1.Deployment](t, findManifest(t, docs, "Deployment", "tokenbroker-agent-pod"))
+		var vol *corev1.Volume
+		for i, v := range d.Spec.Template.Spec.Volumes {
+			require.NotEqual(t, "join", v.Name, "no join token")
+			if v.Name == "pod-identity" {
+				vol = &d.Spec.Template.Spec.Volumes[i]
+			}
+		}
+		require.NotNil(t, vol)
+		require.Equal(t, &corev1.PodCertificateProjection{SignerName: "tokenbroker.io/workloads", KeyType: "ECDSAP256",
+			MaxExpirationSeconds: ptrTo(int32(86400)), CertificateChainPath: "tls.crt", KeyPath: "tls.key"}, vol.Projected.Sources[0].PodCertificate)
+		require.Equal(t, "broker-ca", vol.Projected.Sources[1].ConfigMap.Name)
+		cm := decode[corev1.ConfigMap](t, findManifest(t, docs, "ConfigMap", "tokenbroker-agent-pod-config"))
+		require.Contains(t, cm.Data["agent.yaml"], "podCertificate:\n    dir: /var/run/tokenbroker/pod-identity")
+		file := writeFile(t, filepath.Join(t.TempDir(), "agent.yaml"), cm.Data["agent.yaml"])
+		require.Contains(t, run(t, bin, "config", "validate", "--kind", "agent", file), "valid agent config")
+
+		_, stderr, err := h.runErr("template", "x", h.chart, "-f", h.values("default"), "--set", "podCertificate.signerName=tokenbroker.io/workloads",
+			"--set", "podCertificate.caConfigMap=broker-ca")
+		require.Error(t, err)
+		require.Contains(t, stderr, "config.identity takes only trustBundleFrom then", "no join token, no identity store")
+		_, stderr, err = h.runErr("template", "x", h.chart, "-f", h.values("default"), "--set-json", `config.identity=null`,
+			"--set", "podCertificate.signerName=tokenbroker.io/workloads")
+		require.Error(t, err)
+		require.Contains(t, stderr, "podCertificate.caConfigMap is required")
+		_, stderr, err = h.runErr("template", "x", h.chart, "-f", h.values("default"), "--set", "podCertificate.signerName=tokenbroker.io/workloads",
+			"--set", "podCertificate.caConfigMap=broker-ca", "--set-json", `config.podSigner={"signerName":"tokenbroker.io/workloads"}`, "--set-json", `config.identity=null`)
+		require.Error(t, err)
+		require.Contains(t, stderr, "exclude each other")
+	})
+
 	t.Run("without targets, rendering fails and says what is missing", func(t *testing.T) {
 		_, stderr, err := h.runErr("template", "tokenbroker-agent", h.chart)
 		require.Error(t, err)

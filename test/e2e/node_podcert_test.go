@@ -62,7 +62,10 @@ peers:
   - name: west
     identity: spiffe://e2e.example/cluster/west
     workloadIdentity: {podCertificates: true, livePodsFromPeer: true}
+    agent: {namespace: tokenbroker-agent, serviceAccount: tokenbroker-agent-pod}
     grants:
+      - namespaces: [argo]
+        serviceAccounts: [runner]
       - namespaces: [argo]
         serviceAccounts: [runner]
         workloads: [{namespace: argo, serviceAccount: runner}]
@@ -113,7 +116,7 @@ config:
   jwksUpload:
     brokers: ["https://%s"]
     keys: false
-    livePods: {namespaces: [argo], interval: 5s}
+    livePods: {namespaces: [argo, tokenbroker-agent], interval: 5s}
 `, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, api, enroll, fp, podSignerName, api))
 	ha := newHelm(t)
 	ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
@@ -216,6 +219,95 @@ config:
 		return status == 401
 	}, 10*time.Second, 20*time.Millisecond, "a revoked Pod's certificate is refused")
 	t.Logf("the Pod's certificate was refused %s after pki revoke --pod-uid returned", time.Since(revoked).Round(time.Millisecond))
+
+	// The agent whose identity is its own Pod's certificate: a second
+	// release of the chart, with podCertificate, beside the signer's.
+	// The kubelet has the signer sign its certificate before it starts;
+	// the broker's policy names its ServiceAccount as west's agent, so
+	// that the certificate speaks for the cluster: a grant that names no
+	// workload, written to a Secret for a consumer. No Secret holds a key
+	// of that agent's, and no join token was used.
+	_, err = c.Client.CoreV1().ConfigMaps("tokenbroker-agent").Create(ctx, &corev1.ConfigMap{
+		ObjectMeta: metav1.ObjectMeta{Name: "broker-ca"}, Data: map[string]string{"ca.crt": string(caPEM)},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	podAgentValues := writeFile(t, filepath.Join(t.TempDir(), "pod-agent-values.yaml"), fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostNetwork: true
+containerPorts: {ops: %d}
+extraEnv:
+  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
+podCertificate: {signerName: %s, caConfigMap: broker-ca, maxExpirationSeconds: 3600}
+config:
+  targets:
+    - name: east
+      broker: https://%s
+      request: {namespace: argo, serviceAccount: runner, ttl: 1h}
+      outputs:
+        - secret: {namespace: argo, name: east-from-pod-agent, format: admiralty}
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, podSignerName, api))
+	installed := time.Now()
+	// Not --wait: helm would wait for the next readiness probe too.
+	ha.run(t, "install", "tokenbroker-agent-pod", ha.chart, "-f", podAgentValues,
+		"--kubeconfig", c.KubeconfigPath, "--namespace", "tokenbroker-agent")
+	out = ""
+	require.Eventually(t, func() bool {
+		s, err := c.Client.CoreV1().Secrets("argo").Get(ctx, "east-from-pod-agent", metav1.GetOptions{})
+		if err == nil {
+			out = string(s.Data["config"])
+		}
+		return out != ""
+	}, 120*time.Second, 50*time.Millisecond, "the agent writes its target's Secret")
+	t.Logf("the pod-certificate agent's install to its first Secret written (the kubelet's key, the signer's certificate, the lease): %s",
+		time.Since(installed).Round(10*time.Millisecond))
+	review, err = c.Client.AuthenticationV1().TokenReviews().Create(ctx, &authenticationv1.TokenReview{
+		Spec: authenticationv1.TokenReviewSpec{Token: tokenOf(t, []byte(out))},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	require.True(t, review.Status.Authenticated, review.Status.Error)
+	require.Equal(t, "system:serviceaccount:argo:runner", review.Status.User.Username)
+	secrets, err := c.Client.CoreV1().Secrets("tokenbroker-agent").List(ctx, metav1.ListOptions{})
+	require.NoError(t, err)
+	var names []string
+	for _, s := range secrets.Items {
+		if s.Type != "helm.sh/release.v1" { // helm's record of each release
+			names = append(names, s.Name)
+		}
+	}
+	require.ElementsMatch(t, []string{"tokenbroker-agent-identity", "tokenbroker-agent-join"}, names,
+		"the signer's identity and join token alone: nothing of the pod-certificate agent's")
+
+	// Its certificate, read from the node, is west's at the broker until
+	// its Pod's uid is revoked.
+	pods, err := c.Client.CoreV1().Pods("tokenbroker-agent").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/instance=tokenbroker-agent-pod"})
+	require.NoError(t, err)
+	require.Len(t, pods.Items, 1)
+	agentPod := pods.Items[0]
+	vol := filepath.Join(c.Node.Dir, "kubelet", "pods", string(agentPod.UID), "volumes", "kubernetes.io~projected", "pod-identity")
+	agentCert, err := os.ReadFile(filepath.Join(vol, "tls.crt"))
+	require.NoError(t, err)
+	agentKey, err := os.ReadFile(filepath.Join(vol, "tls.key"))
+	require.NoError(t, err)
+	agentChain, err := pki.ParseCertificatesPEM(agentCert)
+	require.NoError(t, err)
+	require.Equal(t, "spiffe://e2e.example/cluster/west/ns/tokenbroker-agent/sa/tokenbroker-agent-pod", agentChain[0].URIs[0].String())
+	client = podClient(t, podCertificatePod{certPEM: agentCert, keyPEM: agentKey})
+	agentBody := `{"namespace":"argo","serviceAccount":"runner","ttl":"1h"}`
+	status, out = e.postKubeconfig(t, client, agentBody)
+	require.Equal(t, 201, status, out)
+	status, out, err = e.curl(t, client, "https://"+api+"/v1/whoami")
+	require.NoError(t, err, out)
+	require.Equal(t, 200, status, out)
+	require.Contains(t, out, `"peer":"west"`, "the agent's certificate speaks for its cluster")
+	require.NotContains(t, out, `"workload"`, "not for a workload")
+	run(t, bin, "pki", "revoke", "--pod-uid", string(agentPod.UID), "--kubeconfig", c.KubeconfigPath, "--namespace", "default")
+	require.Eventually(t, func() bool {
+		status, out = e.postKubeconfig(t, client, agentBody)
+		return status == 401
+	}, 10*time.Second, 20*time.Millisecond, "a revoked agent Pod's certificate is refused")
 }
 
 // podClient writes the certificate and key the kubelet wrote for pod, for

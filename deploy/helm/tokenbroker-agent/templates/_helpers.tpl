@@ -69,6 +69,13 @@ Where the join token Secret is mounted.
 {{- end }}
 
 {{/*
+Where the agent's own pod certificate is mounted (podCertificate.signerName).
+*/}}
+{{- define "agent.podCertificateDir" -}}
+/var/run/tokenbroker/pod-identity
+{{- end }}
+
+{{/*
 The agent's configuration as the ConfigMap holds it: config with the
 identity Secret, the join token file and the ops address filled in (see
 values.yaml). Fails rendering without targets.
@@ -79,7 +86,16 @@ values.yaml). Fails rendering without targets.
 {{- required "config.targets is required (or config.jwksUpload, config.podSigner): the brokers, requests and outputs of the agent (docs/agent.md)" nil }}
 {{- end }}
 {{- $id := default dict $c.identity }}
-{{- if not $id.dir }}
+{{- if .Values.podCertificate.signerName }}
+{{- if or $id.dir $id.secret $id.enroll $id.renewBroker }}
+{{- fail "podCertificate.signerName makes the agent's identity its Pod's certificate: config.identity takes only trustBundleFrom then (no dir, secret, enroll or renewBroker)" }}
+{{- end }}
+{{- if $c.podSigner }}
+{{- fail "podCertificate.signerName and config.podSigner exclude each other: the kubelet starts the signer's Pod only once its certificate is signed; install the signer as another release with a client certificate (docs/agent.md)" }}
+{{- end }}
+{{- $_ := required "podCertificate.caConfigMap is required with podCertificate.signerName: a ConfigMap whose ca.crt verifies the brokers" .Values.podCertificate.caConfigMap }}
+{{- $_ := set $id "podCertificate" (dict "dir" (include "agent.podCertificateDir" .)) }}
+{{- else if not $id.dir }}
 {{- $s := default dict $id.secret }}
 {{- $_ := set $s "namespace" (default .Release.Namespace $s.namespace) }}
 {{- $_ := set $s "name" (default (printf "%s-identity" (include "agent.fullname" .)) $s.name) }}
