@@ -128,13 +128,14 @@ identity:
   enroll: {broker: "https://east.example.com:8444", caFingerprint: "sha256:3f1c5e1d2a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d", tokenFile: /join/token}
   renewBroker: https://east.example.com:8443
 podSigner: {signerName: tokenbroker.io/workloads}
+jwksUpload: {brokers: ["https://east.example.com:8443"], livePods: {audiences: [east]}}
 targets: []
 `), "")
 	require.Error(t, err)
-	for _, field := range []string{"identity.enroll", "identity.renewBroker", "podSigner"} {
+	for _, field := range []string{"identity.enroll", "identity.renewBroker", "podSigner", "jwksUpload"} {
 		require.Contains(t, err.Error(), field)
 	}
-	_, err = config.Parse([]byte("identity: {podCertificate: {dir: /pod}, dir: /id}\njwksUpload: {brokers: [\"https://east.example.com:8443\"]}\n"), "")
+	_, err = config.Parse([]byte("identity: {podCertificate: {dir: /pod}, dir: /id}\ntargets: []\n"), "")
 	require.ErrorContains(t, err, "give one of dir, secret and podCertificate")
 
 	clock := newFakeClock(time.Now())

@@ -40,7 +40,7 @@ func TestTheAgentsPodCertificateAsksAsItsPeer(t *testing.T) {
 	pw := &pki.PodWorkload{Cluster: west.Identity, Identity: leaf.URIs[0].String(), Namespace: "tokenbroker-agent",
 		ServiceAccount: "tokenbroker-agent", PodName: "runner-0", PodUID: pkitest.PodUID}
 
-	c, err := e.b.AuthenticatePodCertificate(ctx, Caller{Identity: west.Identity, CertSHA256: pki.Fingerprint(leaf), Certificate: leaf}, pw, false)
+	c, err := e.b.AuthenticatePodCertificate(ctx, Caller{Identity: west.Identity, CertSHA256: pki.Fingerprint(leaf), Certificate: leaf}, pw)
 	require.NoError(t, err)
 	require.Nil(t, c.Workload, "the peer itself")
 	require.Equal(t, pw, c.Agent)
@@ -66,7 +66,7 @@ func TestTheAgentsPodCertificateAsksAsItsPeer(t *testing.T) {
 	// The same Pod as a workload of another namespace is not the agent.
 	other := *pw
 	other.Namespace = "argo"
-	_, err = e.b.AuthenticatePodCertificate(ctx, Caller{Identity: west.Identity, Certificate: leaf}, &other, false)
+	_, err = e.b.AuthenticatePodCertificate(ctx, Caller{Identity: west.Identity, Certificate: leaf}, &other)
 	var pe *problem.Error
 	require.ErrorAs(t, err, &pe)
 	require.Equal(t, workload.PodCertificatesOff, pe.Reason)

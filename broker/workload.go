@@ -60,9 +60,9 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 //
 //   - the peer itself, Agent set and Workload nil, when w is the workload
 //     the peer's policy names its agent (peers[].agent): it needs no
-//     workloadIdentity, and with livePodsFromPeer its Pod must be live but
-//     when reportingPods (the request is PUT /v1/peers/self/pods:
-//     workload.VerifyAgentPodCertificate);
+//     workloadIdentity, and with livePodsFromPeer its Pod must be live,
+//     in a report made with the cluster's client certificate (the
+//     report's route takes no pod certificate);
 //   - otherwise a workload of the peer's cluster, Workload set: the
 //     peer's policy must accept pod certificates, and with
 //     livePodsFromPeer the Pod must be live.
@@ -70,7 +70,7 @@ func (b *Broker) AuthenticateWorkload(ctx context.Context, c Caller, token strin
 // The policy is read once, so a reload applies from the next request.
 // Every refusal is audited; it is KindBadPodCertificate with a Reason, or
 // KindUnavailable for a Pod newer than the peer's last report.
-func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pki.PodWorkload, reportingPods bool) (Caller, error) {
+func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pki.PodWorkload) (Caller, error) {
 	issuedAt := time.Time{}
 	if c.Certificate != nil {
 		issuedAt = c.Certificate.NotBefore.Add(pki.PodCertificateBackdate)
@@ -84,7 +84,7 @@ func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pk
 	var err error
 	agent := peer.IsAgent(w.Namespace, w.ServiceAccount)
 	if agent {
-		err = workload.VerifyAgentPodCertificate(peer, w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now, reportingPods)
+		err = workload.VerifyAgentPodCertificate(peer, w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now)
 	} else {
 		id, err = workload.VerifyPodCertificate(p, w, issuedAt, b.cfg.PeerKeys, b.cfg.Clock.Now)
 	}
@@ -138,15 +138,13 @@ func (b *Broker) PutPeerJWKS(ctx context.Context, c Caller, doc []byte) (*apiv1.
 
 // ReportPeerPods stores the uids of the Pods that live in the caller's
 // cluster (PUT /v1/peers/self/pods). The peer's policy must say
-// livePodsFromPeer: true (else KindForbidden). A report the agent's pod
-// certificate makes must list the agent's own Pod (else
-// KindUnprocessable).
+// livePodsFromPeer: true (else KindForbidden).
 func (b *Broker) ReportPeerPods(ctx context.Context, c Caller, uids []string) (*apiv1.PeerLivePods, error) {
 	a := &audit.Pending{Event: c.event(audit.ActionReportPods)}
 	var resp *apiv1.PeerLivePods
 	p, err := b.policy()
 	if err == nil {
-		resp, err = b.cfg.PeerKeys.ReportLivePods(ctx, p, c.Identity, uids, agentPodUID(c), b.cfg.Clock.Now(), &a.Event)
+		resp, err = b.cfg.PeerKeys.ReportLivePods(ctx, p, c.Identity, uids, b.cfg.Clock.Now(), &a.Event)
 	}
 	outcome := outcomeGranted
 	if err != nil {
@@ -154,13 +152,4 @@ func (b *Broker) ReportPeerPods(ctx context.Context, c Caller, uids []string) (*
 	}
 	b.concludeOutcome(ctx, a, outcome, err)
 	return resp, err
-}
-
-// agentPodUID is the uid of the agent's Pod whose pod certificate c
-// presented, or "".
-func agentPodUID(c Caller) string {
-	if c.Agent == nil {
-		return ""
-	}
-	return c.Agent.PodUID
 }

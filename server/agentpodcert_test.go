@@ -202,12 +202,13 @@ func TestTheAgentsPodCertificateIsItsPeerAndNoOtherPodCertificateIs(t *testing.T
 	require.Contains(t, e.events.String(), `"action":"upload_jwks"`, "the broker decided it")
 	require.Contains(t, e.events.String(), `"agent_pod":"tokenbroker-agent/tokenbroker-agent-0","agent_pod_uid":"`+agentUID+`"`)
 
-	// Renewal is a client certificate's only.
+	// Renewal and the report of the live Pods are a client certificate's only.
+	requireProblem(t, e.h.do(reportPods(agent, agentUID)), http.StatusForbidden, "forbidden")
 	rec = e.h.do(request{method: http.MethodPost, path: "/v1/certificates", body: `{"csr":"x"}`, contentType: "application/json", tls: agent})
 	requireProblem(t, rec, http.StatusForbidden, "forbidden")
 	logged := false
 	for _, le := range e.h.logs.FilterMessage("request failed").All() {
-		logged = logged || strings.Contains(fmt.Sprint(le.ContextMap()["error"]), "a pod certificate is renewed by its kubelet")
+		logged = logged || strings.Contains(fmt.Sprint(le.ContextMap()["error"]), "never a pod certificate")
 	}
 	require.True(t, logged, "the log says why")
 
@@ -268,11 +269,14 @@ func TestTheAgentsPodCertificateIsItsPeerAndNoOtherPodCertificateIs(t *testing.T
 	requireProblem(t, e.h.do(reportPods(agent, agentUID)), http.StatusForbidden, "forbidden")
 }
 
-// TestTheAgentsPodReportsItselfAndIsHeldToTheReport: with
-// livePodsFromPeer, the agent's pod certificate is honoured while its Pod
-// is in the last report, but for the report, which must list it; a new
-// agent Pod reports itself at once, a deleted one cannot.
-func TestTheAgentsPodReportsItselfAndIsHeldToTheReport(t *testing.T) {
+// TestTheAgentsPodIsHeldToTheReportItCannotWrite: with livePodsFromPeer,
+// the agent's pod certificate is honoured while its Pod is in the last
+// report, which only the cluster's client certificate writes: a pod
+// certificate, the agent's too, is 403 there, so that a deleted agent
+// Pod's certificate cannot report itself live again. A new agent Pod waits
+// for the next report (503), a deleted one is refused once a report newer
+// than its certificate leaves it out.
+func TestTheAgentsPodIsHeldToTheReportItCannotWrite(t *testing.T) {
 	t.Parallel()
 	f := newAgentFleet(t)
 	e := newAgentEnv(t, strings.Replace(agentPolicyDoc, "%s", ", livePodsFromPeer: true, livePodsMaxAge: 1m", 1))
@@ -283,32 +287,28 @@ func TestTheAgentsPodReportsItselfAndIsHeldToTheReport(t *testing.T) {
 
 	status, _ := e.whoami(t, first)
 	require.Equal(t, http.StatusUnauthorized, status, "no report yet")
-	p := requireProblem(t, e.h.do(reportPods(first, restartedUID)), http.StatusUnprocessableEntity, "unprocessable")
-	require.Contains(t, p.Detail, "lists the agent's own Pod")
-	rec := e.h.do(reportPods(first, agentUID))
-	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
-	require.Contains(t, e.events.String(), `"action":"report_pods","decision":"allow"`)
+	rec := e.h.do(reportPods(nil, agentUID))
+	require.Equal(t, http.StatusOK, rec.Code, "the client certificate reports: %s", rec.Body.String())
 	status, who := e.whoami(t, first)
 	require.Equal(t, http.StatusOK, status)
 	require.Nil(t, who.Workload)
+	requireProblem(t, e.h.do(reportPods(first, agentUID)), http.StatusForbidden, "forbidden")
 
-	// The agent restarts: its new Pod is newer than the report.
+	// The agent restarts: its new Pod is newer than the report, and waits
+	// for the next one.
 	e.clk.Step(10 * time.Second)
 	restarted := f.pod(t, f.west, testIdentity, agentNS, agentSA, restartedUID, e.clk.Now().Add(-2*time.Minute))
 	e.clk.Step(time.Second)
 	rec = e.h.do(request{method: http.MethodGet, path: "/v1/whoami", tls: restarted})
 	require.Equal(t, http.StatusServiceUnavailable, rec.Code, "not reported yet: %s", rec.Body.String())
-	rec = e.h.do(reportPods(restarted, restartedUID))
+	rec = e.h.do(reportPods(nil, restartedUID))
 	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
 	status, _ = e.whoami(t, restarted)
 	require.Equal(t, http.StatusOK, status)
 
 	// The first Pod, deleted, is left out of a report newer than its
-	// certificate: refused, and it cannot report itself back.
-	p = requireProblem(t, e.h.do(request{method: http.MethodGet, path: "/v1/whoami", tls: first}), http.StatusUnauthorized, "invalid-pod-certificate")
-	require.Equal(t, workload.TokenPodNotLive, p.Reason)
-	e.clk.Step(time.Second)
-	p = requireProblem(t, e.h.do(reportPods(first, agentUID, restartedUID)), http.StatusUnauthorized, "invalid-pod-certificate")
+	// certificate: refused.
+	p := requireProblem(t, e.h.do(request{method: http.MethodGet, path: "/v1/whoami", tls: first}), http.StatusUnauthorized, "invalid-pod-certificate")
 	require.Equal(t, workload.TokenPodNotLive, p.Reason)
 	evs := e.audited(t)
 	last := evs[len(evs)-1]
@@ -317,9 +317,13 @@ func TestTheAgentsPodReportsItselfAndIsHeldToTheReport(t *testing.T) {
 	require.Equal(t, "tokenbroker-agent/tokenbroker-agent-0", last.AgentPod)
 	require.Equal(t, agentUID, last.AgentPodUID)
 	require.Empty(t, last.Workload)
-	// The report's exception is for the report alone.
-	rec = e.h.do(request{method: http.MethodPut, path: "/v1/peers/self/pods/", body: `{"uids":["` + agentUID + `"]}`, contentType: "application/json", tls: first})
-	require.Equal(t, http.StatusUnauthorized, rec.Code, "another path is held to the report")
+
+	// Reports stop: once the last is older than livePodsMaxAge, no agent
+	// Pod is honoured, and none can report.
+	e.clk.Step(time.Minute + time.Second)
+	status, _ = e.whoami(t, restarted)
+	require.Equal(t, http.StatusUnauthorized, status)
+	requireProblem(t, e.h.do(reportPods(restarted, restartedUID)), http.StatusUnauthorized, "invalid-pod-certificate")
 }
 
 func TestARevokedAgentWorkloadPodClusterCAOrClusterRefusesTheAgentsPodCertificate(t *testing.T) {
@@ -345,40 +349,6 @@ func TestARevokedAgentWorkloadPodClusterCAOrClusterRefusesTheAgentsPodCertificat
 			}
 			require.Contains(t, e.events.String(), `"action":"authenticate","decision":"deny"`)
 			require.Contains(t, e.events.String(), `"agent_pod":"tokenbroker-agent/tokenbroker-agent-0","agent_pod_uid":"`+agentUID+`"`, "the event names the Pod")
-		})
-	}
-}
-
-// TestOnlyThePodsReportIsAuthenticatedAsReportingPods: the broker is told
-// that a request reports the peer's Pods only for the route the router
-// dispatches to putPeerPods.
-func TestOnlyThePodsReportIsAuthenticatedAsReportingPods(t *testing.T) {
-	t.Parallel()
-	pp := newPodPKI(t)
-	tests := []struct {
-		name          string
-		method, path  string
-		wantReporting bool
-	}{
-		{name: "the report is", method: http.MethodPut, path: "/v1/peers/self/pods", wantReporting: true},
-		{name: "the key set's upload is not", method: http.MethodPut, path: "/v1/peers/self/jwks"},
-		{name: "another method on the report's path is not", method: http.MethodGet, path: "/v1/peers/self/pods"},
-		{name: "a path with a trailing slash is not", method: http.MethodPut, path: "/v1/peers/self/pods/"},
-		{name: "an issuance is not", method: http.MethodPost, path: "/v1/kubeconfigs"},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			var got []bool
-			wb := podBroker(&fakeBroker{}, nil)
-			wb.agent = func(c broker.Caller, _ *pki.PodWorkload, reporting bool) (broker.Caller, error) {
-				got = append(got, reporting)
-				return c, workload.BadPodCertificate(workload.TokenPodsUnreported, nil)
-			}
-			h := newHarnessWith(t, wb)
-			rec := h.do(request{method: tc.method, path: tc.path, body: `{"uids":[]}`, contentType: "application/json", tls: pp.state(t)})
-			require.Equal(t, http.StatusUnauthorized, rec.Code)
-			require.Equal(t, []bool{tc.wantReporting}, got)
 		})
 	}
 }

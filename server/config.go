@@ -131,10 +131,9 @@ type WorkloadAuthenticator interface {
 	// AuthenticatePodCertificate decides whether the workload w of the
 	// caller's verified pod certificate may ask here and returns the
 	// caller with its Workload, or, for the peer's agent, as the peer
-	// itself with Agent set. reportingPods says the request is PUT
-	// /v1/peers/self/pods. Refusals are problem.KindBadPodCertificate
+	// itself with Agent set. Refusals are problem.KindBadPodCertificate
 	// with a Reason.
-	AuthenticatePodCertificate(ctx context.Context, c broker.Caller, w *pki.PodWorkload, reportingPods bool) (broker.Caller, error)
+	AuthenticatePodCertificate(ctx context.Context, c broker.Caller, w *pki.PodWorkload) (broker.Caller, error)
 }
 
 // TrustAnchors is the client-CA bundle in force (*pki.PoolReloader, which

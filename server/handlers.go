@@ -91,6 +91,20 @@ func withPeerOnly(h callerHandler) http.HandlerFunc {
 	})
 }
 
+// withClientCertificate is withAnyPeer for the routes of the cluster's
+// client certificate alone: renewal (the kubelet renews a pod
+// certificate) and the report of the live Pods, which decides whether a
+// pod certificate, the agent's too, is honoured: none may write it.
+func withClientCertificate(h callerHandler) http.HandlerFunc {
+	return withAnyPeer(func(w http.ResponseWriter, r *http.Request, p peer) {
+		if p.pod != nil {
+			writeError(w, r, problem.Errorf(problem.KindForbidden, "this route takes the cluster's client certificate, never a pod certificate"))
+			return
+		}
+		h(w, r, p)
+	})
+}
+
 // withAnyPeer adapts h to net/http for every caller, a workload of a pod
 // certificate included.
 func withAnyPeer(h callerHandler) http.HandlerFunc {
@@ -477,13 +491,9 @@ func (s *Server) enrollCertificate(w http.ResponseWriter, r *http.Request) {
 
 // renewCertificate handles POST /v1/certificates on the mutual-TLS
 // listener: the caller's verified certificate authorizes a new one for the
-// same identity. A bearer token is ignored here, and every pod
-// certificate, the agent's too, is refused.
+// same identity. A bearer token is ignored here; a pod certificate, the
+// agent's too, never gets here (withClientCertificate).
 func (s *Server) renewCertificate(w http.ResponseWriter, r *http.Request, p peer) {
-	if p.pod != nil {
-		writeError(w, r, problem.Errorf(problem.KindForbidden, "a pod certificate is renewed by its kubelet; the broker renews client certificates only"))
-		return
-	}
 	if !jsonRouteAnswerable(w, r, s.certs != nil) {
 		return
 	}

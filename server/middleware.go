@@ -193,10 +193,7 @@ func (s *Server) authenticate(next http.Handler) http.Handler {
 			if s.workloads == nil {
 				err = workload.BadPodCertificate(workload.PodCertificatesOff, errors.New("this broker verifies no workloads"))
 			} else {
-				// The route as the router will dispatch it (observe found it).
-				info := requestInfoFrom(r.Context())
-				reporting := info != nil && r.Method == http.MethodPut && info.route == "/v1"+routePeerPods
-				p.caller, err = s.workloads.AuthenticatePodCertificate(r.Context(), p.caller, p.pod, reporting)
+				p.caller, err = s.workloads.AuthenticatePodCertificate(r.Context(), p.caller, p.pod)
 			}
 			if err != nil {
 				writeError(w, r, err)

@@ -21,11 +21,6 @@ const (
 	listenerGateway = "gateway"
 )
 
-// routePeerPods is the report of the peer's live Pods, the one request of
-// the agent's pod certificate that its Pod need not be in the last report
-// for (broker.Broker.AuthenticatePodCertificate).
-const routePeerPods = "/peers/self/pods"
-
 // route is one entry of the route table: a method and pattern under /v1
 // and the handler each listener serves it with. A nil handler means the
 // listener does not have the route (404).
@@ -43,12 +38,12 @@ func (s *Server) routeTable() []route {
 		{method: http.MethodDelete, pattern: "/leases/{id}", api: s.withCaller(s.revokeLease)},
 		{method: http.MethodGet, pattern: "/whoami", api: s.withCaller(s.whoAmI)},
 		{method: http.MethodPut, pattern: "/peers/self/jwks", api: withPeerOnly(s.putPeerJWKS)},
-		{method: http.MethodPut, pattern: routePeerPods, api: withPeerOnly(s.putPeerPods)},
+		{method: http.MethodPut, pattern: "/peers/self/pods", api: withClientCertificate(s.putPeerPods)},
 		// Renewal with the client certificate on the mTLS listener (never
 		// a pod certificate), enrollment with a join token on the
 		// enrollment listener. Its bearer token, if any, is not a workload
 		// token.
-		{method: http.MethodPost, pattern: "/certificates", api: withAnyPeer(s.renewCertificate), enroll: s.enrollCertificate},
+		{method: http.MethodPost, pattern: "/certificates", api: withClientCertificate(s.renewCertificate), enroll: s.enrollCertificate},
 		{method: http.MethodGet, pattern: "/trust-bundle", api: s.trustBundle, enroll: s.trustBundle},
 	}
 }

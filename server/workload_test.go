@@ -23,9 +23,6 @@ type workloadBroker struct {
 	put  func(c broker.Caller, doc []byte) (*apiv1.PeerJWKS, error)
 	pods func(c broker.Caller, uids []string) (*apiv1.PeerLivePods, error)
 	pod  func(c broker.Caller, w *pki.PodWorkload) (broker.Caller, error)
-	// agent, if set, is the pod-certificate check instead of pod, told
-	// whether the request reports the peer's Pods.
-	agent func(c broker.Caller, w *pki.PodWorkload, reporting bool) (broker.Caller, error)
 }
 
 var _ WorkloadAuthenticator = workloadBroker{}
@@ -42,10 +39,7 @@ func (w workloadBroker) ReportPeerPods(_ context.Context, c broker.Caller, uids 
 	return w.pods(c, uids)
 }
 
-func (w workloadBroker) AuthenticatePodCertificate(_ context.Context, c broker.Caller, pw *pki.PodWorkload, reporting bool) (broker.Caller, error) {
-	if w.agent != nil {
-		return w.agent(c, pw, reporting)
-	}
+func (w workloadBroker) AuthenticatePodCertificate(_ context.Context, c broker.Caller, pw *pki.PodWorkload) (broker.Caller, error) {
 	return w.pod(c, pw)
 }
 

@@ -215,7 +215,9 @@ func (u *JWKSUploadConfig) UploadsKeys() bool { return u.Keys == nil || *u.Keys 
 // peer's agent (peers[].agent) take it for the cluster. The kubelet
 // rotates it; the agent reads it again every minute. Neither enroll,
 // renewBroker nor podSigner apply: a signer cannot have a certificate of
-// its own, since the kubelet starts its Pod only once it is signed.
+// its own, since the kubelet starts its Pod only once it is signed. Nor
+// jwksUpload: brokers take the key set and the live Pods, on which a pod
+// certificate's standing depends, from a client certificate only.
 type PodCertificateIdentity struct {
 	// Dir (required) is the projected volume: tls.crt (the volume's
 	// certificateChainPath), tls.key (keyPath) and ca.crt, the CAs that

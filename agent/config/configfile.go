@@ -443,6 +443,9 @@ func (c *Config) validatePodCertificateIdentity(v *validator) {
 	if id.RenewBroker != "" {
 		v.add("identity.renewBroker", "must not be set with podCertificate: the kubelet renews the agent's certificate")
 	}
+	if c.JWKSUpload != nil {
+		v.add("jwksUpload", "must not be set with identity.podCertificate: the brokers take the cluster's key set and live Pods from its client certificate (the signer's agent), since whether a pod certificate is honoured depends on them")
+	}
 	if c.PodSigner != nil {
 		v.add("podSigner", "must not be set with identity.podCertificate: the kubelet starts a Pod only once its certificate is signed, so the signer cannot wait for its own; run the signer as an agent of its own with a client certificate (docs/agent.md)")
 	}

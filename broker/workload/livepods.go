@@ -133,13 +133,7 @@ func (s *PeerKeyStore) LivePod(peer, identity, uid string, now time.Time, maxAge
 // peer uploaded its key set is KindUnprocessable, unless the peer trusts
 // pod certificates alone (no token trust, so no keys to upload): its
 // report is then the Secret's only content.
-//
-// agentPod, if set, is the uid of the agent's Pod whose pod certificate
-// makes the report (VerifyAgentPodCertificate): the report must list it
-// (else KindUnprocessable), as the agent that speaks lives; and it needs
-// no key set first, since the agent's other requests, the key set's
-// upload among them, wait for a report that lists its Pod.
-func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, identity string, uids []string, agentPod string, now time.Time, ev *audit.Event) (*apiv1.PeerLivePods, error) {
+func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, identity string, uids []string, now time.Time, ev *audit.Event) (*apiv1.PeerLivePods, error) {
 	peer := p.Peer(identity)
 	if peer == nil || peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.LivePodsFromPeer {
 		return nil, problem.Errorf(problem.KindForbidden, "the policy does not let this peer report its Pods")
@@ -151,10 +145,6 @@ func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, ide
 	if err := CheckLivePods(uids); err != nil {
 		return nil, problem.Invalid(apiv1.FieldError{Field: "uids", Detail: err.Error()})
 	}
-	if agentPod != "" && !slices.Contains(uids, agentPod) {
-		return nil, problem.Errorf(problem.KindUnprocessable,
-			"a report made with the agent's pod certificate lists the agent's own Pod (uid %s): the agent that reports lives", agentPod)
-	}
 	if wait := s.reportSlot(peer.Name, now); wait > 0 {
 		return nil, &problem.Error{Kind: problem.KindTooManyRequests, RetryAfter: wait,
 			Detail: fmt.Sprintf("one report per %s per broker replica", MinReportInterval)}
@@ -165,7 +155,7 @@ func (s *PeerKeyStore) ReportLivePods(ctx context.Context, p *policy.Policy, ide
 	if err != nil {
 		return nil, problem.Wrap(problem.KindInternal, "", err)
 	}
-	keysFirst := peer.WorkloadIdentity.TrustsTokens() && agentPod == ""
+	keysFirst := peer.WorkloadIdentity.TrustsTokens()
 	if err := s.putLivePods(ctx, peer.Name, identity, doc, now, keysFirst); err != nil {
 		return nil, err
 	}

@@ -110,7 +110,7 @@ func TestATokenIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) {
 	store := NewPeerKeyStore(fake.NewClientset().CoreV1(), "tokenbroker", zap.NewNop())
 	report := func(uids ...string) error {
 		now = now.Add(MinReportInterval) // the agent's pace
-		_, err := store.ReportLivePods(ctx, p, westID, uids, "", now, &audit.Event{})
+		_, err := store.ReportLivePods(ctx, p, westID, uids, now, &audit.Event{})
 		return err
 	}
 	// Issued a minute ago, while both Pods lived.
@@ -188,10 +188,10 @@ func TestOnlyAPeerWhosePolicySaysSoReportsItsPods(t *testing.T) {
 	without := livePodsPolicy(t, "")
 	_, err := store.Upload(ctx, without, westID, w.raw, now, &audit.Event{})
 	require.NoError(t, err)
-	_, err = store.ReportLivePods(ctx, without, westID, []string{livePod}, "", now, &audit.Event{})
+	_, err = store.ReportLivePods(ctx, without, westID, []string{livePod}, now, &audit.Event{})
 	require.Equal(t, problem.KindForbidden, kind(t, err))
 	with := livePodsPolicy(t, ", livePodsFromPeer: true")
-	_, err = store.ReportLivePods(ctx, with, "spiffe://oc.example/cluster/north", []string{livePod}, "", now, &audit.Event{})
+	_, err = store.ReportLivePods(ctx, with, "spiffe://oc.example/cluster/north", []string{livePod}, now, &audit.Event{})
 	require.Equal(t, problem.KindForbidden, kind(t, err), "an unknown peer")
 
 	// Without livePodsFromPeer, the report is not consulted.
@@ -221,7 +221,7 @@ func TestAReportIsBoundedAndValidated(t *testing.T) {
 		"listed twice":   {[]string{livePod, livePod}, "uids[1] is listed twice"},
 		"a uid and more": {[]string{livePod + "x"}, "not a Pod uid"},
 	} {
-		_, err := store.ReportLivePods(ctx, p, westID, tc.uids, "", now, &audit.Event{})
+		_, err := store.ReportLivePods(ctx, p, westID, tc.uids, now, &audit.Event{})
 		var pe *problem.Error
 		require.ErrorAs(t, err, &pe, name)
 		require.Equal(t, problem.KindInvalid, pe.Kind, name)
@@ -229,18 +229,18 @@ func TestAReportIsBoundedAndValidated(t *testing.T) {
 		require.Equal(t, "uids", pe.Fields[0].Field, name)
 		require.Contains(t, pe.Fields[0].Detail, tc.detail, name)
 	}
-	resp, err := store.ReportLivePods(ctx, p, westID, many[:MaxLivePods], "", now, &audit.Event{})
+	resp, err := store.ReportLivePods(ctx, p, westID, many[:MaxLivePods], now, &audit.Event{})
 	require.NoError(t, err, "exactly the bound")
 	require.Equal(t, MaxLivePods, resp.Pods)
 	require.Equal(t, now.Add(policy.DefaultLivePodsMaxAge).UTC(), resp.ValidUntil)
 
 	// A peer cannot make this replica write its Secret at will.
-	_, err = store.ReportLivePods(ctx, p, westID, []string{}, "", now.Add(MinReportInterval/2), &audit.Event{})
+	_, err = store.ReportLivePods(ctx, p, westID, []string{}, now.Add(MinReportInterval/2), &audit.Event{})
 	var pe *problem.Error
 	require.ErrorAs(t, err, &pe)
 	require.Equal(t, problem.KindTooManyRequests, pe.Kind)
 	require.Equal(t, MinReportInterval/2, pe.RetryAfter)
-	resp, err = store.ReportLivePods(ctx, p, westID, []string{}, "", now.Add(MinReportInterval), &audit.Event{})
+	resp, err = store.ReportLivePods(ctx, p, westID, []string{}, now.Add(MinReportInterval), &audit.Event{})
 	require.NoError(t, err, "no Pod lives")
 	require.Zero(t, resp.Pods)
 }
@@ -257,7 +257,7 @@ func TestAReportFromTheFutureOrHalfWrittenCountsAsNone(t *testing.T) {
 	store := NewPeerKeyStore(fake.NewClientset().CoreV1(), "tokenbroker", zap.NewNop())
 	_, err := store.Upload(ctx, p, westID, w.raw, now, &audit.Event{})
 	require.NoError(t, err)
-	_, err = store.ReportLivePods(ctx, p, westID, []string{livePod}, "", now.Add(time.Hour), &audit.Event{})
+	_, err = store.ReportLivePods(ctx, p, westID, []string{livePod}, now.Add(time.Hour), &audit.Event{})
 	require.NoError(t, err)
 	_, err = Verify(p, westID, w.token(t, livePod, now), store, func() time.Time { return now })
 	require.Equal(t, TokenPodsUnreported, reason(t, err), "a report an hour ahead")

@@ -69,25 +69,16 @@ func VerifyPodCertificate(p *policy.Policy, w *pki.PodWorkload, issuedAt time.Ti
 // whose workload peer names its agent (policy.PeerSpec.IsAgent), may
 // speak for peer now. Nothing of workloadIdentity is needed but
 // livePodsFromPeer, which holds the agent's Pod to the peer's last
-// report as it holds a workload's (the same reasons and the same 503),
-// except when reporting: the request is the peer's report of its live
-// Pods, which must list the agent's own Pod (ReportLivePods' agentPod).
-// That one is refused only when a report made after the certificate
-// leaves its Pod out (TokenPodNotLive: the Pod was deleted); a missing or
-// stale report, or one older than the certificate, lets it report, so
-// that a new agent Pod (a new uid after a restart) can put itself in the
-// report its other requests need.
-func VerifyAgentPodCertificate(peer *policy.PeerSpec, w *pki.PodWorkload, issuedAt time.Time, store *PeerKeyStore, now func() time.Time, reporting bool) error {
+// report as it holds a workload's (the same reasons and the same 503).
+// That report is never the agent's pod certificate's to write (the route
+// takes the cluster's client certificate alone): a certificate of a
+// deleted agent Pod could otherwise report itself live again.
+func VerifyAgentPodCertificate(peer *policy.PeerSpec, w *pki.PodWorkload, issuedAt time.Time, store *PeerKeyStore, now func() time.Time) error {
 	if peer == nil || !peer.IsAgent(w.Namespace, w.ServiceAccount) || peer.Identity != w.Cluster || w.PodUID == "" {
 		return BadPodCertificate("", fmt.Errorf("%s is not the agent of the peer of %s", w.Identity, w.Cluster))
 	}
 	if peer.WorkloadIdentity == nil || !peer.WorkloadIdentity.LivePodsFromPeer {
 		return nil
 	}
-	err := checkLivePod(store, peer, w.Cluster, w.Namespace+"/"+w.PodName, w.PodUID, issuedAt, now, "agent's pod certificate", BadPodCertificate)
-	var pe *problem.Error
-	if reporting && errors.As(err, &pe) && pe.Reason != TokenPodNotLive {
-		return nil
-	}
-	return err
+	return checkLivePod(store, peer, w.Cluster, w.Namespace+"/"+w.PodName, w.PodUID, issuedAt, now, "agent's pod certificate", BadPodCertificate)
 }

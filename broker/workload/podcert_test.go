@@ -69,7 +69,7 @@ func TestAPodCertificateIsHonouredOnlyWhileItsPodIsInAFreshReport(t *testing.T) 
 
 	_, err = store.Upload(ctx, p, westID, newWestCluster(t).raw, at, &audit.Event{})
 	require.NoError(t, err)
-	_, err = store.ReportLivePods(ctx, p, westID, []string{livePod}, "", at, &audit.Event{})
+	_, err = store.ReportLivePods(ctx, p, westID, []string{livePod}, at, &audit.Event{})
 	require.NoError(t, err)
 	_, err = VerifyPodCertificate(p, live, made, store, now)
 	require.NoError(t, err)

@@ -32,7 +32,7 @@ func TestAPeerOfPodCertificatesAloneReportsItsPodsWithoutKeys(t *testing.T) {
 	made := at.Add(-time.Hour)
 	report := func(uids ...string) error {
 		at = at.Add(MinReportInterval) // the agent's pace
-		_, err := store.ReportLivePods(ctx, p, westID, uids, "", at, &audit.Event{})
+		_, err := store.ReportLivePods(ctx, p, westID, uids, at, &audit.Event{})
 		return err
 	}
 
@@ -102,7 +102,7 @@ func TestAReportWithoutKeysReplacesAnotherIdentitysSecretAndKeepsThePeersOwnKeys
 	store := NewPeerKeyStore(secrets, "tokenbroker", zap.NewNop())
 	p := podCertificatePolicy(t, "{podCertificates: true, livePodsFromPeer: true}")
 
-	_, err := store.ReportLivePods(ctx, p, westID, []string{livePod}, "", at, &audit.Event{})
+	_, err := store.ReportLivePods(ctx, p, westID, []string{livePod}, at, &audit.Event{})
 	require.NoError(t, err)
 	sec, err := store.read(ctx, "west")
 	require.NoError(t, err)
@@ -128,7 +128,7 @@ func TestAReportWithoutKeysReplacesAnotherIdentitysSecretAndKeepsThePeersOwnKeys
 
 	// And a report of a peer that trusts pod certificates alone keeps keys
 	// the peer uploaded itself (they verify nothing under this policy).
-	_, err = store.ReportLivePods(ctx, p, westID, []string{}, "", at.Add(time.Second), &audit.Event{})
+	_, err = store.ReportLivePods(ctx, p, westID, []string{}, at.Add(time.Second), &audit.Event{})
 	require.NoError(t, err)
 	sec, err = store.read(ctx, "west")
 	require.NoError(t, err)
@@ -142,7 +142,7 @@ func TestAPeerThatTrustsTokensStillUploadsKeysFirst(t *testing.T) {
 	ctx := context.Background()
 	store := NewPeerKeyStore(fake.NewClientset().CoreV1(), "tokenbroker", zap.NewNop())
 	p := podCertificatePolicy(t, `{podCertificates: true, issuer: "`+westIss+`", audiences: [`+audience+`], jwksFromPeer: true, requirePodBinding: true, livePodsFromPeer: true}`)
-	_, err := store.ReportLivePods(ctx, p, westID, []string{livePod}, "", time.Now(), &audit.Event{})
+	_, err := store.ReportLivePods(ctx, p, westID, []string{livePod}, time.Now(), &audit.Event{})
 	require.Equal(t, problem.KindUnprocessable, kind(t, err))
 	require.ErrorContains(t, err, "PUT /v1/peers/self/jwks")
 }

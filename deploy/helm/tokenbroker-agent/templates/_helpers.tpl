@@ -90,6 +90,9 @@ values.yaml). Fails rendering without targets.
 {{- if or $id.dir $id.secret $id.enroll $id.renewBroker }}
 {{- fail "podCertificate.signerName makes the agent's identity its Pod's certificate: config.identity takes only trustBundleFrom then (no dir, secret, enroll or renewBroker)" }}
 {{- end }}
+{{- if $c.jwksUpload }}
+{{- fail "podCertificate.signerName and config.jwksUpload exclude each other: brokers take the key set and the live Pods from a client certificate only; let the signer's release upload them" }}
+{{- end }}
 {{- if $c.podSigner }}
 {{- fail "podCertificate.signerName and config.podSigner exclude each other: the kubelet starts the signer's Pod only once its certificate is signed; install the signer as another release with a client certificate (docs/agent.md)" }}
 {{- end }}
