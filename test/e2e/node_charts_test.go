@@ -126,23 +126,14 @@ policy:
 		}
 		_, err = c.Client.CoreV1().Secrets("tokenbroker-agent").Create(ctx, id, metav1.CreateOptions{})
 		require.NoError(t, err)
-		agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostNetwork: true
-containerPorts: {ops: %d}
-extraEnv:
-  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
-  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
-config:
+		agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), agentOnNodeValues(t, c)+fmt.Sprintf(`config:
   targets:
     - name: east
       broker: https://127.0.0.1:%d
       request: {namespace: argo, serviceAccount: runner, ttl: 1h}
       outputs:
         - secret: {namespace: argo, name: east, format: kubeconfig}
-`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, httpsPort))
+`, httpsPort))
 		ha := newHelm(t)
 		ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
 		ha.run(t, "install", "tokenbroker-agent", ha.chart, "-f", agentValues, "--wait", "--timeout", "120s",

@@ -97,18 +97,7 @@ peers:
 		ObjectMeta: metav1.ObjectMeta{Name: "tokenbroker-agent-join"}, StringData: map[string]string{"token": strings.TrimSpace(token)},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	ref := imageRef(t)
-	apiPort := c.URL[strings.LastIndex(c.URL, ":")+1:]
-	agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostNetwork: true
-containerPorts: {ops: %d}
-extraEnv:
-  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
-  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
-config:
+	agentValues := writeFile(t, filepath.Join(t.TempDir(), "agent-values.yaml"), agentOnNodeValues(t, c)+fmt.Sprintf(`config:
   identity:
     renewBroker: https://%s
     enroll: {broker: "https://%s", caFingerprint: "%s"}
@@ -117,7 +106,7 @@ config:
     brokers: ["https://%s"]
     keys: false
     livePods: {namespaces: [argo, tokenbroker-agent], interval: 5s}
-`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, api, enroll, fp, podSignerName, api))
+`, api, enroll, fp, podSignerName, api))
 	ha := newHelm(t)
 	ha.chart = filepath.Join(repoRoot(t), "deploy", "helm", "tokenbroker-agent")
 	ha.run(t, "install", "tokenbroker-agent", ha.chart, "-f", agentValues, "--wait", "--timeout", "120s",
@@ -231,16 +220,7 @@ config:
 		ObjectMeta: metav1.ObjectMeta{Name: "broker-ca"}, Data: map[string]string{"ca.crt": string(caPEM)},
 	}, metav1.CreateOptions{})
 	require.NoError(t, err)
-	podAgentValues := writeFile(t, filepath.Join(t.TempDir(), "pod-agent-values.yaml"), fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostNetwork: true
-containerPorts: {ops: %d}
-extraEnv:
-  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
-  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
-podCertificate: {signerName: %s, caConfigMap: broker-ca, maxExpirationSeconds: 3600}
+	podAgentValues := writeFile(t, filepath.Join(t.TempDir(), "pod-agent-values.yaml"), agentOnNodeValues(t, c)+fmt.Sprintf(`podCertificate: {signerName: %s, caConfigMap: broker-ca, maxExpirationSeconds: 3600}
 config:
   targets:
     - name: east
@@ -248,7 +228,7 @@ config:
       request: {namespace: argo, serviceAccount: runner, ttl: 1h}
       outputs:
         - secret: {namespace: argo, name: east-from-pod-agent, format: admiralty}
-`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), apiPort, podSignerName, api))
+`, podSignerName, api))
 	installed := time.Now()
 	// Not --wait: helm would wait for the next readiness probe too.
 	ha.run(t, "install", "tokenbroker-agent-pod", ha.chart, "-f", podAgentValues,
@@ -308,6 +288,25 @@ config:
 		status, out = e.postKubeconfig(t, client, agentBody)
 		return status == 401
 	}, 10*time.Second, 20*time.Millisecond, "a revoked agent Pod's certificate is refused")
+}
+
+// agentOnNodeValues is the start of the agent chart's values on the
+// harness's node: the image imported there, the host's network (where the
+// API server and the broker listen on 127.0.0.1) with a free ops port,
+// and the API server's address.
+func agentOnNodeValues(t *testing.T, c *testcluster.Cluster) string {
+	t.Helper()
+	ref := imageRef(t)
+	return fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostNetwork: true
+containerPorts: {ops: %d}
+extraEnv:
+  - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+  - {name: KUBERNETES_SERVICE_PORT, value: "%s"}
+`, ref[:strings.LastIndex(ref, ":")], ref[strings.LastIndex(ref, ":")+1:], freePort(t), c.URL[strings.LastIndex(c.URL, ":")+1:])
 }
 
 // podClient writes the certificate and key the kubelet wrote for pod, for
