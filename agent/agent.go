@@ -216,27 +216,24 @@ func New(cfg config.Config, deps Deps) (*Agent, error) {
 		// The kubelet renews it; the agent reads it again.
 		a.reloader = &podCertificateReloader{store: a.store, holder: a.holder, clock: a.clock,
 			log: a.log.Named("identity"), onChanged: a.brokers.closeIdle}
-		if err := a.registry.Register(newExpiryCollector(a.clock.Now, a.targets, a.holder)); err != nil {
-			return nil, fmt.Errorf("register agent metrics: %w", err)
+	} else {
+		renewSched := newSchedule(cfg.Refresh, a.rand)
+		renewSched.fraction = cfg.Identity.RenewAt
+		a.renewer = &renewer{
+			store:     a.store,
+			holder:    a.holder,
+			api:       brokerRef{b: a.brokers, url: cfg.Identity.RenewBroker},
+			sched:     renewSched,
+			clock:     a.clock,
+			log:       a.log.Named("renew"),
+			metrics:   m,
+			onRenewed: a.brokers.closeIdle,
+			// The pod signer's CA comes with the identity.
+			wantClusterCA: cfg.PodSigner != nil,
 		}
-		return a, nil
-	}
-	renewSched := newSchedule(cfg.Refresh, a.rand)
-	renewSched.fraction = cfg.Identity.RenewAt
-	a.renewer = &renewer{
-		store:     a.store,
-		holder:    a.holder,
-		api:       brokerRef{b: a.brokers, url: cfg.Identity.RenewBroker},
-		sched:     renewSched,
-		clock:     a.clock,
-		log:       a.log.Named("renew"),
-		metrics:   m,
-		onRenewed: a.brokers.closeIdle,
-		// The pod signer's CA comes with the identity.
-		wantClusterCA: cfg.PodSigner != nil,
-	}
-	if a.trust != nil {
-		a.renewer.trust = a.trust.get
+		if a.trust != nil {
+			a.renewer.trust = a.trust.get
+		}
 	}
 	if err := a.registry.Register(newExpiryCollector(a.clock.Now, a.targets, a.holder)); err != nil {
 		return nil, fmt.Errorf("register agent metrics: %w", err)
