@@ -19,13 +19,22 @@ func (b *Broker) RefuseCaller(ctx context.Context, c Caller, code, reason string
 	if cert := c.Certificate; code == audit.RefusedRevoked && pki.IsWorkloadCertificate(cert) {
 		cluster, ns, sa, _ := pki.ParseWorkloadIdentity(cert.URIs[0].String())
 		pod, uid := cert.Subject.CommonName, cert.Subject.SerialNumber
-		if p := b.cfg.Policy.Load(); p != nil && cluster == c.Identity && p.Peer(cluster).IsAgent(ns, sa) {
-			a.Event.AgentPod, a.Event.AgentPodUID = ns+"/"+pod, uid
-		} else {
-			a.Event.Workload, a.Event.WorkloadPod, a.Event.WorkloadPodUID = ns+"/"+sa, pod, uid
-		}
+		p := b.cfg.Policy.Load()
+		agent := p != nil && cluster == c.Identity && p.Peer(cluster).IsAgent(ns, sa)
+		namePod(&a.Event, agent, ns, sa, pod, uid)
 	}
 	b.recorder().Conclude(ctx, a, audit.DecisionDeny, reason, code)
+}
+
+// namePod names in ev the Pod of a refused pod certificate of the
+// workload namespace/serviceAccount: agent_pod for the peer's agent (which
+// is no workload), else the workload and its Pod.
+func namePod(ev *audit.Event, agent bool, namespace, serviceAccount, pod, uid string) {
+	if agent {
+		ev.AgentPod, ev.AgentPodUID = namespace+"/"+pod, uid
+		return
+	}
+	ev.Workload, ev.WorkloadPod, ev.WorkloadPodUID = namespace+"/"+serviceAccount, pod, uid
 }
 
 // recorder writes the broker's audit events with its clock and metrics,

@@ -95,11 +95,7 @@ func (b *Broker) AuthenticatePodCertificate(ctx context.Context, c Caller, w *pk
 			reason = be.Reason
 		}
 		a := &audit.Pending{Event: c.event(audit.ActionAuthenticate)}
-		if agent {
-			a.Event.AgentPod, a.Event.AgentPodUID = w.Namespace+"/"+w.PodName, w.PodUID
-		} else {
-			a.Event.Workload, a.Event.WorkloadPod, a.Event.WorkloadPodUID = w.Namespace+"/"+w.ServiceAccount, w.PodName, w.PodUID
-		}
+		namePod(&a.Event, agent, w.Namespace, w.ServiceAccount, w.PodName, w.PodUID)
 		if peer != nil {
 			a.Event.Peer = peer.Name
 		}
