@@ -171,6 +171,14 @@ func run() error {
 		return err
 	}
 	defer seq.stop()
+	// The baseline of the issuance rows: the pair's two calls behind the
+	// broker's mutual TLS, and nothing else (test/cmd/bareissuer).
+	bare, err := startBareIssuer(ctx, c, br)
+	if err != nil {
+		return err
+	}
+	defer bare.stop()
+	bareClient := &brokerProcess{url: bare.url, client: br.client}
 	time.Sleep(time.Second)
 	report := &report{ReadyMillis: float64(br.ready.Microseconds()) / 1000, IdleRSSMB: rssMB(br.cmd.Process.Pid), DirectClient: directClientDescription()}
 
@@ -222,13 +230,15 @@ func run() error {
 			}}, metav1.CreateOptions{})
 			return err
 		}},
+		{caseBareIssuer, func(ctx context.Context) error { return postTo(ctx, bareClient, body) }},
 		{caseBroker, func(ctx context.Context) error { return post(ctx, body) }},
 		{caseBrokerSequential, func(ctx context.Context) error { return postTo(ctx, seq, body) }},
 		{caseBrokerCert, func(ctx context.Context) error { return post(ctx, certBody) }},
 		{caseBrokerWorkload, func(ctx context.Context) error { return post(ctx, body, workloadToken) }},
 	}
 
-	pids := map[string]int{"kube-apiserver": c.APIServerPID(), "broker": br.cmd.Process.Pid, "broker, pool off": seq.cmd.Process.Pid}
+	pids := map[string]int{"kube-apiserver": c.APIServerPID(), "broker": br.cmd.Process.Pid, "broker, pool off": seq.cmd.Process.Pid,
+		"bare issuer": bare.cmd.Process.Pid}
 	// row measures run as a row of the case name: with what each request
 	// cost the API server, and for the broker's token case its pooled
 	// share.
@@ -288,7 +298,7 @@ func run() error {
 	// Paced: the pool's case, one request now and then.
 	for _, tc := range cases {
 		switch tc.name {
-		case caseTokenRequest, casePair, caseBroker, caseBrokerSequential:
+		case caseTokenRequest, casePair, caseBareIssuer, caseBroker, caseBrokerSequential:
 		default:
 			continue
 		}
@@ -342,7 +352,10 @@ func run() error {
 const (
 	caseTokenRequest = "direct TokenRequest"
 	casePair         = "direct Secret + bound TokenRequest"
-	caseBroker       = "broker POST /v1/kubeconfigs (mTLS)"
+	// caseBareIssuer is the pair's calls made by test/cmd/bareissuer
+	// behind the broker's mutual TLS: a service hop and nothing else.
+	caseBareIssuer = "bare issuer: mTLS + the pair"
+	caseBroker     = "broker POST /v1/kubeconfigs (mTLS)"
 	// caseBrokerSequential is caseBroker on a broker without its lease
 	// pool (--lease-pool=0): Secret, then TokenRequest.
 	caseBrokerSequential = "broker, pool off (--lease-pool=0)"
@@ -455,6 +468,11 @@ type saturation struct {
 	// Sequential* are the broker without its lease pool.
 	SequentialPerSecond float64 `json:"sequential_per_second"`
 	SequentialFraction  float64 `json:"sequential_fraction"`
+	// Bare* are the bare issuer: BareFraction its throughput over the
+	// pair's, BrokerOverBare the broker's over its.
+	BarePerSecond  float64 `json:"bare_issuer_per_second"`
+	BareFraction   float64 `json:"bare_issuer_fraction"`
+	BrokerOverBare float64 `json:"broker_over_bare_issuer"`
 }
 
 // saturationOf picks the pair's and the broker's throughput per
@@ -463,7 +481,7 @@ func saturationOf(rs []result) []saturation {
 	var out []saturation
 	idx := map[int]int{}
 	for _, r := range rs {
-		if r.Name != casePair && r.Name != caseBroker && r.Name != caseBrokerSequential {
+		if r.Name != casePair && r.Name != caseBroker && r.Name != caseBrokerSequential && r.Name != caseBareIssuer {
 			continue
 		}
 		i, ok := idx[r.Concurrency]
@@ -477,6 +495,8 @@ func saturationOf(rs []result) []saturation {
 			out[i].PairPerSecond = r.PerSecond
 		case caseBroker:
 			out[i].BrokerPerSecond = r.PerSecond
+		case caseBareIssuer:
+			out[i].BarePerSecond = r.PerSecond
 		default:
 			out[i].SequentialPerSecond = r.PerSecond
 		}
@@ -485,6 +505,10 @@ func saturationOf(rs []result) []saturation {
 		if out[i].PairPerSecond > 0 {
 			out[i].BrokerFraction = out[i].BrokerPerSecond / out[i].PairPerSecond
 			out[i].SequentialFraction = out[i].SequentialPerSecond / out[i].PairPerSecond
+			out[i].BareFraction = out[i].BarePerSecond / out[i].PairPerSecond
+		}
+		if out[i].BarePerSecond > 0 {
+			out[i].BrokerOverBare = out[i].BrokerPerSecond / out[i].BarePerSecond
 		}
 	}
 	return out
@@ -509,7 +533,12 @@ func (r *report) print() {
 		for _, s := range r.Saturation {
 			parts = append(parts, fmt.Sprintf("c=%d %.2f (pool off %.2f)", s.Concurrency, s.BrokerFraction, s.SequentialFraction))
 		}
-		fmt.Printf("broker throughput ÷ pair throughput: %s\n\n", strings.Join(parts, ", "))
+		fmt.Printf("broker throughput ÷ pair throughput: %s\n", strings.Join(parts, ", "))
+		parts = parts[:0]
+		for _, s := range r.Saturation {
+			parts = append(parts, fmt.Sprintf("c=%d %.2f (broker ÷ it %.2f)", s.Concurrency, s.BareFraction, s.BrokerOverBare))
+		}
+		fmt.Printf("bare issuer throughput ÷ pair throughput: %s\n\n", strings.Join(parts, ", "))
 	}
 	fmt.Printf("broker ready after start: %.0f ms; RSS idle %.1f MB, under load (peak) %.1f MB\n", r.ReadyMillis, r.IdleRSSMB, r.LoadRSSMB)
 	if len(r.OwnMillis) > 0 {
@@ -551,11 +580,12 @@ func printResults(rs []result) {
 			pooled[r.Concurrency] = *r.PoolFraction
 		}
 	}
-	fmt.Printf("%-6s %16s %24s %14s %16s %22s %28s\n", "conc", "broker/pair p50", "broker/TokenRequest p50", "pooled share",
-		"pool off/pair", "certificate/token p50", "workload token added p50 ms")
+	fmt.Printf("%-6s %16s %16s %16s %24s %14s %16s %22s %28s\n", "conc", "broker/pair p50", "bare/pair p50", "broker/bare p50",
+		"broker/TokenRequest p50", "pooled share", "pool off/pair", "certificate/token p50", "workload token added p50 ms")
 	for _, c := range concs {
 		m := p50[c]
-		fmt.Printf("%-6d %16.2f %24.2f %14.2f %16.2f %22.2f %28.2f\n", c, m[caseBroker]/m[casePair], m[caseBroker]/m[caseTokenRequest],
+		fmt.Printf("%-6d %16.2f %16.2f %16.2f %24.2f %14.2f %16.2f %22.2f %28.2f\n", c, m[caseBroker]/m[casePair],
+			m[caseBareIssuer]/m[casePair], m[caseBroker]/m[caseBareIssuer], m[caseBroker]/m[caseTokenRequest],
 			pooled[c], m[caseBrokerSequential]/m[casePair], m[caseBrokerCert]/m[caseBroker], m[caseBrokerWorkload]-m[caseBroker])
 	}
 	if m := p50[1]; m[pacedPrefix+caseBroker] > 0 {
@@ -565,9 +595,10 @@ func printResults(rs []result) {
 				share = *r.PoolFraction
 			}
 		}
-		fmt.Printf("\npaced, one request every %s: broker/TokenRequest p50 %.2f (pool off %.2f), broker/pair p50 %.2f (pool off %.2f), pooled share %.2f\n",
+		fmt.Printf("\npaced, one request every %s: broker/TokenRequest p50 %.2f (pool off %.2f), broker/pair p50 %.2f (pool off %.2f), bare issuer/pair p50 %.2f, pooled share %.2f\n",
 			pacedEvery, m[pacedPrefix+caseBroker]/m[pacedPrefix+caseTokenRequest], m[pacedPrefix+caseBrokerSequential]/m[pacedPrefix+caseTokenRequest],
-			m[pacedPrefix+caseBroker]/m[pacedPrefix+casePair], m[pacedPrefix+caseBrokerSequential]/m[pacedPrefix+casePair], share)
+			m[pacedPrefix+caseBroker]/m[pacedPrefix+casePair], m[pacedPrefix+caseBrokerSequential]/m[pacedPrefix+casePair],
+			m[pacedPrefix+caseBareIssuer]/m[pacedPrefix+casePair], share)
 	}
 }
 
