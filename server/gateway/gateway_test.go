@@ -126,7 +126,7 @@ var (
 	leaseB = pki.LeaseName{Namespace: "argo", ServiceAccount: "runner", ID: "bbbbbbbbbbbbbbbbbbbbbbbbbb", UID: "1f8fad5b-d9cb-469f-a165-70867728950e", Peer: "spiffe://oc.example/cluster/west"}
 )
 
-func newFixture(t *testing.T, upstream *url.URL, transport http.RoundTripper, cfg func(*Config)) *fixture {
+func newFixture(t testing.TB, upstream *url.URL, transport http.RoundTripper, cfg func(*Config)) *fixture {
 	t.Helper()
 	f := &fixture{clock: clocktesting.NewFakeClock(time.Now()), leases: &fakeLeases{live: map[string]time.Time{}},
 		deny: &denyList{revoked: map[string]bool{}}, audit: &memAudit{}}
@@ -152,7 +152,7 @@ func newFixture(t *testing.T, upstream *url.URL, transport http.RoundTripper, cf
 
 // cert signs n's lease certificate, valid for ttl, and returns it with
 // its key.
-func (f *fixture) cert(t *testing.T, n pki.LeaseName, ttl time.Duration) (*x509.Certificate, tls.Certificate) {
+func (f *fixture) cert(t testing.TB, n pki.LeaseName, ttl time.Duration) (*x509.Certificate, tls.Certificate) {
 	t.Helper()
 	pub, keyPEM, err := f.ca.NewLeaseKey()
 	require.NoError(t, err)
