@@ -43,26 +43,21 @@ import (
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
+	"github.com/tokenbroker/tokenbroker/test/cmd/internal/baselinesrv"
 )
 
 // config is what the command line asks for.
 type config struct {
-	listen       string
-	kubeconfig   string
-	certFile     string
-	keyFile      string
-	clientCAFile string
-	qps          float64
-	burst        int
+	baselinesrv.Flags
+	kubeconfig string
+	qps        float64
+	burst      int
 }
 
 func main() {
 	var cfg config
-	flag.StringVar(&cfg.listen, "listen-address", "127.0.0.1:0", "address to serve on")
+	cfg.Register(flag.CommandLine, "certificates")
 	flag.StringVar(&cfg.kubeconfig, "kubeconfig", "", "kubeconfig of the API server, whose credentials create the Secrets and tokens")
-	flag.StringVar(&cfg.certFile, "tls-cert-file", "", "serving certificate")
-	flag.StringVar(&cfg.keyFile, "tls-key-file", "", "serving certificate's key")
-	flag.StringVar(&cfg.clientCAFile, "client-ca-file", "", "CA the clients' certificates are verified against")
 	flag.Float64Var(&cfg.qps, "kube-qps", 2000, "client-side rate limit of the Kubernetes client, as the broker's --kube-qps")
 	flag.IntVar(&cfg.burst, "kube-burst", 4000, "client-side burst of the Kubernetes client, as the broker's --kube-burst")
 	flag.Parse()
@@ -75,7 +70,7 @@ func main() {
 }
 
 func run(ctx context.Context, cfg config) error {
-	if cfg.kubeconfig == "" || cfg.certFile == "" || cfg.keyFile == "" || cfg.clientCAFile == "" {
+	if cfg.kubeconfig == "" || cfg.Missing() {
 		return errors.New("-kubeconfig, -tls-cert-file, -tls-key-file and -client-ca-file are required")
 	}
 	rc, err := clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
@@ -93,15 +88,11 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return err
 	}
-	certs, err := pki.NewCertReloader(cfg.certFile, cfg.keyFile)
+	certs, roots, err := cfg.LoadTLS()
 	if err != nil {
-		return fmt.Errorf("load the serving certificate: %w", err)
+		return err
 	}
-	roots, err := pki.LoadCertPool(cfg.clientCAFile)
-	if err != nil {
-		return fmt.Errorf("load -client-ca-file: %w", err)
-	}
-	ln, err := net.Listen("tcp", cfg.listen)
+	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err
 	}
@@ -119,22 +110,7 @@ func run(ctx context.Context, cfg config) error {
 		MaxHeaderBytes:    server.DefaultMaxHeaderBytes,
 		ErrorLog:          errLog,
 	}
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(tls.NewListener(ln, tlsCfg)) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := srv.Shutdown(shutdownCtx); err != nil {
-		return err
-	}
-	if err := <-errc; !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return baselinesrv.Serve(ctx, srv, tls.NewListener(ln, tlsCfg))
 }
 
 // issuer answers POST /v1/kubeconfigs with the direct pair's two calls:

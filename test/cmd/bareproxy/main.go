@@ -42,26 +42,21 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/server/gateway"
+	"github.com/tokenbroker/tokenbroker/test/cmd/internal/baselinesrv"
 )
 
 // config is what the command line asks for.
 type config struct {
-	listen       string
-	kubeconfig   string
-	tokenFile    string
-	certFile     string
-	keyFile      string
-	clientCAFile string
+	baselinesrv.Flags
+	kubeconfig string
+	tokenFile  string
 }
 
 func main() {
 	var cfg config
-	flag.StringVar(&cfg.listen, "listen-address", "127.0.0.1:0", "address to serve on")
+	cfg.Register(flag.CommandLine, "lease certificates")
 	flag.StringVar(&cfg.kubeconfig, "kubeconfig", "", "kubeconfig of the API server: its server and CA (its credentials are not used)")
 	flag.StringVar(&cfg.tokenFile, "token-file", "", "file holding the bearer token every request is forwarded with")
-	flag.StringVar(&cfg.certFile, "tls-cert-file", "", "serving certificate")
-	flag.StringVar(&cfg.keyFile, "tls-key-file", "", "serving certificate's key")
-	flag.StringVar(&cfg.clientCAFile, "client-ca-file", "", "CA the clients' lease certificates are verified against")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -72,7 +67,7 @@ func main() {
 }
 
 func run(ctx context.Context, cfg config) error {
-	if cfg.kubeconfig == "" || cfg.tokenFile == "" || cfg.certFile == "" || cfg.keyFile == "" || cfg.clientCAFile == "" {
+	if cfg.kubeconfig == "" || cfg.tokenFile == "" || cfg.Missing() {
 		return errors.New("-kubeconfig, -token-file, -tls-cert-file, -tls-key-file and -client-ca-file are required")
 	}
 	kube, err := clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
@@ -91,15 +86,11 @@ func run(ctx context.Context, cfg config) error {
 	if token == "" {
 		return errors.New("-token-file is empty")
 	}
-	certs, err := pki.NewCertReloader(cfg.certFile, cfg.keyFile)
+	certs, roots, err := cfg.LoadTLS()
 	if err != nil {
-		return fmt.Errorf("load the serving certificate: %w", err)
+		return err
 	}
-	roots, err := pki.LoadCertPool(cfg.clientCAFile)
-	if err != nil {
-		return fmt.Errorf("load -client-ca-file: %w", err)
-	}
-	ln, err := net.Listen("tcp", cfg.listen)
+	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err
 	}
@@ -113,22 +104,7 @@ func run(ctx context.Context, cfg config) error {
 		ErrorLog:          errLog,
 	}
 	gateway.ConfigureServer(srv)
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(tlsLn) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := srv.Shutdown(shutdownCtx); err != nil {
-		return err
-	}
-	if err := <-errc; !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return baselinesrv.Serve(ctx, srv, tlsLn)
 }
 
 // newProxy forwards every request to upstream over transport with token,
