@@ -684,15 +684,24 @@ func kubeClient(opts Options, log *zap.Logger) (kubernetes.Interface, error) {
 
 func kubeRESTConfig(opts Options, log *zap.Logger) *rest.Config {
 	rc := rest.CopyConfig(opts.Kube)
-	rc.QPS, rc.Burst = opts.KubeQPS, opts.KubeBurst
-	rc.ContentType = "application/vnd.kubernetes.protobuf"
-	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	TuneKubeClient(rc, opts.KubeQPS, opts.KubeBurst)
 	rc.UserAgent = "tokenbroker/" + opts.Build.Version
-	rc.DisableCompression = true
 	// API server warnings (such as a shortened token) go to our log in
 	// its format, not to stderr through klog.
 	rc.WarningHandler = ZapWarnings{Log: log.Named("kubernetes")}
 	return rc
+}
+
+// TuneKubeClient sets on rc what the broker's Kubernetes client sets
+// beside its kubeconfig (kubeClient says why): the client-side limit qps
+// and burst, protobuf, and no gzip. The bench's direct client and its
+// bare issuer call it too, so that they are configured as the broker's by
+// construction.
+func TuneKubeClient(rc *rest.Config, qps float32, burst int) {
+	rc.QPS, rc.Burst = qps, burst
+	rc.ContentType = "application/vnd.kubernetes.protobuf"
+	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	rc.DisableCompression = true
 }
 
 // earliestNotAfter is the NotAfter of the certificate that expires first,

@@ -77,12 +77,8 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return fmt.Errorf("load -kubeconfig: %w", err)
 	}
-	// As server/run.go's kubeRESTConfig.
 	rc = rest.CopyConfig(rc)
-	rc.QPS, rc.Burst = float32(cfg.qps), cfg.burst
-	rc.ContentType = "application/vnd.kubernetes.protobuf"
-	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
-	rc.DisableCompression = true
+	server.TuneKubeClient(rc, float32(cfg.qps), cfg.burst)
 	rc.UserAgent = "tokenbroker-bench/bareissuer"
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {

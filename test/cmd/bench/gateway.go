@@ -306,8 +306,9 @@ func setUpGateway(ctx context.Context, c kubernetes.Interface) error {
 
 // measureGateway runs the gateway's rows against br, whose policy grants
 // bench/gateway-runner with access gateway; tokenRequestC1 is the run's
-// bare TokenRequest at c=1.
-func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProcess, n int, tokenRequestC1 result) (*gatewayReport, error) {
+// bare TokenRequest at c=1, and counter the client that reads the API
+// server's counts (directClient).
+func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProcess, counter kubernetes.Interface, n int, tokenRequestC1 result) (*gatewayReport, error) {
 	rep := &gatewayReport{}
 	body, _ := json.Marshal(apiv1.KubeconfigRequest{Namespace: "bench", ServiceAccount: gatewaySA, TTL: "1h", Access: apiv1.AccessGateway})
 	issue := func(ctx context.Context) error { return br.postKubeconfig(ctx, body, http.StatusCreated, nil) }
@@ -315,10 +316,6 @@ func measureGateway(ctx context.Context, c *testcluster.Cluster, br *brokerProce
 	// What each lease cost the API server, beside the bare TokenRequest's
 	// (tokenRequestC1.APICalls): a pooled lease answers before any call,
 	// and its writes (the claim, the pool's refill) follow it.
-	counter, err := directClient(c.KubeconfigPath)
-	if err != nil {
-		return nil, err
-	}
 	pids := map[string]int{"kube-apiserver": c.APIServerPID(), "broker": br.cmd.Process.Pid}
 	row := func(run func() result) result {
 		var pooled float64

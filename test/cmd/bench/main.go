@@ -54,6 +54,7 @@ import (
 
 	apiv1 "github.com/tokenbroker/tokenbroker/api/v1"
 	"github.com/tokenbroker/tokenbroker/pki"
+	"github.com/tokenbroker/tokenbroker/server"
 	"github.com/tokenbroker/tokenbroker/test/testcluster"
 )
 
@@ -154,7 +155,7 @@ func run() error {
 			return err
 		}
 		_ = measure(ctx, tr, 1, 20)
-		g, err := measureGateway(ctx, c, br, *n, measure(ctx, tr, 1, *n))
+		g, err := measureGateway(ctx, c, br, direct, *n, measure(ctx, tr, 1, *n))
 		if err != nil {
 			return fmt.Errorf("gateway: %w", err)
 		}
@@ -326,7 +327,7 @@ func run() error {
 			trC1 = r
 		}
 	}
-	if report.Gateway, err = measureGateway(ctx, c, br, *n, trC1); err != nil {
+	if report.Gateway, err = measureGateway(ctx, c, br, direct, *n, trC1); err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
@@ -381,7 +382,7 @@ func directClientDescription() string {
 }
 
 // directClient is the client of the direct rows, built as the broker builds
-// its own (server/run.go kubeRESTConfig, from the kubeconfig serve gets
+// its own (server.TuneKubeClient, which serve's kubeRESTConfig calls, from the kubeconfig serve gets
 // with --kube-qps/--kube-burst at their defaults): the client-side limit
 // lifted the same way, protobuf, which costs both ends less CPU than
 // JSON, and no gzip. It shares no rate limiter with the harness's admin client.
@@ -393,10 +394,7 @@ func directClient(kubeconfig string) (kubernetes.Interface, error) {
 		return nil, fmt.Errorf("load the direct client's kubeconfig: %w", err)
 	}
 	rc = rest.CopyConfig(rc)
-	rc.QPS, rc.Burst = brokerKubeQPS, brokerKubeBurst
-	rc.ContentType = "application/vnd.kubernetes.protobuf"
-	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
-	rc.DisableCompression = true
+	server.TuneKubeClient(rc, brokerKubeQPS, brokerKubeBurst)
 	rc.UserAgent = "tokenbroker-bench/direct"
 	return kubernetes.NewForConfig(rc)
 }

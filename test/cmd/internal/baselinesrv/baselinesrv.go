@@ -17,20 +17,6 @@ import (
 	"github.com/tokenbroker/tokenbroker/pki"
 )
 
-// LoadTLS loads the serving certificate and key, and the CA the clients'
-// certificates are verified against.
-func LoadTLS(certFile, keyFile, clientCAFile string) (*pki.CertReloader, *x509.CertPool, error) {
-	certs, err := pki.NewCertReloader(certFile, keyFile)
-	if err != nil {
-		return nil, nil, fmt.Errorf("load the serving certificate: %w", err)
-	}
-	roots, err := pki.LoadCertPool(clientCAFile)
-	if err != nil {
-		return nil, nil, fmt.Errorf("load -client-ca-file: %w", err)
-	}
-	return certs, roots, nil
-}
-
 // Serve serves srv on ln until ctx ends, then shuts it down within 5 s.
 // It returns nil after a clean shutdown.
 func Serve(ctx context.Context, srv *http.Server, ln net.Listener) error {
@@ -72,7 +58,16 @@ func (f *Flags) Register(fs *flag.FlagSet, clientCerts string) {
 // Missing reports whether a file flag is unset.
 func (f *Flags) Missing() bool { return f.CertFile == "" || f.KeyFile == "" || f.ClientCAFile == "" }
 
-// LoadTLS loads the files the flags name (LoadTLS).
+// LoadTLS loads the serving certificate and key, and the CA the
+// clients' certificates are verified against.
 func (f *Flags) LoadTLS() (*pki.CertReloader, *x509.CertPool, error) {
-	return LoadTLS(f.CertFile, f.KeyFile, f.ClientCAFile)
+	certs, err := pki.NewCertReloader(f.CertFile, f.KeyFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load the serving certificate: %w", err)
+	}
+	roots, err := pki.LoadCertPool(f.ClientCAFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load -client-ca-file: %w", err)
+	}
+	return certs, roots, nil
 }
