@@ -23,8 +23,9 @@ import (
 // a bare proxy's, as the bench's "CPU per forwarded GET" row measures it
 // across processes, without the noise of two cores shared with an API
 // server: one GET of a ConfigMap forwarded to the same upstream over the
-// same transport, by a bare httputil.ReverseProxy that sets the token
-// (bare) and by the gateway (gateway: the lease from the certificate, the
+// same transport, by an httputil.ReverseProxy that sets the token, with
+// its own buffers (plain) and with the gateway's (bare, as
+// test/cmd/bareproxy), and by the gateway (gateway: the lease from the certificate, the
 // caps, the deny list, the lease's liveness, the header rewrite, the
 // audit event written to a file as the broker writes it to stdout, and
 // the metrics). Their ns/op and allocs/op, from one run, give the
@@ -56,7 +57,7 @@ func BenchmarkForward(b *testing.B) {
 	st := &tls.ConnectionState{HandshakeComplete: true, Version: tls.VersionTLS13,
 		PeerCertificates: []*x509.Certificate{leaf}, VerifiedChains: [][]*x509.Certificate{{leaf, f.ca.Certificate()}}}
 
-	bare := &httputil.ReverseProxy{
+	plain := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(u)
 			pr.Out.URL.Path, pr.Out.URL.RawPath = pr.In.URL.Path, pr.In.URL.RawPath
@@ -66,10 +67,12 @@ func BenchmarkForward(b *testing.B) {
 		Transport: transport,
 		ErrorLog:  log.New(io.Discard, "", 0),
 	}
+	bare := *plain
+	bare.BufferPool = CopyBuffers
 	for _, h := range []struct {
 		name    string
 		handler http.Handler
-	}{{"bare", bare}, {"gateway", f.gw}} {
+	}{{"plain", plain}, {"bare", &bare}, {"gateway", f.gw}} {
 		b.Run(h.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {

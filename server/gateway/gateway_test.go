@@ -361,6 +361,7 @@ func TestAForwardedRequestCarriesTheGatewaysCredentialOnly(t *testing.T) {
 	require.Equal(t, "kubectl/v1.37"+UserAgentSuffix+leaseA.ID, got.Header.Get("User-Agent"))
 	auditID := got.Header.Get("Audit-Id")
 	require.NotEqual(t, "chosen-by-the-client", auditID)
+	require.Regexp(t, `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`, auditID, "a version 4 UUID, as the API server's own")
 	var ev audit.Event
 	// The event is written as the handler returns, after the answer.
 	require.Eventually(t, func() bool {
@@ -484,4 +485,31 @@ func TestAYoungRevokedLeaseIsRefusedAtOnce(t *testing.T) {
 	resp.Body.Close()
 	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
 	require.Zero(t, f.gw.OpenConns(leaseA.Namespace, secretName(leaseA), types.UID(leaseA.UID)), "no connection place")
+}
+
+func TestAuditIDsAreRandomVersion4UUIDs(t *testing.T) {
+	t.Parallel()
+	seen := map[string]bool{}
+	for range 1000 {
+		id := newAuditID()
+		require.Regexp(t, `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`, id)
+		require.False(t, seen[id], "an audit id came twice")
+		seen[id] = true
+	}
+}
+
+// Whether a buffer put back is the one got next is sync.Pool's to decide
+// (BenchmarkForward's allocations show that it is); what the gateway
+// relies on is that a buffer got is always whole.
+func TestCopyBuffersComeWholeWhateverIsPutBack(t *testing.T) {
+	t.Parallel()
+	buf := CopyBuffers.Get()
+	require.Len(t, buf, 32<<10, "httputil.ReverseProxy's own buffer size")
+	CopyBuffers.Put(buf[:10]) // as a copy may leave it: still the pool's
+	require.NotPanics(t, func() {
+		CopyBuffers.Put(make([]byte, 100))   // not the pool's: dropped
+		CopyBuffers.Put(make([]byte, 0, 64)) // nor this
+	})
+	got := CopyBuffers.Get()
+	require.Len(t, got, 32<<10, "whatever was put, a buffer comes back whole")
 }

@@ -120,8 +120,10 @@ func newProxy(upstream *url.URL, transport http.RoundTripper, token string, errL
 			pr.Out.Header.Set("Authorization", bearer)
 		},
 		Transport: transport,
-		// As the gateway's: a watch is flushed after every write.
+		// As the gateway's: a watch is flushed after every write, and
+		// answers are copied through the gateway's pooled buffers.
 		FlushInterval: 0,
+		BufferPool:    gateway.CopyBuffers,
 		ErrorLog:      errLog,
 	}
 }
