@@ -128,6 +128,45 @@ type Gateway struct {
 	// rechecks are the answers of the API server while the counter is
 	// blind (live.go).
 	rechecks rechecks
+	// admitted is what AdmitConn read from the certificate of each open
+	// connection it admitted, by the connection's leaf (the pointer its
+	// requests carry in Request.TLS), so that a request does not read it
+	// again.
+	admitted map[*x509.Certificate]*connLease
+}
+
+// connLease is what the requests of one connection share: its lease as
+// its certificate names it, the lease's key, and the serials of its
+// verified chains (as the deny list names them). None of it can change
+// while the connection lives: TLS 1.3 has no renegotiation, and the
+// gateway's listener asks for no post-handshake authentication.
+type connLease struct {
+	name    pki.LeaseName
+	key     string
+	serials []string
+	conns   int // open connections with this leaf
+}
+
+// readConnLease reads st's lease from its verified leaf certificate.
+func readConnLease(st *tls.ConnectionState) (*connLease, error) {
+	n, err := leaseOf(st.PeerCertificates[0])
+	if err != nil {
+		return nil, err
+	}
+	return &connLease{name: n, key: leaseKey(n.Namespace, secretName(n), types.UID(n.UID)), serials: chainSerials(st)}, nil
+}
+
+// connLeaseOf is the lease of r's connection: AdmitConn's reading when it
+// admitted the connection and the connection is still open, else read
+// now (a connection refused at admission, or served without AdmitConn).
+func (g *Gateway) connLeaseOf(st *tls.ConnectionState) (*connLease, error) {
+	g.mu.Lock()
+	cl := g.admitted[st.PeerCertificates[0]]
+	g.mu.Unlock()
+	if cl != nil {
+		return cl, nil
+	}
+	return readConnLease(st)
 }
 
 // maxRecentlyGone bounds Gateway.gone; past it a young revoked lease's
@@ -169,7 +208,7 @@ func New(cfg Config) (*Gateway, error) {
 		cfg.MaxRequestsPerPeer = DefaultMaxRequestsPerPeer
 	}
 	g := &Gateway{cfg: cfg, leases: map[string]*leaseConns{}, peers: map[string]int{}, gone: map[string]time.Time{},
-		inflight: map[string]int{}, inflightPeers: map[string]int{}}
+		inflight: map[string]int{}, inflightPeers: map[string]int{}, admitted: map[*x509.Certificate]*connLease{}}
 	g.proxy = &httputil.ReverseProxy{
 		Rewrite:   g.rewrite,
 		Transport: upgradeSplit{plain: cfg.Transport, upgrade: cfg.UpgradeTransport},
@@ -243,9 +282,9 @@ const refusedConnLinger = time.Second
 // refusedAtAdmission says why a connection's lease gets no place: its peer
 // or a certificate of its chain denied, or the lease known gone; "" if
 // none.
-func (g *Gateway) refusedAtAdmission(n pki.LeaseName, leaf *x509.Certificate, st *tls.ConnectionState) string {
+func (g *Gateway) refusedAtAdmission(n pki.LeaseName, leaf *x509.Certificate, serials []string) string {
 	switch {
-	case g.denied(n.Peer, st):
+	case g.denied(n.Peer, serials):
 		return reasonDenied
 	case g.goneAtAdmission(n, leaf):
 		return reasonRevoked
@@ -274,13 +313,13 @@ func (g *Gateway) goneAtAdmission(n pki.LeaseName, leaf *x509.Certificate) bool 
 	return !young && g.cfg.Leases.Synced() && !g.cfg.Leases.Blind(n.Namespace, now)
 }
 
-// denied reports whether peer, or any certificate of st's verified
-// chains, is on the deny list.
-func (g *Gateway) denied(peer string, st *tls.ConnectionState) bool {
+// denied reports whether peer, or any of serials (those of a
+// connection's verified chains, chainSerials), is on the deny list.
+func (g *Gateway) denied(peer string, serials []string) bool {
 	if g.cfg.Deny == nil {
 		return false
 	}
-	return g.cfg.Deny.Revoked(peer, chainSerials(st)...)
+	return g.cfg.Deny.Revoked(peer, serials...)
 }
 
 // chainSerials are the serials of every certificate of st's verified
@@ -368,16 +407,16 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		return nil, "no_certificate", ""
 	}
 	leaf := st.PeerCertificates[0]
-	n, err := leaseOf(leaf)
+	cl, err := readConnLease(&st)
 	if err != nil {
 		return nil, "not_a_lease", ""
 	}
-	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
+	n, key := cl.name, cl.key
 	// A revoked lease or a denied peer takes no place under the caps: its
 	// connection lives only for its first request's refusal (401 or 403,
 	// which kubectl shows, where a closed connection shows as EOF), and
 	// at most refusedConnLinger.
-	if reason := g.refusedAtAdmission(n, leaf, &st); reason != "" {
+	if reason := g.refusedAtAdmission(n, leaf, cl.serials); reason != "" {
 		t := g.cfg.Clock.AfterFunc(refusedConnLinger, func() { _ = c.Close() })
 		g.cfg.Metrics.ended(reason, 1)
 		return func() { t.Stop() }, "", ""
@@ -392,19 +431,25 @@ func (g *Gateway) AdmitConn(st tls.ConnectionState, c io.Closer) (release func()
 		return nil, RefusedPerPeer, n.Peer
 	}
 	if lc == nil {
-		lc = &leaseConns{name: n, serials: chainSerials(&st), conns: map[io.Closer]struct{}{}}
+		lc = &leaseConns{name: n, serials: cl.serials, conns: map[io.Closer]struct{}{}}
 		g.leases[key] = lc
 		// The certificate is no good past its NotAfter; neither are the
 		// connections it opened.
 		lc.timer = g.cfg.Clock.AfterFunc(leaf.NotAfter.Sub(g.cfg.Clock.Now()), func() { go g.end(key, reasonExpired) })
 	}
 	lc.conns[c] = struct{}{}
+	if known := g.admitted[leaf]; known != nil {
+		known.conns++
+	} else {
+		cl.conns = 1
+		g.admitted[leaf] = cl
+	}
 	g.peers[n.Peer]++
 	g.cfg.Metrics.connOpened(n.Peer)
-	return func() { g.release(key, n.Peer, c) }, "", ""
+	return func() { g.release(key, n.Peer, c, leaf) }, "", ""
 }
 
-func (g *Gateway) release(key, peer string, c io.Closer) {
+func (g *Gateway) release(key, peer string, c io.Closer, leaf *x509.Certificate) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	lc := g.leases[key]
@@ -415,6 +460,11 @@ func (g *Gateway) release(key, peer string, c io.Closer) {
 		return
 	}
 	delete(lc.conns, c)
+	if cl := g.admitted[leaf]; cl != nil {
+		if cl.conns--; cl.conns <= 0 {
+			delete(g.admitted, leaf)
+		}
+	}
 	g.cfg.Metrics.connClosed(peer)
 	if g.peers[peer]--; g.peers[peer] <= 0 {
 		delete(g.peers, peer)
@@ -583,11 +633,12 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	leaf := r.TLS.PeerCertificates[0]
-	n, err := leaseOf(leaf)
+	cl, err := g.connLeaseOf(r.TLS)
 	if err != nil {
 		writeStatus(w, http.StatusUnauthorized, metav1.StatusReasonUnauthorized, "the lease gateway needs a lease certificate")
 		return
 	}
+	n := cl.name
 	// The path as it is forwarded (rewrite keeps the raw path), so that
 	// the audit names what the API server was asked.
 	ev := audit.Event{Action: audit.ActionGatewayRequest, Identity: n.Peer, Namespace: n.Namespace,
@@ -623,7 +674,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// The request's place under the caps is taken first, so that the
 	// waits below (a young lease, a blind replica's recheck) are bounded
 	// by it too.
-	key := leaseKey(n.Namespace, secretName(n), types.UID(n.UID))
+	key := cl.key
 	release, over := g.acquire(key, n.Peer)
 	if over != "" {
 		// As the API server answers its own overload: the client backs
@@ -637,7 +688,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// A refused request's connection closes after its answer (Connection:
 	// close; GOAWAY in HTTP/2); the lease's other connections were ended
 	// when it went (Gone, SweepDenied).
-	if g.denied(n.Peer, r.TLS) {
+	if g.denied(n.Peer, cl.serials) {
 		refuse(http.StatusForbidden, metav1.StatusReasonForbidden, "this lease's peer or certificate is revoked", "revoked")
 		return
 	}
@@ -690,7 +741,7 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		case p != nil && p != http.ErrAbortHandler:
 			ev.Decision, ev.Reason = audit.DecisionError, "panic"
 		case p != nil || r.Context().Err() != nil || ev.Status == statusClientGone:
-			ev.Reason = g.endedBy(n, leaf, r)
+			ev.Reason = g.endedBy(cl, leaf, r)
 		case ev.Status == http.StatusBadGateway:
 			ev.Reason = "upstream_error"
 		}
@@ -709,11 +760,11 @@ const statusClientGone = 499
 // endedBy says why a forwarded request ended early: its lease revoked or
 // expired, its peer denied, or its client gone (or a failed upstream
 // stream, when the client is still there).
-func (g *Gateway) endedBy(n pki.LeaseName, leaf *x509.Certificate, r *http.Request) string {
+func (g *Gateway) endedBy(cl *connLease, leaf *x509.Certificate, r *http.Request) string {
 	switch {
-	case g.goneLately(leaseKey(n.Namespace, secretName(n), types.UID(n.UID))):
+	case g.goneLately(cl.key):
 		return reasonRevoked
-	case g.denied(n.Peer, r.TLS):
+	case g.denied(cl.name.Peer, cl.serials):
 		return reasonDenied
 	case !g.cfg.Clock.Now().Before(leaf.NotAfter):
 		return reasonExpired

@@ -513,3 +513,59 @@ func TestCopyBuffersComeWholeWhateverIsPutBack(t *testing.T) {
 	got := CopyBuffers.Get()
 	require.Len(t, got, 32<<10, "whatever was put, a buffer comes back whole")
 }
+
+// The requests of an admitted connection reuse what AdmitConn read from
+// its certificate (connLease), and are still checked against the deny
+// list as it is now; what was kept goes with the connection's last close.
+func TestAnAdmittedConnectionsRequestsReuseItsLeaseAndMeetTheDenyListAsItIsNow(t *testing.T) {
+	t.Parallel()
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, `{"kind":"ConfigMap"}`)
+	}))
+	t.Cleanup(upstream.Close)
+	u, err := url.Parse(upstream.URL)
+	require.NoError(t, err)
+	f := newFixture(t, u, upstream.Client().Transport, nil)
+	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
+	leaf, _ := f.cert(t, leaseA, time.Hour)
+	st := tls.ConnectionState{HandshakeComplete: true, Version: tls.VersionTLS13,
+		PeerCertificates: []*x509.Certificate{leaf}, VerifiedChains: [][]*x509.Certificate{{leaf, f.ca.Certificate()}}}
+	get := func() int {
+		r := httptest.NewRequest(http.MethodGet, "https://gateway.example/api/v1/namespaces/argo/configmaps/c", nil)
+		r.TLS = &st
+		w := httptest.NewRecorder()
+		f.gw.ServeHTTP(w, r)
+		return w.Code
+	}
+	kept := func() *connLease {
+		f.gw.mu.Lock()
+		defer f.gw.mu.Unlock()
+		return f.gw.admitted[leaf]
+	}
+
+	first, reason, _ := f.gw.AdmitConn(st, newCloser())
+	require.Empty(t, reason)
+	second, reason, _ := f.gw.AdmitConn(st, newCloser()) // the same leaf on another connection
+	require.Empty(t, reason)
+	cl := kept()
+	require.NotNil(t, cl)
+	require.Equal(t, leaseA.ID, cl.name.ID)
+	require.Equal(t, []string{serialOf(leaf), serialOf(f.ca.Certificate())}, cl.serials)
+	require.Equal(t, http.StatusOK, get())
+
+	// Revoked after the connection was admitted, and before any sweep:
+	// its next request is refused.
+	f.deny.mu.Lock()
+	f.deny.revoked[serialOf(f.ca.Certificate())] = true
+	f.deny.mu.Unlock()
+	require.Equal(t, http.StatusForbidden, get())
+
+	first()
+	require.Same(t, cl, kept(), "kept while a connection with the leaf is open")
+	second()
+	require.Nil(t, kept(), "gone with the last")
+	f.gw.mu.Lock()
+	require.Empty(t, f.gw.admitted)
+	f.gw.mu.Unlock()
+	require.Equal(t, http.StatusForbidden, get(), "read again from the certificate, and refused the same")
+}
