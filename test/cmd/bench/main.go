@@ -89,6 +89,7 @@ type result struct {
 func run() error {
 	n := flag.Int("n", 300, "requests per measurement")
 	cpuProfile := flag.String("cpuprofile", "", "write a 5 s CPU profile of the broker, taken under the first broker load at concurrency 8 or more, to this file")
+	gatewayProfile := flag.String("gateway-cpuprofile", "", "write a 5 s CPU profile of the broker, taken while GETs go through its lease gateway at concurrency 32 (after the gateway's GET rows), to this file")
 	apiProfile := flag.String("apiserver-cpuprofile", "", "write 5 s CPU profiles of the kube-apiserver, taken under the first direct pair and broker loads at concurrency 8 or more, to this file with the suffixes .pair and .broker")
 	binDir := flag.String("bin-dir", "", "directory holding the tokenbroker binary (default $TOKENBROKER_BIN_DIR, else bin/ at the repository root)")
 	concs := flag.String("c", "1,8,32", "comma-separated concurrency levels")
@@ -129,7 +130,7 @@ func run() error {
 	if err := setUpGateway(ctx, c.Client); err != nil {
 		return err
 	}
-	pprof, extraArgs := *cpuProfile != "", []string(nil)
+	pprof, extraArgs := *cpuProfile != "" || *gatewayProfile != "", []string(nil)
 	if *scale != "" {
 		// The scale run forces the broker's garbage collection through
 		// pprof before reading its heap, and times its GC passes.
@@ -155,7 +156,7 @@ func run() error {
 			return err
 		}
 		_ = measure(ctx, tr, 1, 20)
-		g, err := measureGateway(ctx, c, br, direct, *n, measure(ctx, tr, 1, *n))
+		g, err := measureGateway(ctx, c, br, direct, *n, measure(ctx, tr, 1, *n), *gatewayProfile)
 		if err != nil {
 			return fmt.Errorf("gateway: %w", err)
 		}
@@ -327,7 +328,7 @@ func run() error {
 			trC1 = r
 		}
 	}
-	if report.Gateway, err = measureGateway(ctx, c, br, direct, *n, trC1); err != nil {
+	if report.Gateway, err = measureGateway(ctx, c, br, direct, *n, trC1, *gatewayProfile); err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	report.OwnMillis, err = ownTime(ctx, br.opsURL)
