@@ -110,20 +110,35 @@ func EnrollmentTLSConfig(certs *CertReloader) *tls.Config {
 
 // GatewayTLSConfig is the profile of the lease gateway's listener: TLS 1.3
 // only, the server certificate from certs, and a client certificate
-// required that VerifyLeaseCertificate accepts against roots() (the
-// signing CAs, pinned: nothing else verifies a lease) at now(). Session
-// tickets are off, so that every connection is verified afresh.
+// required that chains to roots() (the signing CAs, pinned: nothing else
+// verifies a lease) at now() and that VerifyLeaseCertificate accepts.
+// The chain is verified by crypto/tls itself, against roots() as they are
+// at each handshake (GetConfigForClient), so that the connection state
+// carries the verified chains: the gateway checks every certificate of
+// them against the deny list, the signing CA's included. Session tickets
+// are off, so that every connection is verified afresh.
 func GatewayTLSConfig(certs *CertReloader, roots func() *x509.CertPool, now func() time.Time) *tls.Config {
-	return &tls.Config{
+	cfg := &tls.Config{
 		MinVersion:             tls.VersionTLS13,
 		MaxVersion:             tls.VersionTLS13,
-		ClientAuth:             tls.RequireAnyClientCert,
+		ClientAuth:             tls.RequireAndVerifyClientCert,
 		GetCertificate:         certs.GetCertificate,
 		SessionTicketsDisabled: true,
 		NextProtos:             []string{"h2", "http/1.1"},
+		Time:                   now,
 		VerifyConnection: func(cs tls.ConnectionState) error {
 			_, err := VerifyLeaseCertificate(cs.PeerCertificates, roots(), now())
 			return err
 		},
 	}
+	base := cfg.Clone()
+	cfg.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		c := base.Clone()
+		// No roots verify nothing (a nil pool would be the system's).
+		if c.ClientCAs = roots(); c.ClientCAs == nil {
+			c.ClientCAs = x509.NewCertPool()
+		}
+		return c, nil
+	}
+	return cfg
 }

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -73,6 +74,38 @@ func TestTheAPIProfileRefusesALeaseCertificate(t *testing.T) {
 		// certificate has not: that is its only complaint.
 		res := server.result(t)
 		require.ErrorIs(t, res.err, ErrInvalidIdentity)
+		// The connection state carries the chain as crypto/tls verified
+		// it, the signing CA's certificate last: what the gateway checks
+		// against the deny list.
+		require.Len(t, res.chains, 1)
+		require.Equal(t, [][]byte{lease.Cert.Raw, ca.Certificate().Raw}, [][]byte{res.chains[0][0].Raw, res.chains[0][1].Raw})
+	})
+
+	t.Run("GatewayTLSConfig verifies against the roots as they are at each handshake.", func(t *testing.T) {
+		t.Parallel()
+		var mu sync.Mutex
+		roots := ca.CertPool()
+		current := func() *x509.CertPool {
+			mu.Lock()
+			defer mu.Unlock()
+			return roots
+		}
+		server := startTLSServer(t, GatewayTLSConfig(serverCerts, current, time.Now))
+		_, err := dial(server.addr, ClientTLSConfig(ca.CertPool(), reloaderFor(t, lease)))
+		require.NoError(t, err)
+		require.ErrorIs(t, server.result(t).err, ErrInvalidIdentity, "verified, then the test server's own complaint")
+
+		other, err := NewCA(CAOptions{CommonName: "another CA"})
+		require.NoError(t, err)
+		for _, pool := range []*x509.CertPool{other.CertPool(), nil} {
+			mu.Lock()
+			roots = pool // the signing CA rotated out; then no roots at all
+			mu.Unlock()
+			_, err = dial(server.addr, ClientTLSConfig(ca.CertPool(), reloaderFor(t, lease)))
+			require.Error(t, err)
+			var unknown x509.UnknownAuthorityError
+			require.ErrorAs(t, server.result(t).err, &unknown)
+		}
 	})
 
 	t.Run("RefuseLeaseCertificate lets every other state through.", func(t *testing.T) {

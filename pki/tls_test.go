@@ -25,6 +25,7 @@ type serverResult struct {
 	err      error
 	identity string
 	version  uint16
+	chains   [][]*x509.Certificate // the verified chains
 }
 
 func startTLSServer(t *testing.T, cfg *tls.Config) *tlsServer {
@@ -54,7 +55,7 @@ func (s *tlsServer) handle(conn *tls.Conn) {
 	}
 	state := conn.ConnectionState()
 	id, err := IdentityFromCert(state.PeerCertificates[0])
-	s.results <- serverResult{err: err, identity: id, version: state.Version}
+	s.results <- serverResult{err: err, identity: id, version: state.Version, chains: state.VerifiedChains}
 	_, _ = io.WriteString(conn, id+"\n")
 }
 

@@ -78,7 +78,7 @@ func BenchmarkForward(b *testing.B) {
 		ErrorLog:  log.New(io.Discard, "", 0),
 	}
 	bare := *plain
-	bare.BufferPool = CopyBuffers
+	bare.BufferPool = CopyBuffers()
 	for _, h := range []struct {
 		name    string
 		handler http.Handler

@@ -139,7 +139,10 @@ type Gateway struct {
 // its certificate names it, the lease's key, and the serials of its
 // verified chains (as the deny list names them). None of it can change
 // while the connection lives: TLS 1.3 has no renegotiation, and the
-// gateway's listener asks for no post-handshake authentication.
+// gateway's listener asks for no post-handshake authentication. crypto/tls
+// parses the certificate afresh for every handshake (session tickets are
+// off: pki.GatewayTLSConfig), so a leaf pointer is one connection's; conns
+// counts them all the same, should two connections ever share one.
 type connLease struct {
 	name    pki.LeaseName
 	key     string
@@ -219,18 +222,19 @@ func New(cfg Config) (*Gateway, error) {
 		ErrorLog:       zap.NewStdLog(cfg.Logger.Named("proxy")),
 		ErrorHandler:   g.proxyError,
 		ModifyResponse: g.upgraded,
-		BufferPool:     CopyBuffers,
+		BufferPool:     CopyBuffers(),
 	}
 	return g, nil
 }
 
-// CopyBuffers are the buffers the gateway's proxy copies answers through:
-// 32 KiB, httputil.ReverseProxy's own size, kept between requests instead
-// of allocated and cleared for each. A stream (a watch, a followed log)
-// holds its buffer while it runs, as it would its own. test/cmd/bareproxy
-// copies through the same pool, so that the bench's baseline is the
-// gateway's forwarding without its checks, not a slower proxy.
-var CopyBuffers httputil.BufferPool = bufferPool{}
+// CopyBuffers is the pool of buffers the gateway's proxy copies answers
+// through: 32 KiB, httputil.ReverseProxy's own size, kept between requests
+// instead of allocated and cleared for each. A stream (a watch, a followed
+// log) holds its buffer while it runs, as it would its own.
+// test/cmd/bareproxy copies through the same pool, so that the bench's
+// baseline is the gateway's forwarding without its checks, not a slower
+// proxy.
+func CopyBuffers() httputil.BufferPool { return bufferPool{} }
 
 const copyBufferSize = 32 << 10
 

@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -301,20 +303,21 @@ func (u *upstreamRecorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_, _ = io.WriteString(w, `{"kind":"Status"}`)
 }
 
-// serveGateway serves f's gateway over TLS on 127.0.0.1, each connection
-// admitted as the broker's listener admits it.
+// serveGateway serves f's gateway over TLS on 127.0.0.1 with the lease
+// gateway's TLS profile (pki.GatewayTLSConfig, against f's CA at f's
+// clock), each connection admitted as the broker's listener admits it.
 func serveGateway(t *testing.T, f *fixture) *httptest.Server {
 	t.Helper()
 	srv := httptest.NewUnstartedServer(f.gw)
 	serving, err := f.ca.IssueServer(pki.ServerOptions{IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
 	require.NoError(t, err)
-	pair, err := tls.X509KeyPair(serving.CertPEM, serving.KeyPEM)
+	dir := t.TempDir()
+	certFile, keyFile := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	require.NoError(t, os.WriteFile(certFile, serving.CertPEM, 0o600))
+	require.NoError(t, os.WriteFile(keyFile, serving.KeyPEM, 0o600))
+	certs, err := pki.NewCertReloader(certFile, keyFile)
 	require.NoError(t, err)
-	srv.TLS = &tls.Config{Certificates: []tls.Certificate{pair}, ClientAuth: tls.RequireAnyClientCert, MinVersion: tls.VersionTLS13,
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			_, err := pki.VerifyLeaseCertificate(cs.PeerCertificates, f.ca.CertPool(), f.clock.Now())
-			return err
-		}}
+	srv.TLS = pki.GatewayTLSConfig(certs, f.ca.CertPool, f.clock.Now)
 	srv.Config.ConnContext = func(ctx context.Context, c net.Conn) context.Context {
 		tc := c.(*tls.Conn)
 		if tc.HandshakeContext(ctx) == nil {
@@ -503,14 +506,14 @@ func TestAuditIDsAreRandomVersion4UUIDs(t *testing.T) {
 // relies on is that a buffer got is always whole.
 func TestCopyBuffersComeWholeWhateverIsPutBack(t *testing.T) {
 	t.Parallel()
-	buf := CopyBuffers.Get()
+	buf := CopyBuffers().Get()
 	require.Len(t, buf, 32<<10, "httputil.ReverseProxy's own buffer size")
-	CopyBuffers.Put(buf[:10]) // as a copy may leave it: still the pool's
+	CopyBuffers().Put(buf[:10]) // as a copy may leave it: still the pool's
 	require.NotPanics(t, func() {
-		CopyBuffers.Put(make([]byte, 100))   // not the pool's: dropped
-		CopyBuffers.Put(make([]byte, 0, 64)) // nor this
+		CopyBuffers().Put(make([]byte, 100))   // not the pool's: dropped
+		CopyBuffers().Put(make([]byte, 0, 64)) // nor this
 	})
-	got := CopyBuffers.Get()
+	got := CopyBuffers().Get()
 	require.Len(t, got, 32<<10, "whatever was put, a buffer comes back whole")
 }
 
@@ -568,4 +571,27 @@ func TestAnAdmittedConnectionsRequestsReuseItsLeaseAndMeetTheDenyListAsItIsNow(t
 	require.Empty(t, f.gw.admitted)
 	f.gw.mu.Unlock()
 	require.Equal(t, http.StatusForbidden, get(), "read again from the certificate, and refused the same")
+}
+
+// Over the gateway's own TLS profile, the connection's verified chain
+// reaches the deny list: revoking the CA that signed a lease refuses the
+// next request of a connection already open, as revoking the lease's
+// serial does.
+func TestRevokingTheSigningCARefusesAnOpenConnectionsNextRequest(t *testing.T) {
+	_, f, gw := recordingGateway(t)
+	f.leases.add(leaseA, f.clock.Now().Add(time.Hour))
+	client := f.client(t, leaseA)
+	get := func() int {
+		resp, err := client.Get(gw.URL + "/api/v1/namespaces/argo/configmaps")
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	require.Equal(t, http.StatusOK, get())
+
+	f.deny.mu.Lock()
+	f.deny.revoked[serialOf(f.ca.Certificate())] = true
+	f.deny.mu.Unlock()
+	require.Equal(t, http.StatusForbidden, get())
 }

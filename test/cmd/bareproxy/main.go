@@ -123,7 +123,7 @@ func newProxy(upstream *url.URL, transport http.RoundTripper, token string, errL
 		// As the gateway's: a watch is flushed after every write, and
 		// answers are copied through the gateway's pooled buffers.
 		FlushInterval: 0,
-		BufferPool:    gateway.CopyBuffers,
+		BufferPool:    gateway.CopyBuffers(),
 		ErrorLog:      errLog,
 	}
 }
