@@ -8,8 +8,8 @@
 // http.Server settings (the broker's listener defaults, then
 // gateway.ConfigureServer: HTTP/2 streams and buffers), forwards with an
 // httputil.ReverseProxy over the gateway's upstream transports
-// (gateway.NewTransports) and sets the Authorization header to a bearer
-// token. Unlike it, it checks no lease, keeps no token per lease (the one
+// (gateway.NewTransports) and copy buffers (gateway.CopyBuffers) and sets
+// the Authorization header to a bearer token. Unlike it, it checks no lease, keeps no token per lease (the one
 // of -token-file forwards every request), caps nothing, and writes no
 // audit event or metric: what the gateway costs beyond it is what those
 // cost. Upgrades (exec, attach, port-forward) are not forwarded; the
